@@ -1,0 +1,32 @@
+"""Compensator kinds a checkpoint can hold, by the name it records."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from spear.compensate.lowrank import LowRankCompensator
+from spear.errors import SpearError
+
+COMPENSATOR_KINDS: dict[str, type[nn.Module]] = {LowRankCompensator.kind: LowRankCompensator}
+
+
+def register_compensator(cls: type[nn.Module]) -> type[nn.Module]:
+    """Class decorator: make a compensator kind loadable from checkpoints."""
+    COMPENSATOR_KINDS[cls.kind] = cls
+    return cls
+
+
+def compensator_spec(comp: nn.Module) -> dict:
+    return {"kind": comp.kind, **comp.spec()}
+
+
+def build_compensator(spec: dict, in_features: int, out_features: int, device=None, dtype=None) -> nn.Module:
+    spec = dict(spec)
+    kind = spec.pop("kind", None)
+    cls = COMPENSATOR_KINDS.get(kind)
+    if cls is None:
+        raise SpearError(f"unknown compensator kind {kind!r}; known: {sorted(COMPENSATOR_KINDS)}")
+    try:
+        return cls.empty(in_features, out_features, device=device, dtype=dtype, **spec)
+    except TypeError as exc:
+        raise SpearError(f"compensator {kind!r} spec {spec} does not fit: {exc}") from exc

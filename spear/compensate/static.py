@@ -1,0 +1,82 @@
+"""Static low-rank error compensation of a quantized model (the baselines SPEAR beats).
+
+identity (ZeroQuant-V2 LoRC / LQER-plain), LoftQ (alternating re-quantization and
+SVD; note it changes the quantized codes, unlike the others), LQER (L²QER),
+QERA-approx and QERA-exact. All share :func:`spear.compensate.svd_init.low_rank_factors`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from spear.compensate.lowrank import LowRankCompensator
+from spear.compensate.stats import ActivationStats
+from spear.compensate.svd_init import low_rank_factors, scaling_for
+from spear.config import StaticCompensationConfig
+from spear.quant.linear import QuantLinear
+from spear.quant.primitives import compute_qparams, quantize
+
+# Compensator tensors are stored (and counted) in fp16, like the rest of the model.
+STORAGE_DTYPE = torch.float16
+
+
+def _stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(STORAGE_DTYPE).to(dtype)
+
+
+@torch.no_grad()
+def loftq(weight: torch.Tensor, module: QuantLinear, rank: int, iters: int):
+    """LoftQ: Q_t = quant(W - B A), (A, B) = SVD_r(W - Q_t). Returns (codes, scales, zeros, A, B)."""
+    w = weight.double()
+    lowrank = torch.zeros_like(w)
+    for _ in range(iters):
+        target = (w - lowrank).float()
+        scales, zeros = compute_qparams(target, module.bits, module.group_size, module.symmetric)
+        scales = scales.to(torch.float16).float()
+        codes = quantize(target, scales, zeros, module.bits, module.group_size)
+        module.set_quantized(codes, scales, zeros)
+        a, b = low_rank_factors(w - module.dequantized_weight(torch.float64), rank)
+        lowrank = b @ a
+    return a, b
+
+
+@torch.no_grad()
+def attach_static(modules: dict[str, QuantLinear], fp_weights: dict[str, torch.Tensor],
+                  cfg: StaticCompensationConfig, stats: dict[str, ActivationStats] | None = None,
+                  progress: bool = True) -> dict[str, int]:
+    """Attach a static compensator to each module with a nonzero planned rank.
+
+    ``fp_weights`` holds each module's original weight. Returns the applied plan.
+    """
+    applied = {}
+    scale_cache: dict[int, torch.Tensor | None] = {}  # modules sharing an input share S
+    for name, mod in tqdm(modules.items(), desc=f"static {cfg.method}", unit="mod", disable=not progress, leave=False):
+        rank = min(cfg.rank_for(name), mod.in_features, mod.out_features)
+        if rank == 0:
+            mod.compensator = None
+            continue
+        w = fp_weights[name]
+        if cfg.method == "loftq":
+            a, b = loftq(w, mod, rank, cfg.loftq_iters)
+        else:
+            st = None if stats is None else stats.get(name)
+            if id(st) not in scale_cache:
+                scale_cache[id(st)] = scaling_for(cfg.method, st)
+            s = scale_cache[id(st)]
+            a, b = low_rank_factors(w.double() - mod.dequantized_weight(torch.float64), rank, s)
+        dtype = mod.compute_dtype
+        mod.compensator = LowRankCompensator(_stored(a, dtype), _stored(b, dtype)).to(mod.codes.device)
+        applied[name] = rank
+    return applied
+
+
+def needs_stats(method: str) -> bool:
+    return method in ("lqer", "qera-approx", "qera-exact")
+
+
+def remove_compensators(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.compensator = None

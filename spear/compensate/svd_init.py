@@ -1,0 +1,76 @@
+"""The shared activation-aware low-rank solution of the quantization error.
+
+One routine serves every static method; they differ only in the input scaling S
+(SPEAR.md §1). With E = W - Wq (out, in), the rank-r factors minimising
+||(E - B A) S||_F are, from SVD(S Eᵀ) = U Σ Vᵀ:
+
+    A = (S⁻¹ U_r)ᵀ   (r, in)        B = V_r Σ_r   (out, r)
+
+S = I gives ZeroQuant-V2 / LQER-plain; diag(mean|x|) L²QER (LQER); diag(√E[x²])
+QERA-approx; E[xxᵀ]^½ QERA-exact. Everything runs in fp64: the error is small
+relative to W and the scalings span orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spear.compensate.stats import ActivationStats
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    if not torch.isfinite(t).all():
+        raise FloatingPointError(f"{name} has non-finite values")
+
+
+def low_rank_factors(error: torch.Tensor, rank: int, scale: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-``rank`` factors ``(A, B)`` of ``error`` (out, in) weighted by ``scale``.
+
+    ``scale`` is None (identity), a vector (in,) for a diagonal S, or a symmetric
+    positive-definite matrix (in, in). Returns fp64 A (r, in), B (out, r).
+    """
+    out_f, in_f = error.shape
+    if not 0 < rank <= min(out_f, in_f):
+        raise ValueError(f"rank must be in [1, {min(out_f, in_f)}] for a {out_f}x{in_f} error, got {rank}")
+    et = error.double().T  # (in, out)
+    if scale is None:
+        u, s, vh = torch.linalg.svd(et, full_matrices=False)
+        a = u[:, :rank].T
+    elif scale.dim() == 1:
+        d = scale.double()
+        if (d <= 0).any():
+            raise ValueError("diagonal scaling must be positive")
+        u, s, vh = torch.linalg.svd(d[:, None] * et, full_matrices=False)
+        a = (u[:, :rank] / d[:, None]).T
+    else:
+        sm = scale.double()
+        chol, info = torch.linalg.cholesky_ex(sm)
+        if info.item() != 0:
+            raise ValueError("matrix scaling must be positive definite")
+        u, s, vh = torch.linalg.svd(sm @ et, full_matrices=False)
+        a = torch.cholesky_solve(u[:, :rank], chol).T
+    b = vh[:rank].T * s[:rank]
+    _check_finite("low-rank factor A", a)
+    _check_finite("low-rank factor B", b)
+    return a.contiguous(), b.contiguous()
+
+
+def scaling_for(method: str, stats: ActivationStats | None, damp: float = 1e-6) -> torch.Tensor | None:
+    """The input scaling S of a static method (see module docstring)."""
+    if method in ("identity", "loftq"):
+        return None
+    if stats is None:
+        raise ValueError(f"method {method!r} needs activation statistics")
+    eps = torch.finfo(torch.float64).eps
+    if method == "lqer":
+        m = stats.mean_abs.clamp(min=eps)
+        return m / torch.sqrt(m.min() * m.max())
+    if method == "qera-approx":
+        return stats.mean_sq.sqrt().clamp(min=eps)
+    if method == "qera-exact":
+        r = stats.second_moment
+        r = r + damp * r.diagonal().mean() * torch.eye(r.shape[0], dtype=r.dtype, device=r.device)
+        evals, evecs = torch.linalg.eigh(r)
+        return (evecs * evals.clamp(min=eps).sqrt()) @ evecs.T
+    raise ValueError(f"unknown static method {method!r}")

@@ -1,0 +1,116 @@
+"""Typed, validated configurations; each is saved beside every checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from spear.errors import SpearError
+
+
+def _from_dict(cls, data: dict):
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise SpearError(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
+    return cls(**data)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Weight-only quantization of every selected linear.
+
+    ``group_size=0`` means per-channel (one scale per output row); otherwise one scale
+    (and zero) per ``group_size`` consecutive input columns, which must divide
+    ``in_features``. Symmetric: codes ``q in [-2^(b-1), 2^(b-1)-1]`` stored with offset
+    ``2^(b-1)``, scale ``max|w| / (2^(b-1)-1)``. Asymmetric: ``q in [0, 2^b-1]`` with an
+    integer zero point, scale ``(max-min)/(2^b-1)``.
+    """
+
+    bits: int = 4
+    group_size: int = 0
+    symmetric: bool = True
+    method: str = "rtn"
+    include_lm_head: bool = False
+
+    def __post_init__(self):
+        if self.bits not in (2, 3, 4, 8):
+            raise SpearError(f"bits must be one of 2, 3, 4, 8; got {self.bits}")
+        if self.group_size < 0:
+            raise SpearError(f"group_size must be 0 (per-channel) or positive, got {self.group_size}")
+        if self.method not in ("rtn", "gptq", "awq"):
+            raise SpearError(f"quantization method must be rtn, gptq or awq; got {self.method!r}")
+
+    @property
+    def label(self) -> str:
+        gran = "per-channel" if self.group_size == 0 else f"g{self.group_size}"
+        return f"{self.method.upper()} W{self.bits} {gran} {'sym' if self.symmetric else 'asym'}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "QuantConfig":
+        return _from_dict(cls, data)
+
+
+STATIC_METHODS = ("identity", "loftq", "lqer", "qera-approx", "qera-exact")
+
+
+@dataclass(frozen=True)
+class StaticCompensationConfig:
+    """A static low-rank error compensator ``y = Wq x + B (A x)`` on each planned module.
+
+    ``rank`` applies to every quantized module unless ``plan`` (module -> rank) is given.
+    """
+
+    method: str = "lqer"
+    rank: int = 4
+    plan: dict[str, int] | None = None
+    loftq_iters: int = 5
+
+    def __post_init__(self):
+        if self.method not in STATIC_METHODS:
+            raise SpearError(f"static method must be one of {', '.join(STATIC_METHODS)}; got {self.method!r}")
+        if self.rank < 0:
+            raise SpearError(f"rank must be >= 0, got {self.rank}")
+        if self.loftq_iters < 1:
+            raise SpearError(f"loftq_iters must be >= 1, got {self.loftq_iters}")
+        for name, r in (self.plan or {}).items():
+            if not isinstance(r, int) or r < 0:
+                raise SpearError(f"plan rank for {name} must be a non-negative int, got {r!r}")
+
+    def rank_for(self, name: str) -> int:
+        if self.plan is not None:
+            return self.plan.get(name, 0)
+        return self.rank
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StaticCompensationConfig":
+        return _from_dict(cls, data)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Which text and windows a perplexity number is measured on."""
+
+    text: str = "wikipedia"
+    seq_len: int = 512
+    eval_windows: int = 24
+    calib_windows: int = 16
+    batch_size: int = 1
+
+    def __post_init__(self):
+        for name in ("seq_len", "eval_windows", "batch_size"):
+            if getattr(self, name) < 1:
+                raise SpearError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.calib_windows < 0:
+            raise SpearError(f"calib_windows must be >= 0, got {self.calib_windows}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+__all__ = ["QuantConfig", "StaticCompensationConfig", "EvalConfig", "STATIC_METHODS", "field"]
