@@ -1,0 +1,5 @@
+import sys
+
+from spear.cli import main
+
+sys.exit(main())

@@ -1,0 +1,48 @@
+"""The ``spear`` command. Each subcommand lives in its own module with a ``register``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from spear.errors import SpearError
+
+# Subcommand modules, in the order --help lists them. Each defines
+# ``register(subparsers)`` which adds a parser whose ``func(args)`` runs it.
+COMMANDS = ["run", "quantize", "eval"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = _Parser(prog="spear", description="4-bit LLMs with low-rank error compensators: "
+                                               "quantize, calibrate, evaluate, serve.")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    for name in COMMANDS:
+        importlib.import_module(f"spear.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except SpearError as exc:
+        print(f"spear {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"spear {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

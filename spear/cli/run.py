@@ -1,0 +1,53 @@
+"""``spear run``: the whole default job, printed as one table and saved as JSON/Markdown."""
+
+from __future__ import annotations
+
+from spear.cli.common import add_model_arg, add_quant_args, add_text_args, eval_config_from, nonneg_int, quant_config_from, read_plan
+from spear.config import STATIC_METHODS
+from spear.errors import SpearError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("run", help="quantize, evaluate FP / W4 / static baselines, print the table",
+                       description="The whole default job: FP, the quantized base and static low-rank "
+                                   "baselines on the same windows, as one table (also saved as JSON and Markdown).")
+    add_model_arg(p)
+    add_quant_args(p)
+    add_text_args(p)
+    g = p.add_argument_group("compensation")
+    g.add_argument("--baselines", default="lqer,qera-approx",
+                   help=f"comma-separated static methods from {', '.join(STATIC_METHODS)}, or 'all' "
+                        "or 'none' (default: %(default)s)")
+    g.add_argument("--rank", type=nonneg_int, default=4, help="rank on every module (default: %(default)s)")
+    g.add_argument("--plan", help="JSON {module: rank} overriding --rank")
+    p.add_argument("--out", default="results/run", help="folder for run.json / run.md (default: %(default)s)")
+    p.set_defaults(func=main)
+
+
+def parse_methods(text: str) -> list[str]:
+    if text == "all":
+        return list(STATIC_METHODS)
+    if text in ("", "none"):
+        return []
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in methods if m not in STATIC_METHODS]
+    if bad:
+        raise SpearError(f"unknown baseline(s) {bad}; choose from {', '.join(STATIC_METHODS)}")
+    return methods
+
+
+def main(args) -> int:
+    from spear.eval.report import markdown_table, write_report
+    from spear.pipeline import run_job
+
+    methods = parse_methods(args.baselines)
+    result = run_job(args.model, quant_config_from(args), eval_config_from(args), methods, rank=args.rank,
+                     plan=read_plan(args.plan), progress=not args.quiet)
+    print()
+    for k, v in result.header.items():
+        print(f"{k}: {v}")
+    print()
+    print(markdown_table(result.rows))
+    json_path, md_path = write_report(args.out, "run", result.rows, result.header)
+    print(f"\nsaved {json_path} and {md_path}")
+    return 0
