@@ -33,6 +33,7 @@ def low_rank_factors(error: torch.Tensor, rank: int, scale: torch.Tensor | None 
     out_f, in_f = error.shape
     if not 0 < rank <= min(out_f, in_f):
         raise ValueError(f"rank must be in [1, {min(out_f, in_f)}] for a {out_f}x{in_f} error, got {rank}")
+    _check_finite("quantization error", error)
     et = error.double().T  # (in, out)
     if scale is None:
         u, s, vh = torch.linalg.svd(et, full_matrices=False)

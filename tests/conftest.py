@@ -1,0 +1,57 @@
+"""Shared fixtures: the default model's tokenizer and a tiny random Llama that uses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from spear.models.loading import resolve_model_path
+
+    return resolve_model_path("smollm2-135m")  # converts the embedded GGUF once per cache
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory, tokenizer):
+    """A 2-layer random Llama (hidden 64) with the default tokenizer, saved as an HF folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id)
+    model = LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture()
+def tiny_llama(tiny_llama_path):
+    from spear.models.loading import load_model
+
+    return load_model(tiny_llama_path)
+
+
+@pytest.fixture(scope="session")
+def article_text():
+    """A few real articles of the embedded Wikipedia sample, in WikiText layout."""
+    from spear.data.text import load_text
+
+    return "".join(load_text("wikipedia").articles[:12])
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return float(20 * torch.log10(ref.norm() / (ref - out).norm()))

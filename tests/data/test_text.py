@@ -1,0 +1,86 @@
+import pytest
+import torch
+
+from spear.data.text import load_text, make_split, split_articles
+from spear.errors import SpearError
+
+
+def test_split_articles_by_wikitext_headings():
+    text = " = A = \n\nalpha text\n\n = = Sub = = \n\nmore\n = B = \n\nbeta\n"
+    arts = split_articles(text)
+    assert len(arts) == 2
+    assert arts[0].startswith(" = A = ") and " = = Sub = = " in arts[0]
+    assert arts[1].startswith(" = B = ")
+    assert "".join(arts) == text
+
+
+def test_split_articles_by_paragraphs_without_headings():
+    assert len(split_articles("one\n\ntwo\n\n\nthree")) == 3
+
+
+def test_wikipedia_sample_is_cleaned_into_articles():
+    src = load_text("wikipedia")
+    assert len(src.articles) == 103
+    assert src.articles[0].startswith(" = Anarchism = \n\n")
+    text = src.text
+    assert 2_800_000 < len(text) < 3_100_000
+    # Markup is stripped; a handful of remnants survive in malformed wikitext.
+    for markup in ("{{", "[[", "<ref", "<math", "[http"):
+        assert text.count(markup) < 15, markup
+    assert not any(line.startswith(("thumb|", "left|", "right|")) for line in text.split("\n"))
+
+
+def test_split_is_by_article_and_never_overlaps(tokenizer, article_text, tmp_path):
+    path = tmp_path / "wiki.test.raw"
+    path.write_text(article_text)
+    src = load_text(path)
+    assert src.name.startswith("wikitext-2 wiki.test.raw")
+    sp = make_split(src, tokenizer, seq_len=256, eval_windows=3, calib_windows=2)
+    assert sp.eval.shape == (3, 256) and sp.calib.shape == (2, 256)
+    assert sp.calib_articles + sp.eval_articles == len(src.articles)
+    # Evaluation windows are the tail of the evaluation articles' tokens.
+    eval_ids = tokenizer("".join(src.articles[-sp.eval_articles:]), add_special_tokens=False)["input_ids"]
+    assert sp.eval.reshape(-1).tolist() == eval_ids[-3 * 256:]
+    calib_ids = tokenizer("".join(src.articles[:sp.calib_articles]), add_special_tokens=False)["input_ids"]
+    assert sp.calib.reshape(-1).tolist() == calib_ids[: 2 * 256]
+
+
+def test_split_errors(tokenizer, tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text(" = A = \n\nshort text.\n")
+    with pytest.raises(SpearError, match="evaluation windows of 512 need"):
+        make_split(load_text(small), tokenizer, 512, 24, 16)
+    with pytest.raises(SpearError, match="is not 'wikipedia'"):
+        load_text(tmp_path / "missing.txt")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(SpearError, match="empty"):
+        load_text(empty)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe\x00abc")
+    with pytest.raises(SpearError, match="not UTF-8"):
+        load_text(bad)
+
+
+def test_calibration_shortfall_is_reported(tokenizer, article_text, tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text(article_text)
+    with pytest.raises(SpearError, match="calibration windows"):
+        make_split(load_text(path), tokenizer, seq_len=256, eval_windows=3, calib_windows=10_000)
+
+
+def test_selfsample_is_seeded_cached_and_full_length(tiny_llama, tmp_path, monkeypatch):
+    from spear.data.selfsample import SampleConfig, sample_sequences
+
+    monkeypatch.setenv("SPEAR_CACHE", str(tmp_path))
+    model, tok = tiny_llama
+    cfg = SampleConfig(n=3, length=12, seed=7, batch_size=2)
+    a = sample_sequences(model, tok, cfg, progress=False)
+    assert a.shape == (3, 12) and a.dtype == torch.long
+    assert (a[:, 0] == tok.bos_token_id).all()
+    assert (a[:, 1:] != tok.eos_token_id).all()
+    assert len(list((tmp_path / "selfsample").glob("*.safetensors"))) == 1
+    b = sample_sequences(model, tok, cfg, cache=False, progress=False)
+    assert torch.equal(a, b)
+    c = sample_sequences(model, tok, SampleConfig(n=3, length=12, seed=8, batch_size=2), cache=False, progress=False)
+    assert not torch.equal(a, c)

@@ -1,0 +1,114 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from spear.compensate.static import attach_static
+from spear.config import QuantConfig, StaticCompensationConfig
+from spear.errors import SpearError
+from spear.models.checkpoint import WEIGHTS_NAME, save_checkpoint
+from spear.models.loading import load_model
+from spear.models.modules import quantizable_linears
+from spear.quant import quantize_model_rtn, quantized_modules
+
+
+@pytest.fixture()
+def saved(tiny_llama, tmp_path):
+    model, tok = tiny_llama
+    fp = {n: l.weight.detach().clone() for n, l in quantizable_linears(model).items()}
+    cfg = QuantConfig(bits=3, group_size=32, symmetric=False)
+    mods = quantize_model_rtn(model, cfg, progress=False)
+    plan = {n: 2 for n in list(mods)[:5]}
+    attach_static(mods, fp, StaticCompensationConfig(method="identity", plan=plan), None, progress=False)
+    out = save_checkpoint(model, tok, tmp_path / "ckpt", cfg, "tiny", meta={"note": "test"})
+    return model, out
+
+
+def test_roundtrip_gives_identical_outputs(saved):
+    model, path = saved
+    loaded, tok = load_model(path)
+    ids = torch.randint(0, 1000, (2, 16))
+    assert torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)
+    mods = quantized_modules(loaded)
+    assert len(mods) == 14 and sum(m.compensator is not None for m in mods.values()) == 5
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    cfg = json.loads((path / "spear_config.json").read_text())
+    assert cfg["quant"]["bits"] == 3 and cfg["meta"] == {"note": "test"}
+    assert not list(path.glob("*.bin")) and not list(path.glob("*.pt"))  # never pickle
+
+
+def test_packed_codes_are_stored(saved):
+    _, path = saved
+    t = load_file(str(path / WEIGHTS_NAME))
+    q = t["model.layers.0.self_attn.q_proj.qweight"]
+    assert q.dtype == torch.uint8 and q.shape == (64, 64 * 3 // 8)
+    assert t["model.layers.0.self_attn.q_proj.compensator.A"].dtype == torch.float16
+
+
+def _tamper(path, fn):
+    tensors = load_file(str(path / WEIGHTS_NAME))
+    fn(tensors)
+    save_file(tensors, str(path / WEIGHTS_NAME))
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda t: t.pop("model.layers.1.mlp.down_proj.scales"), "lacks tensor model.layers.1.mlp.down_proj.scales"),
+    (lambda t: t.__setitem__("extra.weight", torch.zeros(2)), "unexpected tensor extra.weight"),
+    (lambda t: t.__setitem__("model.norm.weight", torch.ones(3)), r"model.norm.weight: shape \(3,\), expected \(64,\)"),
+    (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.scales",
+                             t["model.layers.0.mlp.up_proj.scales"].float()), "up_proj.scales: dtype torch.float32"),
+])
+def test_load_validates_names_shapes_dtypes(saved, change, message):
+    _, path = saved
+    _tamper(path, change)
+    with pytest.raises(SpearError, match=message):
+        load_model(path)
+
+
+def test_bad_spear_config(saved):
+    _, path = saved
+    (path / "spear_config.json").write_text("{not json")
+    with pytest.raises(SpearError, match="not valid JSON"):
+        load_model(path)
+    (path / "spear_config.json").write_text(json.dumps({"format": "spear-checkpoint", "version": 99}))
+    with pytest.raises(SpearError, match="version 99"):
+        load_model(path)
+
+
+def test_write_is_atomic(tiny_llama, tmp_path, monkeypatch):
+    model, tok = tiny_llama
+    cfg = QuantConfig()
+    quantize_model_rtn(model, cfg, progress=False)
+    target = tmp_path / "out"
+    save_checkpoint(model, tok, target, cfg, "tiny")
+    before = (target / WEIGHTS_NAME).read_bytes()
+    with pytest.raises(SpearError, match="exists and is not empty"):
+        save_checkpoint(model, tok, target, cfg, "tiny")
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("safetensors.torch.save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(model, tok, target, cfg, "tiny", overwrite=True)
+    assert (target / WEIGHTS_NAME).read_bytes() == before  # the old checkpoint is untouched
+    with pytest.raises(OSError):
+        save_checkpoint(model, tok, tmp_path / "new", cfg, "tiny")
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folders left
+
+
+def test_refuses_non_finite(tiny_llama, tmp_path):
+    model, tok = tiny_llama
+    cfg = QuantConfig()
+    quantize_model_rtn(model, cfg, progress=False)
+    model.model.norm.weight.data[0] = float("nan")
+    with pytest.raises(SpearError, match="model.norm.weight has non-finite"):
+        save_checkpoint(model, tok, tmp_path / "x", cfg, "tiny")
+
+
+def test_unquantized_model_cannot_be_saved(tiny_llama, tmp_path):
+    model, tok = tiny_llama
+    with pytest.raises(SpearError, match="no quantized modules"):
+        save_checkpoint(model, tok, tmp_path / "x", QuantConfig(), "tiny")

@@ -1,0 +1,44 @@
+"""Real end-to-end runs on the embedded default model (SmolLM2-135M) and text."""
+
+import json
+
+import pytest
+
+from spear.cli import main
+from spear.config import EvalConfig, QuantConfig
+from spear.pipeline import run_job
+
+
+def test_default_job_small(tmp_path):
+    """The `spear run` pipeline on the real model, with fewer windows to fit CI."""
+    res = run_job("smollm2-135m", QuantConfig(), EvalConfig(eval_windows=4, calib_windows=2), ["lqer"],
+                  rank=4, progress=False, log=lambda *_: None)
+    fp, w4, lqer = res.rows
+    assert 15 < fp.ppl < 40  # the dequantized Q4_1 SmolLM2 on Wikipedia text
+    assert w4.ppl > 1.3 * fp.ppl  # per-channel W4 RTN hurts a 135M model a lot
+    assert fp.ppl < lqer.ppl < w4.ppl
+    assert 20 < lqer.gap_recovered < 80
+    assert 2.1 < lqer.memory_pct < 2.3  # rank 4 on 210 linears ≈ 2.2% of the W4 model
+    assert res.header["modules"] == 210 and res.header["tokens_scored"] == 4 * 511
+
+
+def test_wikitext_file_with_seq_len_2048(article_text, tmp_path):
+    path = tmp_path / "wiki.test.raw"
+    path.write_text(article_text)
+    out = tmp_path / "r.json"
+    assert main(["-q", "eval", "--text", str(path), "--seq-len", "2048", "--eval-windows", "2",
+                 "--calib-windows", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["text"].startswith("wikitext-2 wiki.test.raw") and r["seq_len"] == 2048 and r["tokens"] == 2 * 2047
+    assert 5 < r["ppl"] < 60
+
+
+@pytest.mark.slow
+def test_acceptance_numbers_full_protocol(tmp_path):
+    """SPEAR.md §3 reference: FP 24.80, W4 48.24, LQER r4 37.97 (±3%)."""
+    res = run_job("smollm2-135m", QuantConfig(), EvalConfig(), ["lqer"], rank=4, progress=False,
+                  log=lambda *_: None)
+    fp, w4, lqer = res.rows
+    assert abs(fp.ppl / 24.80 - 1) < 0.03
+    assert abs(w4.ppl / 48.24 - 1) < 0.03
+    assert abs(lqer.ppl / 37.97 - 1) < 0.03
