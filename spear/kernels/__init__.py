@@ -1,0 +1,13 @@
+"""Triton kernels for W4A16 layers with error compensators, and the registered op.
+
+layout.py     packed weight / compensator layouts and ``pack()``
+reference.py  plain-torch references (the contract)
+w4a16.py      W4 GEMM: split-K, fused compensator epilogue, dequantize kernel
+ec.py         compensator kernels of the semi-fused prefill path
+ops.py        ``spear::w4a16_ec`` (torch.library.triton_op) and the dispatch by token count
+"""
+
+from spear.kernels.layout import PackedEC, PackedW4, pack, pack_ec, unpack
+from spear.kernels.ops import w4a16_linear
+
+__all__ = ["PackedEC", "PackedW4", "pack", "pack_ec", "unpack", "w4a16_linear"]

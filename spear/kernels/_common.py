@@ -1,0 +1,126 @@
+"""Triton building blocks shared by the W4 GEMM and the compensator kernels.
+
+Tiles are kept transposed (output features along dim 0, tokens along dim 1): the weight
+tile is then the left dot operand, which Hopper's tensor cores can read from registers,
+so the dequantized weights never take a round trip through shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton's CPU interpreter (TRITON_INTERPRET=1, what CI runs) multiplies bf16 dot operands
+# as their raw 16-bit patterns, and does bf16 elementwise math on them as integers. Under
+# it, dots take fp32 copies of their operands; products of fp16/bf16 values are exact in
+# fp32, so this computes what the tensor cores compute.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Every output and workspace buffer of the launchers; tests swap it for a NaN-filled one."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _halves(m, IS_BF16: tl.constexpr):
+    """Split int32 words holding two 16-bit float bit patterns into two float tensors."""
+    lo = m.to(tl.int16)
+    hi = (m >> 16).to(tl.int16)
+    if IS_BF16:
+        return tl.join(lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True))
+    else:
+        return tl.join(lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True))
+
+
+@triton.jit
+def _unpack_w4(p, BN: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr):
+    """[BN, BK/8] int32 words -> [BN, BK] floats equal to BASE + code, exactly.
+
+    Each code is OR-ed into the mantissa of a float whose exponent makes one mantissa
+    step equal 1 (fp16 0x6400 = 1024, bf16 0x4300 = 128), so no int->float conversion
+    is needed. The mask 0x000F000F takes two codes per 32-bit operation (nibbles i and
+    i+4); the join tree then orders nibble i at k-offset NIBBLE_K[i] (layout.py).
+    """
+    if IS_BF16:
+        magic = 0x43004300
+    else:
+        magic = 0x64006400
+    t0 = _halves((p & 0x000F000F) | magic, IS_BF16)
+    t1 = _halves(((p >> 4) & 0x000F000F) | magic, IS_BF16)
+    t2 = _halves(((p >> 8) & 0x000F000F) | magic, IS_BF16)
+    t3 = _halves(((p >> 12) & 0x000F000F) | magic, IS_BF16)
+    w = tl.join(tl.join(t0, t1), tl.join(t2, t3))
+    return tl.reshape(w, (BN, BK))
+
+
+@triton.jit
+def _dequant(w, zc, s, GROUPED: tl.constexpr, IS_BF16: tl.constexpr):
+    """w = BASE + code [BN, BK]; zc = BASE + zero and s = scale, [BN] fp32.
+
+    Returns (code - zero) * scale (GROUPED) or (code - zero) in the activation dtype,
+    rounded once, as the reference dequantization rounds W_hat once. fp16: the subtraction
+    is exact in fp16 and the product rounds once. bf16 (whose elementwise math the
+    interpreter cannot do): w*s and zc*s are exact in fp32, so the fp32 difference is the
+    exact (code - zero) * scale, rounded once to bf16.
+    """
+    if IS_BF16:
+        wf = w.to(tl.float32)
+        if GROUPED:
+            wf = wf * s[:, None] - (zc * s)[:, None]
+        else:
+            wf = wf - zc[:, None]
+        return wf.to(tl.bfloat16)
+    else:
+        w = w - zc.to(tl.float16)[:, None]
+        if GROUPED:
+            w = w * s.to(tl.float16)[:, None]
+        return w
+
+
+@triton.jit
+def _sigmoid(z):
+    # exp of a non-positive argument only: no overflow for large |z|
+    e = tl.exp(-tl.abs(z))
+    return tl.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit
+def _tanh(z):
+    e = tl.exp(-2.0 * tl.abs(z))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(z >= 0, t, -t)
+
+
+@triton.jit
+def _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound,
+             R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, GATE: tl.constexpr, DOT_F32: tl.constexpr):
+    """v = gamma(u) ⊙ u on a transposed tile uT [R, BM] fp32 (ranks x tokens).
+
+    The two small dots take the gate input in the parameter dtype (tensor cores); the
+    nonlinearities and the product with u stay in fp32.
+    """
+    if GATE:
+        offs_r = tl.arange(0, R)
+        offs_h = tl.arange(0, H)
+        w1 = tl.load(w1_ptr + offs_h[:, None] * R + offs_r[None, :])
+        hT = _dot(w1, uT.to(w1.dtype), tl.zeros((H, BM), tl.float32), DOT_F32)
+        hT = hT + tl.load(b1_ptr + offs_h).to(tl.float32)[:, None]
+        hT = hT * _sigmoid(hT)
+        w2 = tl.load(w2_ptr + offs_r[:, None] * H + offs_h[None, :])
+        gT = _dot(w2, hT.to(w2.dtype), tl.zeros((R, BM), tl.float32), DOT_F32)
+        gT = gT + tl.load(b2_ptr + offs_r).to(tl.float32)[:, None]
+        return (1.0 + bound * _tanh(gT)) * uT
+    else:
+        return uT

@@ -1,0 +1,123 @@
+"""Compensator kernels for the prefill (semi-fused) path.
+
+    ec_gate:  v (M, R) = gamma(u) ⊙ u,  u = x Aᵀ          (reads x once; tiny FLOPs)
+    ec_up:    out (M, N) += alpha · v Bᵀ                   (in place; one read and write of out)
+
+At prefill the W4 GEMM is compute-bound and x is re-read by every column tile anyway, so
+fusing A x into its K loop would add R/BN of its MMA work to every tile. Instead
+``ec_gate`` runs on a side stream while the GEMM runs, and ``ec_up`` adds the rank-R
+product after both (ops.py). Alternatively the GEMM's epilogue reads v (EC_MODE 2 of
+w4a16.py), which saves the pass over out but must wait for ``ec_gate`` first.
+
+Algorithm of ec_gate: one program per BM tokens walks K in BK steps,
+uT [R, BM] += A[R, BK] · xT[BK, BM] (fp32 accumulation on tensor cores), then evaluates
+the gate on uT (``_ec_gate``) and stores v in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from spear.kernels import _common
+from spear.kernels._common import INTERPRET, _dot, _ec_gate
+from spear.kernels.layout import PackedEC
+
+# Token tile of ec_gate: 16 keeps >= 32 programs in flight from M = 512 on (x is read once,
+# so more programs means more of the memory system busy).
+GATE_BM = 16
+UP_BM, UP_BN = 64, 128
+
+
+@triton.jit(do_not_specialize=["M"])
+def _ec_gate_kernel(
+    x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, v_ptr,
+    bound,
+    M, K, stride_xm,
+    GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m = pid * BM + tl.arange(0, BM)
+    m_mask = offs_m < M
+    offs_r = tl.arange(0, R)
+    offs_k = tl.arange(0, BK)
+    uT = tl.zeros((R, BM), tl.float32)
+    for k in range(0, K, BK):
+        a = tl.load(a_ptr + offs_r[:, None] * K + (k + offs_k)[None, :])
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k + offs_k)[:, None], mask=m_mask[None, :], other=0.0)
+        uT = _dot(a, xt, uT, DOT_F32)
+    vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, R, H, BM, GATE, DOT_F32)
+    tl.store(v_ptr + offs_m[None, :] * R + offs_r[:, None], vT.to(v_ptr.dtype.element_ty), mask=m_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _ec_up_kernel(
+    v_ptr, b_ptr, out_ptr,
+    alpha,
+    M, N, stride_om,
+    R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BN)
+    offs_m = (pid // n_tiles) * BM + tl.arange(0, BM)
+    offs_n = (pid % n_tiles) * BN + tl.arange(0, BN)
+    offs_r = tl.arange(0, R)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    v = tl.load(v_ptr + offs_m[:, None] * R + offs_r[None, :], mask=m_mask[:, None], other=0.0)
+    bt = tl.load(b_ptr + (offs_n % N)[None, :] * R + offs_r[:, None])
+    corr = _dot(v, bt, tl.zeros((BM, BN), tl.float32), DOT_F32)
+    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    y = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32) + alpha * corr
+    tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, ec: PackedEC) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be 2-D with unit stride along features; got shape {tuple(x.shape)}, "
+                         f"strides {x.stride()}")
+    if x.shape[1] != ec.a.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} features, A expects in_features={ec.a.shape[1]}")
+    if x.dtype != ec.a.dtype:
+        raise ValueError(f"EC parameters must be in the activation dtype {x.dtype}; got {ec.a.dtype}")
+    if x.shape[1] % 32:
+        raise ValueError(f"in_features must be a multiple of 32 (the smallest K tile); got {x.shape[1]}")
+
+
+def ec_gate(x: torch.Tensor, ec: PackedEC, out: torch.Tensor | None = None, launch=None) -> torch.Tensor:
+    """v = gamma(x Aᵀ) ⊙ (x Aᵀ), (M, R) in the activation dtype (R the padded rank)."""
+    _check(x, ec)
+    m, k = x.shape
+    r = ec.a.shape[0]
+    v = out if out is not None else _common.alloc((m, r), dtype=x.dtype, device=x.device)
+    if v.shape != (m, r) or v.dtype != x.dtype or not v.is_contiguous():
+        raise ValueError(f"v must be contiguous ({m}, {r}) {x.dtype}; got {tuple(v.shape)} {v.dtype}")
+    dummy = ec.a
+    bk = 128 if k % 128 == 0 else (64 if k % 64 == 0 else 32)
+    kernel = _ec_gate_kernel if launch is None else launch(_ec_gate_kernel)
+    kernel[(triton.cdiv(m, GATE_BM),)](
+        x, ec.a, ec.w1 if ec.gated else dummy, ec.b1 if ec.gated else dummy,
+        ec.w2 if ec.gated else dummy, ec.b2 if ec.gated else dummy, v,
+        float(ec.bound), m, k, x.stride(0),
+        GATE=ec.gated, R=r, H=ec.w1.shape[0] if ec.gated else 16, BM=GATE_BM, BK=bk, DOT_F32=INTERPRET,
+        num_warps=4, num_stages=3,
+    )
+    return v
+
+
+def ec_up(out: torch.Tensor, v: torch.Tensor, ec: PackedEC, launch=None) -> torch.Tensor:
+    """out += alpha · v Bᵀ in place; returns ``out``."""
+    m, n = out.shape
+    r = ec.b.shape[1]
+    if v.shape != (m, r) or ec.b.shape[0] != n or out.stride(1) != 1:
+        raise ValueError(f"ec_up needs out (M, N) with unit inner stride, v (M, {r}) and B ({n}, {r}); got out "
+                         f"{tuple(out.shape)}, v {tuple(v.shape)}, B {tuple(ec.b.shape)}")
+    kernel = _ec_up_kernel if launch is None else launch(_ec_up_kernel)
+    kernel[(triton.cdiv(m, UP_BM) * triton.cdiv(n, UP_BN),)](
+        v, ec.b, out, float(ec.alpha), m, n, out.stride(0),
+        R=r, BM=UP_BM, BN=UP_BN, DOT_F32=INTERPRET, num_warps=4, num_stages=1,
+    )
+    return out

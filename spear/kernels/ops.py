@@ -1,0 +1,124 @@
+"""The registered op ``spear::w4a16_ec`` and its phase-aware dispatch.
+
+    torch.ops.spear.w4a16_ec(x, qweight, scales, zeros, locks, group_size, symmetric, bias,
+                             ec_a, ec_b, gate_w1, gate_b1, gate_w2, gate_b2, alpha, bound) -> Tensor
+
+x (..., K) fp16/bf16; the weight and EC tensors in the layouts of layout.py; ec_a None means
+no compensator, gate_w1 None means gamma = 1 (static low-rank term). Use
+:func:`w4a16_linear` rather than spelling the arguments out.
+
+Dispatch on CUDA, by M = number of tokens:
+  no EC                plain W4: the Triton GEMM (split-K at decode); from
+                       DEQUANT_MM_MIN_M on, dequantize + cuBLAS.
+  EC, M <= FUSED_MAX_M full fusion: one launch, A x in the same pass, gate in the epilogue.
+  EC, M >  FUSED_MAX_M semi-fused: ec_gate on a side stream, overlapped with the W4 GEMM;
+                       then ec_up adds alpha · v Bᵀ. Inside CUDA-graph capture the fork and
+                       join are captured as graph edges. While torch.compile traces the op
+                       (no streams there) the serial variant runs: ec_gate, then the GEMM
+                       with the v-epilogue (EC_MODE 2).
+On any other device the op runs the fp32 torch reference (reference.py) and casts.
+
+Registered with ``torch.library.triton_op`` and every launch goes through ``wrap_triton``,
+so torch.compile sees the Triton kernels and CUDA graphs can capture them. ``locks`` is
+scratch that every kernel returns to zero, hence not declared mutated.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.library import triton_op, wrap_triton
+
+from spear.kernels import _common
+from spear.kernels import ec as ec_kernels
+from spear.kernels import reference
+from spear.kernels.layout import PackedEC, PackedW4
+from spear.kernels.w4a16 import dequantize, w4a16_matmul
+
+# Largest M that takes the fused kernel. Measured on one H200 (benchmarks/bench_kernels.py,
+# BENCHMARKS.md "Kernels"): placeholder until the first GPU run.
+FUSED_MAX_M = 16
+# Smallest M at which dequantize + cuBLAS beats the Triton W4 GEMM (same source).
+DEQUANT_MM_MIN_M = 1 << 30
+# Whether the semi-fused path overlaps ec_gate on a side stream (True) or runs it first and
+# reads v in the GEMM epilogue (False).
+SEMI_FUSED_OVERLAP = True
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _side_streams:
+        _side_streams[idx] = torch.cuda.Stream(device=idx)
+    return _side_streams[idx]
+
+
+def _plain_w4(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if x.shape[0] >= DEQUANT_MM_MIN_M:
+        return torch.nn.functional.linear(x, dequantize(w, x.dtype, launch=wrap_triton), bias)
+    return w4a16_matmul(x, w, bias, launch=wrap_triton)
+
+
+def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC,
+                overlap: bool) -> torch.Tensor:
+    v = _common.alloc((x.shape[0], e.a.shape[0]), dtype=x.dtype, device=x.device)
+    if not overlap:
+        ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton)
+        if x.shape[0] >= DEQUANT_MM_MIN_M:
+            return ec_kernels.ec_up(_plain_w4(x, w, bias), v, e, launch=wrap_triton)
+        return w4a16_matmul(x, w, bias, e, ec_mode=2, v=v, launch=wrap_triton)
+    main = torch.cuda.current_stream(x.device)
+    side = _side_stream(x.device)
+    side.wait_stream(main)          # x and v are ready on the main stream
+    with torch.cuda.stream(side):
+        ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton)
+    out = _plain_w4(x, w, bias)
+    main.wait_stream(side)          # join before v is read; x and v are freed on main after this
+    return ec_kernels.ec_up(out, v, e, launch=wrap_triton)
+
+
+@triton_op("spear::w4a16_ec", mutates_args=())
+def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+             locks: torch.Tensor, group_size: int, symmetric: bool, bias: Optional[torch.Tensor],
+             ec_a: Optional[torch.Tensor], ec_b: Optional[torch.Tensor], gate_w1: Optional[torch.Tensor],
+             gate_b1: Optional[torch.Tensor], gate_w2: Optional[torch.Tensor], gate_b2: Optional[torch.Tensor],
+             alpha: float, bound: float) -> torch.Tensor:
+    w = PackedW4(qweight, scales, zeros, locks, group_size, symmetric)
+    e = None
+    if ec_a is not None:
+        if ec_b is None:
+            raise ValueError("ec_a given without ec_b: the compensator needs both A and B")
+        e = PackedEC(ec_a, ec_b, gate_w1, gate_b1, gate_w2, gate_b2, alpha, bound, ec_a.shape[0])
+    k, n = w.in_features, w.out_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the packed weight expects in_features={k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty((*lead, n))
+    if x.device.type != "cuda":
+        y = reference.w4a16_ec_packed(x2, w, bias, e).to(x.dtype)
+    elif e is None:
+        y = _plain_w4(x2, w, bias)
+    elif m <= FUSED_MAX_M:
+        y = w4a16_matmul(x2, w, bias, e, ec_mode=1, launch=wrap_triton)
+    else:
+        eager = type(x) is torch.Tensor and not torch.compiler.is_compiling()
+        y = _semi_fused(x2, w, bias, e, overlap=SEMI_FUSED_OVERLAP and eager)
+    return y.reshape(*lead, n)
+
+
+def w4a16_linear(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
+                 ec: PackedEC | None = None) -> torch.Tensor:
+    """``x W_hatᵀ (+ bias) (+ alpha · B (gamma(A x) ⊙ A x))`` through ``spear::w4a16_ec``."""
+    g = ec is not None and ec.gated
+    return torch.ops.spear.w4a16_ec(
+        x, w.qweight, w.scales, w.zeros, w.locks, w.group_size, w.symmetric, bias,
+        ec.a if ec is not None else None, ec.b if ec is not None else None,
+        ec.w1 if g else None, ec.b1 if g else None, ec.w2 if g else None, ec.b2 if g else None,
+        float(ec.alpha) if ec is not None else 0.0, float(ec.bound) if ec is not None else 0.0)

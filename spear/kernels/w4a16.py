@@ -1,0 +1,353 @@
+"""W4A16 GEMM with split-K and an optional error-compensator epilogue.
+
+    out (M, N) = x (M, K) · W_hatᵀ (+ bias) (+ alpha · B (gamma(A x) ⊙ A x))
+
+Algorithm. Programs form a 1-D grid of m-tiles x column tiles x SPLIT_K. Each W program
+streams BN rows of packed codes over its K range (BK/2 bytes per row per step, 16-byte
+loads), turns codes into floats with the exponent trick (``_unpack_w4``), subtracts the
+zero point (and scales, per group) in the activation dtype and accumulates
+accT [BN, BM] += W[BN, BK] · xT[BK, BM] on the tensor cores in fp32. Tiles are transposed
+(weights on the left) so that decode's M = 1..16 tokens sit on the small MMA dimension;
+per-channel scales are applied once after the loop.
+
+Split-K (decode: N/BN tiles alone cannot fill 132 SMs). Every split writes its fp32
+partial to a workspace and bumps the tile's counter in ``locks``; the split that arrives
+last sums the partials, runs the epilogue and zeroes the counter again, so the kernel
+needs no second launch and ``locks`` stays reusable across calls and CUDA-graph replays.
+
+Fused compensator (EC_MODE 1, decode). One extra column tile per m-tile computes
+u = A x over the same K ranges in the same launch (its own programs, so the W programs'
+loop is untouched); it writes fp32 partials of u and bumps a per-m-tile counter. The
+program finishing each W tile waits on that counter, sums u, evaluates the gate MLP and
+adds alpha · B_tile (gamma ⊙ u). The wait cannot deadlock: the u programs have the lowest
+program ids of their m-tile and the hardware dispatches blocks in id order, so they are
+resident or finished before any program that waits on them; they wait on nothing. The
+last W tile to finish resets the counters. Chosen over a second launch because at decode
+a launch costs about as much as the whole W4 GEMV.
+
+EC_MODE 2 (prefill, serial variant): v = gamma(u) ⊙ u was computed by ``ec.ec_gate``;
+the epilogue only adds alpha · B_tile v.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from spear.kernels import _common
+from spear.kernels._common import INTERPRET, _dequant, _dot, _ec_gate, _unpack_w4
+from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch shape. SPLIT_K is a runtime argument (no recompilation per value)."""
+    BM: int
+    BN: int
+    BK: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Launch shapes by token count. Runtime autotuning cannot run inside CUDA-graph capture
+# (it times launches), so the choice is a fixed table, picked from a sweep on one H200
+# (benchmarks/bench_kernels.py --tune; numbers in BENCHMARKS.md, "Kernels").
+# Decode wants >= 2 programs per SM in flight (split-K), prefill wants big MMA tiles.
+DECODE_MAX_M = 64
+
+
+def pick_config(m: int, n: int, k: int, group_size: int) -> Config:
+    kmax = group_size if group_size else k  # BK must divide a group (one scale per step)
+    if m <= DECODE_MAX_M:
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        bn, bk = 128, min(256, kmax)
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        split = 1
+        while tiles * split < 2 * 132 and k // (bk * split * 2) >= 2:
+            split *= 2
+        return Config(bm, bn, bk, split, 4, 4)
+    bm = 64 if m <= 128 else 128
+    return Config(bm, 128, min(64, kmax), 1, 4, 4)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w4a16_kernel(
+    # tensors
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
+    part_ptr,      # fp32 (split_k, M, N) partial sums
+    locks_ptr,     # int32 counters, zero on entry and on exit
+    a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,  # padded EC (layout.py)
+    upart_ptr,     # fp32 (split_k, M, R) partial A x
+    v_ptr,         # (M, R) gamma(u) ⊙ u for EC_MODE 2
+    # scalars
+    alpha, bound, split_k,
+    # sizes and strides (x and out have unit stride along features)
+    M, N, K, stride_xm, stride_om,
+    # weight layout
+    GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, IS_BF16: tl.constexpr,
+    # compensator: 0 none, 1 fused, 2 epilogue from v
+    EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
+    # tiling
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_wt = tl.cdiv(N, BN)
+    if EC_MODE == 1:
+        per_m = (n_wt + 1) * split_k
+    else:
+        per_m = n_wt * split_k
+    pid_m = pid // per_m
+    tile = (pid % per_m) // split_k
+    split = pid % split_k
+    lock_base = pid_m * (n_wt + 2)   # n_wt tile counters, u counter, done counter
+
+    iters = tl.cdiv(K // BK, split_k)
+    k_lo = split * iters * BK
+    k_hi = tl.minimum(k_lo + iters * BK, K)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    m_mask = offs_m < M
+
+    if EC_MODE == 1:
+        # column tile 0 of each m-tile computes u: lowest ids, dispatched first
+        if tile == 0:
+            _u_program(x_ptr, a_ptr, upart_ptr, locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, split,
+                       M, K, stride_xm, R, BM, BK, DOT_F32)
+        else:
+            _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
+                       b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k,
+                       tile - 1, n_wt, lock_base, offs_m, m_mask, k_lo, k_hi, split, M, N, K, stride_xm, stride_om,
+                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, DOT_F32)
+    else:
+        _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
+                   b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k,
+                   tile, n_wt, lock_base, offs_m, m_mask, k_lo, k_hi, split, M, N, K, stride_xm, stride_om,
+                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, DOT_F32)
+
+
+@triton.jit
+def _u_program(x_ptr, a_ptr, upart_ptr, u_lock, offs_m, m_mask, k_lo, k_hi, split, M, K, stride_xm,
+               R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """Partial u for one K range: uT [R, BM] = A[R, BK] . xT[BK, BM], then signal."""
+    offs_r = tl.arange(0, R)
+    offs_k = tl.arange(0, BK)
+    x_base = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
+    uT = tl.zeros((R, BM), tl.float32)
+    for k in range(k_lo, k_hi, BK):
+        a = tl.load(a_ptr + offs_r[:, None] * K + (k + offs_k)[None, :])
+        xt = tl.load(x_base + k, mask=m_mask[None, :], other=0.0)
+        uT = _dot(a, xt, uT, DOT_F32)
+    tl.store(upart_ptr + split * M * R + offs_m[None, :] * R + offs_r[:, None], uT, mask=m_mask[None, :])
+    # every thread's stores must precede the (single-thread) release
+    tl.debug_barrier()
+    tl.atomic_add(u_lock, 1, sem="release")
+
+
+@triton.jit
+def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
+               b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k,
+               wt, n_wt, lock_base, offs_m, m_mask, k_lo, k_hi, split, M, N, K, stride_xm, stride_om,
+               GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, IS_BF16: tl.constexpr,
+               EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
+    offs_n = wt * BN + tl.arange(0, BN)
+    n_mask = offs_n < N
+    n_ld = offs_n % N  # in-bounds rows: unmasked, vectorized loads
+    offs_k = tl.arange(0, BK)
+    offs_kw = tl.arange(0, BK // 8)
+    x_base = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
+    w_base = qw_ptr + n_ld[:, None] * (K // 8) + offs_kw[None, :]
+    if IS_BF16:
+        zbase = 128.0
+    else:
+        zbase = 1024.0
+    s = tl.load(scales_ptr + n_ld).to(tl.float32)
+    if SYMMETRIC:
+        zc = tl.full((BN,), zbase + 8.0, tl.float32)
+    else:
+        zc = zbase + tl.load(zeros_ptr + n_ld).to(tl.float32)
+    accT = tl.zeros((BN, BM), tl.float32)
+    for k in range(k_lo, k_hi, BK):
+        p = tl.load(w_base + k // 8)
+        if GROUP > 0:
+            g = k // GROUP
+            s = tl.load(scales_ptr + g * N + n_ld).to(tl.float32)
+            if not SYMMETRIC:
+                zc = zbase + tl.load(zeros_ptr + g * N + n_ld).to(tl.float32)
+        w = _dequant(_unpack_w4(p, BN, BK, IS_BF16), zc, s, GROUP > 0, IS_BF16)
+        xt = tl.load(x_base + k, mask=m_mask[None, :], other=0.0)
+        accT = _dot(w, xt, accT, DOT_F32)
+    if GROUP == 0:
+        accT = accT * s[:, None]
+
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    mn_offs = offs_m[None, :] * N + offs_n[:, None]
+    if split_k > 1:
+        tl.store(part_ptr + split * M * N + mn_offs, accT, mask=out_mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(locks_ptr + lock_base + wt, 1, sem="acq_rel")
+        if arrived == split_k - 1:
+            accT = tl.zeros((BN, BM), tl.float32)
+            for s_i in range(split_k):
+                # .cg: read at L2, where the other programs' writes are
+                accT += tl.load(part_ptr + s_i * M * N + mn_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(locks_ptr + lock_base + wt, 0)
+            _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
+                      b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, M,
+                      stride_om, HAS_BIAS, EC_MODE, GATE, R, H, BM, BN, DOT_F32)
+    else:
+        _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
+                  b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, M,
+                  stride_om, HAS_BIAS, EC_MODE, GATE, R, H, BM, BN, DOT_F32)
+
+
+@triton.jit
+def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
+              b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, M,
+              stride_om, HAS_BIAS: tl.constexpr, EC_MODE: tl.constexpr, GATE: tl.constexpr,
+              R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr):
+    offs_r = tl.arange(0, R)
+    if EC_MODE == 1:
+        u_lock = locks_ptr + lock_base + n_wt
+        while tl.atomic_add(u_lock, 0, sem="acquire") < split_k:
+            pass
+        uT = tl.zeros((R, BM), tl.float32)
+        for s_i in range(split_k):
+            uT += tl.load(upart_ptr + s_i * M * R + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :],
+                          other=0.0, cache_modifier=".cg")
+        vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, R, H, BM, GATE, DOT_F32)
+        bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
+        accT += alpha * _dot(bt, vT.to(bt.dtype), tl.zeros((BN, BM), tl.float32), DOT_F32)
+        # the last W tile of this m-tile to get here re-arms the counters for the next call
+        done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="acq_rel")
+        if done == n_wt - 1:
+            tl.atomic_xchg(u_lock, 0)
+            tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)
+    if EC_MODE == 2:
+        vT = tl.load(v_ptr + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :], other=0.0)
+        bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
+        accT += alpha * _dot(bt, vT, tl.zeros((BN, BM), tl.float32), DOT_F32)
+    if HAS_BIAS:
+        accT += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], accT.to(out_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit
+def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, K,
+                    GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr):
+    """W_hat [N, K] in the activation dtype, for the dequantize-then-cuBLAS prefill path."""
+    pid = tl.program_id(0)
+    k_tiles = K // BK
+    offs_n = (pid // k_tiles) * BN + tl.arange(0, BN)
+    k = (pid % k_tiles) * BK
+    n_mask = offs_n < N
+    n_ld = offs_n % N
+    if IS_BF16:
+        zbase = 128.0
+    else:
+        zbase = 1024.0
+    if GROUP > 0:
+        g = k // GROUP
+    else:
+        g = 0
+    s = tl.load(scales_ptr + g * N + n_ld).to(tl.float32)
+    if SYMMETRIC:
+        zc = tl.full((BN,), zbase + 8.0, tl.float32)
+    else:
+        zc = zbase + tl.load(zeros_ptr + g * N + n_ld).to(tl.float32)
+    p = tl.load(qw_ptr + n_ld[:, None] * (K // 8) + (k // 8 + tl.arange(0, BK // 8))[None, :])
+    w = _dequant(_unpack_w4(p, BN, BK, IS_BF16), zc, s, True, IS_BF16)
+    tl.store(w_ptr + offs_n[:, None] * K + (k + tl.arange(0, BK))[None, :], w, mask=n_mask[:, None])
+
+
+def dequantize(w: PackedW4, dtype: torch.dtype, launch=None) -> torch.Tensor:
+    """W_hat (N, K) in ``dtype`` (float16 or bfloat16), rounded once as the reference rounds it."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dequantize dtype must be float16 or bfloat16; got {dtype}")
+    n, k = w.out_features, w.in_features
+    bk = min(128, w.group_size or 128)
+    if k % bk:
+        raise ValueError(f"in_features={k} must be a multiple of {bk}")
+    out = _common.alloc((n, k), dtype=dtype, device=w.qweight.device)
+    bn = 64
+    kernel = _dequant_kernel if launch is None else launch(_dequant_kernel)
+    kernel[(triton.cdiv(n, bn) * (k // bk),)](
+        w.qweight, w.scales, w.zeros, out, n, k,
+        GROUP=w.group_size, SYMMETRIC=w.symmetric, IS_BF16=dtype == torch.bfloat16, BN=bn, BK=bk,
+        num_warps=4, num_stages=1,
+    )
+    return out
+
+
+def _check(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, ec: PackedEC | None) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (tokens, in_features); got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be float16 or bfloat16; got {x.dtype}")
+    n, k = w.out_features, w.in_features
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} features, the packed weight expects in_features={k}")
+    if x.stride(1) != 1:
+        raise ValueError(f"x must have unit stride along features; got strides {x.stride()}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be (out_features,) = ({n},); got {tuple(bias.shape)}")
+    if ec is not None:
+        if ec.a.shape[1] != k or ec.b.shape[0] != n:
+            raise ValueError(f"EC shapes A {tuple(ec.a.shape)}, B {tuple(ec.b.shape)} do not fit the layer ({n}, {k})")
+        if ec.a.dtype != x.dtype:
+            raise ValueError(f"EC parameters must be in the activation dtype {x.dtype}; got {ec.a.dtype}")
+
+
+def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None, ec: PackedEC | None = None,
+                 ec_mode: int | None = None, v: torch.Tensor | None = None, config: Config | None = None,
+                 launch=None) -> torch.Tensor:
+    """``out = x W_hatᵀ (+ bias) (+ EC)`` for 2-D ``x``; see the module docstring.
+
+    ``ec_mode``: 0 no EC, 1 fused (needs ``ec``), 2 epilogue from ``v`` = gamma(u) ⊙ u (M, R)
+    (needs ``ec`` for B). Defaults to 1 when ``ec`` is given. ``launch`` wraps the kernel
+    (``torch.library.wrap_triton`` inside the registered op).
+    """
+    _check(x, w, bias, ec)
+    if ec_mode is None:
+        ec_mode = 0 if ec is None else 1
+    if ec_mode not in (0, 1, 2) or (ec_mode and ec is None) or (ec_mode == 2 and v is None):
+        raise ValueError(f"ec_mode must be 0, 1 (with ec) or 2 (with ec and v); got {ec_mode}")
+    m, k = x.shape
+    n = w.out_features
+    cfg = config or pick_config(m, n, k, w.group_size)
+    if k % cfg.BK or (w.group_size and w.group_size % cfg.BK):
+        raise ValueError(f"BK={cfg.BK} must divide in_features={k} and the group size {w.group_size}")
+    m_tiles, n_wt = triton.cdiv(m, cfg.BM), triton.cdiv(n, cfg.BN)
+    needs_locks = cfg.split_k > 1 or ec_mode == 1
+    if needs_locks and m_tiles * (n_wt + 2) > w.locks.numel():
+        raise ValueError(f"split-K/fused EC needs {m_tiles * (n_wt + 2)} lock slots for M={m}, N={n}; "
+                         f"the layer has {w.locks.numel()} (LOCK_SLOTS={LOCK_SLOTS}); use a smaller M per call")
+    out = _common.alloc((m, n), dtype=x.dtype, device=x.device)
+    part = _common.alloc((cfg.split_k, m, n) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
+    r = ec.a.shape[0] if ec is not None else 16
+    h = ec.w1.shape[0] if ec is not None and ec.gated else 16
+    upart = _common.alloc((cfg.split_k, m, r) if ec_mode == 1 else (1,), dtype=torch.float32, device=x.device)
+    dummy = w.scales  # never read when its feature flag is off
+    e = ec
+    grid = (m_tiles * (n_wt + (1 if ec_mode == 1 else 0)) * cfg.split_k,)
+    kernel = _w4a16_kernel if launch is None else launch(_w4a16_kernel)
+    kernel[grid](
+        x, w.qweight, w.scales, w.zeros, bias if bias is not None else dummy, out, part, w.locks,
+        e.a if e else dummy, e.b if e else dummy,
+        e.w1 if e and e.gated else dummy, e.b1 if e and e.gated else dummy,
+        e.w2 if e and e.gated else dummy, e.b2 if e and e.gated else dummy,
+        upart, v if v is not None else dummy,
+        float(e.alpha) if e else 0.0, float(e.bound) if e else 0.0, cfg.split_k,
+        m, n, k, x.stride(0), out.stride(0),
+        GROUP=w.group_size, SYMMETRIC=w.symmetric, HAS_BIAS=bias is not None, IS_BF16=x.dtype == torch.bfloat16,
+        EC_MODE=ec_mode, GATE=bool(e and e.gated), R=r, H=h,
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DOT_F32=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

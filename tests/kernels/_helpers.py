@@ -1,0 +1,49 @@
+"""Shared builders for the kernel tests: random layers, compensators, poisoned buffers."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from spear.quant.primitives import rtn
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+# fp32 reference vs a kernel that rounds W_hat (grouped) and the output once to 16 bits
+TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
+SQNR_FLOOR = {torch.float16: 55.0, torch.bfloat16: 38.0}
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double().cpu(), out.double().cpu()
+    return float(20 * torch.log10(ref.norm() / (ref - out).norm()))
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
+    assert torch.isfinite(out).all(), f"{what}: non-finite values (unwritten output?)"
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    err = float((out.float().cpu() - ref.float().cpu()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
+    s = sqnr_db(ref, out.float())
+    assert err <= TOL[dtype] and s >= SQNR_FLOOR[dtype], (
+        f"{what}: max error {err:.2e} (tol {TOL[dtype]:.0e}), SQNR {s:.1f} dB (floor {SQNR_FLOOR[dtype]} dB)")
+
+
+def make_layer(n: int, k: int, group_size: int, symmetric: bool, seed: int, device: str = DEVICE):
+    """RTN-quantized random weight: (codes, scales, zeros) in spear's layout."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    codes, scales, zeros = rtn(w, 4, group_size, symmetric)
+    return codes.to(device), scales.to(torch.float16).to(device), zeros.to(device)
+
+
+def make_ec(n: int, k: int, r: int, h: int | None, dtype: torch.dtype, seed: int, device: str = DEVICE):
+    """Random EC parameters sized so the correction is a visible part of the output."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(r, k, generator=g) / k**0.5
+    b = torch.randn(n, r, generator=g) * 0.05
+    params = dict(a=a, b=b, alpha=0.75, dtype=dtype, bound=0.5)
+    if h is not None:
+        params.update(w1=torch.randn(h, r, generator=g) / r**0.5, b1=torch.randn(h, generator=g) * 0.1,
+                      w2=torch.randn(r, h, generator=g) / h**0.5, b2=torch.randn(r, generator=g) * 0.1)
+    return {key: (val.to(device) if torch.is_tensor(val) else val) for key, val in params.items()}

@@ -1,0 +1,161 @@
+"""Every kernel against the fp32 torch reference: odd M, group sizes, sym/asym, fp16/bf16,
+bias, split-K, compensator off / static / gated. Outputs and workspaces start as NaN.
+
+On the CPU these run through TRITON_INTERPRET=1 at small shapes (conftest.py); the tests
+marked ``gpu`` repeat them at real Llama shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spear.kernels import reference as ref
+from spear.kernels.ec import ec_gate, ec_up
+from spear.kernels.layout import LOCK_SLOTS, pack, pack_ec, unpack
+from spear.kernels.w4a16 import Config, dequantize, pick_config, w4a16_matmul
+from tests.kernels._helpers import DEVICE, INTERPRET, assert_close, make_ec, make_layer
+
+N_SMALL, K_SMALL = 96, 256  # N not a multiple of the 64-wide tile: exercises the column mask
+
+
+def _setup(m, k, n, gs, sym, dtype, seed, bias=True, ec=None):
+    codes, scales, zeros = make_layer(n, k, gs, sym, seed)
+    w = pack(codes, scales, zeros, gs, sym)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    b = (torch.randn(n, generator=g) * 0.1).to(dtype).to(DEVICE) if bias else None
+    e = pack_ec(**ec) if ec is not None else None
+    # the reference reads the stored (fp16/bf16, zero-padded) EC parameters, as the kernels do
+    expect = ref.w4a16_ec(x, codes, scales, zeros, gs, b,
+                          *(() if e is None else (e.a, e.b, e.w1, e.b1, e.w2, e.b2, e.alpha, e.bound)))
+    return x, w, b, e, expect
+
+
+def test_pack_roundtrip_and_footprint():
+    codes, scales, zeros = make_layer(64, 256, 128, False, 0)
+    w = pack(codes, scales, zeros, 128)
+    c, s, z = unpack(w)
+    assert torch.equal(c, codes) and torch.equal(s, scales) and torch.equal(z, zeros)
+    bits = 8 * sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.zeros)) / codes.numel()
+    assert bits <= 4.25, f"{bits:.3f} bits per weight at group 128"
+    assert w.locks.shape == (LOCK_SLOTS,) and int(w.locks.abs().sum()) == 0
+
+
+# (M, group, symmetric, dtype, bias, config): decode tiles with split-K 1/2/3, prefill-like tiles
+GEMM_CASES = [
+    (1, 0, True, torch.float16, False, Config(16, 64, 128, 1, 4, 2)),
+    (3, 32, False, torch.float16, True, Config(16, 64, 32, 3, 4, 2)),
+    (17, 64, True, torch.bfloat16, True, Config(16, 64, 64, 2, 4, 2)),
+    (33, 128, False, torch.bfloat16, False, Config(16, 32, 128, 2, 4, 2)),
+    (33, 0, False, torch.bfloat16, True, Config(32, 64, 64, 1, 4, 2)),
+    (17, 128, True, torch.float16, False, Config(64, 64, 64, 1, 4, 2)),
+    (1, 64, False, torch.bfloat16, False, None),
+    (33, 32, True, torch.float16, True, None),
+]
+
+
+@pytest.mark.parametrize("m,gs,sym,dtype,bias,cfg", GEMM_CASES)
+def test_w4a16_gemm(poisoned, m, gs, sym, dtype, bias, cfg):
+    x, w, b, _, expect = _setup(m, K_SMALL, N_SMALL, gs, sym, dtype, seed=m + gs, bias=bias)
+    out = w4a16_matmul(x, w, b, config=cfg)
+    assert_close(out, expect, dtype, f"W4 M={m} g={gs} sym={sym} {dtype} cfg={cfg}")
+    assert int(w.locks.abs().sum()) == 0, "split-K counters not re-armed"
+
+
+# (M, group, symmetric, dtype, rank, gate hidden or None, split_k)
+FUSED_CASES = [
+    (1, 0, True, torch.float16, 8, 12, 1),
+    (3, 64, False, torch.bfloat16, 20, 16, 3),
+    (17, 128, False, torch.float16, 16, None, 2),
+    (1, 32, True, torch.bfloat16, 8, None, 4),
+    (33, 0, False, torch.float16, 32, 32, 2),
+]
+
+
+@pytest.mark.parametrize("m,gs,sym,dtype,r,h,split", FUSED_CASES)
+def test_fused_ec(poisoned, m, gs, sym, dtype, r, h, split):
+    ec = make_ec(N_SMALL, K_SMALL, r, h, dtype, seed=r)
+    x, w, b, e, expect = _setup(m, K_SMALL, N_SMALL, gs, sym, dtype, seed=m + r, ec=ec)
+    bk = min(64, gs or 64)
+    for _ in range(2):  # the second call checks that the counters were re-armed
+        out = w4a16_matmul(x, w, b, e, ec_mode=1, config=Config(16, 64, bk, split, 4, 2))
+        assert_close(out, expect, dtype, f"fused EC M={m} g={gs} r={r} h={h} split={split}")
+        assert int(w.locks.abs().sum()) == 0, "fused-EC counters not re-armed"
+
+
+@pytest.mark.parametrize("m,dtype,h", [(17, torch.float16, 12), (33, torch.bfloat16, None)])
+def test_semi_fused_ec(poisoned, m, dtype, h):
+    ec = make_ec(N_SMALL, K_SMALL, 8, h, dtype, seed=3)
+    x, w, b, e, expect = _setup(m, K_SMALL, N_SMALL, 64, False, dtype, seed=m, ec=ec)
+    v = ec_gate(x, e)
+    u = x.float() @ e.a.float().t()
+    assert_close(v, ref.ec_gate(u, e.w1, e.b1, e.w2, e.b2, e.bound), dtype, "ec_gate")
+    cfg = Config(32, 64, 64, 1, 4, 2)
+    out = ec_up(w4a16_matmul(x, w, b, config=cfg), v, e)
+    assert_close(out, expect, dtype, "W4 then ec_up")
+    out = w4a16_matmul(x, w, b, e, ec_mode=2, v=v, config=cfg)
+    assert_close(out, expect, dtype, "W4 with v epilogue")
+
+
+@pytest.mark.parametrize("gs,dtype", [(0, torch.bfloat16), (32, torch.float16)])
+def test_dequantize(poisoned, gs, dtype):
+    codes, scales, zeros = make_layer(N_SMALL, K_SMALL, gs, False, 5)
+    w_hat = dequantize(pack(codes, scales, zeros, gs), dtype)
+    expect = ref.dequantize(codes, scales, zeros, gs).to(dtype)
+    if INTERPRET and dtype == torch.bfloat16:
+        # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even): one ulp
+        torch.testing.assert_close(w_hat.float(), expect.float(), rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(w_hat, expect), "dequantize must round W_hat exactly as the reference"
+
+
+def test_launcher_errors():
+    codes, scales, zeros = make_layer(64, 128, 32, True, 0)
+    with pytest.raises(ValueError, match="4-bit codes"):
+        pack(codes * 2, scales, zeros, 32)
+    with pytest.raises(ValueError, match="group_size"):
+        pack(codes, scales, zeros, 48)
+    with pytest.raises(ValueError, match="symmetric"):
+        pack(codes, scales, zeros + 1, 32, symmetric=True)
+    w = pack(codes, scales, zeros, 32)
+    x = torch.randn(2, 64, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="in_features=128"):
+        w4a16_matmul(x, w)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        w4a16_matmul(torch.randn(2, 128, device=DEVICE), w)
+    with pytest.raises(ValueError, match="BK=64 must divide"):
+        w4a16_matmul(torch.randn(2, 128, dtype=torch.float16, device=DEVICE), w, config=Config(16, 64, 64, 1, 4, 2))
+    with pytest.raises(ValueError, match="rank"):
+        pack_ec(torch.randn(200, 128), torch.randn(64, 200), 1.0, torch.float16)
+
+
+def test_pick_config_fills_the_gpu_at_decode():
+    cfg = pick_config(1, 4096, 4096, 128)
+    assert cfg.BM == 16 and (4096 // cfg.BN) * cfg.split_k >= 132
+    assert pick_config(2048, 4096, 4096, 128).split_k == 1
+
+
+# Real shapes (q/o and down of Llama-2-7B / Llama-3-8B) on the GPU, same checks.
+GPU_SHAPES = [(4096, 4096, 128, False, torch.float16), (4096, 14336, 0, True, torch.bfloat16),
+              (11008, 4096, 64, False, torch.bfloat16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,gs,sym,dtype", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 257, 1000])
+def test_gpu_real_shapes(poisoned, n, k, gs, sym, dtype, m):
+    if DEVICE != "cuda":
+        pytest.skip("needs CUDA")
+    ec = make_ec(n, k, 32, 32, dtype, seed=1)
+    x, w, b, e, expect = _setup(m, k, n, gs, sym, dtype, seed=m, ec=ec)
+    x_, w_, b_, _, expect_w4 = _setup(m, k, n, gs, sym, dtype, seed=m)
+    assert_close(w4a16_matmul(x_, w_, b_), expect_w4, dtype, f"W4 {n}x{k} M={m}")
+    if m <= 64:
+        outs = [w4a16_matmul(x, w, b, e, ec_mode=1) for _ in range(3)]
+        assert_close(outs[0], expect, dtype, f"fused {n}x{k} M={m}")
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), "fused kernel not deterministic: race?"
+        assert int(w.locks.abs().sum()) == 0
+    v = ec_gate(x, e)
+    assert_close(ec_up(w4a16_matmul(x, w, b), v, e), expect, dtype, f"semi-fused {n}x{k} M={m}")
+    assert_close(w4a16_matmul(x, w, b, e, ec_mode=2, v=v), expect, dtype, f"v-epilogue {n}x{k} M={m}")
