@@ -15,6 +15,75 @@ def _from_dict(cls, data: dict):
     return cls(**data)
 
 
+CALIB_SOURCES = ("self", "text")
+
+
+@dataclass(frozen=True)
+class CalibConfig:
+    """Calibration windows for GPTQ/AWQ.
+
+    ``source="self"`` (the default, data-free) samples ``n_samples`` sequences of
+    ``seq_len`` tokens from the FP model (cached, shared with the compensator
+    calibration; the defaults match :class:`spear.data.selfsample.SampleConfig`);
+    ``"text"`` uses the token windows the caller passes. ``batch_size`` is the number
+    of sequences per forward pass through one decoder layer.
+    """
+
+    source: str = "self"
+    n_samples: int = 64
+    seq_len: int = 128
+    seed: int = 0
+    temperature: float = 1.0
+    top_p: float = 0.95
+    batch_size: int = 8
+
+    def __post_init__(self):
+        if self.source not in CALIB_SOURCES:
+            raise SpearError(f"calibration source must be one of {', '.join(CALIB_SOURCES)}; got {self.source!r}")
+        if self.n_samples < 1 or self.seq_len < 2 or self.batch_size < 1:
+            raise SpearError(f"calibration needs n_samples>=1, seq_len>=2, batch_size>=1; got "
+                             f"n_samples={self.n_samples}, seq_len={self.seq_len}, batch_size={self.batch_size}")
+        if self.temperature <= 0:
+            raise SpearError(f"calibration temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SpearError(f"calibration top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    """GPTQ options: ``damp`` is the fraction of the mean Hessian diagonal added to it;
+    ``act_order`` quantizes columns by decreasing Hessian diagonal (with groups, the
+    group parameters are fixed from the original weights first, "static groups", so
+    groups stay contiguous in spear's layout); ``block_size`` columns per lazy update."""
+
+    damp: float = 0.01
+    act_order: bool = False
+    block_size: int = 128
+
+    def __post_init__(self):
+        if not 0 <= self.damp <= 1:
+            raise SpearError(f"GPTQ damp must be in [0, 1] (fraction of the mean Hessian diagonal), got {self.damp}")
+        if self.block_size < 1:
+            raise SpearError(f"GPTQ block_size must be >= 1, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class AWQConfig:
+    """AWQ options: ``grid`` points of alpha in [0, 1] for the scale search s = mean|x|^alpha;
+    ``clip`` enables the clipping search over ``clip_grid`` ratios in [``clip_min``, 1]."""
+
+    grid: int = 20
+    clip: bool = True
+    clip_grid: int = 20
+    clip_min: float = 0.5
+
+    def __post_init__(self):
+        if self.grid < 1 or self.clip_grid < 1:
+            raise SpearError(f"AWQ grid sizes must be >= 1, got grid={self.grid}, clip_grid={self.clip_grid}")
+        if not 0 < self.clip_min <= 1:
+            raise SpearError(f"AWQ clip_min must be in (0, 1], got {self.clip_min}")
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """Weight-only quantization of every selected linear.
@@ -31,6 +100,10 @@ class QuantConfig:
     symmetric: bool = True
     method: str = "rtn"
     include_lm_head: bool = False
+    # Options of the calibrated methods (ignored by RTN); saved with every checkpoint.
+    calib: CalibConfig = field(default_factory=CalibConfig)
+    gptq: GPTQConfig = field(default_factory=GPTQConfig)
+    awq: AWQConfig = field(default_factory=AWQConfig)
 
     def __post_init__(self):
         if self.bits not in (2, 3, 4, 8):
@@ -50,6 +123,8 @@ class QuantConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "QuantConfig":
+        nested = {"calib": CalibConfig, "gptq": GPTQConfig, "awq": AWQConfig}
+        data = {k: _from_dict(nested[k], v) if k in nested and isinstance(v, dict) else v for k, v in data.items()}
         return _from_dict(cls, data)
 
 
@@ -113,4 +188,4 @@ class EvalConfig:
         return asdict(self)
 
 
-__all__ = ["QuantConfig", "StaticCompensationConfig", "EvalConfig", "STATIC_METHODS", "field"]
+__all__ = ["QuantConfig", "CalibConfig", "GPTQConfig", "AWQConfig", "CALIB_SOURCES", "StaticCompensationConfig", "EvalConfig", "STATIC_METHODS", "field"]

@@ -63,11 +63,30 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="input columns per scale; 0 = per-channel (default: %(default)s)")
     g.add_argument("--asym", action="store_true", help="asymmetric (integer zero point) instead of symmetric")
     g.add_argument("--include-lm-head", action="store_true", help="also quantize the output head")
+    c = p.add_argument_group("GPTQ / AWQ calibration")
+    c.add_argument("--calib-source", choices=["self", "text"], default="self",
+                   help="'self': sequences sampled from the FP model (data-free, cached); 'text': the "
+                        "--calib-windows windows of --text (default: %(default)s)")
+    c.add_argument("--calib-samples", type=positive_int, default=64,
+                   help="self-sampled sequences (default: %(default)s)")
+    c.add_argument("--calib-seq-len", type=positive_int, default=128,
+                   help="length of each self-sampled sequence in tokens (default: %(default)s)")
+    c.add_argument("--gptq-damp", type=float, default=0.01,
+                   help="GPTQ dampening, fraction of the mean Hessian diagonal (default: %(default)s)")
+    c.add_argument("--act-order", action="store_true",
+                   help="GPTQ: quantize columns by decreasing Hessian diagonal (static groups)")
+    c.add_argument("--awq-no-clip", action="store_true", help="AWQ: skip the clipping search")
 
 
 def quant_config_from(args) -> QuantConfig:
+    from spear.config import AWQConfig, CalibConfig, GPTQConfig
+
     return QuantConfig(bits=args.bits, group_size=args.group_size, symmetric=not args.asym,
-                       method=args.method, include_lm_head=args.include_lm_head)
+                       method=args.method, include_lm_head=args.include_lm_head,
+                       calib=CalibConfig(source=args.calib_source, n_samples=args.calib_samples,
+                                         seq_len=args.calib_seq_len),
+                       gptq=GPTQConfig(damp=args.gptq_damp, act_order=args.act_order),
+                       awq=AWQConfig(clip=not args.awq_no_clip))
 
 
 def read_plan(path: str | None) -> dict[str, int] | None:

@@ -45,16 +45,22 @@ def main(args) -> int:
     model, tokenizer = load_model(args.model)
     eval_cfg = eval_config_from(args)
     calib = None
-    if quant.method != "rtn" or (comp and needs_stats(comp.method)):
+    text_calib = quant.method != "rtn" and quant.calib.source == "text"
+    if text_calib or (comp and needs_stats(comp.method)):
         calib = load_split(tokenizer, eval_cfg).calib
     targets = quantizable_linears(model, quant.include_lm_head)
     fp_weights = {n: lin.weight.detach().clone() for n, lin in targets.items()} if comp else {}
     stats = None
     if comp and needs_stats(comp.method):
         stats = collect_activation_stats(model, targets, calib, outer=comp.method == "qera-exact", progress=progress)
-    modules = quantize_model(model, quant, calib=calib, progress=progress)
+    input_scales: dict = {}
+    modules = quantize_model(model, quant, calib=calib if text_calib else None, progress=progress,
+                             tokenizer=tokenizer, input_scales=input_scales)
     meta = {"text": eval_cfg.text, "calib_windows": eval_cfg.calib_windows, "seq_len": eval_cfg.seq_len}
     if comp:
+        if input_scales:  # AWQ scaled the linears: compensate against the scaled weights
+            from spear.quant.awq import rescale_reference
+            fp_weights, stats = rescale_reference(fp_weights, stats, input_scales)
         attach_static(modules, fp_weights, comp, stats, progress=progress)
         meta["compensation"] = comp.to_dict()
     out = save_checkpoint(model, tokenizer, args.out, quant, args.model, meta=meta, overwrite=args.overwrite)

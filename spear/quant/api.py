@@ -1,4 +1,4 @@
-"""One entry point for every quantizer: ``quantize_model(model, cfg, calib)``."""
+"""One entry point for every quantizer: ``quantize_model(model, cfg, calib, tokenizer=...)``."""
 
 from __future__ import annotations
 
@@ -11,9 +11,52 @@ from spear.quant.linear import QuantLinear
 from spear.quant.rtn import quantize_model_rtn
 
 
+def calibration_ids(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | None = None, tokenizer=None,
+                    progress: bool = True) -> torch.Tensor:
+    """The (n, L) token ids GPTQ/AWQ calibrate on, per ``cfg.calib.source``.
+
+    ``"self"``: sequences sampled from ``model`` itself (cached on disk, shared with
+    the compensator calibration); needs ``tokenizer``. ``"text"``: the windows passed
+    as ``calib``. Passing windows with the ``"self"`` source is refused rather than
+    silently ignored.
+    """
+    source = cfg.calib.source
+    if source == "text":
+        if calib is None or calib.dim() != 2 or calib.shape[0] == 0:
+            shape = None if calib is None else tuple(calib.shape)
+            raise SpearError(f"calibration source 'text' needs (n >= 1, seq_len) token windows, got {shape}")
+        return calib
+    if calib is not None:
+        raise SpearError("calibration source is 'self' (sampled from the model) but token windows were passed; "
+                         "set the calibration source to 'text' to use them")
+    if tokenizer is None:
+        raise SpearError("calibration source 'self' needs the model's tokenizer to sample from the model")
+    from spear.data.selfsample import SampleConfig, sample_sequences
+
+    c = cfg.calib
+    sample = SampleConfig(n=c.n_samples, length=c.seq_len, temperature=c.temperature, top_p=c.top_p, seed=c.seed)
+    return sample_sequences(model, tokenizer, sample, cache=True, progress=progress)
+
+
 def quantize_model(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | None = None,
-                   progress: bool = True) -> dict[str, QuantLinear]:
-    """Quantize ``model`` in place with ``cfg.method``; ``calib`` (n, L) token windows feed GPTQ/AWQ."""
+                   progress: bool = True, tokenizer=None, input_scales: dict | None = None) -> dict[str, QuantLinear]:
+    """Quantize ``model`` in place with ``cfg.method``; returns ``{name: QuantLinear}``.
+
+    RTN needs no data. GPTQ and AWQ calibrate layer by layer on the ids chosen by
+    :func:`calibration_ids`: ``calib`` (n, L) token windows when ``cfg.calib.source``
+    is ``"text"``, otherwise sequences sampled from the model with ``tokenizer``.
+    AWQ fills ``input_scales`` with the per-channel scales it folded into each
+    module (see :func:`spear.quant.awq.rescale_reference`); other methods leave it empty.
+    """
     if cfg.method == "rtn":
         return quantize_model_rtn(model, cfg, progress=progress)
-    raise SpearError(f"quantization method {cfg.method!r} is not available in this build")
+    if cfg.method not in ("gptq", "awq"):
+        raise SpearError(f"quantization method {cfg.method!r} is not available in this build")
+    ids = calibration_ids(model, cfg, calib, tokenizer, progress)
+    if cfg.method == "gptq":
+        from spear.quant.gptq import quantize_model_gptq
+
+        return quantize_model_gptq(model, cfg, ids, progress=progress)
+    from spear.quant.awq import quantize_model_awq
+
+    return quantize_model_awq(model, cfg, ids, progress=progress, input_scales=input_scales)

@@ -1,0 +1,327 @@
+"""AWQ (Lin et al., 2024): activation-aware per-input-channel scaling, then clipping.
+
+Scaling: for linears sharing an input x, ``W x = (W·diag(s)) (diag(s)⁻¹ x)``; salient
+input channels (large mean |x|) get s > 1 so their weights lose less to rounding.
+``s = mean|x|^α`` (normalized by √(max·min)), α searched on a grid in [0, 1] to
+minimize the paper's objective ``Σ ‖Q(W·diag(s))·diag(s)⁻¹ X − W X‖²``. That sum is
+``Σ tr(Δ H Δᵀ)`` with ``Δ = W − Q(W s)/s`` and ``H = E[x xᵀ]``, so it is evaluated
+exactly from the layer's input statistics with no extra forward passes (the
+reference implementation instead runs the enclosing block per grid point, which
+costs ~20 block forwards per group on a CPU). ``diag(s)⁻¹`` is folded into the
+op that produces x, so the model's function is unchanged before quantization:
+
+- a norm (RMSNorm/LayerNorm) whose output *is* the group's input: weight and bias ÷ s;
+- a linear whose output reaches the group through per-channel-linear ops only
+  (v_proj → attention → o_proj, up_proj → ⊙ act(gate) → down_proj): its rows ÷ s.
+
+A fold is applied only when every parameter it touches is used once in the model
+(tied or shared weights would change elsewhere) and the producer runs once in the
+layer; then the layer's output on a probe sequence is checked against the
+unscaled output and the fold reverted if they differ (e.g. a norm computing
+``x·(1 + w)``). Skipped groups are logged and listed in the report.
+
+Clipping: per output row and group, the range is shrunk by the ratio in
+[clip_min, 1] that minimizes that group's output error ``Δ_g H_gg Δ_gᵀ``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spear.config import QuantConfig
+from spear.models.modules import set_module
+from spear.quant.calib import InputStats, LayerBatch, _first_row, collect_input_stats, layer_forward, linear_groups, run_layerwise
+from spear.quant.linear import QuantLinear
+from spear.quant.primitives import compute_qparams, dequantize, n_groups, quantize
+
+log = logging.getLogger(__name__)
+
+# Producer linears whose output feeds a group through per-channel-linear ops only,
+# by the module names of Llama-family blocks: consumer -> producer (a sibling).
+LINEAR_FOLDS = {"o_proj": "v_proj", "down_proj": "up_proj"}
+
+
+def _rtn(w: torch.Tensor, cfg: QuantConfig, clip: torch.Tensor | float = 1.0):
+    scales, zeros = compute_qparams(w, cfg.bits, cfg.group_size, cfg.symmetric, clip)
+    scales = scales.to(torch.float16).float()  # the scales that are stored
+    return quantize(w, scales, zeros, cfg.bits, cfg.group_size), scales, zeros
+
+
+def _fake_quant(w: torch.Tensor, cfg: QuantConfig, clip: torch.Tensor | float = 1.0) -> torch.Tensor:
+    codes, scales, zeros = _rtn(w, cfg, clip)
+    return dequantize(codes, scales, zeros, cfg.group_size)
+
+
+def group_output_error(delta: torch.Tensor, hessian: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``Δ_g H_gg Δ_gᵀ`` per output row and group, (out, G): the output error of each group."""
+    out_f, in_f = delta.shape
+    g = n_groups(in_f, group_size)
+    size = in_f // g
+    dg = delta.reshape(out_f, g, size)
+    blocks = torch.stack([hessian[i * size:(i + 1) * size, i * size:(i + 1) * size] for i in range(g)])
+    return (torch.einsum("ogk,gkl->ogl", dg, blocks) * dg).sum(-1)
+
+
+def _check(weights: list[torch.Tensor], hessian: torch.Tensor, mean_abs: torch.Tensor) -> None:
+    in_f = hessian.shape[0]
+    if tuple(hessian.shape) != (in_f, in_f) or tuple(mean_abs.shape) != (in_f,):
+        raise ValueError(f"statistics must be H (in, in) and mean|x| (in,), got {tuple(hessian.shape)} and "
+                         f"{tuple(mean_abs.shape)}")
+    for w in weights:
+        if w.dim() != 2 or w.shape[1] != in_f:
+            raise ValueError(f"weights must be (out, {in_f}) to match the statistics, got {tuple(w.shape)}")
+
+
+@torch.no_grad()
+def awq_search_scale(weights: list[torch.Tensor], hessian: torch.Tensor, mean_abs: torch.Tensor,
+                     cfg: QuantConfig) -> tuple[torch.Tensor, float]:
+    """Best input-channel scales ``s`` (in,) for linears sharing one input, and the α chosen."""
+    _check(weights, hessian, mean_abs)
+    h = hessian.float()
+    base = mean_abs.float().clamp(min=1e-4)  # a dead channel must not give s = 0
+    best = (float("inf"), torch.ones_like(base), 0.0)
+    for k in range(cfg.awq.grid + 1):
+        alpha = k / cfg.awq.grid
+        s = base.pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()
+        loss = 0.0
+        for w in weights:
+            w = w.float()
+            delta = w - _fake_quant(w * s, cfg) / s
+            loss += ((delta @ h) * delta).sum().item()
+        if loss < best[0]:
+            best = (loss, s, alpha)
+    return best[1], best[2]
+
+
+@torch.no_grad()
+def awq_search_clip(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig) -> torch.Tensor:
+    """Per (row, group) range ratio in [clip_min, 1] minimizing each group's output error, (out, G)."""
+    w, h = weight.float(), hessian.float()
+    best_err = best_ratio = None
+    for ratio in torch.linspace(1.0, cfg.awq.clip_min, cfg.awq.clip_grid).tolist():
+        err = group_output_error(w - _fake_quant(w, cfg, ratio), h, cfg.group_size)
+        if best_err is None:
+            best_err, best_ratio = err, torch.full_like(err, ratio)
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_ratio = torch.where(better, torch.full_like(err, ratio), best_ratio)
+    return best_ratio
+
+
+@torch.no_grad()
+def awq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clipping search (when enabled) and rounding of an already-scaled weight: (codes, scales, zeros)."""
+    w = weight.float()
+    clip = awq_search_clip(w, hessian, cfg) if cfg.awq.clip else 1.0
+    codes, scales, zeros = _rtn(w, cfg, clip)
+    return codes, scales.to(torch.float16), zeros
+
+
+@dataclass
+class FoldResult:
+    """What happened to one group of a layer: scaled (with α) or skipped (with why)."""
+
+    layer: str
+    producer: str | None
+    consumers: list[str]
+    alpha: float | None
+    applied: bool
+    reason: str = ""
+
+
+def _producers(layer: nn.Module, batch: LayerBatch) -> tuple[dict[int, str], Counter]:
+    """For one traced forward: consumer linear -> the module whose output it takes as is,
+    and how often each module ran."""
+    outputs: dict[int, tuple[str, torch.Tensor]] = {}
+    calls: Counter = Counter()
+
+    def hook(name):
+        def fn(_mod, _args, out):
+            calls[name] += 1
+            if isinstance(out, torch.Tensor):
+                outputs[id(out)] = (name, out)  # holding out keeps its id unique
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in layer.named_modules() if n]
+    by_consumer: dict[str, str] = {}
+
+    def pre_hook(name):
+        # Matched at call time: the input must be the very tensor a module returned.
+        # Returns None, since a pre-hook's return value would replace the input.
+        def fn(_mod, args):
+            made = outputs.get(id(args[0]))
+            if name not in by_consumer and made is not None and made[1] is args[0]:
+                by_consumer[name] = made[0]
+        return fn
+
+    pre = [m.register_forward_pre_hook(pre_hook(n)) for n, m in layer.named_modules() if type(m) is nn.Linear]
+    try:
+        layer_forward(layer, LayerBatch(batch.hidden[:1], _first_row(batch.kwargs, batch.hidden.shape[0])))
+    finally:
+        for hd in handles + pre:
+            hd.remove()
+    return by_consumer, calls
+
+
+def _find_producer(layer: nn.Module, group: list[str], fed_by: dict[str, str]) -> tuple[str | None, str]:
+    in_f = layer.get_submodule(group[0]).in_features
+    name = fed_by.get(group[0])
+    if name is not None:
+        mod = layer.get_submodule(name)
+        w = getattr(mod, "weight", None)
+        if type(mod) is not nn.Linear and isinstance(w, torch.Tensor) and tuple(w.shape) == (in_f,):
+            return name, ""
+        return None, f"its input comes from {name} ({type(mod).__name__}), which has no per-channel weight to fold into"
+    parent, _, kind = group[0].rpartition(".")
+    if len(group) == 1 and kind in LINEAR_FOLDS:
+        sibling = f"{parent}.{LINEAR_FOLDS[kind]}" if parent else LINEAR_FOLDS[kind]
+        try:
+            mod = layer.get_submodule(sibling)
+        except AttributeError:
+            return None, f"no {sibling} to fold into"
+        if type(mod) is nn.Linear and mod.out_features == in_f:
+            return sibling, ""
+        return None, f"{sibling} has {getattr(mod, 'out_features', '?')} outputs, {group[0]} takes {in_f} inputs"
+    return None, "no producer with a per-channel weight was found"
+
+
+def _fold(producer: nn.Module, consumers: list[nn.Linear], s: torch.Tensor) -> None:
+    for c in consumers:
+        c.weight.data.mul_(s.to(c.weight.dtype))
+    inv = (1.0 / s)
+    if type(producer) is nn.Linear:
+        producer.weight.data.mul_(inv.to(producer.weight.dtype).unsqueeze(1))
+    else:
+        producer.weight.data.mul_(inv.to(producer.weight.dtype))
+    bias = getattr(producer, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        bias.data.mul_(inv.to(bias.dtype))
+
+
+def _scaled_stats(st: InputStats, s: torch.Tensor) -> InputStats:
+    """Statistics of x / s, the consumers' input after a fold."""
+    inv = 1.0 / s
+    return InputStats(st.hessian * inv.unsqueeze(0) * inv.unsqueeze(1), st.mean_abs * inv, st.tokens)
+
+
+@torch.no_grad()
+def _process_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch], cfg: QuantConfig,
+                   uses: Counter, report: list, scale_only: bool, input_scales: dict) -> dict[str, nn.Module]:
+    groups = linear_groups(layer, batches[0])
+    names = [n for g in groups for n in g]
+    stats = collect_input_stats(layer, batches, names, stop_after=False)
+    fed_by, calls = _producers(layer, batches[0])
+    probe = LayerBatch(batches[0].hidden[:1], _first_row(batches[0].kwargs, batches[0].hidden.shape[0]))
+    reference = layer_forward(layer, probe)
+    for group in groups:
+        producer, why = _find_producer(layer, group, fed_by)
+        result = FoldResult(layer_name, producer, group, None, False, why)
+        report.append(result)
+        if producer is None:
+            log.warning("AWQ: no scaling for %s.%s: %s", layer_name, group, why)
+            continue
+        prod = layer.get_submodule(producer)
+        consumers = [layer.get_submodule(n) for n in group]
+        touched = [p for m in (prod, *consumers) for p in m.parameters(recurse=False)]
+        if any(uses[id(p)] > 1 for p in touched) or calls[producer] != 1:
+            result.reason = f"{producer} or a consumer shares its parameters or runs more than once"
+            log.warning("AWQ: no scaling for %s.%s: %s", layer_name, group, result.reason)
+            continue
+        st = stats[group[0]]
+        s, alpha = awq_search_scale([c.weight.data for c in consumers], st.hessian, st.mean_abs, cfg)
+        saved = [p.data.clone() for p in touched]
+        _fold(prod, consumers, s)
+        out = layer_forward(layer, probe)
+        tol = 1e-4 * reference.abs().max().item() + 1e-6
+        if (out - reference).abs().max().item() > tol:
+            for p, old in zip(touched, saved):
+                p.data.copy_(old)
+            result.reason = "scaling changed the layer's output (the producer is not per-channel linear)"
+            log.warning("AWQ: no scaling for %s.%s: %s", layer_name, group, result.reason)
+            continue
+        result.alpha, result.applied = alpha, True
+        scaled = _scaled_stats(st, s)
+        for n in group:
+            stats[n] = scaled
+            input_scales[f"{layer_name}.{n}"] = s
+    if scale_only:
+        return {}
+    done = {}
+    for name in names:
+        linear = layer.get_submodule(name)
+        codes, scales, zeros = awq_quantize_weight(linear.weight.data, stats[name].hessian, cfg)
+        q = QuantLinear.from_quantized(linear, codes, scales, zeros, cfg.bits, cfg.group_size, cfg.symmetric)
+        set_module(layer, name, q)
+        done[name] = q
+    return done
+
+
+@torch.no_grad()
+def quantize_model_awq(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor, progress: bool = True,
+                       scale_only: bool = False, report: list | None = None,
+                       input_scales: dict | None = None) -> dict[str, QuantLinear]:
+    """AWQ every quantizable linear of ``model`` in place, layer by layer, from ``calib`` (n, L) ids.
+
+    ``scale_only`` applies the (function-preserving) scaling and leaves the weights
+    unquantized; ``report`` collects a :class:`FoldResult` per group;
+    ``input_scales`` is filled with ``{module: s}`` for every scaled module (its
+    weight became ``W·diag(s)``, its input ``x / s``; see :func:`rescale_reference`).
+    Linears outside the decoder layers get RTN.
+    """
+    from spear.quant.rtn import rtn_quantize_linear
+
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    report = [] if report is None else report
+    input_scales = {} if input_scales is None else input_scales
+
+    def process(layer_name, layer, batches):
+        return _process_layer(layer_name, layer, batches, cfg, uses, report, scale_only, input_scales)
+
+    done, rest = run_layerwise(model, calib, cfg.calib.batch_size, process, f"AWQ W{cfg.bits}",
+                               cfg.include_lm_head, progress)
+    if not scale_only:
+        for name in rest:
+            log.info("AWQ: %s is outside the decoder layers; quantized with RTN", name)
+            q = rtn_quantize_linear(model.get_submodule(name), cfg)
+            set_module(model, name, q)
+            done[name] = q
+    skipped = [r for r in report if not r.applied]
+    if skipped:
+        log.warning("AWQ: %d of %d groups were not scaled (see the warnings above)", len(skipped), len(report))
+    return done
+
+
+def rescale_reference(fp_weights: dict[str, torch.Tensor], stats: dict | None, input_scales: dict[str, torch.Tensor]):
+    """The unquantized reference of an AWQ model: weights ``W·diag(s)`` and input statistics of ``x / s``.
+
+    ``fp_weights`` (name -> original weight) and ``stats`` (name ->
+    :class:`spear.compensate.stats.ActivationStats`, taken on the unscaled model) are
+    what error compensation needs; after AWQ they must describe the scaled linears.
+    Returns new dicts; statistics shared by several modules stay shared.
+    """
+    from dataclasses import replace
+
+    weights = {n: (w * input_scales[n].to(w.dtype)) if n in input_scales else w for n, w in fp_weights.items()}
+    if stats is None:
+        return weights, None
+    done: dict[int, object] = {}
+    out = {}
+    for name, st in stats.items():
+        s = input_scales.get(name)
+        if s is None:
+            out[name] = st
+            continue
+        if id(st) not in done:
+            inv = 1.0 / s.to(st.abs_sum.dtype)
+            done[id(st)] = replace(st, abs_sum=st.abs_sum * inv, sq_sum=st.sq_sum * inv * inv,
+                                   outer_sum=None if st.outer_sum is None else st.outer_sum * inv.unsqueeze(0) * inv.unsqueeze(1))
+        out[name] = done[id(st)]
+    return weights, out
