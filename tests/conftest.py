@@ -20,21 +20,29 @@ def tokenizer(default_model_path):
     return AutoTokenizer.from_pretrained(default_model_path)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_path(tmp_path_factory, tokenizer):
-    """A 2-layer random Llama (hidden 64) with the default tokenizer, saved as an HF folder."""
+def _tiny_llama(path, tokenizer, initializer_range):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                       tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                      eos_token_id=tokenizer.eos_token_id)
-    model = LlamaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
+                      eos_token_id=tokenizer.eos_token_id, initializer_range=initializer_range)
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory, tokenizer):
+    """A 2-layer random Llama (hidden 64) with the default tokenizer, saved as an HF folder."""
+    return _tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer, 0.02)
+
+
+@pytest.fixture(scope="session")
+def sharp_tiny_llama_path(tmp_path_factory, tokenizer):
+    """The tiny Llama with larger weights: peaked predictions, so quantization error shows in the KL."""
+    return _tiny_llama(tmp_path_factory.mktemp("sharp-tiny-llama"), tokenizer, 0.1)
 
 
 @pytest.fixture()

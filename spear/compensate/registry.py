@@ -21,6 +21,8 @@ def compensator_spec(comp: nn.Module) -> dict:
 
 
 def build_compensator(spec: dict, in_features: int, out_features: int, device=None, dtype=None) -> nn.Module:
+    import spear.compensate.ec  # noqa: F401  (registers the gated EC kind)
+
     spec = dict(spec)
     kind = spec.pop("kind", None)
     cls = COMPENSATOR_KINDS.get(kind)

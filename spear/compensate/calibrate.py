@@ -1,0 +1,218 @@
+"""Data-free KL calibration of error compensators (SPEAR.md §1).
+
+Only EC parameters train (A, B, α and the gate); the quantized base, embeddings and
+norms stay frozen. The objective is KL(p_FP ‖ p_quantized+EC) over every position
+of sequences the FP model sampled itself. Teacher log-probabilities are computed
+once, before the model is quantized, and kept in fp16 (the default model's 64 x 128
+samples take ~0.8 GB). A held-out set of self-samples gives the validation KL used
+for early stopping; the best EC state seen is restored at the end. A non-finite
+loss stops the run with an error naming the step and the first module whose
+parameters or gradients went non-finite, so no checkpoint is written from it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from spear.errors import SpearError
+from spear.quant.linear import QuantLinear
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """Self-sampling, optimisation and EC-shape settings of one calibration run."""
+
+    n_samples: int = 64
+    val_samples: int = 16
+    sample_len: int = 128
+    temperature: float = 1.0
+    top_p: float = 0.95
+    seed: int = 0
+    steps: int = 240
+    batch_size: int = 4
+    lr: float = 2e-3  # A, B
+    gate_lr: float = 1e-2  # gate MLP
+    alpha_lr: float = 1e-2
+    weight_decay: float = 0.0
+    warmup: float = 0.05  # fraction of steps
+    clip: float = 1.0
+    eval_every: int = 40
+    patience: int = 3  # evaluations without improvement before stopping
+    gated: bool = True
+    hidden: int = 8
+    bound: float = 1.0
+    init: str = "qera-approx"  # static solution the ECs start from
+
+    def __post_init__(self):
+        positive = ("n_samples", "val_samples", "steps", "batch_size", "eval_every", "patience", "hidden")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise SpearError(f"calibration {name} must be >= 1, got {getattr(self, name)}")
+        if self.sample_len < 2:
+            raise SpearError(f"calibration sample_len must be >= 2, got {self.sample_len}")
+        for name in ("lr", "gate_lr", "alpha_lr", "temperature", "clip"):
+            if not getattr(self, name) > 0:
+                raise SpearError(f"calibration {name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.warmup < 1:
+            raise SpearError(f"warmup must be a fraction in [0, 1), got {self.warmup}")
+        if self.init not in ("identity", "lqer", "qera-approx", "qera-exact"):
+            raise SpearError(f"init must be identity, lqer, qera-approx or qera-exact; got {self.init!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class CalibrationReport:
+    steps_run: int
+    best_step: int
+    best_val_kl: float
+    initial_val_kl: float
+    seconds: float
+    history: list[dict] = field(default_factory=list)  # {"step", "train_kl", "val_kl"?}
+
+
+class CalibrationDiverged(SpearError):
+    """The KL loss became NaN/inf."""
+
+
+@torch.no_grad()
+def teacher_logprobs(model: nn.Module, ids: torch.Tensor, batch_size: int = 8, progress: bool = True) -> torch.Tensor:
+    """FP log-probabilities (n, L, vocab) in fp16, computed batch by batch."""
+    device = next(model.parameters()).device
+    out = []
+    for i in tqdm(range(0, ids.shape[0], batch_size), desc="teacher logits", unit="batch", disable=not progress,
+                  leave=False):
+        logits = model(input_ids=ids[i:i + batch_size].to(device), use_cache=False).logits
+        out.append(F.log_softmax(logits.float(), dim=-1).to(torch.float16).cpu())
+    return torch.cat(out)
+
+
+def kl_loss(student_logits: torch.Tensor, teacher_lp: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(p_teacher ‖ p_student)."""
+    t = teacher_lp.float()
+    s = F.log_softmax(student_logits.float(), dim=-1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
+def ec_modules(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m.compensator for n, m in model.named_modules()
+            if isinstance(m, QuantLinear) and m.compensator is not None}
+
+
+@torch.no_grad()
+def val_kl(model: nn.Module, ids: torch.Tensor, teacher: torch.Tensor, batch_size: int) -> float:
+    device = next(model.parameters()).device
+    total, n = 0.0, 0
+    for i in range(0, ids.shape[0], batch_size):
+        logits = model(input_ids=ids[i:i + batch_size].to(device), use_cache=False).logits
+        k = ids[i:i + batch_size].shape[0]
+        total += kl_loss(logits, teacher[i:i + batch_size].to(device)).item() * k
+        n += k
+    return total / n
+
+
+def _param_groups(ecs: dict[str, nn.Module], cfg: CalibrationConfig) -> list[dict]:
+    low, gate, alpha = [], [], []
+    for ec in ecs.values():
+        for name, p in ec.named_parameters():
+            (alpha if name == "alpha" else low if name in ("A", "B") else gate).append(p)
+    groups = [{"params": low, "lr": cfg.lr}, {"params": alpha, "lr": cfg.alpha_lr, "weight_decay": 0.0}]
+    if gate:
+        groups.append({"params": gate, "lr": cfg.gate_lr})
+    return groups
+
+
+def _diagnose(ecs: dict[str, nn.Module], step: int) -> CalibrationDiverged:
+    for name, ec in ecs.items():
+        for pname, p in ec.named_parameters():
+            if not torch.isfinite(p).all():
+                return CalibrationDiverged(f"calibration diverged at step {step}: {name}.{pname} is non-finite")
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                return CalibrationDiverged(f"calibration diverged at step {step}: gradient of {name}.{pname} is non-finite")
+    return CalibrationDiverged(f"calibration diverged at step {step}: the KL loss is non-finite "
+                               "(every EC parameter is finite; try a lower --lr)")
+
+
+def train_ecs(model: nn.Module, train_ids: torch.Tensor, train_teacher: torch.Tensor, val_ids: torch.Tensor,
+              val_teacher: torch.Tensor, cfg: CalibrationConfig, progress: bool = True) -> CalibrationReport:
+    """Minimise the KL to the teacher over EC parameters only; restores the best validation state."""
+    ecs = ec_modules(model)
+    if not ecs:
+        raise SpearError("the model has no error compensators to calibrate")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for ec in ecs.values():
+        for p in ec.parameters():
+            p.requires_grad_(True)
+    opt = torch.optim.AdamW(_param_groups(ecs, cfg), weight_decay=cfg.weight_decay)
+    warm = max(1, int(cfg.warmup * cfg.steps))
+
+    def schedule(step):  # linear warm-up, then cosine to 10%
+        if step < warm:
+            return (step + 1) / warm
+        t = (step - warm) / max(1, cfg.steps - warm)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(cfg.seed)
+    start = time.perf_counter()
+    initial = val_kl(model, val_ids, val_teacher, cfg.batch_size)
+    best, best_step, bad = initial, 0, 0
+    best_state = {n: {k: v.detach().clone() for k, v in ec.state_dict().items()} for n, ec in ecs.items()}
+    history = [{"step": 0, "val_kl": initial}]
+    order = torch.empty(0, dtype=torch.long)
+    running = None
+    bar = tqdm(range(1, cfg.steps + 1), desc="KL calibration", unit="step", disable=not progress, leave=False)
+    step = 0
+    model.train(False)  # no dropout: the student must match a deterministic teacher
+    for step in bar:
+        if order.numel() < cfg.batch_size:
+            order = torch.randperm(train_ids.shape[0], generator=gen)
+        idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
+        logits = model(input_ids=train_ids[idx].to(device), use_cache=False).logits
+        loss = kl_loss(logits, train_teacher[idx].to(device))
+        if not torch.isfinite(loss):
+            raise _diagnose(ecs, step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        params = [p for g in opt.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+        if not torch.isfinite(norm):
+            raise _diagnose(ecs, step)
+        opt.step()
+        sched.step()
+        running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
+        entry = {"step": step, "train_kl": loss.item()}
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            v = val_kl(model, val_ids, val_teacher, cfg.batch_size)
+            entry["val_kl"] = v
+            if v < best:
+                best, best_step, bad = v, step, 0
+                best_state = {n: {k: t.detach().clone() for k, t in ec.state_dict().items()} for n, ec in ecs.items()}
+            else:
+                bad += 1
+            bar.set_postfix(kl=f"{running:.4f}", val=f"{v:.4f}")
+            if bad >= cfg.patience:
+                history.append(entry)
+                break
+        else:
+            bar.set_postfix(kl=f"{running:.4f}")
+        history.append(entry)
+    bar.close()
+    with torch.no_grad():
+        for n, ec in ecs.items():
+            ec.load_state_dict(best_state[n])
+    for ec in ecs.values():
+        for p in ec.parameters():
+            p.requires_grad_(False)
+    return CalibrationReport(steps_run=step, best_step=best_step, best_val_kl=best, initial_val_kl=initial,
+                             seconds=time.perf_counter() - start, history=history)

@@ -1,0 +1,117 @@
+"""End-to-end SPEAR calibration: self-samples → teacher → EC init → KL training.
+
+    data = prepare_calibration(fp_model, tokenizer, cfg)      # before quantizing
+    modules = quantize_model(fp_model, quant_cfg)               # in place
+    attach_ecs(modules, data.fp_weights, plan, cfg, data.stats)
+    report = calibrate(fp_model, data, cfg)
+
+Everything the FP model must provide (samples, teacher log-probs, activation
+statistics for the closed-form init, the original weights) is gathered first, so
+the FP and quantized models never need to be in memory together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spear.compensate.calibrate import CalibrationConfig, CalibrationReport, ec_modules, teacher_logprobs, train_ecs
+from spear.compensate.ec import GatedCompensator
+from spear.compensate.stats import ActivationStats, collect_activation_stats
+from spear.compensate.svd_init import low_rank_factors, scaling_for
+from spear.data.selfsample import SampleConfig, sample_sequences
+from spear.models.modules import quantizable_linears
+from spear.quant.linear import QuantLinear
+
+# EC tensors are stored (and counted) in fp16; the init is rounded to that once.
+STORAGE_DTYPE = torch.float16
+
+
+@dataclass
+class CalibrationData:
+    train_ids: torch.Tensor
+    val_ids: torch.Tensor
+    train_teacher: torch.Tensor
+    val_teacher: torch.Tensor
+    stats: dict[str, ActivationStats]
+    fp_weights: dict[str, torch.Tensor]
+
+
+def prepare_calibration(model: nn.Module, tokenizer, cfg: CalibrationConfig, include_lm_head: bool = False,
+                        progress: bool = True) -> CalibrationData:
+    """Everything calibration needs from the FP model (call before quantizing it)."""
+    n = cfg.n_samples + cfg.val_samples
+    ids = sample_sequences(model, tokenizer, SampleConfig(n=n, length=cfg.sample_len, temperature=cfg.temperature,
+                                                          top_p=cfg.top_p, seed=cfg.seed), progress=progress)
+    # A held-out tail of the same sampling run: validation never sees training sequences.
+    train_ids, val_ids = ids[: cfg.n_samples], ids[cfg.n_samples:]
+    targets = quantizable_linears(model, include_lm_head)
+    stats = collect_activation_stats(model, targets, train_ids, outer=cfg.init == "qera-exact", progress=progress)
+    teacher = teacher_logprobs(model, ids, batch_size=cfg.batch_size * 2, progress=progress)
+    return CalibrationData(train_ids, val_ids, teacher[: cfg.n_samples], teacher[cfg.n_samples:], stats,
+                           {n: lin.weight.detach().clone() for n, lin in targets.items()})
+
+
+@torch.no_grad()
+def attach_ecs(modules: dict[str, QuantLinear], fp_weights: dict[str, torch.Tensor], plan: dict[str, int],
+               cfg: CalibrationConfig, stats: dict[str, ActivationStats] | None) -> dict[str, int]:
+    """Attach a :class:`GatedCompensator` (gated or not per ``cfg``) to every module with a planned rank."""
+    applied = {}
+    scale_cache: dict[int, torch.Tensor | None] = {}
+    for i, (name, mod) in enumerate(modules.items()):
+        rank = min(plan.get(name, 0), mod.in_features, mod.out_features)
+        if rank == 0:
+            mod.compensator = None
+            continue
+        st = None if stats is None else stats.get(name)
+        if id(st) not in scale_cache:
+            scale_cache[id(st)] = scaling_for(cfg.init, st)
+        a, b = low_rank_factors(fp_weights[name].double() - mod.dequantized_weight(torch.float64), rank,
+                                scale_cache[id(st)])
+        dt = mod.compute_dtype
+        mod.compensator = GatedCompensator(a.to(STORAGE_DTYPE).to(dt), b.to(STORAGE_DTYPE).to(dt), hidden=cfg.hidden,
+                                           gated=cfg.gated, bound=cfg.bound, seed=cfg.seed * 7919 + i
+                                           ).to(mod.codes.device)
+        applied[name] = rank
+    return applied
+
+
+@torch.no_grad()
+def set_gate_scales(model: nn.Module, ids: torch.Tensor) -> None:
+    """Measure the RMS of u = A·x per rank on ``ids`` and normalise each gate's input by it."""
+    ecs = {n: e for n, e in ec_modules(model).items() if getattr(e, "gated", False)}
+    if not ecs:
+        return
+    sums = {n: torch.zeros(e.rank, dtype=torch.float64) for n, e in ecs.items()}
+    counts = dict.fromkeys(ecs, 0)
+
+    def hook(name):
+        def fn(mod, args):
+            u = nn.functional.linear(args[0].detach(), mod.A).reshape(-1, mod.rank).double()
+            sums[name] += (u * u).sum(0).cpu()
+            counts[name] += u.shape[0]
+        return fn
+
+    handles = [e.register_forward_pre_hook(hook(n)) for n, e in ecs.items()]
+    device = next(model.parameters()).device
+    try:
+        for i in range(ids.shape[0]):
+            model(input_ids=ids[i:i + 1].to(device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    for n, e in ecs.items():
+        e.set_input_scale((sums[n] / max(counts[n], 1)).sqrt())
+
+
+def calibrate(model: nn.Module, data: CalibrationData, cfg: CalibrationConfig, progress: bool = True
+              ) -> CalibrationReport:
+    """Normalise the gates' inputs, then KL-train the attached ECs."""
+    set_gate_scales(model, data.train_ids[: min(8, data.train_ids.shape[0])])
+    return train_ecs(model, data.train_ids, data.train_teacher, data.val_ids, data.val_teacher, cfg, progress)
+
+
+def uniform_plan(modules, rank: int) -> dict[str, int]:
+    return dict.fromkeys(modules, rank)
