@@ -64,7 +64,7 @@ def pick_config(m: int, n: int, k: int, group_size: int) -> Config:
     kmax = group_size if group_size else k  # BK must divide a group (one scale per step)
     if m <= DECODE_MAX_M:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        bn, bk = 128, min(256, kmax)
+        bn, bk = 128, min(128, kmax)
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         split = 1
         while tiles * split < 2 * 132 and k // (bk * split * 2) >= 2:

@@ -1,0 +1,361 @@
+"""Kernel benchmark: W4A16 GEMM and W4 + error compensator against FP16 cuBLAS and torch int4.
+
+    python benchmarks/bench_kernels.py --out results/kernels            # full sweep (H200: ~8 min)
+    python benchmarks/bench_kernels.py --out results/kernels --quick    # 7B/8B shapes, fewer M and ranks
+    python benchmarks/bench_kernels.py --out results/kernels --tune     # launch-shape sweep for w4a16.py
+
+Protocol (SPEAR.md §4): random non-zero weights quantized with RTN (4 bit, group 128, asym),
+fp16 activations; every variant is first checked against the fp32 reference at real shapes;
+each timing is a CUDA graph of back-to-back calls replayed after warm-up, timed with CUDA
+events, median over replays. The graph cycles through enough copies of the weights to
+exceed twice the L2 cache, so each call streams its weights from HBM as in a real model
+(a single weight buffer would be served from the 60 MB L2). All variants of one
+(shape, M) are timed in the same run, so the ratios compare like with like.
+
+Variants: fp16 (cuBLAS on the dequantized weight), int4mm (torch._weight_int4pack_mm, bf16),
+w4 (spear::w4a16_ec without EC, as dispatched), w4_triton / w4_dqmm (the two W4 prefill
+paths, for the threshold), and per rank r (gate hidden h = 32): fused, semi (side stream),
+serial (v-epilogue), ec (the op as dispatched) and naive (w4 then torch ops for the EC).
+Writes results.json and table.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from spear.kernels import ops, pack, pack_ec, reference, w4a16_linear  # noqa: E402
+from spear.kernels.w4a16 import Config, dequantize, w4a16_matmul  # noqa: E402
+from spear.quant.primitives import rtn  # noqa: E402
+
+MODELS = {  # hidden, intermediate
+    "Llama-3.2-1B": (2048, 8192),
+    "Llama-2-7B": (4096, 11008),
+    "Llama-3-8B": (4096, 14336),
+    "Llama-2-13B": (5120, 13824),
+}
+M_ALL = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+RANKS = [8, 16, 32, 64]
+HIDDEN = 32
+DEVICE = "cuda"
+GROUP = 128
+FUSED_MAX_M_TIMED = 128   # the fused kernel is timed up to here (threshold search)
+SEMI_MIN_M_TIMED = 16
+TUNE_SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): q/o, 8B gate_up, 8B down
+
+
+def layer_shapes(models):
+    """Unique (N, K) per model: q and o share one shape."""
+    out = []
+    for name in models:
+        h, i = MODELS[name]
+        out += [(name, "q/o", h, h), (name, "gate_up", 2 * i, h), (name, "down", h, i)]
+    return out
+
+
+# ----------------------------------------------------------------------------- timing
+def time_calls(fns, target_s=0.04, max_reps=40):
+    """Median µs per call of a CUDA graph that runs every fn once (one per weight copy)."""
+    for f in fns:
+        f()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    for _ in range(2):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    reps = max(5, min(max_reps, int(target_s * 1e3 / max(start.elapsed_time(end), 1e-3))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in events:
+        a.record()
+        graph.replay()
+        b.record()
+    torch.cuda.synchronize()
+    med_ms = statistics.median(a.elapsed_time(b) for a, b in events)
+    del graph
+    return 1e3 * med_ms / len(fns)
+
+
+def copies_for(nbytes, l2):
+    return max(1, min(64, math.ceil(2 * l2 / max(nbytes, 1))))
+
+
+# ----------------------------------------------------------------------------- layers
+class Layer:
+    """One quantized random layer and the copies each variant rotates through."""
+
+    def __init__(self, n, k, l2, with_int4, seed=0):
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        w = torch.randn(n, k, device=DEVICE, generator=g) * 0.02
+        self.codes, self.scales, self.zeros = rtn(w, 4, GROUP, symmetric=False)
+        self.scales = self.scales.half()
+        del w
+        self.n, self.k = n, k
+        base = pack(self.codes, self.scales, self.zeros, GROUP)
+        w4_bytes = sum(t.numel() * t.element_size() for t in (base.qweight, base.scales, base.zeros))
+        self.w4 = [base] + [pack(self.codes, self.scales, self.zeros, GROUP)
+                            for _ in range(copies_for(w4_bytes, l2) - 1)]
+        w16 = dequantize(base, torch.float16)
+        self.fp16 = [w16] + [w16.clone() for _ in range(copies_for(w16.numel() * 2, l2) - 1)]
+        self.int4 = []
+        if with_int4:
+            self.int4 = [self._int4pack() for _ in range(copies_for(w4_bytes, l2))]
+
+    def _int4pack(self):
+        # torch's layout: w = (q - 8) * scale + zero, with zero = (8 - z) * scale for our (q - z) * scale
+        q = self.codes.to(torch.int32)
+        packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+        w = torch._convert_weight_to_int4pack(packed, 8)
+        s = self.scales.float()
+        zf = (8.0 - self.zeros.float()) * s
+        sz = torch.stack([s, zf], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        return w, sz
+
+    def reference(self, x, e=None):
+        args = () if e is None else (e.a, e.b, e.w1, e.b1, e.w2, e.b2, e.alpha, e.bound)
+        return reference.w4a16_ec(x, self.codes, self.scales, self.zeros, GROUP, None, *args)
+
+
+def make_ec(n, k, r, seed=0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed + r)
+    dev = dict(device=DEVICE, generator=g)
+    return pack_ec(torch.randn(r, k, **dev) / k**0.5, torch.randn(n, r, **dev) * 0.02, 0.5, torch.float16,
+                   torch.randn(HIDDEN, r, **dev) / r**0.5, torch.randn(HIDDEN, **dev) * 0.1,
+                   torch.randn(r, HIDDEN, **dev) / HIDDEN**0.5, torch.randn(r, **dev) * 0.1, bound=0.5)
+
+
+def naive_ec(y, x, e):
+    """What one writes without kernels: W4, then the EC as separate torch ops."""
+    u = x @ e.a.t()
+    hdn = torch.nn.functional.silu(torch.addmm(e.b1, u, e.w1.t()))
+    gamma = 1.0 + e.bound * torch.tanh(torch.addmm(e.b2, hdn, e.w2.t()))
+    return torch.addmm(y, gamma * u, e.b.t(), alpha=e.alpha)
+
+
+def variants(layer, m, ranks, ecs):
+    """name -> list of zero-arg callables (one per weight copy); x is shared."""
+    x = torch.randn(m, layer.k, device=DEVICE).half()
+    xb = x.bfloat16()
+    # default arguments bind each copy (and each rank's EC) at definition time
+    v = {
+        "fp16": [lambda w=w: torch.nn.functional.linear(x, w) for w in layer.fp16],
+        "w4": [lambda w=w: w4a16_linear(x, w) for w in layer.w4],
+    }
+    if layer.int4:
+        v["int4mm"] = [lambda w=w: torch._weight_int4pack_mm(xb, w[0], GROUP, w[1]) for w in layer.int4]
+    if m >= 128:
+        v["w4_triton"] = [lambda w=w: w4a16_matmul(x, w) for w in layer.w4]
+        v["w4_dqmm"] = [lambda w=w: torch.nn.functional.linear(x, dequantize(w, x.dtype)) for w in layer.w4]
+    for r in ranks:
+        e = ecs[r]
+        v[f"ec r{r}"] = [lambda w=w, e=e: w4a16_linear(x, w, None, e) for w in layer.w4]
+        v[f"naive r{r}"] = [lambda w=w, e=e: naive_ec(w4a16_linear(x, w), x, e) for w in layer.w4]
+        if m <= FUSED_MAX_M_TIMED:
+            v[f"fused r{r}"] = [lambda w=w, e=e: w4a16_matmul(x, w, None, e, ec_mode=1) for w in layer.w4]
+        if m >= SEMI_MIN_M_TIMED:
+            v[f"semi r{r}"] = [lambda w=w, e=e: ops._semi_fused(x, w, None, e, overlap=True) for w in layer.w4]
+            v[f"serial r{r}"] = [lambda w=w, e=e: ops._semi_fused(x, w, None, e, overlap=False) for w in layer.w4]
+    return x, v
+
+
+def check(layer, m, ranks, ecs, log):
+    """Every variant against the fp32 reference before any timing."""
+    x, v = variants(layer, m, ranks, ecs)
+    ok = True
+    for name, fns in v.items():
+        e = ecs[int(name.split("r")[-1])] if " r" in name else None
+        out = fns[0]().float()
+        expect = layer.reference(x if name != "int4mm" else x.bfloat16(), e)
+        err = float((out - expect).abs().max() / expect.abs().max())
+        sq = float(20 * torch.log10(expect.norm() / (out - expect).norm()))
+        good = bool(torch.isfinite(out).all()) and sq > 35.0
+        ok &= good or name == "int4mm"
+        log.append(dict(n=layer.n, k=layer.k, m=m, variant=name, max_rel_err=err, sqnr_db=sq, ok=good))
+        if not good:
+            print(f"  CHECK FAILED {name} {layer.n}x{layer.k} M={m}: err {err:.2e} sqnr {sq:.1f} dB", flush=True)
+    return ok
+
+
+# ----------------------------------------------------------------------------- ceilings
+def ceilings():
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
+    b = torch.empty_like(a)
+    t = time_calls([lambda: b.copy_(a)])
+    bw = 2 * a.numel() / (t * 1e-6)
+    x = torch.randn(8192, 8192, device=DEVICE).half()
+    t = time_calls([lambda: x @ x])
+    return bw, 2 * 8192**3 / (t * 1e-6)
+
+
+def floor_us(n, k, m, bw, peak):
+    nbytes = n * k / 2 + 3 * n * k / GROUP + 2 * m * k + 2 * m * n
+    return max(nbytes / bw, 2 * m * n * k / peak) * 1e6, nbytes, 2 * m * n * k
+
+
+# ----------------------------------------------------------------------------- tune
+def tune(out_dir):
+    """Launch-shape sweep for the W4 kernel (decode split-K and prefill tiles)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    rows = []
+    decode = [Config(16, bn, bk, 1, w, s) for bn in (64, 128) for bk in (64, 128) for w in (4,) for s in (2, 4)]
+    decode += [Config(16, 128, 128, 1, 8, 3), Config(16, 256, 128, 1, 8, 3)]
+    prefill = [Config(64, 128, 64, 1, 4, 4), Config(128, 128, 64, 1, 4, 4), Config(128, 128, 64, 1, 8, 3),
+               Config(128, 256, 64, 1, 8, 3), Config(128, 128, 128, 1, 8, 3), Config(64, 256, 64, 1, 4, 3),
+               Config(128, 256, 128, 1, 8, 3)]
+    for n, k in TUNE_SHAPES:
+        layer = Layer(n, k, l2, with_int4=False)
+        for m in (1, 16):
+            x = torch.randn(m, k, device=DEVICE).half()
+            base = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in layer.fp16])
+            for c in decode:
+                for split in (1, 2, 4, 8, 16):
+                    cfg = Config(c.BM, c.BN, c.BK, split, c.num_warps, c.num_stages)
+                    t = time_calls([lambda w=w: w4a16_matmul(x, w, config=cfg) for w in layer.w4])
+                    rows.append(dict(n=n, k=k, m=m, cfg=cfg.__dict__, us=t, fp16_us=base))
+            best = min((r for r in rows if r["n"] == n and r["k"] == k and r["m"] == m), key=lambda r: r["us"])
+            print(f"tune decode {n}x{k} M={m}: fp16 {base:.1f} us, best {best['us']:.1f} us {best['cfg']}", flush=True)
+        for m in (512, 2048):
+            x = torch.randn(m, k, device=DEVICE).half()
+            base = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in layer.fp16])
+            dq = time_calls([lambda w=w: torch.nn.functional.linear(x, dequantize(w, x.dtype)) for w in layer.w4])
+            rows.append(dict(n=n, k=k, m=m, cfg="dequant+cublas", us=dq, fp16_us=base))
+            for cfg in prefill:
+                try:
+                    t = time_calls([lambda w=w: w4a16_matmul(x, w, config=cfg) for w in layer.w4])
+                except Exception as exc:  # out of shared memory etc.: record and go on
+                    print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                    continue
+                rows.append(dict(n=n, k=k, m=m, cfg=cfg.__dict__, us=t, fp16_us=base))
+            best = min((r for r in rows if r["n"] == n and r["k"] == k and r["m"] == m), key=lambda r: r["us"])
+            print(f"tune prefill {n}x{k} M={m}: fp16 {base:.1f} us, dq+mm {dq:.1f}, best {best['us']:.1f} us "
+                  f"{best['cfg']}", flush=True)
+        del layer
+        torch.cuda.empty_cache()
+    (out_dir / "tune.json").write_text(json.dumps(rows, indent=1))
+
+
+# ----------------------------------------------------------------------------- sweep
+def sweep(args, out_dir):
+    props = torch.cuda.get_device_properties(0)
+    l2 = props.L2_cache_size
+    bw, peak = ceilings()
+    print(f"device {props.name}, L2 {l2 >> 20} MB; measured copy {bw / 1e12:.2f} TB/s, fp16 mm {peak / 1e12:.0f} TFLOP/s",
+          flush=True)
+    models = ["Llama-2-7B", "Llama-3-8B"] if args.quick else list(MODELS)
+    ms = [1, 4, 16, 64, 512, 2048] if args.quick else M_ALL
+    ranks = [16, 32] if args.quick else RANKS
+    has_int4 = hasattr(torch, "_weight_int4pack_mm")
+    results, checks = [], []
+    t_start = time.time()
+    for model, proj, n, k in layer_shapes(models):
+        if time.time() - t_start > args.budget_s:
+            break
+        layer = Layer(n, k, l2, with_int4=has_int4)
+        ecs = {r: make_ec(n, k, r) for r in ranks}
+        for m in (1, 512):
+            check(layer, m, ranks, ecs, checks)
+        for m in ms:
+            if time.time() - t_start > args.budget_s:
+                print("time budget reached: stopping the sweep", flush=True)
+                break
+            _, v = variants(layer, m, ranks, ecs)
+            row = dict(model=model, proj=proj, n=n, k=k, m=m)
+            for name, fns in v.items():
+                try:
+                    row[name] = time_calls(fns)
+                except Exception as exc:  # a baseline may not support a shape; record why
+                    row[name] = None
+                    row[f"{name} error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            row["floor_us"], row["bytes"], row["flops"] = floor_us(n, k, m, bw, peak)
+            results.append(row)
+            ec32 = row.get("ec r32") or row.get(f"ec r{ranks[-1]}")
+            print(f"{model:13s} {proj:8s} {n:6d}x{k:<6d} M={m:5d} fp16 {row['fp16']:8.1f} w4 {row['w4']:8.1f} "
+                  f"int4 {row.get('int4mm') or float('nan'):8.1f} ec {ec32:8.1f} floor {row['floor_us']:7.1f} us",
+                  flush=True)
+        del layer, ecs
+        torch.cuda.empty_cache()
+    meta = dict(device=props.name, l2_bytes=l2, copy_bw=bw, fp16_peak=peak, torch=torch.__version__,
+                group_size=GROUP, gate_hidden=HIDDEN, fused_max_m=ops.FUSED_MAX_M,
+                dequant_mm_min_m=ops.DEQUANT_MM_MIN_M, quick=args.quick, date=time.strftime("%Y-%m-%d"))
+    (out_dir / "results.json").write_text(json.dumps(dict(meta=meta, results=results, checks=checks), indent=1))
+    (out_dir / "table.md").write_text(report(meta, results, checks, ranks))
+    print(report(meta, results, checks, ranks))
+
+
+def _median(vals):
+    vals = [v for v in vals if v is not None and math.isfinite(v)]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def report(meta, results, checks, ranks):
+    lines = [f"device {meta['device']}, {meta['date']}; copy {meta['copy_bw'] / 1e12:.2f} TB/s, "
+             f"fp16 mm {meta['fp16_peak'] / 1e12:.0f} TFLOP/s; g{meta['group_size']} asym, h={meta['gate_hidden']}; "
+             f"checks: {sum(c['ok'] for c in checks)}/{len(checks)} pass (int4mm excluded from the gate)", ""]
+    base = ["fp16", "int4mm", "w4", "w4_triton", "w4_dqmm"]
+    per_rank = ["fused", "semi", "serial", "ec", "naive"]
+    cols = base + [f"{p} r{r}" for r in ranks for p in per_rank]
+    lines.append("| model | proj | N×K | M | floor | " + " | ".join(cols) + " |")
+    lines.append("|" + "---|" * (5 + len(cols)))
+    for r in results:
+        cells = [f"{r[c]:.1f}" if r.get(c) is not None else "–" for c in cols]
+        lines.append(f"| {r['model']} | {r['proj']} | {r['n']}×{r['k']} | {r['m']} | {r['floor_us']:.1f} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "Medians over the Llama-2-7B and Llama-3-8B shapes (q and o counted separately):", ""]
+    lines.append("| M | fp16/w4 | fp16/int4mm | w4 % of floor | " + " | ".join(f"ec r{r}/w4 − 1" for r in ranks) +
+                 " | fused/semi r32 | dqmm/triton |")
+    lines.append("|" + "---|" * (6 + len(ranks)))
+    for m in sorted({r["m"] for r in results}):
+        rows = [r for r in results if r["m"] == m and r["model"] in ("Llama-2-7B", "Llama-3-8B")]
+        rows = rows + [r for r in rows if r["proj"] == "q/o"]
+        if not rows:
+            continue
+        sp = _median([r["fp16"] / r["w4"] for r in rows])
+        sp4 = _median([r["fp16"] / r["int4mm"] for r in rows if r.get("int4mm")])
+        eff = _median([r["floor_us"] / r["w4"] for r in rows])
+        ovh = [_median([r[f"ec r{k}"] / r["w4"] - 1 for r in rows if r.get(f"ec r{k}")]) for k in ranks]
+        fs = _median([r["fused r32"] / r["semi r32"] for r in rows if r.get("fused r32") and r.get("semi r32")])
+        dq = _median([r["w4_dqmm"] / r["w4_triton"] for r in rows if r.get("w4_dqmm")])
+        lines.append(f"| {m} | {sp:.2f}× | {sp4:.2f}× | {100 * eff:.0f}% | " +
+                     " | ".join(f"{100 * o:+.1f}%" for o in ovh) + f" | {fs:.2f} | {dq:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="folder for results.json and table.md")
+    p.add_argument("--quick", action="store_true", help="7B/8B shapes, M in {1,4,16,64,512,2048}, ranks 16/32")
+    p.add_argument("--tune", action="store_true", help="sweep launch shapes of the W4 kernel instead")
+    p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels.py needs a CUDA GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.tune:
+        tune(args.out)
+    else:
+        sweep(args, args.out)
+
+
+if __name__ == "__main__":
+    main()
