@@ -1,4 +1,4 @@
-"""Tiny random Llama models and calibration ids for the quantizer tests."""
+"""Tiny random Llama models (own vocabulary, no tokenizer) and token ids for the GPTQ/AWQ/import tests."""
 
 import pytest
 import torch
@@ -21,11 +21,11 @@ def make_tiny_llama(seed: int = 0, tie: bool = False, layers: int = 2, kv_heads:
 
 
 @pytest.fixture
-def tiny_llama():
+def rand_llama():
     return make_tiny_llama()
 
 
 @pytest.fixture
-def calib_ids():
+def rand_ids():
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, 128, (6, 16), generator=g)

@@ -99,21 +99,21 @@ def test_gptq_config_validation_and_round_trip():
     assert QuantConfig.from_dict({"bits": 4, "method": "rtn"}) == QuantConfig()  # older checkpoints
 
 
-def test_gptq_model_layer_by_layer(tiny_llama, calib_ids):
+def test_gptq_model_layer_by_layer(rand_llama, rand_ids):
     from copy import deepcopy
 
     from spear.quant import QuantLinear
     from spear.quant.api import quantize_model
 
-    rtn_model = deepcopy(tiny_llama)
+    rtn_model = deepcopy(rand_llama)
     with torch.no_grad():
-        ref = tiny_llama(calib_ids).logits
+        ref = rand_llama(rand_ids).logits
     cfg = QuantConfig(method="gptq", group_size=16, calib=CalibConfig(source="text", batch_size=4))
-    modules = quantize_model(tiny_llama, cfg, calib=calib_ids, progress=False)
+    modules = quantize_model(rand_llama, cfg, calib=rand_ids, progress=False)
     assert len(modules) == 14 and all(isinstance(m, QuantLinear) for m in modules.values())
-    assert type(tiny_llama.lm_head) is torch.nn.Linear
+    assert type(rand_llama.lm_head) is torch.nn.Linear
     quantize_model(rtn_model, QuantConfig(group_size=16), progress=False)
     with torch.no_grad():
-        err_gptq = (tiny_llama(calib_ids).logits - ref).pow(2).mean()
-        err_rtn = (rtn_model(calib_ids).logits - ref).pow(2).mean()
+        err_gptq = (rand_llama(rand_ids).logits - ref).pow(2).mean()
+        err_rtn = (rtn_model(rand_ids).logits - ref).pow(2).mean()
     assert err_gptq < err_rtn

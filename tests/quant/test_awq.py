@@ -1,0 +1,151 @@
+from copy import deepcopy
+
+import pytest
+import torch
+
+from spear.config import AWQConfig, CalibConfig, QuantConfig
+from spear.errors import SpearError
+from spear.quant.awq import (awq_quantize_weight, awq_search_clip, awq_search_scale, group_output_error,
+                             quantize_model_awq, rescale_reference)
+from spear.quant.primitives import dequantize
+
+from .conftest import make_tiny_llama
+
+TEXT = CalibConfig(source="text", batch_size=4)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("tie,kv_heads", [(False, 4), (True, 2)])
+def test_scaling_leaves_the_unquantized_function_unchanged(rand_ids, tie, kv_heads):
+    model = make_tiny_llama(tie=tie, kv_heads=kv_heads)
+    ref = _logits(model, rand_ids)
+    report = []
+    quantize_model_awq(model, QuantConfig(method="awq", calib=TEXT), rand_ids, progress=False,
+                       scale_only=True, report=report)
+    torch.testing.assert_close(_logits(model, rand_ids), ref, rtol=1e-4, atol=1e-5)
+    applied = {(r.producer, tuple(r.consumers)) for r in report if r.applied}
+    assert ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")) in applied
+    assert ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")) in applied
+    assert ("mlp.up_proj", ("mlp.down_proj",)) in applied
+    o_proj = [r for r in report if r.consumers == ["self_attn.o_proj"]]
+    # v_proj -> o_proj folds only when v has one output per o input (no grouped KV heads).
+    assert all(r.applied == (kv_heads == 4) for r in o_proj)
+    assert sum(r.alpha is not None and r.alpha > 0 for r in report) > 0  # scaling actually happened
+
+
+def test_shared_norm_is_not_scaled(rand_ids):
+    model = make_tiny_llama()
+    layer = model.model.layers[0]
+    model.model.layers[1].input_layernorm = layer.input_layernorm  # one norm used by two layers
+    ref = _logits(model, rand_ids)
+    report = []
+    quantize_model_awq(model, QuantConfig(method="awq", calib=TEXT), rand_ids, progress=False,
+                       scale_only=True, report=report)
+    torch.testing.assert_close(_logits(model, rand_ids), ref, rtol=1e-4, atol=1e-5)
+    skipped = [r for r in report if r.producer == "input_layernorm"]
+    assert skipped and not any(r.applied for r in skipped)
+    assert "shares its parameters" in skipped[0].reason
+
+
+def test_non_linear_norm_fold_is_detected_and_reverted(rand_ids):
+    class OnePlusNorm(torch.nn.Module):  # x * (1 + w): dividing w by s is not a fold
+        def __init__(self, n):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.rand(n))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
+
+    model = make_tiny_llama()
+    for layer in model.model.layers:
+        layer.post_attention_layernorm = OnePlusNorm(64)
+    ref = _logits(model, rand_ids)
+    report = []
+    quantize_model_awq(model, QuantConfig(method="awq", calib=TEXT), rand_ids, progress=False,
+                       scale_only=True, report=report)
+    torch.testing.assert_close(_logits(model, rand_ids), ref, rtol=1e-4, atol=1e-5)
+    mlp = [r for r in report if r.producer == "post_attention_layernorm"]
+    assert len(mlp) == 2 and all(not r.applied and "changed the layer's output" in r.reason for r in mlp)
+
+
+def _stats(seed=0, inp=64, tokens=512):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, inp, generator=g) * (torch.rand(inp, generator=g) * 4 + 0.1)
+    x[:, :4] *= 20  # a few salient channels, the case AWQ is built for
+    return x, x.T @ x / tokens, x.abs().mean(0)
+
+
+def test_scale_search_never_loses_to_plain_rounding():
+    x, h, mean_abs = _stats()
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    cfg = QuantConfig(method="awq", group_size=16)
+    s, alpha = awq_search_scale([w], h, mean_abs, cfg)
+    assert 0.0 <= alpha <= 1.0 and s.shape == (64,) and (s > 0).all()
+    from spear.quant.awq import _fake_quant
+
+    scaled = ((w - _fake_quant(w * s, cfg) / s) @ x.T).pow(2).mean()
+    plain = ((w - _fake_quant(w, cfg)) @ x.T).pow(2).mean()
+    assert scaled <= plain
+
+
+def test_clip_search_lowers_each_groups_output_error():
+    _, h, _ = _stats(seed=2)
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(3))
+    w[0, 0] = 12.0  # an outlier weight that clipping should trade off
+    cfg = QuantConfig(method="awq", group_size=16, symmetric=False)
+    ratios = awq_search_clip(w, h, cfg)
+    assert ratios.shape == (32, 4) and ((ratios >= 0.5) & (ratios <= 1.0)).all()
+    codes, scales, zeros = awq_quantize_weight(w, h, cfg)
+    clipped = group_output_error(w - dequantize(codes, scales, zeros, 16), h, 16)
+    codes, scales, zeros = awq_quantize_weight(w, h, QuantConfig(method="awq", group_size=16, symmetric=False,
+                                                                 awq=AWQConfig(clip=False)))
+    plain = group_output_error(w - dequantize(codes, scales, zeros, 16), h, 16)
+    assert (clipped <= plain * (1 + 1e-5) + 1e-6).all() and clipped.sum() < plain.sum()
+
+
+def test_group_output_error_matches_the_definition():
+    x, h, _ = _stats(seed=4, inp=32, tokens=64)
+    delta = torch.randn(8, 32)
+    per_group = group_output_error(delta, h, 8)
+    direct = torch.stack([((x[:, g * 8:(g + 1) * 8] @ delta[:, g * 8:(g + 1) * 8].T) ** 2).mean(0) for g in range(4)], 1)
+    torch.testing.assert_close(per_group, direct, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_statistics_raise():
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="statistics must be"):
+        awq_search_scale([w], torch.eye(16), torch.ones(15), QuantConfig(method="awq"))
+    with pytest.raises(ValueError, match="weights must be"):
+        awq_search_scale([torch.randn(8, 12)], torch.eye(16), torch.ones(16), QuantConfig(method="awq"))
+    with pytest.raises(SpearError, match="clip_min"):
+        AWQConfig(clip_min=0.0)
+
+
+def test_awq_model_and_reference_for_compensation(rand_ids):
+    from spear.compensate.stats import collect_activation_stats
+    from spear.models.modules import quantizable_linears
+    from spear.quant.api import quantize_model
+
+    model = make_tiny_llama()
+    rtn = deepcopy(model)
+    ref = _logits(model, rand_ids)
+    targets = quantizable_linears(model)
+    fp_weights = {n: m.weight.detach().clone() for n, m in targets.items()}
+    stats = collect_activation_stats(model, targets, rand_ids, progress=False)
+    scales: dict = {}
+    modules = quantize_model(model, QuantConfig(method="awq", group_size=16, calib=TEXT), calib=rand_ids,
+                             progress=False, input_scales=scales)
+    assert len(modules) == 14 and scales
+    quantize_model(rtn, QuantConfig(group_size=16), progress=False)
+    assert (_logits(model, rand_ids) - ref).pow(2).mean() < (_logits(rtn, rand_ids) - ref).pow(2).mean()
+    # The compensation reference of a scaled module is W·diag(s) seeing x / s.
+    weights, new_stats = rescale_reference(fp_weights, stats, scales)
+    name = next(iter(scales))
+    s = scales[name]
+    torch.testing.assert_close(weights[name], fp_weights[name] * s)
+    torch.testing.assert_close(new_stats[name].abs_sum, stats[name].abs_sum / s.double())
+    torch.testing.assert_close(modules[name].dequantized_weight(), weights[name], atol=0.5, rtol=0.5)
