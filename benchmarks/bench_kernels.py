@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spear.kernels import ops, pack, pack_ec, reference, w4a16_linear  # noqa: E402
-from spear.kernels.w4a16 import Config, dequantize, w4a16_matmul  # noqa: E402
+from spear.kernels.w4a16 import Config, dequantize, pick_config, w4a16_matmul  # noqa: E402
 from spear.quant.primitives import rtn  # noqa: E402
 
 MODELS = {  # hidden, intermediate
@@ -48,8 +48,9 @@ RANKS = [8, 16, 32, 64]
 HIDDEN = 32
 DEVICE = "cuda"
 GROUP = 128
-FUSED_MAX_M_TIMED = 128   # the fused kernel is timed up to here (threshold search)
-SEMI_MIN_M_TIMED = 16
+FUSED_MAX_M_TIMED = 64    # the fused kernel is timed up to here (threshold search)
+SEMI_MIN_M_TIMED = 16     # the semi-fused path from here
+SERIAL_MIN_M_TIMED = 256  # its serial variant (v-epilogue) from here
 TUNE_SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): q/o, 8B gate_up, 8B down
 
 
@@ -63,7 +64,7 @@ def layer_shapes(models):
 
 
 # ----------------------------------------------------------------------------- timing
-def time_calls(fns, target_s=0.04, max_reps=40):
+def time_calls(fns, target_s=0.02, max_reps=30):
     """Median µs per call of a CUDA graph that runs every fn once (one per weight copy)."""
     for f in fns:
         f()
@@ -162,7 +163,7 @@ def variants(layer, m, ranks, ecs):
         "fp16": [lambda w=w: torch.nn.functional.linear(x, w) for w in layer.fp16],
         "w4": [lambda w=w: w4a16_linear(x, w) for w in layer.w4],
     }
-    if layer.int4:
+    if layer.int4 and (m < 1024 or layer.n == layer.k):  # slow at large M: q/o only there
         v["int4mm"] = [lambda w=w: torch._weight_int4pack_mm(xb, w[0], GROUP, w[1]) for w in layer.int4]
     if m >= 128:
         v["w4_triton"] = [lambda w=w: w4a16_matmul(x, w) for w in layer.w4]
@@ -175,6 +176,7 @@ def variants(layer, m, ranks, ecs):
             v[f"fused r{r}"] = [lambda w=w, e=e: w4a16_matmul(x, w, None, e, ec_mode=1) for w in layer.w4]
         if m >= SEMI_MIN_M_TIMED:
             v[f"semi r{r}"] = [lambda w=w, e=e: ops._semi_fused(x, w, None, e, overlap=True) for w in layer.w4]
+        if m >= SERIAL_MIN_M_TIMED:
             v[f"serial r{r}"] = [lambda w=w, e=e: ops._semi_fused(x, w, None, e, overlap=False) for w in layer.w4]
     return x, v
 
@@ -199,10 +201,11 @@ def check(layer, m, ranks, ecs, log):
 
 # ----------------------------------------------------------------------------- ceilings
 def ceilings():
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
+    """Memory and fp16-MMA ceilings measured here (an SM copy kernel: D2D memcpy uses the slower copy engines)."""
+    a = torch.randn(1 << 29, device=DEVICE).half()
     b = torch.empty_like(a)
-    t = time_calls([lambda: b.copy_(a)])
-    bw = 2 * a.numel() / (t * 1e-6)
+    t = time_calls([lambda: torch.neg(a, out=b)])
+    bw = 4 * a.numel() / (t * 1e-6)
     x = torch.randn(8192, 8192, device=DEVICE).half()
     t = time_calls([lambda: x @ x])
     return bw, 2 * 8192**3 / (t * 1e-6)
@@ -215,56 +218,92 @@ def floor_us(n, k, m, bw, peak):
 
 # ----------------------------------------------------------------------------- tune
 def tune(out_dir):
-    """Launch-shape sweep for the W4 kernel (decode split-K and prefill tiles)."""
+    """Launch-shape sweep: CUDA-core decode (M <= 4), split-K tensor-core decode, decode/prefill crossover."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
-    decode = [Config(16, bn, bk, 1, w, s) for bn in (64, 128) for bk in (64, 128) for w in (4,) for s in (2, 4)]
-    decode += [Config(16, 128, 128, 1, 8, 3), Config(16, 256, 128, 1, 8, 3)]
-    prefill = [Config(64, 128, 64, 1, 4, 4), Config(128, 128, 64, 1, 4, 4), Config(128, 128, 64, 1, 8, 3),
-               Config(128, 256, 64, 1, 8, 3), Config(128, 128, 128, 1, 8, 3), Config(64, 256, 64, 1, 4, 3),
-               Config(128, 256, 128, 1, 8, 3)]
+
+    def run(layer, x, cfg, label, base, **kw):
+        try:
+            t = time_calls([lambda w=w: w4a16_matmul(x, w, config=cfg, **kw) for w in layer.w4])
+        except Exception as exc:  # out of registers/shared memory: record and go on
+            print(f"  {label} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            return
+        rows.append(dict(n=layer.n, k=layer.k, m=x.shape[0], label=label, cfg=cfg.__dict__, us=t, fp16_us=base))
+
+    fma = [(bn, bk, wp) for bn in (32, 64, 128) for bk in (128,) for wp in (2, 4)] + [(64, 64, 4)]
     for n, k in TUNE_SHAPES:
         layer = Layer(n, k, l2, with_int4=False)
+        for m in (1, 2, 4, 8, 16, 64, 128, 256):
+            x = torch.randn(m, k, device=DEVICE).half()
+            base = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in layer.fp16])
+            if m <= 4:
+                for bn, bk, wp in fma:
+                    for split in (1, 2, 4, 8, 16):
+                        run(layer, x, Config(16, bn, bk, split, wp, 2, mv=1 if m == 1 else (2 if m == 2 else 4)),
+                            "fma", base)
+            if m in (4, 8, 16, 64):
+                bm = 16 if m <= 16 else 64
+                for split in (1, 2, 4, 8):
+                    run(layer, x, Config(bm, 64, 128, split, 4, 4), "tc", base)
+            if m >= 64:
+                run(layer, x, Config(128, 128, 64, 1, 8, 3), "prefill", base)
+                dq = time_calls([lambda w=w: torch.nn.functional.linear(x, dequantize(w, x.dtype)) for w in layer.w4])
+                rows.append(dict(n=n, k=k, m=m, label="dequant+cublas", cfg=None, us=dq, fp16_us=base))
+            best = min((r for r in rows if r["n"] == n and r["k"] == k and r["m"] == m), key=lambda r: r["us"])
+            print(f"tune {n}x{k} M={m}: fp16 {base:.1f} us, best {best['us']:.1f} us {best['label']} {best['cfg']}",
+                  flush=True)
+        # fused EC at decode: u programs' share of the K ranges
+        e = make_ec(n, k, 32)
         for m in (1, 16):
             x = torch.randn(m, k, device=DEVICE).half()
-            base = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in layer.fp16])
-            for c in decode:
-                for split in (1, 2, 4, 8, 16):
-                    cfg = Config(c.BM, c.BN, c.BK, split, c.num_warps, c.num_stages)
-                    t = time_calls([lambda w=w: w4a16_matmul(x, w, config=cfg) for w in layer.w4])
-                    rows.append(dict(n=n, k=k, m=m, cfg=cfg.__dict__, us=t, fp16_us=base))
-            best = min((r for r in rows if r["n"] == n and r["k"] == k and r["m"] == m), key=lambda r: r["us"])
-            print(f"tune decode {n}x{k} M={m}: fp16 {base:.1f} us, best {best['us']:.1f} us {best['cfg']}", flush=True)
-        for m in (512, 2048):
-            x = torch.randn(m, k, device=DEVICE).half()
-            base = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in layer.fp16])
-            dq = time_calls([lambda w=w: torch.nn.functional.linear(x, dequantize(w, x.dtype)) for w in layer.w4])
-            rows.append(dict(n=n, k=k, m=m, cfg="dequant+cublas", us=dq, fp16_us=base))
-            for cfg in prefill:
-                try:
-                    t = time_calls([lambda w=w: w4a16_matmul(x, w, config=cfg) for w in layer.w4])
-                except Exception as exc:  # out of shared memory etc.: record and go on
-                    print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-                    continue
-                rows.append(dict(n=n, k=k, m=m, cfg=cfg.__dict__, us=t, fp16_us=base))
-            best = min((r for r in rows if r["n"] == n and r["k"] == k and r["m"] == m), key=lambda r: r["us"])
-            print(f"tune prefill {n}x{k} M={m}: fp16 {base:.1f} us, dq+mm {dq:.1f}, best {best['us']:.1f} us "
-                  f"{best['cfg']}", flush=True)
+            cfg = pick_config(m, n, k, GROUP)
+            w4 = time_calls([lambda w=w: w4a16_matmul(x, w) for w in layer.w4])
+            for us in (0, cfg.split_k, 2 * cfg.split_k, 4 * cfg.split_k):
+                c = Config(**{**cfg.__dict__, "u_split": us})
+                t = time_calls([lambda w=w: w4a16_matmul(x, w, None, e, ec_mode=1, config=c) for w in layer.w4])
+                rows.append(dict(n=n, k=k, m=m, label="fused r32", cfg=c.__dict__, us=t, fp16_us=None, w4_us=w4))
+                print(f"tune fused r32 {n}x{k} M={m} u_split={us or 'auto'}: {t:.1f} us (w4 {w4:.1f})", flush=True)
         del layer
         torch.cuda.empty_cache()
     (out_dir / "tune.json").write_text(json.dumps(rows, indent=1))
+
+
+def _warm_one(m, ranks, n, k):
+    """Compile every kernel variant that the sweep will launch at this M (into Triton's disk cache)."""
+    layer = Layer(n, k, 0, with_int4=False)
+    ecs = {r: make_ec(n, k, r) for r in ranks}
+    _, v = variants(layer, m, ranks, ecs)
+    for fns in v.values():
+        fns[0]()
+    torch.cuda.synchronize()
+    return m
+
+
+def warm_cache(ms, ranks):
+    """Triton compiles on one CPU thread per process; compile the sweep's kernels in parallel first."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    t = time.time()
+    try:
+        with cf.ProcessPoolExecutor(max_workers=min(12, len(ms)), mp_context=mp.get_context("spawn")) as pool:
+            list(pool.map(_warm_one, ms, [ranks] * len(ms), [512] * len(ms), [1024] * len(ms)))
+    except Exception as exc:  # only a speed-up: the sweep compiles on first use anyway
+        print(f"parallel compile pass failed ({type(exc).__name__}: {exc}); compiling on first use", flush=True)
+    print(f"compile pass for M in {ms}: {time.time() - t:.0f} s", flush=True)
 
 
 # ----------------------------------------------------------------------------- sweep
 def sweep(args, out_dir):
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
-    bw, peak = ceilings()
-    print(f"device {props.name}, L2 {l2 >> 20} MB; measured copy {bw / 1e12:.2f} TB/s, fp16 mm {peak / 1e12:.0f} TFLOP/s",
-          flush=True)
     models = ["Llama-2-7B", "Llama-3-8B"] if args.quick else list(MODELS)
     ms = [1, 4, 16, 64, 512, 2048] if args.quick else M_ALL
     ranks = [16, 32] if args.quick else RANKS
+    if not args.no_warm:
+        warm_cache(ms, ranks)
+    bw, peak = ceilings()
+    print(f"device {props.name}, L2 {l2 >> 20} MB; measured copy {bw / 1e12:.2f} TB/s, fp16 mm {peak / 1e12:.0f} TFLOP/s",
+          flush=True)
     has_int4 = hasattr(torch, "_weight_int4pack_mm")
     results, checks = [], []
     t_start = time.time()
@@ -346,6 +385,7 @@ def main():
     p.add_argument("--out", type=Path, required=True, help="folder for results.json and table.md")
     p.add_argument("--quick", action="store_true", help="7B/8B shapes, M in {1,4,16,64,512,2048}, ranks 16/32")
     p.add_argument("--tune", action="store_true", help="sweep launch shapes of the W4 kernel instead")
+    p.add_argument("--no-warm", action="store_true", help="skip the parallel compile pass")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
     args = p.parse_args()
     if not torch.cuda.is_available():

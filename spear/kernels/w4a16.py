@@ -51,40 +51,51 @@ class Config:
     split_k: int
     num_warps: int
     num_stages: int
+    mv: int = 0       # 1, 2 or 4: CUDA-core main loop for M <= mv tokens (no tensor cores)
+    u_split: int = 0  # K ranges of the fused u = A x programs; 0: balance against the W programs
 
 
 # Launch shapes by token count. Runtime autotuning cannot run inside CUDA-graph capture
 # (it times launches), so the choice is a fixed table, picked from a sweep on one H200
 # (benchmarks/bench_kernels.py --tune; numbers in BENCHMARKS.md, "Kernels").
-# Decode wants >= 2 programs per SM in flight (split-K), prefill wants big MMA tiles.
-DECODE_MAX_M = 64
+FMA_MAX_M = 4          # CUDA-core main loop up to here
+DECODE_MAX_M = 64      # split-K tensor-core tiles up to here, prefill tiles above
+# Programs wanted in flight at decode: 132 SMs x a few resident programs each.
+DECODE_PROGRAMS = 512
+
+
+def _split_for(tiles: int, k: int, bk: int) -> int:
+    """Smallest power-of-two split-K giving DECODE_PROGRAMS programs, keeping >= 2 K steps each."""
+    split = 1
+    while tiles * split < DECODE_PROGRAMS and k // (bk * split * 2) >= 2:
+        split *= 2
+    return split
 
 
 def pick_config(m: int, n: int, k: int, group_size: int) -> Config:
     kmax = group_size if group_size else k  # BK must divide a group (one scale per step)
+    bk = min(128, kmax)
+    if m <= FMA_MAX_M:
+        bn = 64
+        return Config(16, bn, bk, _split_for(triton.cdiv(n, bn), k, bk), 4, 2, mv=1 if m == 1 else (2 if m == 2 else 4))
     if m <= DECODE_MAX_M:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        bn, bk = 128, min(128, kmax)
-        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        split = 1
-        while tiles * split < 2 * 132 and k // (bk * split * 2) >= 2:
-            split *= 2
-        return Config(bm, bn, bk, split, 4, 4)
-    bm = 64 if m <= 128 else 128
-    return Config(bm, 128, min(64, kmax), 1, 4, 4)
+        bn = 64
+        return Config(bm, bn, bk, _split_for(triton.cdiv(m, bm) * triton.cdiv(n, bn), k, bk), 4, 4)
+    return Config(128, 128, min(64, kmax), 1, 8, 3)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "split_k", "u_split"])
 def _w4a16_kernel(
     # tensors
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
     part_ptr,      # fp32 (split_k, M, N) partial sums
     locks_ptr,     # int32 counters, zero on entry and on exit
     a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,  # padded EC (layout.py)
-    upart_ptr,     # fp32 (split_k, M, R) partial A x
+    upart_ptr,     # fp32 (u_split, M, R) partial A x
     v_ptr,         # (M, R) gamma(u) ⊙ u for EC_MODE 2
     # scalars
-    alpha, bound, split_k,
+    alpha, bound, split_k, u_split,
     # sizes and strides (x and out have unit stride along features)
     M, N, K, stride_xm, stride_om,
     # weight layout
@@ -92,40 +103,38 @@ def _w4a16_kernel(
     # compensator: 0 none, 1 fused, 2 epilogue from v
     EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     # tiling
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_wt = tl.cdiv(N, BN)
     if EC_MODE == 1:
-        per_m = (n_wt + 1) * split_k
+        n_u = u_split
     else:
-        per_m = n_wt * split_k
+        n_u = 0
+    per_m = n_u + n_wt * split_k
     pid_m = pid // per_m
-    tile = (pid % per_m) // split_k
-    split = pid % split_k
+    local = pid % per_m
     lock_base = pid_m * (n_wt + 2)   # n_wt tile counters, u counter, done counter
-
-    iters = tl.cdiv(K // BK, split_k)
-    k_lo = split * iters * BK
-    k_hi = tl.minimum(k_lo + iters * BK, K)
     offs_m = pid_m * BM + tl.arange(0, BM)
     m_mask = offs_m < M
 
-    if EC_MODE == 1:
-        # column tile 0 of each m-tile computes u: lowest ids, dispatched first
-        if tile == 0:
-            _u_program(x_ptr, a_ptr, upart_ptr, locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, split,
-                       M, K, stride_xm, R, BM, BK, DOT_F32)
-        else:
-            _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
-                       b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k,
-                       tile - 1, n_wt, lock_base, offs_m, m_mask, k_lo, k_hi, split, M, N, K, stride_xm, stride_om,
-                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, DOT_F32)
+    if local < n_u:
+        # the u programs of an m-tile have its lowest ids, so they are dispatched first
+        iters = tl.cdiv(K // BK, u_split)
+        k_lo = local * iters * BK
+        k_hi = tl.minimum(k_lo + iters * BK, K)
+        _u_program(x_ptr, a_ptr, upart_ptr, locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local,
+                   M, K, stride_xm, R, BM, BK, DOT_F32)
     else:
+        tile = (local - n_u) // split_k
+        split = (local - n_u) % split_k
+        iters = tl.cdiv(K // BK, split_k)
+        k_lo = split * iters * BK
+        k_hi = tl.minimum(k_lo + iters * BK, K)
         _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
-                   b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k,
+                   b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, u_split,
                    tile, n_wt, lock_base, offs_m, m_mask, k_lo, k_hi, split, M, N, K, stride_xm, stride_om,
-                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, DOT_F32)
+                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32)
 
 
 @triton.jit
@@ -148,11 +157,11 @@ def _u_program(x_ptr, a_ptr, upart_ptr, u_lock, offs_m, m_mask, k_lo, k_hi, spli
 
 @triton.jit
 def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
-               b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k,
+               b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, u_split,
                wt, n_wt, lock_base, offs_m, m_mask, k_lo, k_hi, split, M, N, K, stride_xm, stride_om,
                GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, IS_BF16: tl.constexpr,
                EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
     offs_n = wt * BN + tl.arange(0, BN)
     n_mask = offs_n < N
@@ -170,17 +179,21 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
         zc = tl.full((BN,), zbase + 8.0, tl.float32)
     else:
         zc = zbase + tl.load(zeros_ptr + n_ld).to(tl.float32)
-    accT = tl.zeros((BN, BM), tl.float32)
-    for k in range(k_lo, k_hi, BK):
-        p = tl.load(w_base + k // 8)
-        if GROUP > 0:
-            g = k // GROUP
-            s = tl.load(scales_ptr + g * N + n_ld).to(tl.float32)
-            if not SYMMETRIC:
-                zc = zbase + tl.load(zeros_ptr + g * N + n_ld).to(tl.float32)
-        w = _dequant(_unpack_w4(p, BN, BK, IS_BF16), zc, s, GROUP > 0, IS_BF16)
-        xt = tl.load(x_base + k, mask=m_mask[None, :], other=0.0)
-        accT = _dot(w, xt, accT, DOT_F32)
+    if MV > 0:
+        accT = _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, stride_xm,
+                             GROUP, SYMMETRIC, BN, BK, BM, MV)
+    else:
+        accT = tl.zeros((BN, BM), tl.float32)
+        for k in range(k_lo, k_hi, BK):
+            p = tl.load(w_base + k // 8)
+            if GROUP > 0:
+                g = k // GROUP
+                s = tl.load(scales_ptr + g * N + n_ld).to(tl.float32)
+                if not SYMMETRIC:
+                    zc = zbase + tl.load(zeros_ptr + g * N + n_ld).to(tl.float32)
+            w = _dequant(_unpack_w4(p, BN, BK, IS_BF16), zc, s, GROUP > 0, IS_BF16)
+            xt = tl.load(x_base + k, mask=m_mask[None, :], other=0.0)
+            accT = _dot(w, xt, accT, DOT_F32)
     if GROUP == 0:
         accT = accT * s[:, None]
 
@@ -197,26 +210,111 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
                 accT += tl.load(part_ptr + s_i * M * N + mn_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(locks_ptr + lock_base + wt, 0)
             _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-                      b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, M,
+                      b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, u_split, M,
                       stride_om, HAS_BIAS, EC_MODE, GATE, R, H, BM, BN, DOT_F32)
     else:
         _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-                  b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, M,
+                  b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, u_split, M,
                   stride_om, HAS_BIAS, EC_MODE, GATE, R, H, BM, BN, DOT_F32)
 
 
 @triton.jit
+def _fma_token(acc, x_ptr, i, stride_xm, k, koff, offs_w, wj, xs, M):
+    """acc [BN, BK/8] += wj * x[i, k + 8 w + koff] (scaled by xs); tokens i >= M read as 0."""
+    xj = tl.load(x_ptr + i * stride_xm + k + 8 * offs_w + koff, mask=(offs_w * 0 + i) < M, other=0.0)
+    return acc + wj * (xj.to(tl.float32) * xs)[None, :]
+
+
+@triton.jit
+def _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, stride_xm,
+                  GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  BM: tl.constexpr, MV: tl.constexpr):
+    """CUDA-core main loop for M <= MV <= 4 tokens; returns accT [BN, BM] (columns >= MV zero).
+
+    At decode the tensor cores buy nothing, and the MMA operand layout forces the dequantized
+    tile through shared memory; here every word stays in the registers it was loaded into
+    (one 2-D accumulator per token keeps every tensor in the load's layout).
+    A code is turned into an exact fp32 by OR-ing it, unshifted, into the mantissa of 2^23
+    (nibble i at bits 4i: value 2^23 + code·16^i, exact while the nibble stays below bit 23,
+    so nibbles 5..7 are shifted down once per word). Subtracting 2^23 + zero·16^i leaves
+    (code - zero)·16^i exactly, and the matching x is pre-scaled by 16^-i (exact). Per weight:
+    one LOP3, one FADD, one FFMA per token; the group scale is applied once per K step.
+    """
+    offs_w = tl.arange(0, BK // 8)
+    if SYMMETRIC:
+        z = tl.full((BN,), 8.0, tl.float32)
+    else:
+        z = tl.load(zeros_ptr + n_ld).to(tl.float32)
+    a0 = tl.zeros((BN, BK // 8), tl.float32)
+    a1 = tl.zeros((BN, BK // 8), tl.float32)
+    a2 = tl.zeros((BN, BK // 8), tl.float32)
+    a3 = tl.zeros((BN, BK // 8), tl.float32)
+    for k in range(k_lo, k_hi, BK):
+        p = tl.load(w_base + k // 8)
+        hi = p >> 20
+        if GROUP > 0:
+            g = k // GROUP
+            if not SYMMETRIC:
+                z = tl.load(zeros_ptr + g * N + n_ld).to(tl.float32)
+            s0 = tl.zeros((BN, BK // 8), tl.float32)
+            s1 = tl.zeros((BN, BK // 8), tl.float32)
+            s2 = tl.zeros((BN, BK // 8), tl.float32)
+            s3 = tl.zeros((BN, BK // 8), tl.float32)
+        else:
+            s0 = a0
+            s1 = a1
+            s2 = a2
+            s3 = a3
+        for j in tl.static_range(8):
+            # nibble j holds k-offset NIBBLE_K[j] = (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1)
+            if j < 5:
+                bits = (p & (0xF << (4 * j))) | 0x4B000000
+                wj = bits.to(tl.float32, bitcast=True) - (8388608.0 + z * (1 << (4 * j)))[:, None]
+                xs = 1.0 / (1 << (4 * j))
+            else:
+                bits = (hi & (0xF << (4 * (j - 5)))) | 0x4B000000
+                wj = bits.to(tl.float32, bitcast=True) - (8388608.0 + z * (1 << (4 * (j - 5))))[:, None]
+                xs = 1.0 / (1 << (4 * (j - 5)))
+            koff = (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1)
+            s0 = _fma_token(s0, x_ptr, 0, stride_xm, k, koff, offs_w, wj, xs, M)
+            if MV > 1:
+                s1 = _fma_token(s1, x_ptr, 1, stride_xm, k, koff, offs_w, wj, xs, M)
+            if MV > 2:
+                s2 = _fma_token(s2, x_ptr, 2, stride_xm, k, koff, offs_w, wj, xs, M)
+                s3 = _fma_token(s3, x_ptr, 3, stride_xm, k, koff, offs_w, wj, xs, M)
+        if GROUP > 0:
+            s = tl.load(scales_ptr + g * N + n_ld).to(tl.float32)[:, None]
+            a0 += s * s0
+            a1 += s * s1
+            a2 += s * s2
+            a3 += s * s3
+        else:
+            a0 = s0
+            a1 = s1
+            a2 = s2
+            a3 = s3
+    cols = tl.arange(0, BM)[None, :]
+    accT = tl.where(cols == 0, tl.sum(a0, axis=1)[:, None], 0.0)
+    if MV > 1:
+        accT += tl.where(cols == 1, tl.sum(a1, axis=1)[:, None], 0.0)
+    if MV > 2:
+        accT += tl.where(cols == 2, tl.sum(a2, axis=1)[:, None], 0.0)
+        accT += tl.where(cols == 3, tl.sum(a3, axis=1)[:, None], 0.0)
+    return accT
+
+
+@triton.jit
 def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-              b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, M,
+              b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, u_split, M,
               stride_om, HAS_BIAS: tl.constexpr, EC_MODE: tl.constexpr, GATE: tl.constexpr,
               R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr):
     offs_r = tl.arange(0, R)
     if EC_MODE == 1:
         u_lock = locks_ptr + lock_base + n_wt
-        while tl.atomic_add(u_lock, 0, sem="acquire") < split_k:
+        while tl.atomic_add(u_lock, 0, sem="acquire") < u_split:
             pass
         uT = tl.zeros((R, BM), tl.float32)
-        for s_i in range(split_k):
+        for s_i in range(u_split):
             uT += tl.load(upart_ptr + s_i * M * R + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :],
                           other=0.0, cache_modifier=".cg")
         vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, R, H, BM, GATE, DOT_F32)
@@ -324,18 +422,25 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     if k % cfg.BK or (w.group_size and w.group_size % cfg.BK):
         raise ValueError(f"BK={cfg.BK} must divide in_features={k} and the group size {w.group_size}")
     m_tiles, n_wt = triton.cdiv(m, cfg.BM), triton.cdiv(n, cfg.BN)
+    if cfg.mv and (m > cfg.mv or cfg.mv not in (1, 2, 4) or cfg.mv > cfg.BM):
+        raise ValueError(f"the CUDA-core main loop takes M <= mv, mv in (1, 2, 4), mv <= BM; got M={m}, "
+                         f"mv={cfg.mv}, BM={cfg.BM}")
+    r = ec.a.shape[0] if ec is not None else 16
+    u_split = 0
+    if ec_mode == 1:
+        # a u program streams R x K_range fp16, a W program BN x K_range x 4 bit: balance the two
+        u_split = cfg.u_split or min(k // cfg.BK, cfg.split_k * triton.cdiv(4 * r, cfg.BN))
     needs_locks = cfg.split_k > 1 or ec_mode == 1
     if needs_locks and m_tiles * (n_wt + 2) > w.locks.numel():
         raise ValueError(f"split-K/fused EC needs {m_tiles * (n_wt + 2)} lock slots for M={m}, N={n}; "
                          f"the layer has {w.locks.numel()} (LOCK_SLOTS={LOCK_SLOTS}); use a smaller M per call")
     out = _common.alloc((m, n), dtype=x.dtype, device=x.device)
     part = _common.alloc((cfg.split_k, m, n) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
-    r = ec.a.shape[0] if ec is not None else 16
     h = ec.w1.shape[0] if ec is not None and ec.gated else 16
-    upart = _common.alloc((cfg.split_k, m, r) if ec_mode == 1 else (1,), dtype=torch.float32, device=x.device)
+    upart = _common.alloc((u_split, m, r) if ec_mode == 1 else (1,), dtype=torch.float32, device=x.device)
     dummy = w.scales  # never read when its feature flag is off
     e = ec
-    grid = (m_tiles * (n_wt + (1 if ec_mode == 1 else 0)) * cfg.split_k,)
+    grid = (m_tiles * (u_split + n_wt * cfg.split_k),)
     kernel = _w4a16_kernel if launch is None else launch(_w4a16_kernel)
     kernel[grid](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else dummy, out, part, w.locks,
@@ -343,11 +448,11 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         e.w1 if e and e.gated else dummy, e.b1 if e and e.gated else dummy,
         e.w2 if e and e.gated else dummy, e.b2 if e and e.gated else dummy,
         upart, v if v is not None else dummy,
-        float(e.alpha) if e else 0.0, float(e.bound) if e else 0.0, cfg.split_k,
+        float(e.alpha) if e else 0.0, float(e.bound) if e else 0.0, cfg.split_k, u_split,
         m, n, k, x.stride(0), out.stride(0),
         GROUP=w.group_size, SYMMETRIC=w.symmetric, HAS_BIAS=bias is not None, IS_BF16=x.dtype == torch.bfloat16,
         EC_MODE=ec_mode, GATE=bool(e and e.gated), R=r, H=h,
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DOT_F32=INTERPRET,
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

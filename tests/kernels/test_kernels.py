@@ -52,6 +52,10 @@ GEMM_CASES = [
     (17, 128, True, torch.float16, False, Config(64, 64, 64, 1, 4, 2)),
     (1, 64, False, torch.bfloat16, False, None),
     (33, 32, True, torch.float16, True, None),
+    # CUDA-core main loop (M <= mv)
+    (1, 128, False, torch.float16, True, Config(16, 32, 128, 2, 4, 2, mv=1)),
+    (2, 0, True, torch.bfloat16, False, Config(16, 64, 128, 1, 4, 2, mv=2)),
+    (3, 32, False, torch.bfloat16, True, Config(16, 64, 32, 3, 4, 2, mv=4)),
 ]
 
 
@@ -63,23 +67,25 @@ def test_w4a16_gemm(poisoned, m, gs, sym, dtype, bias, cfg):
     assert int(w.locks.abs().sum()) == 0, "split-K counters not re-armed"
 
 
-# (M, group, symmetric, dtype, rank, gate hidden or None, split_k)
+# (M, group, symmetric, dtype, rank, gate hidden or None, split_k, mv, u_split)
 FUSED_CASES = [
-    (1, 0, True, torch.float16, 8, 12, 1),
-    (3, 64, False, torch.bfloat16, 20, 16, 3),
-    (17, 128, False, torch.float16, 16, None, 2),
-    (1, 32, True, torch.bfloat16, 8, None, 4),
-    (33, 0, False, torch.float16, 32, 32, 2),
+    (1, 0, True, torch.float16, 8, 12, 1, 0, 0),
+    (3, 64, False, torch.bfloat16, 20, 16, 3, 0, 1),
+    (17, 128, False, torch.float16, 16, None, 2, 0, 0),
+    (1, 32, True, torch.bfloat16, 8, None, 4, 1, 3),
+    (33, 0, False, torch.float16, 32, 32, 2, 0, 0),
+    (2, 64, False, torch.float16, 16, 8, 2, 2, 0),
 ]
 
 
-@pytest.mark.parametrize("m,gs,sym,dtype,r,h,split", FUSED_CASES)
-def test_fused_ec(poisoned, m, gs, sym, dtype, r, h, split):
+@pytest.mark.parametrize("m,gs,sym,dtype,r,h,split,mv,u_split", FUSED_CASES)
+def test_fused_ec(poisoned, m, gs, sym, dtype, r, h, split, mv, u_split):
     ec = make_ec(N_SMALL, K_SMALL, r, h, dtype, seed=r)
     x, w, b, e, expect = _setup(m, K_SMALL, N_SMALL, gs, sym, dtype, seed=m + r, ec=ec)
     bk = min(64, gs or 64)
+    cfg = Config(16, 64, bk, split, 4, 2, mv=mv, u_split=u_split)
     for _ in range(2):  # the second call checks that the counters were re-armed
-        out = w4a16_matmul(x, w, b, e, ec_mode=1, config=Config(16, 64, bk, split, 4, 2))
+        out = w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg)
         assert_close(out, expect, dtype, f"fused EC M={m} g={gs} r={r} h={h} split={split}")
         assert int(w.locks.abs().sum()) == 0, "fused-EC counters not re-armed"
 
@@ -126,13 +132,16 @@ def test_launcher_errors():
         w4a16_matmul(torch.randn(2, 128, device=DEVICE), w)
     with pytest.raises(ValueError, match="BK=64 must divide"):
         w4a16_matmul(torch.randn(2, 128, dtype=torch.float16, device=DEVICE), w, config=Config(16, 64, 64, 1, 4, 2))
+    with pytest.raises(ValueError, match="mv"):
+        w4a16_matmul(torch.randn(3, 128, dtype=torch.float16, device=DEVICE), w, config=Config(16, 64, 32, 1, 4, 2, mv=2))
     with pytest.raises(ValueError, match="rank"):
         pack_ec(torch.randn(200, 128), torch.randn(64, 200), 1.0, torch.float16)
 
 
 def test_pick_config_fills_the_gpu_at_decode():
-    cfg = pick_config(1, 4096, 4096, 128)
-    assert cfg.BM == 16 and (4096 // cfg.BN) * cfg.split_k >= 132
+    for m in (1, 3, 16):
+        cfg = pick_config(m, 4096, 4096, 128)
+        assert cfg.BM == 16 and (4096 // cfg.BN) * cfg.split_k >= 132 and (cfg.mv >= m or cfg.mv == 0)
     assert pick_config(2048, 4096, 4096, 128).split_k == 1
 
 
