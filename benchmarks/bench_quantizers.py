@@ -97,7 +97,7 @@ def main() -> None:
                 print(f"calibration: {tuple(ids.shape)} self-sampled ids in {header['self_sampling_s']} s", flush=True)
             scales: dict = {}
             t0 = time.perf_counter()
-            modules = quantize_model(model, cfg, calib=None, progress=False, tokenizer=tokenizer, input_scales=scales)
+            modules = quantize_model(model, cfg, calib=None, progress=False, tokenizer=tokenizer, channel_scales=scales)
             quant_s = time.perf_counter() - t0
             base = ppl(model)
             base_ppl[method] = base.ppl

@@ -63,12 +63,12 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
             raise ValueError("static methods with activation statistics need --calib-windows >= 1")
         stats = collect_activation_stats(model, targets, split.calib, outer="qera-exact" in static_methods,
                                          progress=progress)
-    input_scales: dict = {}
+    channel_scales: dict = {}
     modules = quantize_model(model, quant, calib=split.calib if quant.calib.source == "text" else None,
-                             progress=progress, tokenizer=tokenizer, input_scales=input_scales)
-    if input_scales:  # AWQ scaled the linears: compensate against the scaled weights
+                             progress=progress, tokenizer=tokenizer, channel_scales=channel_scales)
+    if channel_scales:  # AWQ scaled the linears: compensate against the scaled weights
         from spear.quant.awq import rescale_reference
-        fp_weights, stats = rescale_reference(fp_weights, stats, input_scales)
+        fp_weights, stats = rescale_reference(fp_weights, stats, channel_scales)
     base = ppl(quant.label)
     log(f"{quant.label} ppl {base.ppl:.3f}")
     total = quantized_model_bytes(model)

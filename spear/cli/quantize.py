@@ -53,14 +53,14 @@ def main(args) -> int:
     stats = None
     if comp and needs_stats(comp.method):
         stats = collect_activation_stats(model, targets, calib, outer=comp.method == "qera-exact", progress=progress)
-    input_scales: dict = {}
+    channel_scales: dict = {}
     modules = quantize_model(model, quant, calib=calib if text_calib else None, progress=progress,
-                             tokenizer=tokenizer, input_scales=input_scales)
+                             tokenizer=tokenizer, channel_scales=channel_scales)
     meta = {"text": eval_cfg.text, "calib_windows": eval_cfg.calib_windows, "seq_len": eval_cfg.seq_len}
     if comp:
-        if input_scales:  # AWQ scaled the linears: compensate against the scaled weights
+        if channel_scales:  # AWQ scaled the linears: compensate against the scaled weights
             from spear.quant.awq import rescale_reference
-            fp_weights, stats = rescale_reference(fp_weights, stats, input_scales)
+            fp_weights, stats = rescale_reference(fp_weights, stats, channel_scales)
         attach_static(modules, fp_weights, comp, stats, progress=progress)
         meta["compensation"] = comp.to_dict()
     out = save_checkpoint(model, tokenizer, args.out, quant, args.model, meta=meta, overwrite=args.overwrite)

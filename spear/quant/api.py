@@ -39,14 +39,14 @@ def calibration_ids(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | No
 
 
 def quantize_model(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | None = None,
-                   progress: bool = True, tokenizer=None, input_scales: dict | None = None) -> dict[str, QuantLinear]:
+                   progress: bool = True, tokenizer=None, channel_scales: dict | None = None) -> dict[str, QuantLinear]:
     """Quantize ``model`` in place with ``cfg.method``; returns ``{name: QuantLinear}``.
 
     RTN needs no data. GPTQ and AWQ calibrate layer by layer on the ids chosen by
     :func:`calibration_ids`: ``calib`` (n, L) token windows when ``cfg.calib.source``
     is ``"text"``, otherwise sequences sampled from the model with ``tokenizer``.
-    AWQ fills ``input_scales`` with the per-channel scales it folded into each
-    module (see :func:`spear.quant.awq.rescale_reference`); other methods leave it empty.
+    AWQ fills ``channel_scales`` with how it rescaled each linear (see
+    :func:`spear.quant.awq.rescale_reference`); other methods leave it empty.
     """
     if cfg.method == "rtn":
         return quantize_model_rtn(model, cfg, progress=progress)
@@ -59,4 +59,4 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | Non
         return quantize_model_gptq(model, cfg, ids, progress=progress)
     from spear.quant.awq import quantize_model_awq
 
-    return quantize_model_awq(model, cfg, ids, progress=progress, input_scales=input_scales)
+    return quantize_model_awq(model, cfg, ids, progress=progress, channel_scales=channel_scales)

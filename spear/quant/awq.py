@@ -126,6 +126,14 @@ def awq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantC
 
 
 @dataclass
+class ChannelScales:
+    """How AWQ rescaled one linear: weight ``diag(output)⁻¹ · W · diag(input)``, input ``x / input``."""
+
+    input: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+
+
+@dataclass
 class FoldResult:
     """What happened to one group of a layer: scaled (with α) or skipped (with why)."""
 
@@ -214,7 +222,7 @@ def _scaled_stats(st: InputStats, s: torch.Tensor) -> InputStats:
 
 @torch.no_grad()
 def _process_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch], cfg: QuantConfig,
-                   uses: Counter, report: list, scale_only: bool, input_scales: dict) -> dict[str, nn.Module]:
+                   uses: Counter, report: list, scale_only: bool, channel_scales: dict) -> dict[str, nn.Module]:
     groups = linear_groups(layer, batches[0])
     names = [n for g in groups for n in g]
     stats = collect_input_stats(layer, batches, names, stop_after=False)
@@ -251,7 +259,9 @@ def _process_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch],
         scaled = _scaled_stats(st, s)
         for n in group:
             stats[n] = scaled
-            input_scales[f"{layer_name}.{n}"] = s
+            channel_scales.setdefault(f"{layer_name}.{n}", ChannelScales()).input = s
+        if type(prod) is nn.Linear:
+            channel_scales.setdefault(f"{layer_name}.{producer}", ChannelScales()).output = s
     if scale_only:
         return {}
     done = {}
@@ -267,23 +277,24 @@ def _process_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch],
 @torch.no_grad()
 def quantize_model_awq(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor, progress: bool = True,
                        scale_only: bool = False, report: list | None = None,
-                       input_scales: dict | None = None) -> dict[str, QuantLinear]:
+                       channel_scales: dict | None = None) -> dict[str, QuantLinear]:
     """AWQ every quantizable linear of ``model`` in place, layer by layer, from ``calib`` (n, L) ids.
 
     ``scale_only`` applies the (function-preserving) scaling and leaves the weights
     unquantized; ``report`` collects a :class:`FoldResult` per group;
-    ``input_scales`` is filled with ``{module: s}`` for every scaled module (its
-    weight became ``W·diag(s)``, its input ``x / s``; see :func:`rescale_reference`).
+    ``channel_scales`` is filled with ``{module: ChannelScales}`` for every rescaled
+    linear (consumers: weight ``W·diag(s)``, input ``x / s``; linear producers: rows
+    ÷ s); see :func:`rescale_reference`.
     Linears outside the decoder layers get RTN.
     """
     from spear.quant.rtn import rtn_quantize_linear
 
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     report = [] if report is None else report
-    input_scales = {} if input_scales is None else input_scales
+    channel_scales = {} if channel_scales is None else channel_scales
 
     def process(layer_name, layer, batches):
-        return _process_layer(layer_name, layer, batches, cfg, uses, report, scale_only, input_scales)
+        return _process_layer(layer_name, layer, batches, cfg, uses, report, scale_only, channel_scales)
 
     done, rest = run_layerwise(model, calib, cfg.calib.batch_size, process, f"AWQ W{cfg.bits}",
                                cfg.include_lm_head, progress)
@@ -299,28 +310,37 @@ def quantize_model_awq(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor, 
     return done
 
 
-def rescale_reference(fp_weights: dict[str, torch.Tensor], stats: dict | None, input_scales: dict[str, torch.Tensor]):
-    """The unquantized reference of an AWQ model: weights ``W·diag(s)`` and input statistics of ``x / s``.
+def rescale_reference(fp_weights: dict[str, torch.Tensor], stats: dict | None,
+                      channel_scales: dict[str, ChannelScales]):
+    """The unquantized reference of an AWQ model: the weights AWQ rounded and the statistics of their inputs.
 
     ``fp_weights`` (name -> original weight) and ``stats`` (name ->
     :class:`spear.compensate.stats.ActivationStats`, taken on the unscaled model) are
-    what error compensation needs; after AWQ they must describe the scaled linears.
-    Returns new dicts; statistics shared by several modules stay shared.
+    what error compensation needs; after AWQ a linear's weight is
+    ``diag(output)⁻¹ · W · diag(input)`` and its input ``x / input``. Returns new
+    dicts; statistics shared by several modules stay shared.
     """
     from dataclasses import replace
 
-    weights = {n: (w * input_scales[n].to(w.dtype)) if n in input_scales else w for n, w in fp_weights.items()}
+    weights = {}
+    for n, w in fp_weights.items():
+        cs = channel_scales.get(n)
+        if cs is not None and cs.input is not None:
+            w = w * cs.input.to(w.dtype)
+        if cs is not None and cs.output is not None:
+            w = w / cs.output.to(w.dtype).unsqueeze(1)
+        weights[n] = w
     if stats is None:
         return weights, None
     done: dict[int, object] = {}
     out = {}
     for name, st in stats.items():
-        s = input_scales.get(name)
-        if s is None:
+        cs = channel_scales.get(name)
+        if cs is None or cs.input is None:
             out[name] = st
             continue
         if id(st) not in done:
-            inv = 1.0 / s.to(st.abs_sum.dtype)
+            inv = 1.0 / cs.input.to(st.abs_sum.dtype)
             done[id(st)] = replace(st, abs_sum=st.abs_sum * inv, sq_sum=st.sq_sum * inv * inv,
                                    outer_sum=None if st.outer_sum is None else st.outer_sum * inv.unsqueeze(0) * inv.unsqueeze(1))
         out[name] = done[id(st)]

@@ -127,7 +127,7 @@ def test_bad_statistics_raise():
 
 def test_awq_model_and_reference_for_compensation(rand_ids):
     from spear.compensate.stats import collect_activation_stats
-    from spear.models.modules import quantizable_linears
+    from spear.models.modules import quantizable_linears, set_module
     from spear.quant.api import quantize_model
 
     model = make_tiny_llama()
@@ -138,14 +138,23 @@ def test_awq_model_and_reference_for_compensation(rand_ids):
     stats = collect_activation_stats(model, targets, rand_ids, progress=False)
     scales: dict = {}
     modules = quantize_model(model, QuantConfig(method="awq", group_size=16, calib=TEXT), calib=rand_ids,
-                             progress=False, input_scales=scales)
+                             progress=False, channel_scales=scales)
     assert len(modules) == 14 and scales
     quantize_model(rtn, QuantConfig(group_size=16), progress=False)
     assert (_logits(model, rand_ids) - ref).pow(2).mean() < (_logits(rtn, rand_ids) - ref).pow(2).mean()
-    # The compensation reference of a scaled module is W·diag(s) seeing x / s.
+    # The compensation reference is what AWQ rounded: diag(s_out)⁻¹·W·diag(s_in), seeing x / s_in.
     weights, new_stats = rescale_reference(fp_weights, stats, scales)
-    name = next(iter(scales))
-    s = scales[name]
-    torch.testing.assert_close(weights[name], fp_weights[name] * s)
-    torch.testing.assert_close(new_stats[name].abs_sum, stats[name].abs_sum / s.double())
-    torch.testing.assert_close(modules[name].dequantized_weight(), weights[name], atol=0.5, rtol=0.5)
+    up = "model.layers.0.mlp.up_proj"  # a consumer (of the norm) and a producer (for down_proj)
+    assert scales[up].input is not None and scales[up].output is not None
+    want = fp_weights[up] * scales[up].input / scales[up].output.unsqueeze(1)
+    torch.testing.assert_close(weights[up], want)
+    torch.testing.assert_close(new_stats[up].abs_sum, stats[up].abs_sum / scales[up].input.double())
+    for name, mod in modules.items():
+        rel = (mod.dequantized_weight() - weights[name]).norm() / weights[name].norm()
+        assert rel < 0.2, f"{name}: the reference is not the weight AWQ rounded (relative error {rel:.2f})"
+    with torch.no_grad():  # the reference model computes the FP function
+        for name, w in weights.items():
+            lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+            lin.weight.copy_(w)
+            set_module(model, name, lin)
+    torch.testing.assert_close(_logits(model, rand_ids), ref, rtol=1e-4, atol=1e-5)
