@@ -1,0 +1,99 @@
+"""``spear calibrate``: quantize, attach SPEAR ECs, KL-calibrate them data-free, save."""
+
+from __future__ import annotations
+
+import json
+
+
+def add_calibration_args(p) -> None:
+    from spear.cli.common import nonneg_int, positive_int
+    from spear.compensate.calibrate import CalibrationConfig
+
+    d = CalibrationConfig()
+    g = p.add_argument_group("SPEAR calibration (data-free: the FP model samples its own text)")
+    g.add_argument("--no-gate", action="store_true", help="static low-rank term (γ ≡ 1), KL-calibrated")
+    g.add_argument("--hidden", type=positive_int, default=d.hidden, help="gate MLP width h (default: %(default)s)")
+    g.add_argument("--bound", type=float, default=d.bound, help="γ ∈ (1-bound, 1+bound) (default: %(default)s)")
+    g.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps (default: %(default)s)")
+    g.add_argument("--samples", type=positive_int, default=d.n_samples, help="training self-samples (default: %(default)s)")
+    g.add_argument("--val-samples", type=positive_int, default=d.val_samples, help="held-out self-samples (default: %(default)s)")
+    g.add_argument("--sample-len", type=positive_int, default=d.sample_len, help="tokens per self-sample (default: %(default)s)")
+    g.add_argument("--calib-batch", type=positive_int, default=d.batch_size, help="sequences per step (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=d.lr, help="learning rate of A, B (default: %(default)s)")
+    g.add_argument("--gate-lr", type=float, default=d.gate_lr, help="learning rate of the gate (default: %(default)s)")
+    g.add_argument("--seed", type=nonneg_int, default=d.seed, help="sampling, init and data-order seed (default: %(default)s)")
+    g.add_argument("--init", choices=["identity", "lqer", "qera-approx", "qera-exact"], default=d.init,
+                   help="closed-form solution the ECs start from (default: %(default)s)")
+
+
+def calibration_config_from(args):
+    from spear.compensate.calibrate import CalibrationConfig
+
+    return CalibrationConfig(n_samples=args.samples, val_samples=args.val_samples, sample_len=args.sample_len,
+                             seed=args.seed, steps=args.steps, batch_size=args.calib_batch, lr=args.lr,
+                             gate_lr=args.gate_lr, gated=not args.no_gate, hidden=args.hidden, bound=args.bound,
+                             init=args.init)
+
+
+def register(sub) -> None:
+    from spear.cli.common import add_model_arg, add_quant_args, nonneg_int
+
+    p = sub.add_parser("calibrate", help="quantize + attach SPEAR error compensators + KL-calibrate + save",
+                       description="Quantize the model, attach token-gated low-rank error compensators to the "
+                                   "planned modules (default: --rank on every linear), calibrate them by "
+                                   "KL(p_FP || p_quantized) on self-sampled text, and write a checkpoint.")
+    add_model_arg(p)
+    p.add_argument("--out", required=True, help="checkpoint folder to write")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--rank", type=nonneg_int, default=2, help="EC rank on every module (default: %(default)s)")
+    p.add_argument("--plan", help="JSON {module: rank} overriding --rank")
+    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--gate-report", help="folder for gate statistics (JSON) and the gate-vs-error PNG")
+    add_quant_args(p)
+    add_calibration_args(p)
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from spear.cli.common import quant_config_from, read_plan
+    from spear.compensate.gate_stats import gate_statistics, plot_gate_vs_error, summary_rows
+    from spear.compensate.workflow import attach_ecs, calibrate, prepare_calibration, uniform_plan
+    from spear.eval.memory import compensator_bytes, quantized_model_bytes
+    from spear.models.checkpoint import is_checkpoint, save_checkpoint
+    from spear.models.loading import load_model, resolve_model_path
+    from spear.quant.api import quantize_model
+    from spear.errors import SpearError
+
+    quant = quant_config_from(args)
+    cfg = calibration_config_from(args)
+    if is_checkpoint(resolve_model_path(args.model)):
+        raise SpearError(f"{args.model} is already a spear checkpoint; calibrate from its source model")
+    progress = not args.quiet
+    model, tok = load_model(args.model, device=args.device)
+    data = prepare_calibration(model, tok, cfg, quant.include_lm_head, progress=progress)
+    modules = quantize_model(model, quant, calib=data.train_ids, progress=progress)
+    plan = read_plan(args.plan) or uniform_plan(modules, args.rank)
+    unknown = sorted(set(plan) - set(modules))
+    if unknown:
+        raise SpearError(f"plan names {len(unknown)} module(s) that are not quantized linears, e.g. {unknown[0]}")
+    applied = attach_ecs(modules, data.fp_weights, plan, cfg, data.stats)
+    if not applied:
+        raise SpearError("the plan gives every module rank 0: nothing to calibrate")
+    report = calibrate(model, data, cfg, progress=progress)
+    total, extra = quantized_model_bytes(model), compensator_bytes(model)
+    meta = {"calibration": cfg.to_dict(), "plan": applied,
+            "report": {k: v for k, v in report.__dict__.items() if k != "history"}, "history": report.history}
+    if args.gate_report and cfg.gated:
+        stats = gate_statistics(model, data.val_ids, data.fp_weights)
+        from pathlib import Path
+
+        folder = Path(args.gate_report)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "gate_stats.json").write_text(json.dumps(summary_rows(stats), indent=2))
+        png = plot_gate_vs_error(stats, folder / "gate_vs_error.png")
+        print(f"gate statistics: {folder / 'gate_stats.json'}, {png}")
+    out = save_checkpoint(model.cpu(), tok, args.out, quant, args.model, meta=meta, overwrite=args.overwrite)
+    print(f"wrote {out}: {len(applied)} ECs ({'gated' if cfg.gated else 'ungated'}), +{100 * extra / total:.2f}% "
+          f"memory; validation KL {report.initial_val_kl:.4f} -> {report.best_val_kl:.4f} "
+          f"(best at step {report.best_step}/{report.steps_run}, {report.seconds:.0f} s)")
+    return 0

@@ -1,0 +1,33 @@
+import json
+
+from spear.cli import main
+from spear.compensate.ec import GatedCompensator
+from spear.models.loading import load_model
+
+
+def test_spear_calibrate_writes_checkpoint_and_gate_report(sharp_tiny_llama_path, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPEAR_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "ck"
+    rc = main(["-q", "calibrate", "--model", str(sharp_tiny_llama_path), "--out", str(out), "--bits", "3",
+               "--rank", "2", "--steps", "6", "--samples", "4", "--val-samples", "2", "--sample-len", "16",
+               "--gate-report", str(tmp_path / "gates")])
+    assert rc == 0
+    assert "14 ECs (gated)" in capsys.readouterr().out
+    cfg = json.loads((out / "spear_config.json").read_text())
+    assert cfg["meta"]["calibration"]["steps"] == 6 and len(cfg["meta"]["plan"]) == 14
+    model, _ = load_model(out)
+    ec = model.model.layers[1].self_attn.o_proj.compensator
+    assert isinstance(ec, GatedCompensator) and ec.rank == 2
+    stats = json.loads((tmp_path / "gates" / "gate_stats.json").read_text())
+    s = stats["model.layers.0.mlp.down_proj"]
+    assert s["gamma_min"] <= s["gamma_mean"] <= s["gamma_max"] and 0 < s["gamma_min"] and s["gamma_max"] < 2
+    assert (tmp_path / "gates" / "gate_vs_error.png").stat().st_size > 1000
+
+
+def test_plan_with_unknown_module_is_rejected(sharp_tiny_llama_path, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPEAR_CACHE", str(tmp_path / "cache"))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"model.layers.9.mlp.up_proj": 2}))
+    rc = main(["-q", "calibrate", "--model", str(sharp_tiny_llama_path), "--out", str(tmp_path / "o"),
+               "--plan", str(plan), "--steps", "2", "--samples", "2", "--val-samples", "1", "--sample-len", "8"])
+    assert rc == 2 and "model.layers.9.mlp.up_proj" in capsys.readouterr().err
