@@ -1,4 +1,5 @@
-"""The whole default job (``spear run``): FP, the quantized base, static baselines.
+"""The whole default job (``spear run``): FP, the quantized base, static baselines,
+and SPEAR's KL-calibrated error compensators (gated and/or ungated).
 
 Every row is evaluated on the same text windows and, except LoftQ (which
 re-quantizes by design), on the same quantized weights.
@@ -6,9 +7,12 @@ re-quantizes by design), on the same quantized weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from spear.compensate.calibrate import CalibrationConfig
+from spear.compensate.workflow import attach_ecs, calibrate, prepare_calibration, uniform_plan
 
 from spear.compensate.static import attach_static, needs_stats, remove_compensators
 from spear.compensate.stats import collect_activation_stats
@@ -45,7 +49,11 @@ def _restore(modules, snap):
 
 
 def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_methods: list[str],
-            rank: int = 4, plan: dict[str, int] | None = None, progress: bool = True, log=print) -> JobResult:
+            rank: int = 4, plan: dict[str, int] | None = None, progress: bool = True, log=print,
+            spear_variants: tuple[str, ...] = (), calib_cfg: CalibrationConfig | None = None) -> JobResult:
+    """Evaluate FP, the quantized base, each static method and each SPEAR variant
+    (``"gate"``: token-gated EC; ``"nogate"``: the same low-rank term KL-calibrated
+    with γ ≡ 1) with the same modules and ranks, so every row has the same memory."""
     model, tokenizer = load_model(model_name)
     split = load_split(tokenizer, eval_cfg)
     log(f"text: {split.describe()}")
@@ -63,12 +71,19 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
             raise ValueError("static methods with activation statistics need --calib-windows >= 1")
         stats = collect_activation_stats(model, targets, split.calib, outer="qera-exact" in static_methods,
                                          progress=progress)
+    calib_data = None
+    if spear_variants:
+        calib_cfg = calib_cfg or CalibrationConfig()
+        calib_data = prepare_calibration(model, tokenizer, calib_cfg, quant.include_lm_head, progress=progress)
     channel_scales: dict = {}
     modules = quantize_model(model, quant, calib=split.calib if quant.calib.source == "text" else None,
                              progress=progress, tokenizer=tokenizer, channel_scales=channel_scales)
     if channel_scales:  # AWQ scaled the linears: compensate against the scaled weights
         from spear.quant.awq import rescale_reference
         fp_weights, stats = rescale_reference(fp_weights, stats, channel_scales)
+        if calib_data is not None:
+            calib_data.fp_weights, calib_data.stats = rescale_reference(calib_data.fp_weights, calib_data.stats,
+                                                                        channel_scales)
     base = ppl(quant.label)
     log(f"{quant.label} ppl {base.ppl:.3f}")
     total = quantized_model_bytes(model)
@@ -86,9 +101,28 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
         remove_compensators(model)
         if method == "loftq":
             _restore(modules, snap)
+    ec_plan = plan if plan is not None else uniform_plan(modules, rank)
+    for variant in spear_variants:
+        cfg = replace(calib_cfg, gated=variant == "gate")
+        applied = attach_ecs(modules, calib_data.fp_weights, ec_plan, cfg, calib_data.stats)
+        report = calibrate(model, calib_data, cfg, progress=progress)
+        extra = compensator_bytes(model)
+        label = ("SPEAR gated EC" if cfg.gated else "low-rank, KL-calibrated (no gate)") + \
+            (f" r{rank}" if plan is None else " plan")
+        res = ppl(label)
+        log(f"{label} ppl {res.ppl:.3f}, +{100 * extra / total:.2f}% memory, val KL "
+            f"{report.initial_val_kl:.4f} -> {report.best_val_kl:.4f} in {report.seconds:.0f} s")
+        rows.append(Row(label, res.ppl, 100.0 * extra / total, extra,
+                        details={"variant": variant, "modules": len(applied), "val_kl": report.best_val_kl,
+                                 "calibration_seconds": report.seconds, "steps": report.steps_run,
+                                 "seed": cfg.seed}))
+        remove_compensators(model)
     fill_gap(rows, fp.ppl, base.ppl)
     header = {"model": model_name, "text": split.text_name, "quant": quant.label, "seq_len": split.seq_len,
               "eval_windows": split.eval.shape[0], "tokens_scored": fp.tokens,
               "calib_windows": split.calib.shape[0], "quantized_model_bytes": total,
               "modules": len(modules), "torch": torch.__version__}
+    if spear_variants:
+        header["calibration"] = (f"{calib_cfg.n_samples}+{calib_cfg.val_samples} self-samples x "
+                                 f"{calib_cfg.sample_len} tokens, {calib_cfg.steps} steps, seed {calib_cfg.seed}")
     return JobResult(rows, header)

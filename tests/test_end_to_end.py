@@ -5,15 +5,20 @@ import json
 import pytest
 
 from spear.cli import main
+from spear.compensate.calibrate import CalibrationConfig
 from spear.config import EvalConfig, QuantConfig
 from spear.pipeline import run_job
 
 
 def test_default_job_small(tmp_path):
     """The `spear run` pipeline on the real model, with fewer windows to fit CI."""
+    cal = CalibrationConfig(n_samples=4, val_samples=2, sample_len=32, steps=3, eval_every=3, batch_size=2)
     res = run_job("smollm2-135m", QuantConfig(), EvalConfig(eval_windows=4, calib_windows=2), ["lqer"],
-                  rank=4, progress=False, log=lambda *_: None)
-    fp, w4, lqer = res.rows
+                  rank=4, progress=False, log=lambda *_: None, spear_variants=("gate",), calib_cfg=cal)
+    fp, w4, lqer, ec = res.rows
+    assert ec.method == "SPEAR gated EC r4" and ec.ppl < w4.ppl
+    assert ec.memory_pct > lqer.memory_pct  # the gate's few parameters on top of the same A, B
+    assert ec.memory_pct < 1.1 * lqer.memory_pct
     assert 15 < fp.ppl < 40  # the dequantized Q4_1 SmolLM2 on Wikipedia text
     assert w4.ppl > 1.3 * fp.ppl  # per-channel W4 RTN hurts a 135M model a lot
     assert fp.ppl < lqer.ppl < w4.ppl

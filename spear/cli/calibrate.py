@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 
 
-def add_calibration_args(p) -> None:
+def add_calibration_args(p, with_gate_flag: bool = True) -> None:
     from spear.cli.common import nonneg_int, positive_int
     from spear.compensate.calibrate import CalibrationConfig
 
     d = CalibrationConfig()
     g = p.add_argument_group("SPEAR calibration (data-free: the FP model samples its own text)")
-    g.add_argument("--no-gate", action="store_true", help="static low-rank term (γ ≡ 1), KL-calibrated")
+    if with_gate_flag:
+        g.add_argument("--no-gate", action="store_true", help="static low-rank term (γ ≡ 1), KL-calibrated")
     g.add_argument("--hidden", type=positive_int, default=d.hidden, help="gate MLP width h (default: %(default)s)")
     g.add_argument("--bound", type=float, default=d.bound, help="γ ∈ (1-bound, 1+bound) (default: %(default)s)")
     g.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps (default: %(default)s)")
@@ -31,7 +32,8 @@ def calibration_config_from(args):
 
     return CalibrationConfig(n_samples=args.samples, val_samples=args.val_samples, sample_len=args.sample_len,
                              seed=args.seed, steps=args.steps, batch_size=args.calib_batch, lr=args.lr,
-                             gate_lr=args.gate_lr, gated=not args.no_gate, hidden=args.hidden, bound=args.bound,
+                             gate_lr=args.gate_lr, gated=not getattr(args, "no_gate", False), hidden=args.hidden,
+                             bound=args.bound,
                              init=args.init)
 
 

@@ -20,6 +20,12 @@ def register(sub) -> None:
                         "or 'none' (default: %(default)s)")
     g.add_argument("--rank", type=nonneg_int, default=4, help="rank on every module (default: %(default)s)")
     g.add_argument("--plan", help="JSON {module: rank} overriding --rank")
+    g.add_argument("--spear", choices=["gate", "nogate", "both", "none"], default="gate",
+                   help="SPEAR rows: the gated EC, the same low-rank term KL-calibrated without gate, both, "
+                        "or none (default: %(default)s)")
+    from spear.cli.calibrate import add_calibration_args
+
+    add_calibration_args(p, with_gate_flag=False)
     p.add_argument("--out", default="results/run", help="folder for run.json / run.md (default: %(default)s)")
     p.set_defaults(func=main)
 
@@ -40,9 +46,13 @@ def main(args) -> int:
     from spear.eval.report import markdown_table, write_report
     from spear.pipeline import run_job
 
+    from spear.cli.calibrate import calibration_config_from
+
     methods = parse_methods(args.baselines)
+    variants = {"gate": ("gate",), "nogate": ("nogate",), "both": ("nogate", "gate"), "none": ()}[args.spear]
     result = run_job(args.model, quant_config_from(args), eval_config_from(args), methods, rank=args.rank,
-                     plan=read_plan(args.plan), progress=not args.quiet)
+                     plan=read_plan(args.plan), progress=not args.quiet, spear_variants=variants,
+                     calib_cfg=calibration_config_from(args) if variants else None)
     print()
     for k, v in result.header.items():
         print(f"{k}: {v}")
