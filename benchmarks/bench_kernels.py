@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -218,58 +219,84 @@ def floor_us(n, k, m, bw, peak):
 
 # ----------------------------------------------------------------------------- tune
 def tune(out_dir):
-    """Launch-shape sweep: CUDA-core decode (M <= 4), split-K tensor-core decode, decode/prefill crossover."""
+    """Launch-table sweep for w4a16.pick_config; writes tune.json and launch_table.json.
+
+    Candidates are scored by the geometric mean of their time over TUNE_SHAPES (and over M
+    within a class); split-K follows from the candidate's target program count.
+    """
+    from spear.kernels import w4a16
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
+    fma = [dict(BN=bn, BK=128, num_warps=wp, num_stages=st, programs=pg)
+           for bn in (32, 64, 128) for wp in (2, 4) for st in (2,) for pg in (256, 512, 1024, 2048)]
+    tc = [dict(BN=bn, BK=128, num_warps=4, num_stages=st, programs=pg)
+          for bn in (64, 128) for st in (3, 4) for pg in (256, 512, 1024)]
 
-    def run(layer, x, cfg, label, base, **kw):
-        try:
-            t = time_calls([lambda w=w: w4a16_matmul(x, w, config=cfg, **kw) for w in layer.w4])
-        except Exception as exc:  # out of registers/shared memory: record and go on
-            print(f"  {label} {cfg}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-            return
-        rows.append(dict(n=layer.n, k=layer.k, m=x.shape[0], label=label, cfg=cfg.__dict__, us=t, fp16_us=base))
+    def cfg_of(kind, c, m, n, k):
+        bk = min(c["BK"], GROUP)
+        if kind == "fma":
+            split = w4a16._split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
+            return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=1 if m == 1 else (2 if m == 2 else 4))
+        bm = 16
+        split = w4a16._split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])
+        return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"])
 
-    fma = [(bn, bk, wp) for bn in (32, 64, 128) for bk in (128,) for wp in (2, 4)] + [(64, 64, 4)]
     for n, k in TUNE_SHAPES:
         layer = Layer(n, k, l2, with_int4=False)
-        for m in (1, 2, 4, 8, 16, 64, 128, 256):
+        for m in (1, 2, 4, 8, 16, 128, 256):
             x = torch.randn(m, k, device=DEVICE).half()
             base = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in layer.fp16])
-            if m <= 4:
-                for bn, bk, wp in fma:
-                    for split in (1, 2, 4, 8, 16):
-                        run(layer, x, Config(16, bn, bk, split, wp, 2, mv=1 if m == 1 else (2 if m == 2 else 4)),
-                            "fma", base)
-            if m in (4, 8, 16, 64):
-                bm = 16 if m <= 16 else 64
-                for split in (1, 2, 4, 8):
-                    run(layer, x, Config(bm, 64, 128, split, 4, 4), "tc", base)
-            if m >= 64:
-                run(layer, x, Config(128, 128, 64, 1, 8, 3), "prefill", base)
-                dq = time_calls([lambda w=w: torch.nn.functional.linear(x, dequantize(w, x.dtype)) for w in layer.w4])
-                rows.append(dict(n=n, k=k, m=m, label="dequant+cublas", cfg=None, us=dq, fp16_us=base))
+            cands = ([("fma", c) for c in fma] if m <= 4 else []) + ([("tc", c) for c in tc] if m <= 16 else [])
+            if m >= 128:
+                cands = [("tc", dict(tc[0]))]
+            for kind, c in cands:
+                cfg = cfg_of(kind, c, m, n, k) if m <= 16 else Config(64, 64, 128, 1, 4, 4)
+                try:
+                    t = time_calls([lambda w=w: w4a16_matmul(x, w, config=cfg) for w in layer.w4])
+                except Exception as exc:  # out of registers/shared memory: record and go on
+                    print(f"  {kind} {c}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                    continue
+                rows.append(dict(n=n, k=k, m=m, kind=kind, cand=c, cfg=cfg.__dict__, us=t, fp16_us=base))
+            if m >= 128:
+                for label, fn in (("prefill", lambda w: w4a16_matmul(x, w, config=pick_config(512, n, k, GROUP))),
+                                  ("dequant+cublas", lambda w: torch.nn.functional.linear(x, dequantize(w, x.dtype)))):
+                    t = time_calls([lambda w=w: fn(w) for w in layer.w4])
+                    rows.append(dict(n=n, k=k, m=m, kind=label, cand=None, cfg=None, us=t, fp16_us=base))
             best = min((r for r in rows if r["n"] == n and r["k"] == k and r["m"] == m), key=lambda r: r["us"])
-            print(f"tune {n}x{k} M={m}: fp16 {base:.1f} us, best {best['us']:.1f} us {best['label']} {best['cfg']}",
+            print(f"tune {n}x{k} M={m}: fp16 {base:.1f} us, best {best['us']:.1f} us {best['kind']} {best['cfg']}",
                   flush=True)
-        # fused EC at decode: u programs' share of the K ranges
-        e = make_ec(n, k, 32)
-        for m in (1, 16):
+        for m in (1, 4, 16):
             x = torch.randn(m, k, device=DEVICE).half()
-            cfg = pick_config(m, n, k, GROUP)
             w4 = time_calls([lambda w=w: w4a16_matmul(x, w) for w in layer.w4])
-            for us in (0, cfg.split_k, 2 * cfg.split_k, 4 * cfg.split_k):
-                c = Config(**{**cfg.__dict__, "u_split": us})
-                t = time_calls([lambda w=w: w4a16_matmul(x, w, None, e, ec_mode=1, config=c) for w in layer.w4])
-                rows.append(dict(n=n, k=k, m=m, label="fused r32", cfg=c.__dict__, us=t, fp16_us=None, w4_us=w4))
-                print(f"tune fused r32 {n}x{k} M={m} u_split={us or 'auto'}: {t:.1f} us (w4 {w4:.1f})", flush=True)
+            for r in (16, 32):
+                e = make_ec(n, k, r)
+                t = time_calls([lambda w=w: w4a16_matmul(x, w, None, e, ec_mode=1) for w in layer.w4])
+                rows.append(dict(n=n, k=k, m=m, kind=f"fused r{r}", cand=None, cfg=None, us=t, w4_us=w4))
+                print(f"tune fused r{r} {n}x{k} M={m}: {t:.1f} us (w4 {w4:.1f})", flush=True)
+        (out_dir / "tune.json").write_text(json.dumps(rows, indent=1))
         del layer
         torch.cuda.empty_cache()
-    (out_dir / "tune.json").write_text(json.dumps(rows, indent=1))
+
+    def score(kind, c, ms):
+        ts = [r["us"] for r in rows if r["kind"] == kind and r["cand"] == c and r["m"] in ms]
+        want = len(TUNE_SHAPES) * len(ms)
+        return math.exp(sum(map(math.log, ts)) / len(ts)) if len(ts) == want else float("inf")
+
+    table = dict(w4a16.LAUNCH)
+    table["fma"] = min(fma, key=lambda c: score("fma", c, (1, 2, 4)))
+    table["tc"] = min(tc, key=lambda c: score("tc", c, (4, 8, 16)))
+    table["fma_max_m"] = 0
+    for m in (1, 2, 4):  # the CUDA-core loop is kept up to the last M where it beats the tensor-core tiles
+        if score("fma", table["fma"], (m,)) < score("tc", table["tc"], (m,)):
+            table["fma_max_m"] = m
+    (out_dir / "launch_table.json").write_text(json.dumps(table, indent=1))
+    print("launch table:", json.dumps(table), flush=True)
 
 
-def _warm_one(m, ranks, n, k):
+def _warm_one(m, ranks, n, k, table):
     """Compile every kernel variant that the sweep will launch at this M (into Triton's disk cache)."""
+    from spear.kernels import w4a16
+    w4a16.LAUNCH.update(table)
     layer = Layer(n, k, 0, with_int4=False)
     ecs = {r: make_ec(n, k, r) for r in ranks}
     _, v = variants(layer, m, ranks, ecs)
@@ -286,7 +313,9 @@ def warm_cache(ms, ranks):
     t = time.time()
     try:
         with cf.ProcessPoolExecutor(max_workers=min(12, len(ms)), mp_context=mp.get_context("spawn")) as pool:
-            list(pool.map(_warm_one, ms, [ranks] * len(ms), [512] * len(ms), [1024] * len(ms)))
+            from spear.kernels import w4a16
+            list(pool.map(_warm_one, ms, [ranks] * len(ms), [512] * len(ms), [1024] * len(ms),
+                          [w4a16.LAUNCH] * len(ms)))
     except Exception as exc:  # only a speed-up: the sweep compiles on first use anyway
         print(f"parallel compile pass failed ({type(exc).__name__}: {exc}); compiling on first use", flush=True)
     print(f"compile pass for M in {ms}: {time.time() - t:.0f} s", flush=True)
@@ -385,12 +414,17 @@ def main():
     p.add_argument("--out", type=Path, required=True, help="folder for results.json and table.md")
     p.add_argument("--quick", action="store_true", help="7B/8B shapes, M in {1,4,16,64,512,2048}, ranks 16/32")
     p.add_argument("--tune", action="store_true", help="sweep launch shapes of the W4 kernel instead")
+    p.add_argument("--table", type=Path, help="launch_table.json from --tune to use instead of the built-in one")
     p.add_argument("--no-warm", action="store_true", help="skip the parallel compile pass")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.table:
+        from spear.kernels import w4a16
+        w4a16.LAUNCH.update(json.loads(args.table.read_text()))
+        print("launch table from", args.table, w4a16.LAUNCH, flush=True)
     if args.tune:
         tune(args.out)
     else:

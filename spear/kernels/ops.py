@@ -36,13 +36,15 @@ from spear.kernels import reference
 from spear.kernels.layout import PackedEC, PackedW4
 from spear.kernels.w4a16 import dequantize, w4a16_matmul
 
-# Largest M that takes the fused kernel. Measured on one H200 (benchmarks/bench_kernels.py,
-# BENCHMARKS.md "Kernels"): placeholder until the first GPU run.
+# Largest M that takes the fused kernel. Measured on one H200, 2026-11-29
+# (benchmarks/bench_kernels.py, BENCHMARKS.md "Kernels"; r = 32, h = 32, median over the
+# Llama-2-7B/3-8B shapes): fused/semi-fused time 0.89 at M = 16, 1.09 at M = 32, 1.19 at 64.
 FUSED_MAX_M = 16
-# Smallest M at which dequantize + cuBLAS beats the Triton W4 GEMM (same source).
-DEQUANT_MM_MIN_M = 1 << 30
+# Smallest M at which dequantize + cuBLAS beats the Triton W4 GEMM (same run): their time
+# ratio is 0.36 at M = 128 and 0.37..0.52 up to M = 4096; at M <= 64 the split-K tiles win.
+DEQUANT_MM_MIN_M = 128
 # Whether the semi-fused path overlaps ec_gate on a side stream (True) or runs it first and
-# reads v in the GEMM epilogue (False).
+# reads v in the GEMM epilogue (False): the overlap was as fast or faster at M >= 256.
 SEMI_FUSED_OVERLAP = True
 
 _side_streams: dict[int, torch.cuda.Stream] = {}

@@ -58,31 +58,40 @@ class Config:
 # Launch shapes by token count. Runtime autotuning cannot run inside CUDA-graph capture
 # (it times launches), so the choice is a fixed table, picked from a sweep on one H200
 # (benchmarks/bench_kernels.py --tune; numbers in BENCHMARKS.md, "Kernels").
-FMA_MAX_M = 4          # CUDA-core main loop up to here
+# The table is data: ``bench_kernels.py --tune`` writes the same structure (launch_table.json).
+LAUNCH = {
+    "fma_max_m": 4,                                       # CUDA-core main loop up to here
+    "fma": dict(BN=64, BK=128, num_warps=4, num_stages=2, programs=512),
+    "tc": dict(BN=64, BK=128, num_warps=4, num_stages=4, programs=512),    # split-K tensor-core decode
+    "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
+}
 DECODE_MAX_M = 64      # split-K tensor-core tiles up to here, prefill tiles above
-# Programs wanted in flight at decode: 132 SMs x a few resident programs each.
-DECODE_PROGRAMS = 512
 
 
-def _split_for(tiles: int, k: int, bk: int) -> int:
-    """Smallest power-of-two split-K giving DECODE_PROGRAMS programs, keeping >= 2 K steps each."""
+def _split_for(tiles: int, k: int, bk: int, programs: int) -> int:
+    """Smallest power-of-two split-K giving ``programs`` programs, keeping >= 2 K steps each."""
     split = 1
-    while tiles * split < DECODE_PROGRAMS and k // (bk * split * 2) >= 2:
+    while tiles * split < programs and k // (bk * split * 2) >= 2:
         split *= 2
     return split
 
 
 def pick_config(m: int, n: int, k: int, group_size: int) -> Config:
     kmax = group_size if group_size else k  # BK must divide a group (one scale per step)
-    bk = min(128, kmax)
-    if m <= FMA_MAX_M:
-        bn = 64
-        return Config(16, bn, bk, _split_for(triton.cdiv(n, bn), k, bk), 4, 2, mv=1 if m == 1 else (2 if m == 2 else 4))
+    if m <= LAUNCH["fma_max_m"]:
+        c = LAUNCH["fma"]
+        bk = min(c["BK"], kmax)
+        mv = 1 if m == 1 else (2 if m == 2 else 4)
+        split = _split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
+        return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=mv)
     if m <= DECODE_MAX_M:
+        c = LAUNCH["tc"]
+        bk = min(c["BK"], kmax)
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        bn = 64
-        return Config(bm, bn, bk, _split_for(triton.cdiv(m, bm) * triton.cdiv(n, bn), k, bk), 4, 4)
-    return Config(128, 128, min(64, kmax), 1, 8, 3)
+        split = _split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])
+        return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"])
+    c = LAUNCH["prefill"]
+    return Config(c["BM"], c["BN"], min(c["BK"], kmax), 1, c["num_warps"], c["num_stages"])
 
 
 @triton.jit(do_not_specialize=["M", "split_k", "u_split"])
@@ -118,22 +127,25 @@ def _w4a16_kernel(
     offs_m = pid_m * BM + tl.arange(0, BM)
     m_mask = offs_m < M
 
-    if local < n_u:
+    if EC_MODE == 1:
         # the u programs of an m-tile have its lowest ids, so they are dispatched first
-        iters = tl.cdiv(K // BK, u_split)
-        k_lo = local * iters * BK
-        k_hi = tl.minimum(k_lo + iters * BK, K)
-        _u_program(x_ptr, a_ptr, upart_ptr, locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local,
-                   M, K, stride_xm, R, BM, BK, DOT_F32)
+        if local < n_u:
+            iters = tl.cdiv(K // BK, u_split)
+            k_lo = local * iters * BK
+            k_hi = tl.minimum(k_lo + iters * BK, K)
+            _u_program(x_ptr, a_ptr, upart_ptr, locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local,
+                       M, K, stride_xm, R, BM, BK, DOT_F32)
+        else:
+            _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
+                       b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, u_split,
+                       (local - n_u) // split_k, n_wt, lock_base, offs_m, m_mask, (local - n_u) % split_k,
+                       M, N, K, stride_xm, stride_om,
+                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32)
     else:
-        tile = (local - n_u) // split_k
-        split = (local - n_u) % split_k
-        iters = tl.cdiv(K // BK, split_k)
-        k_lo = split * iters * BK
-        k_hi = tl.minimum(k_lo + iters * BK, K)
         _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
                    b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, u_split,
-                   tile, n_wt, lock_base, offs_m, m_mask, k_lo, k_hi, split, M, N, K, stride_xm, stride_om,
+                   local // split_k, n_wt, lock_base, offs_m, m_mask, local % split_k,
+                   M, N, K, stride_xm, stride_om,
                    GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32)
 
 
@@ -158,11 +170,14 @@ def _u_program(x_ptr, a_ptr, upart_ptr, u_lock, offs_m, m_mask, k_lo, k_hi, spli
 @triton.jit
 def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
                b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, u_split,
-               wt, n_wt, lock_base, offs_m, m_mask, k_lo, k_hi, split, M, N, K, stride_xm, stride_om,
+               wt, n_wt, lock_base, offs_m, m_mask, split, M, N, K, stride_xm, stride_om,
                GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, IS_BF16: tl.constexpr,
                EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
+    iters = tl.cdiv(K // BK, split_k)
+    k_lo = split * iters * BK
+    k_hi = tl.minimum(k_lo + iters * BK, K)
     offs_n = wt * BN + tl.arange(0, BN)
     n_mask = offs_n < N
     n_ld = offs_n % N  # in-bounds rows: unmasked, vectorized loads
@@ -311,8 +326,11 @@ def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_
     offs_r = tl.arange(0, R)
     if EC_MODE == 1:
         u_lock = locks_ptr + lock_base + n_wt
-        while tl.atomic_add(u_lock, 0, sem="acquire") < u_split:
+        # poll with plain loads (an atomic per poll from every waiting program would contend on
+        # one L2 line), then one acquire to order the reads of u after the producers' release
+        while tl.load(u_lock, volatile=True) < u_split:
             pass
+        tl.atomic_add(u_lock, 0, sem="acquire")
         uT = tl.zeros((R, BM), tl.float32)
         for s_i in range(u_split):
             uT += tl.load(upart_ptr + s_i * M * R + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :],
