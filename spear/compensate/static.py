@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from spear.compensate.lowrank import LowRankCompensator
 from spear.compensate.stats import ActivationStats
-from spear.compensate.svd_init import low_rank_factors, scaling_for
+from spear.compensate.svd_init import ScalingCache, error_factors, low_rank_factors
 from spear.config import StaticCompensationConfig
 from spear.quant.linear import QuantLinear
 from spear.quant.primitives import compute_qparams, quantize
@@ -51,7 +51,7 @@ def attach_static(modules: dict[str, QuantLinear], fp_weights: dict[str, torch.T
     ``fp_weights`` holds each module's original weight. Returns the applied plan.
     """
     applied = {}
-    scale_cache: dict[int, torch.Tensor | None] = {}  # modules sharing an input share S
+    scale = None if cfg.method == "loftq" else ScalingCache(cfg.method, stats)
     for name, mod in tqdm(modules.items(), desc=f"static {cfg.method}", unit="mod", disable=not progress, leave=False):
         rank = min(cfg.rank_for(name), mod.in_features, mod.out_features)
         if rank == 0:
@@ -61,11 +61,7 @@ def attach_static(modules: dict[str, QuantLinear], fp_weights: dict[str, torch.T
         if cfg.method == "loftq":
             a, b = loftq(w, mod, rank, cfg.loftq_iters)
         else:
-            st = None if stats is None else stats.get(name)
-            if id(st) not in scale_cache:
-                scale_cache[id(st)] = scaling_for(cfg.method, st)
-            s = scale_cache[id(st)]
-            a, b = low_rank_factors(w.double() - mod.dequantized_weight(torch.float64), rank, s)
+            a, b = error_factors(w, mod, rank, scale(name))
         dtype = mod.compute_dtype
         mod.compensator = LowRankCompensator(_stored(a, dtype), _stored(b, dtype)).to(mod.codes.device)
         applied[name] = rank

@@ -98,3 +98,21 @@ def scaling_for(method: str, stats: ActivationStats | None, damp: float = 1e-6) 
         evals, evecs = torch.linalg.eigh(r)
         return (evecs * evals.clamp(min=eps).sqrt()) @ evecs.T
     raise ValueError(f"unknown static method {method!r}")
+
+
+class ScalingCache:
+    """S per distinct statistics object: modules sharing an input (q/k/v) share S."""
+
+    def __init__(self, method: str, stats: dict[str, ActivationStats] | None):
+        self.method, self.stats, self._cache = method, stats, {}
+
+    def __call__(self, name: str) -> torch.Tensor | None:
+        st = None if self.stats is None else self.stats.get(name)
+        if id(st) not in self._cache:
+            self._cache[id(st)] = scaling_for(self.method, st)
+        return self._cache[id(st)]
+
+
+def error_factors(fp_weight: torch.Tensor, module, rank: int, scale: torch.Tensor | None):
+    """Closed-form ``(A, B)`` for the quantization error of ``module`` (a QuantLinear)."""
+    return low_rank_factors(fp_weight.double() - module.dequantized_weight(torch.float64), rank, scale)

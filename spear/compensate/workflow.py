@@ -20,7 +20,7 @@ from torch import nn
 from spear.compensate.calibrate import CalibrationConfig, CalibrationReport, ec_modules, teacher_logprobs, train_ecs
 from spear.compensate.ec import GatedCompensator
 from spear.compensate.stats import ActivationStats, collect_activation_stats
-from spear.compensate.svd_init import low_rank_factors, scaling_for
+from spear.compensate.svd_init import ScalingCache, error_factors
 from spear.data.selfsample import SampleConfig, sample_sequences
 from spear.models.modules import quantizable_linears
 from spear.quant.linear import QuantLinear
@@ -59,17 +59,13 @@ def attach_ecs(modules: dict[str, QuantLinear], fp_weights: dict[str, torch.Tens
                cfg: CalibrationConfig, stats: dict[str, ActivationStats] | None) -> dict[str, int]:
     """Attach a :class:`GatedCompensator` (gated or not per ``cfg``) to every module with a planned rank."""
     applied = {}
-    scale_cache: dict[int, torch.Tensor | None] = {}
+    scale = ScalingCache(cfg.init, stats)
     for i, (name, mod) in enumerate(modules.items()):
         rank = min(plan.get(name, 0), mod.in_features, mod.out_features)
         if rank == 0:
             mod.compensator = None
             continue
-        st = None if stats is None else stats.get(name)
-        if id(st) not in scale_cache:
-            scale_cache[id(st)] = scaling_for(cfg.init, st)
-        a, b = low_rank_factors(fp_weights[name].double() - mod.dequantized_weight(torch.float64), rank,
-                                scale_cache[id(st)])
+        a, b = error_factors(fp_weights[name], mod, rank, scale(name))
         dt = mod.compute_dtype
         mod.compensator = GatedCompensator(a.to(STORAGE_DTYPE).to(dt), b.to(STORAGE_DTYPE).to(dt), hidden=cfg.hidden,
                                            gated=cfg.gated, bound=cfg.bound, seed=cfg.seed * 7919 + i
