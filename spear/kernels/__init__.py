@@ -2,7 +2,8 @@
 
 layout.py     packed weight / compensator layouts and ``pack()``
 reference.py  plain-torch references (the contract)
-w4a16.py      W4 GEMM: split-K, fused compensator epilogue, dequantize kernel
+w4a16.py      W4 GEMM: split-K, fused compensator epilogue
+dequant.py    W4 -> fp16/bf16 for the dequantize + cuBLAS prefill path
 ec.py         compensator kernels of the semi-fused prefill path
 ops.py        ``spear::w4a16_ec`` (torch.library.triton_op) and the dispatch by token count
 """

@@ -124,3 +124,88 @@ def _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound,
         return (1.0 + bound * _tanh(gT)) * uT
     else:
         return uT
+
+
+@triton.jit
+def _fma_token(acc, x_ptr, i, stride_xm, k, koff, offs_w, wj, xs, M):
+    """acc [BN, BK/8] += wj * x[i, k + 8 w + koff] (scaled by xs); tokens i >= M read as 0."""
+    xj = tl.load(x_ptr + i * stride_xm + k + 8 * offs_w + koff, mask=(offs_w * 0 + i) < M, other=0.0)
+    return acc + wj * (xj.to(tl.float32) * xs)[None, :]
+
+
+@triton.jit
+def _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, stride_xm,
+                  GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  BM: tl.constexpr, MV: tl.constexpr):
+    """CUDA-core main loop for M <= MV <= 4 tokens; returns accT [BN, BM] (columns >= MV zero).
+
+    At decode the tensor cores buy nothing, and the MMA operand layout forces the dequantized
+    tile through shared memory; here every word stays in the registers it was loaded into
+    (one 2-D accumulator per token keeps every tensor in the load's layout).
+    A code is turned into an exact fp32 by OR-ing it, unshifted, into the mantissa of 2^23
+    (nibble i at bits 4i: value 2^23 + code·16^i, exact while the nibble stays below bit 23,
+    so nibbles 5..7 are shifted down once per word). Subtracting 2^23 + zero·16^i leaves
+    (code - zero)·16^i exactly, and the matching x is pre-scaled by 16^-i (exact). Per weight:
+    one LOP3, one FADD, one FFMA per token; the group scale is applied once per K step.
+    """
+    offs_w = tl.arange(0, BK // 8)
+    if SYMMETRIC:
+        z = tl.full((BN,), 8.0, tl.float32)
+    else:
+        z = tl.load(zeros_ptr + n_ld).to(tl.float32)
+    a0 = tl.zeros((BN, BK // 8), tl.float32)
+    a1 = tl.zeros((BN, BK // 8), tl.float32)
+    a2 = tl.zeros((BN, BK // 8), tl.float32)
+    a3 = tl.zeros((BN, BK // 8), tl.float32)
+    for k in range(k_lo, k_hi, BK):
+        p = tl.load(w_base + k // 8)
+        hi = p >> 20
+        if GROUP > 0:
+            g = k // GROUP
+            if not SYMMETRIC:
+                z = tl.load(zeros_ptr + g * N + n_ld).to(tl.float32)
+            s0 = tl.zeros((BN, BK // 8), tl.float32)
+            s1 = tl.zeros((BN, BK // 8), tl.float32)
+            s2 = tl.zeros((BN, BK // 8), tl.float32)
+            s3 = tl.zeros((BN, BK // 8), tl.float32)
+        else:
+            s0 = a0
+            s1 = a1
+            s2 = a2
+            s3 = a3
+        for j in tl.static_range(8):
+            # nibble j holds k-offset NIBBLE_K[j] = (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1)
+            if j < 5:
+                bits = (p & (0xF << (4 * j))) | 0x4B000000
+                wj = bits.to(tl.float32, bitcast=True) - (8388608.0 + z * (1 << (4 * j)))[:, None]
+                xs = 1.0 / (1 << (4 * j))
+            else:
+                bits = (hi & (0xF << (4 * (j - 5)))) | 0x4B000000
+                wj = bits.to(tl.float32, bitcast=True) - (8388608.0 + z * (1 << (4 * (j - 5))))[:, None]
+                xs = 1.0 / (1 << (4 * (j - 5)))
+            koff = (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1)
+            s0 = _fma_token(s0, x_ptr, 0, stride_xm, k, koff, offs_w, wj, xs, M)
+            if MV > 1:
+                s1 = _fma_token(s1, x_ptr, 1, stride_xm, k, koff, offs_w, wj, xs, M)
+            if MV > 2:
+                s2 = _fma_token(s2, x_ptr, 2, stride_xm, k, koff, offs_w, wj, xs, M)
+                s3 = _fma_token(s3, x_ptr, 3, stride_xm, k, koff, offs_w, wj, xs, M)
+        if GROUP > 0:
+            s = tl.load(scales_ptr + g * N + n_ld).to(tl.float32)[:, None]
+            a0 += s * s0
+            a1 += s * s1
+            a2 += s * s2
+            a3 += s * s3
+        else:
+            a0 = s0
+            a1 = s1
+            a2 = s2
+            a3 = s3
+    cols = tl.arange(0, BM)[None, :]
+    accT = tl.where(cols == 0, tl.sum(a0, axis=1)[:, None], 0.0)
+    if MV > 1:
+        accT += tl.where(cols == 1, tl.sum(a1, axis=1)[:, None], 0.0)
+    if MV > 2:
+        accT += tl.where(cols == 2, tl.sum(a2, axis=1)[:, None], 0.0)
+        accT += tl.where(cols == 3, tl.sum(a3, axis=1)[:, None], 0.0)
+    return accT

@@ -34,7 +34,8 @@ from spear.kernels import _common
 from spear.kernels import ec as ec_kernels
 from spear.kernels import reference
 from spear.kernels.layout import PackedEC, PackedW4
-from spear.kernels.w4a16 import dequantize, w4a16_matmul
+from spear.kernels.dequant import dequantize
+from spear.kernels.w4a16 import w4a16_matmul
 
 # Largest M that takes the fused kernel. Measured on one H200, 2026-11-29
 # (benchmarks/bench_kernels.py, BENCHMARKS.md "Kernels"; r = 32, h = 32, median over the

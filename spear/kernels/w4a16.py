@@ -2,28 +2,31 @@
 
     out (M, N) = x (M, K) · W_hatᵀ (+ bias) (+ alpha · B (gamma(A x) ⊙ A x))
 
-Algorithm. Programs form a 1-D grid of m-tiles x column tiles x SPLIT_K. Each W program
-streams BN rows of packed codes over its K range (BK/2 bytes per row per step, 16-byte
-loads), turns codes into floats with the exponent trick (``_unpack_w4``), subtracts the
-zero point (and scales, per group) in the activation dtype and accumulates
-accT [BN, BM] += W[BN, BK] · xT[BK, BM] on the tensor cores in fp32. Tiles are transposed
-(weights on the left) so that decode's M = 1..16 tokens sit on the small MMA dimension;
-per-channel scales are applied once after the loop.
+Algorithm. Programs form a 1-D grid: per m-tile, first the u programs (fused EC only), then
+column tiles x split_k. Each W program streams BN rows of packed codes over its K range
+(BK/2 bytes per row per step, 16-byte loads) with one of two main loops:
+  * tensor cores (MV = 0): codes become floats with the exponent trick (``_unpack_w4``),
+    the zero point (and per group the scale) is applied in the activation dtype, and
+    accT [BN, BM] += W[BN, BK] · xT[BK, BM] accumulates in fp32. Tiles are transposed
+    (weights on the left) so that decode's few tokens sit on the small MMA dimension.
+  * CUDA cores (MV = 1, 2, 4 tokens; ``_fma_mainloop`` in _common.py): exact fp32 codes,
+    one FMA per weight and token, no change of register layout.
+Per-channel scales are applied once after the loop.
 
 Split-K (decode: N/BN tiles alone cannot fill 132 SMs). Every split writes its fp32
 partial to a workspace and bumps the tile's counter in ``locks``; the split that arrives
 last sums the partials, runs the epilogue and zeroes the counter again, so the kernel
 needs no second launch and ``locks`` stays reusable across calls and CUDA-graph replays.
 
-Fused compensator (EC_MODE 1, decode). One extra column tile per m-tile computes
-u = A x over the same K ranges in the same launch (its own programs, so the W programs'
-loop is untouched); it writes fp32 partials of u and bumps a per-m-tile counter. The
-program finishing each W tile waits on that counter, sums u, evaluates the gate MLP and
-adds alpha · B_tile (gamma ⊙ u). The wait cannot deadlock: the u programs have the lowest
-program ids of their m-tile and the hardware dispatches blocks in id order, so they are
-resident or finished before any program that waits on them; they wait on nothing. The
-last W tile to finish resets the counters. Chosen over a second launch because at decode
-a launch costs about as much as the whole W4 GEMV.
+Fused compensator (EC_MODE 1, decode). ``u_split`` extra programs per m-tile compute
+u = A x over their own K ranges in the same launch (so the W programs' loop is untouched);
+they write fp32 partials of u and bump a per-m-tile counter. The program finishing each W
+tile waits on that counter, sums u, evaluates the gate MLP and adds alpha · B_tile
+(gamma ⊙ u). The wait cannot deadlock: the u programs have the lowest program ids of their
+m-tile and the hardware dispatches blocks in id order, so they are resident or finished
+before any program that waits on them; they wait on nothing. The last W tile to finish
+resets the counters. Chosen over a second launch because at decode a launch costs about
+as much as the whole W4 GEMV.
 
 EC_MODE 2 (prefill, serial variant): v = gamma(u) ⊙ u was computed by ``ec.ec_gate``;
 the epilogue only adds alpha · B_tile v.
@@ -38,7 +41,7 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import INTERPRET, _dequant, _dot, _ec_gate, _unpack_w4
+from spear.kernels._common import INTERPRET, _dequant, _dot, _ec_gate, _fma_mainloop, _unpack_w4
 from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
 
 
@@ -59,10 +62,12 @@ class Config:
 # (it times launches), so the choice is a fixed table, picked from a sweep on one H200
 # (benchmarks/bench_kernels.py --tune; numbers in BENCHMARKS.md, "Kernels").
 # The table is data: ``bench_kernels.py --tune`` writes the same structure (launch_table.json).
+# Values from the sweep on one H200, 2026-11-29 (BENCHMARKS.md "Kernels"): geometric mean over
+# 4096x4096, 28672x4096 and 4096x14336 of the best candidate per token class.
 LAUNCH = {
-    "fma_max_m": 4,                                       # CUDA-core main loop up to here
-    "fma": dict(BN=64, BK=128, num_warps=4, num_stages=2, programs=512),
-    "tc": dict(BN=64, BK=128, num_warps=4, num_stages=4, programs=512),    # split-K tensor-core decode
+    "fma_max_m": 1,                                       # CUDA-core main loop up to here
+    "fma": dict(BN=64, BK=128, num_warps=2, num_stages=2, programs=1024),
+    "tc": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=512),    # split-K tensor-core decode
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
 }
 DECODE_MAX_M = 64      # split-K tensor-core tiles up to here, prefill tiles above
@@ -234,91 +239,6 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
 
 
 @triton.jit
-def _fma_token(acc, x_ptr, i, stride_xm, k, koff, offs_w, wj, xs, M):
-    """acc [BN, BK/8] += wj * x[i, k + 8 w + koff] (scaled by xs); tokens i >= M read as 0."""
-    xj = tl.load(x_ptr + i * stride_xm + k + 8 * offs_w + koff, mask=(offs_w * 0 + i) < M, other=0.0)
-    return acc + wj * (xj.to(tl.float32) * xs)[None, :]
-
-
-@triton.jit
-def _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, stride_xm,
-                  GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  BM: tl.constexpr, MV: tl.constexpr):
-    """CUDA-core main loop for M <= MV <= 4 tokens; returns accT [BN, BM] (columns >= MV zero).
-
-    At decode the tensor cores buy nothing, and the MMA operand layout forces the dequantized
-    tile through shared memory; here every word stays in the registers it was loaded into
-    (one 2-D accumulator per token keeps every tensor in the load's layout).
-    A code is turned into an exact fp32 by OR-ing it, unshifted, into the mantissa of 2^23
-    (nibble i at bits 4i: value 2^23 + code·16^i, exact while the nibble stays below bit 23,
-    so nibbles 5..7 are shifted down once per word). Subtracting 2^23 + zero·16^i leaves
-    (code - zero)·16^i exactly, and the matching x is pre-scaled by 16^-i (exact). Per weight:
-    one LOP3, one FADD, one FFMA per token; the group scale is applied once per K step.
-    """
-    offs_w = tl.arange(0, BK // 8)
-    if SYMMETRIC:
-        z = tl.full((BN,), 8.0, tl.float32)
-    else:
-        z = tl.load(zeros_ptr + n_ld).to(tl.float32)
-    a0 = tl.zeros((BN, BK // 8), tl.float32)
-    a1 = tl.zeros((BN, BK // 8), tl.float32)
-    a2 = tl.zeros((BN, BK // 8), tl.float32)
-    a3 = tl.zeros((BN, BK // 8), tl.float32)
-    for k in range(k_lo, k_hi, BK):
-        p = tl.load(w_base + k // 8)
-        hi = p >> 20
-        if GROUP > 0:
-            g = k // GROUP
-            if not SYMMETRIC:
-                z = tl.load(zeros_ptr + g * N + n_ld).to(tl.float32)
-            s0 = tl.zeros((BN, BK // 8), tl.float32)
-            s1 = tl.zeros((BN, BK // 8), tl.float32)
-            s2 = tl.zeros((BN, BK // 8), tl.float32)
-            s3 = tl.zeros((BN, BK // 8), tl.float32)
-        else:
-            s0 = a0
-            s1 = a1
-            s2 = a2
-            s3 = a3
-        for j in tl.static_range(8):
-            # nibble j holds k-offset NIBBLE_K[j] = (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1)
-            if j < 5:
-                bits = (p & (0xF << (4 * j))) | 0x4B000000
-                wj = bits.to(tl.float32, bitcast=True) - (8388608.0 + z * (1 << (4 * j)))[:, None]
-                xs = 1.0 / (1 << (4 * j))
-            else:
-                bits = (hi & (0xF << (4 * (j - 5)))) | 0x4B000000
-                wj = bits.to(tl.float32, bitcast=True) - (8388608.0 + z * (1 << (4 * (j - 5))))[:, None]
-                xs = 1.0 / (1 << (4 * (j - 5)))
-            koff = (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1)
-            s0 = _fma_token(s0, x_ptr, 0, stride_xm, k, koff, offs_w, wj, xs, M)
-            if MV > 1:
-                s1 = _fma_token(s1, x_ptr, 1, stride_xm, k, koff, offs_w, wj, xs, M)
-            if MV > 2:
-                s2 = _fma_token(s2, x_ptr, 2, stride_xm, k, koff, offs_w, wj, xs, M)
-                s3 = _fma_token(s3, x_ptr, 3, stride_xm, k, koff, offs_w, wj, xs, M)
-        if GROUP > 0:
-            s = tl.load(scales_ptr + g * N + n_ld).to(tl.float32)[:, None]
-            a0 += s * s0
-            a1 += s * s1
-            a2 += s * s2
-            a3 += s * s3
-        else:
-            a0 = s0
-            a1 = s1
-            a2 = s2
-            a3 = s3
-    cols = tl.arange(0, BM)[None, :]
-    accT = tl.where(cols == 0, tl.sum(a0, axis=1)[:, None], 0.0)
-    if MV > 1:
-        accT += tl.where(cols == 1, tl.sum(a1, axis=1)[:, None], 0.0)
-    if MV > 2:
-        accT += tl.where(cols == 2, tl.sum(a2, axis=1)[:, None], 0.0)
-        accT += tl.where(cols == 3, tl.sum(a3, axis=1)[:, None], 0.0)
-    return accT
-
-
-@triton.jit
 def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
               b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, u_split, M,
               stride_om, HAS_BIAS: tl.constexpr, EC_MODE: tl.constexpr, GATE: tl.constexpr,
@@ -351,54 +271,6 @@ def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_
         accT += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], accT.to(out_ptr.dtype.element_ty),
              mask=n_mask[:, None] & m_mask[None, :])
-
-
-@triton.jit
-def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, K,
-                    GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr):
-    """W_hat [N, K] in the activation dtype, for the dequantize-then-cuBLAS prefill path."""
-    pid = tl.program_id(0)
-    k_tiles = K // BK
-    offs_n = (pid // k_tiles) * BN + tl.arange(0, BN)
-    k = (pid % k_tiles) * BK
-    n_mask = offs_n < N
-    n_ld = offs_n % N
-    if IS_BF16:
-        zbase = 128.0
-    else:
-        zbase = 1024.0
-    if GROUP > 0:
-        g = k // GROUP
-    else:
-        g = 0
-    s = tl.load(scales_ptr + g * N + n_ld).to(tl.float32)
-    if SYMMETRIC:
-        zc = tl.full((BN,), zbase + 8.0, tl.float32)
-    else:
-        zc = zbase + tl.load(zeros_ptr + g * N + n_ld).to(tl.float32)
-    p = tl.load(qw_ptr + n_ld[:, None] * (K // 8) + (k // 8 + tl.arange(0, BK // 8))[None, :])
-    w = _dequant(_unpack_w4(p, BN, BK, IS_BF16), zc, s, True, IS_BF16)
-    tl.store(w_ptr + offs_n[:, None] * K + (k + tl.arange(0, BK))[None, :], w, mask=n_mask[:, None])
-
-
-def dequantize(w: PackedW4, dtype: torch.dtype, launch=None) -> torch.Tensor:
-    """W_hat (N, K) in ``dtype`` (float16 or bfloat16), rounded once as the reference rounds it."""
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"dequantize dtype must be float16 or bfloat16; got {dtype}")
-    n, k = w.out_features, w.in_features
-    bk = min(128, w.group_size or 128)
-    if k % bk:
-        raise ValueError(f"in_features={k} must be a multiple of {bk}")
-    out = _common.alloc((n, k), dtype=dtype, device=w.qweight.device)
-    bn = 64
-    kernel = _dequant_kernel if launch is None else launch(_dequant_kernel)
-    kernel[(triton.cdiv(n, bn) * (k // bk),)](
-        w.qweight, w.scales, w.zeros, out, n, k,
-        GROUP=w.group_size, SYMMETRIC=w.symmetric, IS_BF16=dtype == torch.bfloat16, BN=bn, BK=bk,
-        num_warps=4, num_stages=1,
-    )
-    return out
 
 
 def _check(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, ec: PackedEC | None) -> None:

@@ -13,7 +13,8 @@ import torch
 from spear.kernels import reference as ref
 from spear.kernels.ec import ec_gate, ec_up
 from spear.kernels.layout import LOCK_SLOTS, pack, pack_ec, unpack
-from spear.kernels.w4a16 import Config, dequantize, pick_config, w4a16_matmul
+from spear.kernels.dequant import dequantize
+from spear.kernels.w4a16 import Config, pick_config, w4a16_matmul
 from tests.kernels._helpers import DEVICE, INTERPRET, assert_close, make_ec, make_layer
 
 N_SMALL, K_SMALL = 96, 256  # N not a multiple of the 64-wide tile: exercises the column mask
@@ -136,6 +137,20 @@ def test_launcher_errors():
         w4a16_matmul(torch.randn(3, 128, dtype=torch.float16, device=DEVICE), w, config=Config(16, 64, 32, 1, 4, 2, mv=2))
     with pytest.raises(ValueError, match="rank"):
         pack_ec(torch.randn(200, 128), torch.randn(64, 200), 1.0, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_kernels_compile_for_hopper(dtype):
+    """Every constexpr variant the dispatcher uses type-checks and assembles for sm_90 (no GPU needed)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "tests.kernels._compile_check", dtype], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
 def test_pick_config_fills_the_gpu_at_decode():

@@ -1,0 +1,61 @@
+"""Compile the kernels for Hopper (sm_90) without a GPU; run as a script, outside the interpreter.
+
+The interpreter only executes the branches a launch takes, so a constexpr variant that does
+not type-check (e.g. a dot of fp16 and bf16 tiles) passes it; ptxas does not. Prints "ok".
+"""
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from spear.kernels.dequant import _dequant_kernel
+from spear.kernels.ec import _ec_gate_kernel, _ec_up_kernel
+from spear.kernels.w4a16 import _w4a16_kernel
+
+TARGET = GPUTarget("cuda", 90, 128)
+
+
+def sig(fn, ptrs, floats, consts):
+    out = {}
+    for name in fn.arg_names:
+        out[name] = ptrs.get(name) or ("fp32" if name in floats else ("constexpr" if name in consts else "i32"))
+    return out
+
+
+def compile_w4(bf16, ec_mode, mv, bm, gate=True):
+    dt = "bf16" if bf16 else "fp16"
+    ptrs = dict(x_ptr=dt, qw_ptr="i32", scales_ptr="fp16", zeros_ptr="u8", bias_ptr=dt, out_ptr=dt, part_ptr="fp32",
+                locks_ptr="i32", a_ptr=dt, b_ptr=dt, w1_ptr=dt, b1_ptr=dt, w2_ptr=dt, b2_ptr=dt, upart_ptr="fp32",
+                v_ptr=dt)
+    # unused EC pointers get the launcher's fp16 placeholder (the scales tensor), as in w4a16_matmul
+    unused = {"a_ptr", "b_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr"} if ec_mode == 0 else (
+        {"a_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr"} if ec_mode == 2 else set())
+    ptrs = {k: "*" + ("fp16" if k in unused else v) for k, v in ptrs.items()}
+    gate = gate and ec_mode == 1
+    consts = dict(GROUP=128, SYMMETRIC=False, HAS_BIAS=True, IS_BF16=bf16, EC_MODE=ec_mode, GATE=gate, R=32, H=32,
+                  BM=bm, BN=64, BK=64, MV=mv, DOT_F32=False)
+    src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts), consts)
+    triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=2))
+
+
+def compile_small(bf16):
+    dt = "*bf16" if bf16 else "*fp16"
+    c = dict(GROUP=64, SYMMETRIC=True, IS_BF16=bf16, BN=64, BK=64)
+    p = dict(qw_ptr="*i32", scales_ptr="*fp16", zeros_ptr="*u8", w_ptr=dt)
+    triton.compile(ASTSource(_dequant_kernel, sig(_dequant_kernel, p, (), c), c), target=TARGET)
+    c = dict(GATE=True, R=16, H=16, BM=16, BK=64, DOT_F32=False)
+    p = {k: dt for k in ("x_ptr", "a_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr", "v_ptr")}
+    triton.compile(ASTSource(_ec_gate_kernel, sig(_ec_gate_kernel, p, ("bound",), c), c), target=TARGET)
+    c = dict(R=16, BM=64, BN=64, DOT_F32=False)
+    p = {k: dt for k in ("v_ptr", "b_ptr", "out_ptr")}
+    triton.compile(ASTSource(_ec_up_kernel, sig(_ec_up_kernel, p, ("alpha",), c), c), target=TARGET)
+
+
+if __name__ == "__main__":
+    bf16 = sys.argv[1] == "bf16"
+    for ec_mode, mv, bm in ((0, 0, 64), (1, 1, 16), (1, 0, 16), (2, 0, 64)):
+        compile_w4(bf16, ec_mode, mv, bm)
+    compile_small(bf16)
+    print("ok")
