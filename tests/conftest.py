@@ -61,5 +61,5 @@ def article_text():
 
 
 def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
-    ref, out = ref.double(), out.double()
+    ref, out = ref.detach().double(), out.detach().double()
     return float(20 * torch.log10(ref.norm() / (ref - out).norm()))

@@ -30,12 +30,17 @@ def test_default_job_small(tmp_path):
 def test_wikitext_file_with_seq_len_2048(article_text, tmp_path):
     path = tmp_path / "wiki.test.raw"
     path.write_text(article_text)
+    window = ["--text", str(path), "--seq-len", "2048", "--eval-windows", "2", "--calib-windows", "1"]
+    assert main(["-q", "run", *window, "--baselines", "lqer", "--spear", "none", "--out", str(tmp_path / "run")]) == 0
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["text"].startswith("wikitext-2 wiki.test.raw") and run["seq_len"] == 2048
+    assert run["tokens_scored"] == 2 * 2047
+    fp, w4, lqer = (r["ppl"] for r in run["rows"])
+    assert 5 < fp < 60 and fp < lqer < w4
+    assert (tmp_path / "run" / "run.md").read_text().count("|") > 12
     out = tmp_path / "r.json"
-    assert main(["-q", "eval", "--text", str(path), "--seq-len", "2048", "--eval-windows", "2",
-                 "--calib-windows", "1", "--json", str(out)]) == 0
-    r = json.loads(out.read_text())
-    assert r["text"].startswith("wikitext-2 wiki.test.raw") and r["seq_len"] == 2048 and r["tokens"] == 2 * 2047
-    assert 5 < r["ppl"] < 60
+    assert main(["-q", "eval", *window, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["ppl"] == pytest.approx(fp, rel=1e-6)
 
 
 @pytest.mark.slow
