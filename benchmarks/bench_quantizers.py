@@ -24,7 +24,7 @@ import torch
 
 from spear.compensate.static import attach_static, remove_compensators
 from spear.compensate.stats import collect_activation_stats
-from spear.config import CalibConfig, EvalConfig, QuantConfig, StaticCompensationConfig
+from spear.config import CalibConfig, EvalConfig, GPTQConfig, QuantConfig, StaticCompensationConfig
 from spear.eval.memory import compensator_bytes, quantized_model_bytes
 from spear.eval.perplexity import perplexity
 from spear.eval.report import Row, gap_recovered, machine_label
@@ -53,6 +53,9 @@ def main() -> None:
     ap.add_argument("--methods", default="rtn,gptq,awq")
     ap.add_argument("--calib-samples", type=int, default=CalibConfig().n_samples)
     ap.add_argument("--calib-seq-len", type=int, default=CalibConfig().seq_len)
+    ap.add_argument("--calib-source", choices=["self", "text"], default="self",
+                    help="'text': GPTQ/AWQ calibrate on the text's calibration windows instead")
+    ap.add_argument("--act-order", action="store_true", help="GPTQ act-order (static groups)")
     ap.add_argument("--rank", type=int, default=4)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -60,7 +63,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     eval_cfg = EvalConfig()
-    calib_cfg = CalibConfig(n_samples=args.calib_samples, seq_len=args.calib_seq_len)
+    calib_cfg = CalibConfig(source=args.calib_source, n_samples=args.calib_samples, seq_len=args.calib_seq_len)
     model, tokenizer = load_model(args.model)
     split = load_split(tokenizer, eval_cfg)
     print(f"text: {split.describe()}", flush=True)
@@ -78,8 +81,10 @@ def main() -> None:
 
     header = {"model": args.model, "text": split.text_name, "seq_len": split.seq_len,
               "eval_windows": split.eval.shape[0], "tokens_scored": fp.tokens,
-              "calibration": f"{calib_cfg.n_samples} self-sampled sequences x {calib_cfg.seq_len} tokens "
-                             f"(seed {calib_cfg.seed}, T={calib_cfg.temperature}, top-p {calib_cfg.top_p})",
+              "calibration": (f"{calib_cfg.n_samples} self-sampled sequences x {calib_cfg.seq_len} tokens "
+                              f"(seed {calib_cfg.seed}, T={calib_cfg.temperature}, top-p {calib_cfg.top_p})"
+                              if calib_cfg.source == "self" else f"{split.calib.shape[0]} text windows"),
+              "gptq_act_order": args.act_order,
               "qera_stats": f"{split.calib.shape[0]} text windows",
               "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": machine_label()}
     records = [{"config": "FP", "method": "FP", "ppl": fp.ppl}]
@@ -87,9 +92,11 @@ def main() -> None:
     for gs in [int(g) for g in args.granularities.split(",")]:
         base_ppl = {}
         for method in args.methods.split(","):
-            cfg = QuantConfig(bits=4, group_size=gs, symmetric=True, method=method, calib=calib_cfg)
+            cfg = QuantConfig(bits=4, group_size=gs, symmetric=True, method=method, calib=calib_cfg,
+                              gptq=GPTQConfig(act_order=args.act_order))
             model, _ = load_model(args.model)
-            if method != "rtn" and "self_sampling_s" not in header:
+            text_calib = split.calib if calib_cfg.source == "text" else None
+            if method != "rtn" and text_calib is None and "self_sampling_s" not in header:
                 # Sampled (or read from the cache) before the clock starts: shared by all runs.
                 t0 = time.perf_counter()
                 ids = calibration_ids(model, cfg, tokenizer=tokenizer, progress=False)
@@ -97,13 +104,16 @@ def main() -> None:
                 print(f"calibration: {tuple(ids.shape)} self-sampled ids in {header['self_sampling_s']} s", flush=True)
             scales: dict = {}
             t0 = time.perf_counter()
-            modules = quantize_model(model, cfg, calib=None, progress=False, tokenizer=tokenizer, channel_scales=scales)
+            modules = quantize_model(model, cfg, calib=None if method == "rtn" else text_calib, progress=False,
+                                     tokenizer=tokenizer, channel_scales=scales)
             quant_s = time.perf_counter() - t0
             base = ppl(model)
             base_ppl[method] = base.ppl
+            label = cfg.label + (" act-order" if method == "gptq" and args.act_order else "")
+            label += " (text calib)" if method != "rtn" and text_calib is not None else ""
             if gs == 0 and method == "rtn":
                 rtn_pc = base.ppl
-            rec = {"config": f"W4 {'per-channel' if gs == 0 else f'g{gs}'} sym", "method": cfg.label, "ppl": base.ppl,
+            rec = {"config": f"W4 {'per-channel' if gs == 0 else f'g{gs}'} sym", "method": label, "ppl": base.ppl,
                    "quant_time_s": round(quant_s, 1),
                    "gap_vs_rtn_per_channel": None if rtn_pc is None else gap_recovered(rtn_pc, base.ppl, fp.ppl)}
             records.append(rec)
@@ -114,13 +124,13 @@ def main() -> None:
             attach_static(modules, fp_weights, comp, stats, progress=False)
             total, extra = quantized_model_bytes(model), compensator_bytes(model)
             res = ppl(model)
-            rec = {"config": rec["config"], "method": f"{cfg.label} + QERA-approx r{args.rank}", "ppl": res.ppl,
+            rec = {"config": rec["config"], "method": f"{label} + QERA-approx r{args.rank}", "ppl": res.ppl,
                    "memory_pct": 100 * extra / total, "modules": len(modules),
                    "gap_recovered_own_base": gap_recovered(base.ppl, res.ppl, fp.ppl)}
             records.append(rec)
             print(json.dumps(rec), flush=True)
             remove_compensators(model)
-            for row in spear_rows(model, modules, fp_weights, stats, cfg.label):
+            for row in spear_rows(model, modules, fp_weights, stats, label):
                 records.append({"config": rec["config"], **asdict(row)})
             _write(out, header, records)
             del model, modules
