@@ -8,7 +8,7 @@ from spear.errors import SpearError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("run", help="quantize, evaluate FP / W4 / static baselines, print the table",
+    p = sub.add_parser("run", help="quantize, evaluate FP / W4 / static baselines / SPEAR ECs, print the table",
                        description="The whole default job: FP, the quantized base and static low-rank "
                                    "baselines on the same windows, as one table (also saved as JSON and Markdown).")
     add_model_arg(p)
