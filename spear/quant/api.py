@@ -13,22 +13,20 @@ from spear.quant.rtn import quantize_model_rtn
 
 def calibration_ids(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | None = None, tokenizer=None,
                     progress: bool = True) -> torch.Tensor:
-    """The (n, L) token ids GPTQ/AWQ calibrate on, per ``cfg.calib.source``.
+    """The (n, L) token ids GPTQ/AWQ calibrate on.
 
-    ``"self"``: sequences sampled from ``model`` itself (cached on disk, shared with
-    the compensator calibration); needs ``tokenizer``. ``"text"``: the windows passed
-    as ``calib``. Passing windows with the ``"self"`` source is refused rather than
-    silently ignored.
+    Ids passed as ``calib`` are used as given (text windows, or self-samples a caller
+    already drew, e.g. for the compensator calibration). Otherwise ``cfg.calib.source``
+    decides: ``"self"`` samples sequences from ``model`` itself (cached on disk, shared
+    with the compensator calibration; needs ``tokenizer``), ``"text"`` is an error
+    because the windows are missing.
     """
-    source = cfg.calib.source
-    if source == "text":
-        if calib is None or calib.dim() != 2 or calib.shape[0] == 0:
-            shape = None if calib is None else tuple(calib.shape)
-            raise SpearError(f"calibration source 'text' needs (n >= 1, seq_len) token windows, got {shape}")
-        return calib
     if calib is not None:
-        raise SpearError("calibration source is 'self' (sampled from the model) but token windows were passed; "
-                         "set the calibration source to 'text' to use them")
+        if calib.dim() != 2 or calib.shape[0] == 0 or calib.shape[1] < 1:
+            raise SpearError(f"calibration ids must be a non-empty (n, seq_len) tensor, got shape {tuple(calib.shape)}")
+        return calib
+    if cfg.calib.source == "text":
+        raise SpearError("calibration source 'text' needs (n, seq_len) token windows passed as calib; none were given")
     if tokenizer is None:
         raise SpearError("calibration source 'self' needs the model's tokenizer to sample from the model")
     from spear.data.selfsample import SampleConfig, sample_sequences
@@ -43,8 +41,8 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | Non
     """Quantize ``model`` in place with ``cfg.method``; returns ``{name: QuantLinear}``.
 
     RTN needs no data. GPTQ and AWQ calibrate layer by layer on the ids chosen by
-    :func:`calibration_ids`: ``calib`` (n, L) token windows when ``cfg.calib.source``
-    is ``"text"``, otherwise sequences sampled from the model with ``tokenizer``.
+    :func:`calibration_ids`: ``calib`` (n, L) when given, else sequences sampled
+    from the model with ``tokenizer`` (``cfg.calib.source == "self"``).
     AWQ fills ``channel_scales`` with how it rescaled each linear (see
     :func:`spear.quant.awq.rescale_reference`); other methods leave it empty.
     """

@@ -17,10 +17,11 @@ def test_calibration_source_rules():
     ids = torch.randint(0, 128, (2, 8))
     text = QuantConfig(method="gptq", calib=CalibConfig(source="text"))
     assert calibration_ids(model, text, ids) is ids
+    assert calibration_ids(model, QuantConfig(method="awq"), ids) is ids  # given ids (e.g. self-samples) win
     with pytest.raises(SpearError, match="source 'text' needs"):
         quantize_model(model, text, calib=None, progress=False)
-    with pytest.raises(SpearError, match="token windows were passed"):
-        quantize_model(model, QuantConfig(method="awq"), calib=ids, progress=False)
+    with pytest.raises(SpearError, match="non-empty"):
+        quantize_model(model, text, calib=ids[:0], progress=False)
     with pytest.raises(SpearError, match="needs the model's tokenizer"):
         quantize_model(model, QuantConfig(method="gptq"), progress=False)
 
