@@ -35,7 +35,8 @@ from torch import nn
 
 from spear.config import QuantConfig
 from spear.models.modules import set_module
-from spear.quant.calib import InputStats, LayerBatch, _first_row, collect_input_stats, layer_forward, linear_groups, run_layerwise
+from spear.quant.calib import (InputStats, LayerBatch, collect_input_stats, first_sequence, layer_forward, linear_groups,
+                               run_layerwise)
 from spear.quant.linear import QuantLinear
 from spear.quant.primitives import compute_qparams, dequantize, n_groups, quantize
 
@@ -172,7 +173,7 @@ def _producers(layer: nn.Module, batch: LayerBatch) -> tuple[dict[int, str], Cou
 
     pre = [m.register_forward_pre_hook(pre_hook(n)) for n, m in layer.named_modules() if type(m) is nn.Linear]
     try:
-        layer_forward(layer, LayerBatch(batch.hidden[:1], _first_row(batch.kwargs, batch.hidden.shape[0])))
+        layer_forward(layer, LayerBatch(batch.hidden[:1], first_sequence(batch.kwargs, batch.hidden.shape[0])))
     finally:
         for hd in handles + pre:
             hd.remove()
@@ -227,7 +228,7 @@ def _process_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch],
     names = [n for g in groups for n in g]
     stats = collect_input_stats(layer, batches, names, stop_after=False)
     fed_by, calls = _producers(layer, batches[0])
-    probe = LayerBatch(batches[0].hidden[:1], _first_row(batches[0].kwargs, batches[0].hidden.shape[0]))
+    probe = LayerBatch(batches[0].hidden[:1], first_sequence(batches[0].kwargs, batches[0].hidden.shape[0]))
     reference = layer_forward(layer, probe)
     for group in groups:
         producer, why = _find_producer(layer, group, fed_by)

@@ -121,7 +121,7 @@ def linear_groups(layer: nn.Module, batch: LayerBatch) -> list[list[str]]:
     handles = [m.register_forward_pre_hook(hook) for m in layer.modules() if id(m) in names]
     try:
         with torch.no_grad():
-            layer_forward(layer, LayerBatch(batch.hidden[:1], _first_row(batch.kwargs, batch.hidden.shape[0])))
+            layer_forward(layer, LayerBatch(batch.hidden[:1], first_sequence(batch.kwargs, batch.hidden.shape[0])))
     finally:
         for h in handles:
             h.remove()
@@ -142,7 +142,7 @@ def linear_groups(layer: nn.Module, batch: LayerBatch) -> list[list[str]]:
     return groups
 
 
-def _first_row(kwargs: dict, batch: int) -> dict:
+def first_sequence(kwargs: dict, batch: int) -> dict:
     """Keyword arguments sliced to the first sequence where they carry a batch dimension."""
     def cut(v):
         if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch:

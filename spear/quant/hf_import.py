@@ -208,6 +208,7 @@ def import_hf_quantized(folder: str | os.PathLike, dtype: torch.dtype = torch.fl
         if t.device.type == "meta":
             raise SpearError(f"checkpoint {folder} leaves tensor {pname} unset")
     model.eval()
-    quant = QuantConfig(bits=qc["bits"], group_size=max(group_sizes) if len(group_sizes) == 1 else 0,
+    # The summary config; each module records its own group size (per-channel where a group spans all inputs).
+    quant = QuantConfig(bits=qc["bits"], group_size=next(iter(group_sizes)) if len(group_sizes) == 1 else 0,
                         symmetric=all(symmetric), method=qc["quant_method"].lower())
     return model, AutoTokenizer.from_pretrained(folder), quant, qc
