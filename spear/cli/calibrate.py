@@ -73,7 +73,13 @@ def main(args) -> int:
     progress = not args.quiet
     model, tok = load_model(args.model, device=args.device)
     data = prepare_calibration(model, tok, cfg, quant.include_lm_head, progress=progress)
-    modules = quantize_model(model, quant, calib=data.train_ids, progress=progress)
+    channel_scales: dict = {}
+    modules = quantize_model(model, quant, calib=data.train_ids, progress=progress, tokenizer=tok,
+                             channel_scales=channel_scales)
+    if channel_scales:  # AWQ scaled the linears: compensate against the weights it rounded
+        from spear.quant.awq import rescale_reference
+
+        data.fp_weights, data.stats = rescale_reference(data.fp_weights, data.stats, channel_scales)
     plan = read_plan(args.plan) or uniform_plan(modules, args.rank)
     unknown = sorted(set(plan) - set(modules))
     if unknown:
