@@ -188,4 +188,4 @@ class EvalConfig:
         return asdict(self)
 
 
-__all__ = ["QuantConfig", "CalibConfig", "GPTQConfig", "AWQConfig", "CALIB_SOURCES", "StaticCompensationConfig", "EvalConfig", "STATIC_METHODS", "field"]
+__all__ = ["QuantConfig", "CalibConfig", "GPTQConfig", "AWQConfig", "CALIB_SOURCES", "StaticCompensationConfig", "EvalConfig", "STATIC_METHODS"]

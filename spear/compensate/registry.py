@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from spear.compensate.lowrank import LowRankCompensator
 from spear.errors import SpearError
+
+# Compensator tensors are stored (and counted, and checkpointed) in fp16; a fresh
+# initialisation is rounded to it once so that a saved model equals the live one.
+STORAGE_DTYPE = torch.float16
+
+
+def as_stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` rounded to the storage dtype, returned in ``dtype``."""
+    return t.to(STORAGE_DTYPE).to(dtype)
+
 
 COMPENSATOR_KINDS: dict[str, type[nn.Module]] = {LowRankCompensator.kind: LowRankCompensator}
 

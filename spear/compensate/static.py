@@ -12,18 +12,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from spear.compensate.lowrank import LowRankCompensator
+from spear.compensate.registry import as_stored
 from spear.compensate.stats import ActivationStats
 from spear.compensate.svd_init import ScalingCache, error_factors, low_rank_factors
 from spear.config import StaticCompensationConfig
 from spear.quant.linear import QuantLinear
 from spear.quant.primitives import compute_qparams, quantize
 
-# Compensator tensors are stored (and counted) in fp16, like the rest of the model.
-STORAGE_DTYPE = torch.float16
-
-
-def _stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(STORAGE_DTYPE).to(dtype)
 
 
 @torch.no_grad()
@@ -63,7 +58,7 @@ def attach_static(modules: dict[str, QuantLinear], fp_weights: dict[str, torch.T
         else:
             a, b = error_factors(w, mod, rank, scale(name))
         dtype = mod.compute_dtype
-        mod.compensator = LowRankCompensator(_stored(a, dtype), _stored(b, dtype)).to(mod.codes.device)
+        mod.compensator = LowRankCompensator(as_stored(a, dtype), as_stored(b, dtype)).to(mod.codes.device)
         applied[name] = rank
     return applied
 

@@ -19,14 +19,13 @@ from torch import nn
 
 from spear.compensate.calibrate import CalibrationConfig, CalibrationReport, ec_modules, teacher_logprobs, train_ecs
 from spear.compensate.ec import GatedCompensator
+from spear.compensate.registry import as_stored
 from spear.compensate.stats import ActivationStats, collect_activation_stats
 from spear.compensate.svd_init import ScalingCache, error_factors
 from spear.data.selfsample import SampleConfig, sample_sequences
 from spear.models.modules import quantizable_linears
 from spear.quant.linear import QuantLinear
 
-# EC tensors are stored (and counted) in fp16; the init is rounded to that once.
-STORAGE_DTYPE = torch.float16
 
 
 @dataclass
@@ -67,7 +66,7 @@ def attach_ecs(modules: dict[str, QuantLinear], fp_weights: dict[str, torch.Tens
             continue
         a, b = error_factors(fp_weights[name], mod, rank, scale(name))
         dt = mod.compute_dtype
-        mod.compensator = GatedCompensator(a.to(STORAGE_DTYPE).to(dt), b.to(STORAGE_DTYPE).to(dt), hidden=cfg.hidden,
+        mod.compensator = GatedCompensator(as_stored(a, dt), as_stored(b, dt), hidden=cfg.hidden,
                                            gated=cfg.gated, bound=cfg.bound, seed=cfg.seed * 7919 + i
                                            ).to(mod.codes.device)
         applied[name] = rank

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from spear.compensate.registry import STORAGE_DTYPE as COMPENSATOR_DTYPE
 from spear.compensate.registry import build_compensator, compensator_spec
 from spear.config import QuantConfig
 from spear.errors import SpearError
@@ -41,7 +42,6 @@ FORMAT = "spear-checkpoint"
 VERSION = 1
 CONFIG_NAME = "spear_config.json"
 WEIGHTS_NAME = "model.safetensors"
-COMPENSATOR_DTYPE = torch.float16
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
