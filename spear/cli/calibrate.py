@@ -15,6 +15,8 @@ def add_calibration_args(p, with_gate_flag: bool = True) -> None:
         g.add_argument("--no-gate", action="store_true", help="static low-rank term (γ ≡ 1), KL-calibrated")
     g.add_argument("--hidden", type=positive_int, default=d.hidden, help="gate MLP width h (default: %(default)s)")
     g.add_argument("--bound", type=float, default=d.bound, help="γ ∈ (1-bound, 1+bound) (default: %(default)s)")
+    g.add_argument("--gate-per-module", action="store_true",
+                   help="one γ per token for the whole module instead of one per rank component")
     g.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps (default: %(default)s)")
     g.add_argument("--samples", type=positive_int, default=d.n_samples, help="training self-samples (default: %(default)s)")
     g.add_argument("--val-samples", type=positive_int, default=d.val_samples, help="held-out self-samples (default: %(default)s)")
@@ -33,8 +35,7 @@ def calibration_config_from(args):
     return CalibrationConfig(n_samples=args.samples, val_samples=args.val_samples, sample_len=args.sample_len,
                              seed=args.seed, steps=args.steps, batch_size=args.calib_batch, lr=args.lr,
                              gate_lr=args.gate_lr, gated=not getattr(args, "no_gate", False), hidden=args.hidden,
-                             bound=args.bound,
-                             init=args.init)
+                             bound=args.bound, gate_per_rank=not args.gate_per_module, init=args.init)
 
 
 def register(sub) -> None:

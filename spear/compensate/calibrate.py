@@ -48,6 +48,7 @@ class CalibrationConfig:
     gated: bool = True
     hidden: int = 8
     bound: float = 1.0
+    gate_per_rank: bool = True  # one γ per rank component (False: one per module)
     init: str = "qera-approx"  # static solution the ECs start from
 
     def __post_init__(self):

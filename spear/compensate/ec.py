@@ -14,6 +14,9 @@ into W1 for deployment (see :meth:`GatedCompensator.export_gate`). The output is
 bounded in (1 - bound, 1 + bound). W2 and b2 start at zero, so γ ≡ 1 and the EC
 starts as the static low-rank solution it is initialised from. ``gated=False`` is
 the static low-rank special case (γ ≡ 1) with the same A, B, α.
+
+``per_rank=False`` gates the whole module with one γ per token (W2: 1 × h, b2: 1);
+it exports to the kernel's per-rank form by repeating that row r times.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ class GatedCompensator(nn.Module):
     kind = "spear-ec"
 
     def __init__(self, A: torch.Tensor, B: torch.Tensor, hidden: int = 8, gated: bool = True,
-                 bound: float = 1.0, alpha: float = 1.0, seed: int = 0):
+                 bound: float = 1.0, alpha: float = 1.0, seed: int = 0, per_rank: bool = True):
         super().__init__()
         if A.dim() != 2 or B.dim() != 2 or A.shape[0] != B.shape[1]:
             raise ValueError(f"A (r, in) and B (out, r) must share r; got {tuple(A.shape)} and {tuple(B.shape)}")
@@ -41,6 +44,7 @@ class GatedCompensator(nn.Module):
             raise ValueError(f"gate bound must be in (0, 1] so that γ stays positive, got {bound}")
         r = A.shape[0]
         self.gated, self.hidden, self.bound = gated, hidden if gated else 0, float(bound)
+        self.per_rank = bool(per_rank) if gated else True
         self.A = nn.Parameter(A)
         self.B = nn.Parameter(B)
         self.alpha = nn.Parameter(torch.tensor(float(alpha), dtype=A.dtype, device=A.device))
@@ -49,19 +53,23 @@ class GatedCompensator(nn.Module):
             w1 = torch.randn(hidden, r, generator=gen) / math.sqrt(r)
             self.w1 = nn.Parameter(w1.to(A.device, A.dtype))
             self.b1 = nn.Parameter(torch.zeros(hidden, dtype=A.dtype, device=A.device))
-            self.w2 = nn.Parameter(torch.zeros(r, hidden, dtype=A.dtype, device=A.device))
-            self.b2 = nn.Parameter(torch.zeros(r, dtype=A.dtype, device=A.device))
+            g = r if self.per_rank else 1
+            self.w2 = nn.Parameter(torch.zeros(g, hidden, dtype=A.dtype, device=A.device))
+            self.b2 = nn.Parameter(torch.zeros(g, dtype=A.dtype, device=A.device))
             self.register_buffer("u_scale", torch.ones(r, dtype=A.dtype, device=A.device))
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, rank: int, hidden: int = 8, gated: bool = True,
-              bound: float = 1.0, device=None, dtype=None) -> "GatedCompensator":
+              bound: float = 1.0, per_rank: bool = True, device=None, dtype=None) -> "GatedCompensator":
         a = torch.zeros(rank, in_features, device="cpu", dtype=dtype)
         b = torch.zeros(out_features, rank, device="cpu", dtype=dtype)
-        return cls(a, b, hidden=hidden, gated=gated, bound=bound).to(device)
+        return cls(a, b, hidden=hidden, gated=gated, bound=bound, per_rank=per_rank).to(device)
 
     def spec(self) -> dict:
-        return {"rank": self.rank, "hidden": self.hidden, "gated": self.gated, "bound": self.bound}
+        out = {"rank": self.rank, "hidden": self.hidden, "gated": self.gated, "bound": self.bound}
+        if not self.per_rank:
+            out["per_rank"] = False
+        return out
 
     @property
     def rank(self) -> int:
@@ -93,9 +101,11 @@ class GatedCompensator(nn.Module):
         """Gate weights in the kernel's form (input scale folded into W1; α and bound as floats)."""
         out = {"A": self.A.detach(), "B": self.B.detach(), "alpha": float(self.alpha), "bound": self.bound}
         if self.gated:
+            reps = 1 if self.per_rank else self.rank
             out.update(w1=(self.w1 * self.u_scale[None, :]).detach(), b1=self.b1.detach(),
-                       w2=self.w2.detach(), b2=self.b2.detach())
+                       w2=self.w2.detach().repeat(reps, 1), b2=self.b2.detach().repeat(reps))
         return out
 
     def extra_repr(self) -> str:
-        return f"rank={self.rank}, " + (f"gate hidden={self.hidden}, bound={self.bound}" if self.gated else "ungated")
+        mode = "" if self.per_rank else ", one γ per module"
+        return f"rank={self.rank}, " + (f"gate hidden={self.hidden}, bound={self.bound}{mode}" if self.gated else "ungated")

@@ -67,8 +67,8 @@ def attach_ecs(modules: dict[str, QuantLinear], fp_weights: dict[str, torch.Tens
         a, b = error_factors(fp_weights[name], mod, rank, scale(name))
         dt = mod.compute_dtype
         mod.compensator = GatedCompensator(as_stored(a, dt), as_stored(b, dt), hidden=cfg.hidden,
-                                           gated=cfg.gated, bound=cfg.bound, seed=cfg.seed * 7919 + i
-                                           ).to(mod.codes.device)
+                                           gated=cfg.gated, bound=cfg.bound, seed=cfg.seed * 7919 + i,
+                                           per_rank=cfg.gate_per_rank).to(mod.codes.device)
         applied[name] = rank
     return applied
 

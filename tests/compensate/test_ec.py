@@ -54,6 +54,26 @@ def test_export_folds_input_scale():
     assert torch.allclose(1 + e["bound"] * torch.tanh(h @ e["w2"].T + e["b2"]), ec.gate(u), atol=1e-6)
 
 
+def test_per_module_gate_scales_every_rank_alike_and_exports_per_rank():
+    torch.manual_seed(3)
+    ec = GatedCompensator(torch.randn(3, 16), torch.randn(8, 3), hidden=4, per_rank=False)
+    assert ec.w2.shape == (1, 4) and ec.b2.shape == (1,)
+    with torch.no_grad():
+        ec.w2.normal_(0, 2.0)
+    u = torch.randn(6, 3)
+    g = ec.gate(u)
+    assert g.shape == (6, 1) and g.std() > 0.01
+    x = torch.randn(6, 16)
+    assert torch.allclose(ec(x), _reference(ec, x), atol=1e-5)
+    e = ec.export_gate()
+    assert e["w2"].shape == (3, 4) and e["b2"].shape == (3,)
+    h = torch.nn.functional.silu(u @ e["w1"].T + e["b1"])
+    assert torch.allclose(1 + e["bound"] * torch.tanh(h @ e["w2"].T + e["b2"]), g.expand(6, 3), atol=1e-6)
+    again = GatedCompensator.empty(16, 8, **ec.spec())
+    again.load_state_dict(ec.state_dict())
+    assert torch.equal(again(x), ec(x))
+
+
 def test_invalid_ec_shapes():
     with pytest.raises(ValueError, match="share r"):
         GatedCompensator(torch.randn(3, 16), torch.randn(8, 2))
