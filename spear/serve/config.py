@@ -1,0 +1,32 @@
+"""The serving engine's settings, checked at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spear.errors import SpearError
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_num_seqs: int = 64               # sequences decoding together
+    max_num_batched_tokens: int = 512    # token budget of one step (decodes + prefill chunks)
+    max_model_len: int | None = None     # prompt + output; None: the model's context, capped by the cache
+    block_size: int = 16                 # tokens per KV block
+    num_blocks: int | None = None        # KV blocks; None: from kv_memory
+    kv_memory: int | None = None         # bytes for the KV cache; None: 1 GiB on CPU, 85% of free GPU memory
+    max_waiting: int = 256               # queued requests beyond which add_request raises QueueFull
+    cuda_graphs: bool = True             # capture decode steps on CUDA (ignored on CPU)
+    seed: int = 0                        # the generator of requests without a seed
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise SpearError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "num_blocks", "kv_memory"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise SpearError(f"{name} must be >= 1 when given, got {v}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise SpearError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): every running sequence decodes one token per step")

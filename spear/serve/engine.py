@@ -1,0 +1,266 @@
+"""``LLMEngine``: requests in, tokens out, one scheduled step at a time.
+
+    engine = LLMEngine.from_pretrained("smollm2-135m")
+    outs = engine.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
+
+``add_request`` queues a prompt, ``step`` runs the scheduler, the model and the
+sampler once and returns a :class:`RequestOutput` (new tokens and text) for every
+request that produced a token, ``abort`` drops a request and frees its KV blocks.
+The engine is single-threaded; :mod:`spear.serve.async_engine` drives it from one
+background thread for the HTTP server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spear.errors import SpearError
+from spear.serve.block_manager import BlockManager
+from spear.serve.config import EngineConfig
+from spear.serve.detokenizer import IncrementalDetokenizer
+from spear.serve.model_runner import ModelRunner, check_supported, kv_bytes_per_block
+from spear.serve.sampling import make_generator, sample
+from spear.serve.scheduler import Scheduler
+from spear.serve.sequence import SamplingParams, Sequence
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+_GPU_KV_FRACTION = 0.85
+_DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]      # tokens of this step (all of them for generate())
+    new_text: str                 # text of this step that is safe to show (stop strings held back)
+    output_token_ids: list[int]   # every output token so far
+    text: str                     # every output character handed out so far
+    finished: bool
+    finish_reason: str | None     # "stop" | "length" | "abort" once finished
+    num_prompt_tokens: int
+    arrival_time: float
+    first_token_time: float | None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float               # fraction of KV blocks in use
+    num_free_blocks: int
+    num_preemptions: int
+
+
+def eos_token_ids(model: nn.Module, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for source in (getattr(gen, "eos_token_id", None), model.config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(source)
+    return ids
+
+
+class LLMEngine:
+    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        check_supported(model)
+        self.model, self.tokenizer = model.eval(), tokenizer
+        device = model.get_input_embeddings().weight.device
+        dtype = model.get_input_embeddings().weight.dtype
+        num_blocks = config.num_blocks or self._blocks_from_memory(model, device, dtype)
+        self.max_model_len = self._max_model_len(model, num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_waiting)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len, config.max_num_seqs,
+                                  cuda_graphs=config.cuda_graphs)
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._ids = itertools.count()
+        self.num_preemptions = 0
+        torch.manual_seed(config.seed)
+        log.info("engine: %d KV blocks of %d tokens, max_model_len %d, %s %s", num_blocks, config.block_size,
+                 self.max_model_len, device, dtype)
+
+    @classmethod
+    def from_pretrained(cls, model: str = "smollm2-135m", config: EngineConfig | None = None,
+                        dtype: torch.dtype | None = None, device: str | None = None) -> "LLMEngine":
+        """Load the default model, an HF folder or a spear checkpoint; fp32 on CPU, fp16 on CUDA by default."""
+        from spear.models.loading import load_model
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
+        lm, tok = load_model(model, dtype=dtype, device=device)
+        return cls(lm, tok, config)
+
+    def _blocks_from_memory(self, model, device, dtype) -> int:
+        per_block = kv_bytes_per_block(model, self.config.block_size, dtype)
+        budget = self.config.kv_memory
+        if budget is None:
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                budget = int(free * _GPU_KV_FRACTION)
+            else:
+                budget = _DEFAULT_CPU_KV_BYTES
+        blocks = budget // per_block
+        if blocks < 1:
+            raise SpearError(f"KV memory of {budget} bytes holds no block ({per_block} bytes per block of "
+                             f"{self.config.block_size} tokens)")
+        return blocks
+
+    def _max_model_len(self, model, num_blocks: int) -> int:
+        cfg = model.config
+        capacity = num_blocks * self.config.block_size
+        limits = {"max_position_embeddings": getattr(cfg, "max_position_embeddings", None) or _DEFAULT_MAX_MODEL_LEN,
+                  "KV cache capacity": capacity}
+        window = getattr(cfg, "sliding_window", None)
+        if window and getattr(cfg, "use_sliding_window", True):
+            limits["sliding_window"] = window  # attention here is full; stay inside the window
+        if self.config.max_model_len is None:
+            return min(min(limits.values()), _DEFAULT_MAX_MODEL_LEN)
+        for name, limit in limits.items():
+            if self.config.max_model_len > limit:
+                raise SpearError(f"max_model_len {self.config.max_model_len} exceeds the model's {name} ({limit})")
+        return self.config.max_model_len
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt).input_ids
+        return list(prompt)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise SpearError when the request cannot run (empty, too long, out-of-vocabulary ids)."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise SpearError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise SpearError(f"prompt token ids must be in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise SpearError(f"the prompt has {n} tokens; the context is {self.max_model_len} tokens "
+                             "and at least one must be left for the output")
+        if n + params.max_tokens > self.max_model_len:
+            raise SpearError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
+                             f"of {self.max_model_len} tokens; lower max_tokens to at most {self.max_model_len - n}")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a prompt (text or token ids). Raises SpearError for a bad request, QueueFull when full."""
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        self.check_request(ids, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise SpearError(f"request id {rid!r} is already in use")
+        seq = Sequence(rid, ids, params, arrival_time=arrival_time or time.monotonic())
+        self.scheduler.add(seq)  # may raise QueueFull
+        self._seqs[rid] = seq
+        self._detok[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        self._generators[rid] = make_generator(params.seed)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its blocks; False when it is unknown or already finished."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self._forget(request_id)
+        return True
+
+    def _forget(self, rid: str) -> None:
+        self._seqs.pop(rid, None)
+        self._detok.pop(rid, None)
+        self._generators.pop(rid, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.block_manager.usage,
+                           self.block_manager.num_free_blocks, self.num_preemptions)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample; one output per request that got a token."""
+        sched = self.scheduler.schedule()
+        self.num_preemptions += len(sched.preempted)
+        if not sched:
+            return []
+        logits = self.runner.execute(sched)
+        self.scheduler.advance(sched)
+        sampled = [c.seq for c in sched.chunks if c.samples]
+        tokens = sample(logits, [s.params for s in sampled], [self._generators[s.request_id] for s in sampled])
+        now = time.monotonic()
+        outputs = []
+        for seq, tok in zip(sampled, tokens):
+            seq.append_token(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            outputs.append(self._output(seq, [tok]))
+            if reason is not None:
+                self._forget(seq.request_id)
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+            return "stop"
+        if self._detok[seq.request_id].add(tok):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
+        detok = self._detok[seq.request_id]
+        new_text = detok.delta(final=seq.is_finished)
+        return RequestOutput(seq.request_id, new_ids, new_text, seq.output_token_ids, detok.text[:detok.emitted],
+                             seq.is_finished, seq.finish_reason, seq.num_prompt_tokens, seq.arrival_time,
+                             seq.first_token_time)
+
+    # ------------------------------------------------------------------ offline
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion (continuously batched); the final output of each, in order."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise SpearError(f"{len(prompts)} prompts but {len(plist)} sampling parameter sets")
+        pending = list(zip(prompts, plist))
+        for p, sp in pending:  # fail fast, before any work, on a request that cannot run
+            self.check_request(self.tokenize(p), sp)
+        rids: list[str] = []
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(pending):
+            while len(rids) < len(pending) and len(self.scheduler.waiting) < self.config.max_waiting:
+                rids.append(self.add_request(*pending[len(rids)]))
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [self._as_whole(final[r]) for r in rids]
+
+    @staticmethod
+    def _as_whole(out: RequestOutput) -> RequestOutput:
+        out.new_token_ids, out.new_text = list(out.output_token_ids), out.text
+        return out

@@ -1,0 +1,211 @@
+"""Runs one scheduled step of a Llama-family model against the paged KV cache.
+
+The forward is our own, over the HF model's modules: the embedding, every
+``nn.Linear`` called as a module (so spear's ``QuantLinear`` with or without a
+compensator runs unchanged, and on CUDA the W4 kernel adapter), RMSNorm and the
+rotary table from the HF config (the model's own rotary module computes it, so
+llama3 / linear / yarn scaling come for free). All scheduled tokens, decodes and
+prefill chunks of different sequences, form one flat batch; only attention looks
+at which sequence a token belongs to.
+
+On CUDA, decode-only steps replay a CUDA graph captured per padded batch size
+(1, 2, 4, 8, 16, 32, ...): fixed-shape inputs, the batched paged attention of
+layers.py, and a scratch cache block that padding rows write into.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from spear.errors import SpearError
+from spear.serve.layers import ChunkMeta, apply_rope, decode_attention, rms_norm, varlen_attention, write_kv
+from spear.serve.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+
+
+def check_supported(model: nn.Module) -> None:
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in SUPPORTED_TYPES:
+        raise SpearError(f"the serving engine runs Llama-family models ({', '.join(SUPPORTED_TYPES)}); "
+                         f"this model's type is {getattr(cfg, 'model_type', None)!r}")
+    layer = model.model.layers[0]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if not hasattr(layer.self_attn, name):
+            raise SpearError(f"layer 0 attention has no {name}; not a Llama-family layout")
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        if not hasattr(layer.mlp, name):
+            raise SpearError(f"layer 0 MLP has no {name}; not a Llama-family layout")
+
+
+def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * elem
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4] + list(range(8, 257, 8))
+    return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, max_model_len: int,
+                 max_num_seqs: int, cuda_graphs: bool = True):
+        check_supported(model)
+        cfg = model.config
+        self.model = model
+        self.device = model.get_input_embeddings().weight.device
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.layers = list(model.model.layers)
+        self.n_heads, self.n_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = self.head_dim ** -0.5
+        self.block_size, self.num_blocks, self.max_model_len = block_size, num_blocks, max_model_len
+        self.max_num_seqs = max_num_seqs
+        if self.device.type == "cuda":
+            from spear.serve.w4_kernels import use_w4_kernels
+
+            n = use_w4_kernels(model)
+            if n:
+                log.info("W4 kernels on %d quantized linears", n)
+
+        # One extra block at index num_blocks: padding rows of captured graphs write there.
+        shape = (num_blocks + 1, block_size, self.n_kv_heads, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.scratch_block = num_blocks
+
+        positions = torch.arange(max_model_len, device=self.device)[None]
+        probe = torch.zeros((), dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            cos, sin = model.model.rotary_emb(probe, positions)  # fp32, as HF computes them
+        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
+
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if cuda_graphs and self.device.type == "cuda":
+            self._capture_graphs()
+
+    # ------------------------------------------------------------------ forward
+    def _layer(self, i: int, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend) -> torch.Tensor:
+        layer = self.layers[i]
+        attn, mlp = layer.self_attn, layer.mlp
+        t = h.shape[0]
+        x = rms_norm(h, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+        q = attn.q_proj(x).view(t, self.n_heads, self.head_dim)
+        k = attn.k_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        cos, sin = self.cos[positions], self.sin[positions]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(self.k_cache[i], self.v_cache[i], k, v, slots)
+        h = h + attn.o_proj(attend(q, self.k_cache[i], self.v_cache[i]))
+        x = rms_norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+        return h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        norm = self.model.model.norm
+        return self.model.lm_head(rms_norm(h, norm.weight, norm.variance_epsilon)).float()
+
+    def _forward_varlen(self, input_ids, positions, slots, chunks: list[ChunkMeta], sample_rows) -> torch.Tensor:
+        h = self.model.model.embed_tokens(input_ids)
+
+        def attend(q, kc, vc):
+            return varlen_attention(q, kc, vc, chunks, self.scale)
+
+        for i in range(len(self.layers)):
+            h = self._layer(i, h, positions, slots, attend)
+        return self._logits(h[sample_rows])
+
+    def _forward_decode(self, input_ids, positions, slots, block_tables, context_lens) -> torch.Tensor:
+        h = self.model.model.embed_tokens(input_ids)
+
+        def attend(q, kc, vc):
+            return decode_attention(q, kc, vc, block_tables, context_lens, self.scale)
+
+        for i in range(len(self.layers)):
+            h = self._layer(i, h, positions, slots, attend)
+        return self._logits(h)
+
+    # ------------------------------------------------------------------ one step
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run the scheduled chunks; logits (n, vocab) fp32 for each chunk that samples, in order."""
+        if out.is_decode_only:
+            return self._execute_decode(out)
+        ids, pos, slots, chunks, rows = [], [], [], [], []
+        for c in out.chunks:
+            end = c.start + c.num_tokens
+            seq_slots = self._slots(c.seq.block_table, 0, end)
+            chunks.append(ChunkMeta(len(ids), c.num_tokens, end, torch.tensor(seq_slots, device=self.device)))
+            ids += c.seq.token_ids[c.start:end]
+            pos += range(c.start, end)
+            slots += seq_slots[c.start:end]
+            if c.samples:
+                rows.append(len(ids) - 1)
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        return self._forward_varlen(t(ids), t(pos), t(slots), chunks, t(rows))
+
+    def _decode_inputs(self, out: SchedulerOutput, batch: int, n_blocks: int):
+        bs = self.block_size
+        ids = torch.zeros(batch, dtype=torch.long)
+        pos = torch.zeros(batch, dtype=torch.long)
+        slots = torch.full((batch,), self.scratch_block * bs, dtype=torch.long)
+        tables = torch.full((batch, n_blocks), self.scratch_block, dtype=torch.long)
+        lens = torch.ones(batch, dtype=torch.long)
+        for i, c in enumerate(out.chunks):
+            seq, p = c.seq, c.start
+            ids[i], pos[i], lens[i] = seq.token_ids[p], p, p + 1
+            slots[i] = seq.block_table[p // bs] * bs + p % bs
+            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table)
+        return ids, pos, slots, tables, lens
+
+    def _execute_decode(self, out: SchedulerOutput) -> torch.Tensor:
+        n = len(out.chunks)
+        if self.graphs:
+            batch = next(b for b in self.graphs if b >= n)
+            inputs = self._decode_inputs(out, batch, self._graph_blocks)
+            for buf, x in zip(self._graph_inputs, inputs):
+                buf[:batch].copy_(x, non_blocking=True)
+            self.graphs[batch].replay()
+            return self._graph_logits[:n].clone()
+        n_blocks = max(len(c.seq.block_table) for c in out.chunks)
+        inputs = [x.to(self.device) for x in self._decode_inputs(out, n, n_blocks)]
+        return self._forward_decode(*inputs)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _capture_graphs(self) -> None:
+        self._graph_blocks = -(-self.max_model_len // self.block_size)
+        b_max, dev = self.max_num_seqs, self.device
+        self._graph_inputs = (
+            torch.zeros(b_max, dtype=torch.long, device=dev), torch.zeros(b_max, dtype=torch.long, device=dev),
+            torch.full((b_max,), self.scratch_block * self.block_size, dtype=torch.long, device=dev),
+            torch.full((b_max, self._graph_blocks), self.scratch_block, dtype=torch.long, device=dev),
+            torch.ones(b_max, dtype=torch.long, device=dev))
+        self._graph_logits = torch.zeros(b_max, self.model.config.vocab_size, dtype=torch.float32, device=dev)
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for batch in sorted(graph_batch_sizes(b_max), reverse=True):  # largest first: its pool fits all
+                args = [x[:batch] for x in self._graph_inputs]
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # warm-up: Triton autotuning, weight caches, allocator
+                        self._forward_decode(*args)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._graph_logits[:batch].copy_(self._forward_decode(*args))
+                self.graphs[batch] = graph
+        self.graphs = dict(sorted(self.graphs.items()))
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", list(self.graphs))

@@ -1,0 +1,65 @@
+"""Next-token selection from a batch of logits: greedy, temperature, top-k, top-p, seeds.
+
+The masks are pure functions on tensors (one row per sequence, each row with its
+own k / p), so a batch with mixed settings is one call. Sampling draws from a
+per-request ``torch.Generator`` when the request set a seed: the same seed and
+prompt give the same text whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spear.serve.sequence import SamplingParams
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Set every logit below row ``i``'s ``top_k[i]``-th largest to -inf (ties kept; 0 = no cut)."""
+    v = logits.shape[-1]
+    k = torch.where(top_k <= 0, v, top_k.clamp(max=v)).to(torch.long)
+    kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches ``top_p[i]`` (nucleus)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # A token is dropped when the more likely ones already reach p; the first always stays.
+    drop_sorted = mass_before >= top_p[:, None].to(probs.dtype)
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of ``logits`` (N, V). Greedy rows take the argmax; ``None`` generators
+    draw from torch's default generator."""
+    if logits.shape[0] != len(params) or len(params) != len(generators):
+        raise ValueError(f"need one SamplingParams and one generator per row; got {logits.shape[0]} rows, "
+                         f"{len(params)} params, {len(generators)} generators")
+    logits = logits.float()
+    out = logits.argmax(dim=-1).tolist()
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    sub = logits[rows] / torch.tensor([params[i].temperature for i in rows])[:, None].to(logits.device)
+    top_k = torch.tensor([params[i].top_k for i in rows], device=logits.device)
+    if bool((top_k > 0).any()):
+        sub = apply_top_k(sub, top_k)
+    top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device)
+    if bool((top_p < 1).any()):
+        sub = apply_top_p(sub, top_p)
+    probs = sub.softmax(dim=-1)
+    for j, i in enumerate(rows):
+        gen = generators[i]
+        row = probs[j] if gen is None or gen.device == probs.device else probs[j].to(gen.device)
+        out[i] = int(torch.multinomial(row, 1, generator=gen))
+    return out
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """A CPU generator for a seeded request (draws happen on a CPU copy of the row)."""
+    return None if seed is None else torch.Generator().manual_seed(seed)

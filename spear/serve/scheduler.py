@@ -1,0 +1,153 @@
+"""Continuous batching with chunked prefill. Pure Python: it decides, the model runner computes.
+
+Each step has a budget of ``max_num_batched_tokens`` tokens, filled in this order:
+
+1. decodes of running sequences, oldest first (one token each) -- they hold the
+   inter-token latency, so they never wait behind a prefill;
+2. the next chunk of running sequences whose prompt is still being prefilled;
+3. new sequences from the waiting queue, first come first served, as long as a
+   sequence slot (``max_num_seqs``) is free and the KV cache has blocks for the
+   whole prompt. A sequence that does not fit stays at the head of the queue
+   (admission control: a full cache queues requests, it does not fail them).
+
+A prompt longer than what is left of the budget is split: its first chunk runs
+now, the rest in later steps. When a decode needs a new block and none is free,
+the most recently admitted running sequence is preempted: its blocks are freed
+and it goes back to the front of the queue to be recomputed (prompt plus the
+output so far) once there is room again. The waiting queue is bounded
+(``max_waiting``); :meth:`Scheduler.add` raises :class:`QueueFull` beyond it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from spear.serve.block_manager import BlockManager
+from spear.serve.sequence import Sequence, Status
+
+
+class QueueFull(Exception):
+    """The waiting queue is at ``max_waiting``; the caller should retry later (HTTP 429)."""
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``seq`` computed this step, starting at position ``start``."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's last token, so its last logits give the next token."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefill chunks
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(c.num_tokens == 1 and c.seq.num_output_tokens > 0 for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_waiting: int):
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs}) so that every running sequence can decode each step")
+        self.blocks = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting = (
+            max_num_seqs, max_num_batched_tokens, max_waiting)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []   # in admission order
+
+    # ------------------------------------------------------------------ queue
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take ``seq`` out (finished, stopped or aborted) and free its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        for seq in [s for s in self.running if s.is_decode]:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            while not self.blocks.can_allocate(seq):
+                victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                self.blocks.allocate(seq)
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
+                scheduled.add(seq.seq_id)
+                budget -= 1
+
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.seq_id in scheduled:
+                continue
+            # blocks for the whole prompt were allocated at admission
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+
+        # No admissions in a step that had to preempt: the cache is under pressure.
+        while (not out.preempted and budget > 0 and self.waiting
+               and len(self.running) < self.max_num_seqs and self.blocks.can_allocate(self.waiting[0])):
+            seq = self.waiting.popleft()
+            self.blocks.allocate(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        return out
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """After the model ran ``out``: its tokens now have K/V in the cache."""
+        for c in out.chunks:
+            c.seq.num_computed_tokens = c.start + c.num_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)

@@ -1,0 +1,79 @@
+"""Serving QuantLinears through the W4A16 (+EC) Triton kernels on CUDA.
+
+``QuantLinear``'s own forward dequantizes its weight (a torch reference that runs
+anywhere). For serving on a GPU, :func:`use_w4_kernels` packs each eligible 4-bit
+QuantLinear once into the kernel layout (``spear.kernels.layout.pack``), together
+with its compensator when that is a low-rank or SPEAR EC (``pack_ec``), and swaps in
+a :class:`W4KernelLinear` whose forward is one ``w4a16_linear`` call: the EC runs
+fused into the GEMM at decode and semi-fused at prefill (see spear/kernels/ops.py).
+A compensator the kernels do not know is kept as a module and added to the output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from spear.kernels.layout import MAX_RANK, pack, pack_ec
+from spear.kernels.ops import w4a16_linear
+from spear.models.modules import set_module
+from spear.quant.linear import QuantLinear
+
+_KERNEL_GROUPS = (0, 32, 64, 128, 256)
+
+
+def packable(q: QuantLinear) -> bool:
+    """The kernel's constraints: 4-bit codes, K a multiple of 32, a supported group size."""
+    g = q.group_size
+    return (q.bits == 4 and q.in_features % 32 == 0 and g in _KERNEL_GROUPS
+            and (g == 0 or q.in_features % g == 0))
+
+
+def _pack_compensator(comp: nn.Module, dtype: torch.dtype):
+    from spear.compensate.ec import GatedCompensator
+    from spear.compensate.lowrank import LowRankCompensator
+
+    if isinstance(comp, LowRankCompensator) and comp.rank <= MAX_RANK:
+        return pack_ec(comp.A.detach(), comp.B.detach(), 1.0, dtype)
+    if isinstance(comp, GatedCompensator) and comp.rank <= MAX_RANK and comp.hidden <= MAX_RANK:
+        g = comp.export_gate()
+        gate = {k: g[k] for k in ("w1", "b1", "w2", "b2")} if comp.gated else {}
+        return pack_ec(g["A"], g["B"], g["alpha"], dtype, bound=g["bound"], **gate)
+    return None
+
+
+class W4KernelLinear(nn.Module):
+    """A QuantLinear packed once for the kernels; ``forward`` is one ``w4a16_linear`` call."""
+
+    def __init__(self, q: QuantLinear, dtype: torch.dtype):
+        super().__init__()
+        if not packable(q):
+            raise ValueError(f"QuantLinear({q.extra_repr()}) does not fit the W4 kernels: need bits=4, "
+                             f"in_features % 32 == 0, group_size in {_KERNEL_GROUPS}")
+        self.in_features, self.out_features = q.in_features, q.out_features
+        self.weight = pack(q.codes, q.scales, q.zeros, q.group_size, q.symmetric)
+        self.bias = None if q.bias is None else q.bias.detach().to(dtype)
+        self.ec = None if q.compensator is None else _pack_compensator(q.compensator, dtype)
+        # A compensator the kernels cannot run stays a module beside them.
+        self.compensator = q.compensator if q.compensator is not None and self.ec is None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = w4a16_linear(x, self.weight, self.bias, self.ec)
+        if self.compensator is not None:
+            y = y + self.compensator(x)
+        return y
+
+    def extra_repr(self) -> str:
+        ec = "none" if self.ec is None else f"rank {self.ec.rank}{' gated' if self.ec.gated else ''}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fused EC: {ec}"
+
+
+def use_w4_kernels(model: nn.Module) -> int:
+    """Swap every packable QuantLinear of a CUDA fp16/bf16 model for a W4KernelLinear; returns how many."""
+    dtype = model.get_input_embeddings().weight.dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        return 0  # the kernels take fp16/bf16 activations; fp32 keeps the torch path
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear) and packable(m)]
+    for name, q in targets:
+        set_module(model, name, W4KernelLinear(q, dtype))
+    return len(targets)
