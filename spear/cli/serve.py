@@ -1,0 +1,96 @@
+"""``spear serve``: an OpenAI-compatible HTTP server for a model or checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30}
+DTYPES = {"auto": None, "float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def memory_size(text: str) -> int:
+    """'2GiB', '512MiB', '1.5G' or a number of bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB, 512MiB or 1000000000, got {text!r}")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return value
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from spear.cli.common import add_model_arg, positive_int
+
+    add_model_arg(p)
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
+                   help="activation / weight dtype; auto = float32 on CPU, float16 on CUDA (default: %(default)s)")
+    g.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto = cuda when available")
+    g.add_argument("--max-num-seqs", type=positive_int, default=64,
+                   help="sequences batched together (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
+                   help="token budget of one step; longer prompts are prefilled in chunks (default: %(default)s)")
+    g.add_argument("--max-model-len", type=positive_int,
+                   help="prompt + output tokens per request (default: the model's context, at most 8192, "
+                        "capped by the KV cache)")
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default: %(default)s)")
+    kv = g.add_mutually_exclusive_group()
+    kv.add_argument("--num-blocks", type=positive_int, help="KV cache size in blocks")
+    kv.add_argument("--kv-memory", type=memory_size,
+                    help="KV cache size in bytes, e.g. 2GiB (default: 1GiB on CPU, 85%% of free GPU memory)")
+    g.add_argument("--max-waiting", type=positive_int, default=256,
+                   help="queued requests beyond which new ones are refused (HTTP 429) (default: %(default)s)")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed of requests without one (default: %(default)s)")
+
+
+def engine_from_args(args):
+    import torch
+
+    from spear.errors import SpearError
+    from spear.serve import EngineConfig, LLMEngine
+
+    device = None if args.device == "auto" else args.device
+    if device and device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpearError(f"--device {device} asked for, but no CUDA device is available")
+    dtype = DTYPES[args.dtype]
+    cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
+                       kv_memory=args.kv_memory, max_waiting=args.max_waiting,
+                       cuda_graphs=not args.no_cuda_graphs, seed=args.seed)
+    return LLMEngine.from_pretrained(args.model, cfg, dtype=None if dtype is None else getattr(torch, dtype),
+                                     device=device)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
+                       description="Serve a model with continuous batching over a paged KV cache: "
+                                   "/v1/completions, /v1/chat/completions (streaming or not), /v1/models, "
+                                   "/health and /metrics (Prometheus). See docs/serving.md.")
+    add_engine_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    s.add_argument("--served-model-name", help="the model id clients send (default: the --model argument)")
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                   help="server log level (default: %(default)s)")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    import logging
+
+    from spear.serve.async_engine import AsyncEngine
+    from spear.serve.server import run_server
+
+    logging.getLogger("spear").setLevel(args.log_level.upper())
+    engine = engine_from_args(args)
+    name = args.served_model_name or args.model
+    print(f"serving {name} on http://{args.host}:{args.port} (max_model_len {engine.max_model_len}, "
+          f"{engine.block_manager.num_blocks} KV blocks of {engine.config.block_size} tokens)", flush=True)
+    run_server(AsyncEngine(engine), name, args.host, args.port, args.log_level)
+    return 0

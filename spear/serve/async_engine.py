@@ -1,0 +1,189 @@
+"""The engine behind the HTTP server: one background thread owns the LLMEngine.
+
+Request handlers never touch the engine. They post commands (add, abort) to a
+queue; the engine thread applies them between steps, runs ``step()``, and hands
+each output to its request's ``asyncio.Queue`` on the handler's event loop. So the
+event loop never waits for a model step (torch releases the GIL while it computes),
+and the engine needs no locks.
+
+    stream = await async_engine.submit(prompt_ids, params)   # raises SpearError / QueueFull
+    async for out in stream: ...                              # RequestOutput deltas
+    stream.abort()                                            # e.g. the client went away
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+
+from spear.serve.engine import EngineStats, LLMEngine, RequestOutput
+from spear.serve.metrics import ServingMetrics
+from spear.serve.scheduler import QueueFull
+from spear.serve.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_ACCEPTED = object()
+
+
+class EngineDead(RuntimeError):
+    """The engine thread stopped; no request can be served."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator; ends after the finished output."""
+
+    def __init__(self, request_id: str, owner: "AsyncEngine"):
+        self.request_id, self._owner = request_id, owner
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        """Stop generating (no-op once finished); the engine frees the request's KV blocks."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServingMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics or ServingMetrics()
+        self.stats: EngineStats = engine.stats()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
+        self._last_token: dict[str, float] = {}
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="spear-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ handler side
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+                     request_id: str | None = None) -> RequestStream:
+        """Queue a request; returns once the engine accepted it (else raises its SpearError / QueueFull)."""
+        if not self.alive:
+            raise EngineDead(f"the engine is not running: {self.error!r}")
+        rid = request_id or uuid.uuid4().hex
+        stream = RequestStream(rid, self)
+        self._post(("add", rid, prompt_token_ids, params, time.monotonic(), asyncio.get_running_loop(), stream))
+        first = await stream.queue.get()
+        if isinstance(first, BaseException):
+            stream.finished = True
+            raise first
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def _post(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._wake.clear()  # before draining: a command posted after this wakes the wait below
+                self._apply_commands()
+                if not self.engine.has_unfinished():
+                    self._publish_stats()
+                    self._wake.wait(timeout=1.0)
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # a failed step fails its requests, not the server
+                    log.exception("engine step failed; failing %d requests", len(self._streams))
+                    self._fail_all(exc)
+                    continue
+                self._deliver(outputs)
+                self._publish_stats()
+        except BaseException as exc:
+            self.error = exc
+            log.exception("engine thread stopped")
+            self._fail_all(EngineDead(f"the engine stopped: {exc!r}"))
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, ids, params, arrival, loop, stream = cmd
+                try:
+                    self.engine.add_request(ids, params, request_id=rid, arrival_time=arrival)
+                except Exception as exc:  # SpearError (bad request) or QueueFull: the handler answers
+                    self.metrics.rejected.labels("queue_full" if isinstance(exc, QueueFull) else "invalid").inc()
+                    self._send(loop, stream, exc)
+                    continue
+                self._streams[rid] = (loop, stream)
+                self._send(loop, stream, _ACCEPTED)
+            else:
+                rid = cmd[1]
+                if self.engine.abort(rid):
+                    self.metrics.requests.labels("abort").inc()
+                self._streams.pop(rid, None)
+                self._last_token.pop(rid, None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            rid = out.request_id
+            self.metrics.observe(out, now, self._last_token.get(rid))
+            self._last_token[rid] = now
+            target = self._streams.get(rid)
+            if out.finished:
+                self._streams.pop(rid, None)
+                self._last_token.pop(rid, None)
+            if target is not None:
+                self._send(*target, out)
+
+    def _send(self, loop: asyncio.AbstractEventLoop, stream: RequestStream, item) -> None:
+        try:
+            loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the handler's loop is closed: nobody is listening any more
+            if stream.request_id in self._streams:
+                self.engine.abort(stream.request_id)
+                self._streams.pop(stream.request_id, None)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid, (loop, stream) in list(self._streams.items()):
+            self.engine.abort(rid)
+            self._send(loop, stream, exc)
+        self._streams.clear()
+        self._last_token.clear()
+
+    def _publish_stats(self) -> None:
+        self.stats = self.engine.stats()
+        self.metrics.set_stats(self.stats)

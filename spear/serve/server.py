@@ -1,0 +1,279 @@
+"""The OpenAI-compatible HTTP server (FastAPI).
+
+    POST /v1/completions, /v1/chat/completions   streaming (SSE) or not
+    GET  /v1/models, /health, /metrics
+
+Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}``:
+400 ``invalid_request_error`` for malformed JSON, unknown fields, wrong types and
+requests that cannot run (empty prompt, prompt or max_tokens beyond the context);
+404 for an unknown model or path; 429 ``rate_limit_error`` when the waiting queue
+is full; 503 when the engine has stopped. A client that disconnects, streaming or
+not, has its request aborted and its KV blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from spear.errors import SpearError
+from spear.serve.async_engine import AsyncEngine, EngineDead, RequestStream
+from spear.serve.engine import RequestOutput
+from spear.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from spear.serve.scheduler import QueueFull
+
+log = logging.getLogger(__name__)
+
+_DISCONNECT_POLL_S = 0.25
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status)
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return error_response(400, f"malformed JSON body: {detail}".rstrip(": "), code="invalid_json")
+    loc = [str(p) for p in first["loc"] if p != "body"]
+    param = ".".join(loc) or None
+    if first["type"] == "extra_forbidden":
+        message = f"unknown field '{param}'"
+    elif param is None:
+        message = f"request body: {first['msg']}"
+    else:
+        message = f"{param}: {first['msg']}"
+    return error_response(400, message, param=param, code=first["type"])
+
+
+class Server:
+    """The endpoints over one AsyncEngine serving one model under ``model_name``."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+        self.llm = engine.engine
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ requests
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise _NotFound(f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                            "model", "model_not_found")
+
+    def _check_lengths(self, ids: list[int], max_tokens: int | None) -> int:
+        n, limit = len(ids), self.llm.max_model_len
+        if n == 0:
+            raise RequestError("the prompt is empty", "prompt")
+        if n >= limit:
+            raise RequestError(f"the prompt has {n} tokens; this model's context is {limit} tokens "
+                               "and one must be left for the output", "prompt")
+        if max_tokens is None:
+            return limit - n
+        if n + max_tokens > limit:
+            raise RequestError(f"max_tokens ({max_tokens}) plus the prompt ({n} tokens) exceeds the context of "
+                               f"{limit} tokens; at most {limit - n} tokens can be generated", "max_tokens")
+        return max_tokens
+
+    async def _submit(self, ids: list[int], params) -> RequestStream:
+        try:
+            self.llm.check_request(ids, params)
+        except SpearError as exc:
+            raise RequestError(str(exc), "prompt") from None
+        return await self.engine.submit(ids, params)
+
+    def completion_inputs(self, body: CompletionRequest):
+        self._check_model(body.model)
+        prompt = body.single_prompt()
+        ids = self.llm.tokenize(prompt)
+        return ids, body.sampling_params(self._check_lengths(ids, body.max_tokens))
+
+    def chat_inputs(self, body: ChatCompletionRequest):
+        self._check_model(body.model)
+        max_tokens = body.max_tokens_requested()
+        tok = self.llm.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise RequestError(f"the model '{self.model_name}' has no chat template; use /v1/completions",
+                               "messages")
+        try:
+            text = tok.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # the template itself rejects the conversation (e.g. role order)
+            raise RequestError(f"the chat template rejected the messages: {exc}", "messages") from None
+        ids = tok(text, add_special_tokens=False).input_ids
+        return ids, body.sampling_params(self._check_lengths(ids, max_tokens))
+
+    # ------------------------------------------------------------------ responses
+    @staticmethod
+    def _usage(out: RequestOutput) -> dict:
+        return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+                "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
+
+    async def collect(self, stream: RequestStream, request: Request) -> RequestOutput:
+        """Wait for the final output; abort if the client disconnects first."""
+        async def watch():
+            while not stream.finished:
+                if await request.is_disconnected():
+                    log.info("client left; aborting %s", stream.request_id)
+                    stream.abort()
+                    return
+                await asyncio.sleep(_DISCONNECT_POLL_S)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            out = None
+            async for out in stream:
+                pass
+            return out
+        finally:
+            watcher.cancel()
+            stream.abort()
+
+    def completion_body(self, rid: str, out: RequestOutput) -> dict:
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}],
+                "usage": self._usage(out)}
+
+    def chat_body(self, rid: str, out: RequestOutput) -> dict:
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                             "logprobs": None, "finish_reason": out.finish_reason}],
+                "usage": self._usage(out)}
+
+    async def sse(self, stream: RequestStream, rid: str, chat: bool, include_usage: bool):
+        """``data: {chunk}`` events, then ``data: [DONE]``. Cancelled when the client disconnects."""
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+
+        def event(choices: list, **extra) -> str:
+            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices,
+                    **extra}
+            return f"data: {json.dumps(body)}\n\n"
+
+        def choice(text: str | None, finish: str | None, role: bool = False) -> dict:
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+        try:
+            if chat:
+                yield event([choice(None, None, role=True)])
+            out = None
+            async for out in stream:
+                if out.new_text and not out.finished:
+                    yield event([choice(out.new_text, None)])
+                elif out.finished:
+                    yield event([choice(out.new_text or (None if chat else ""), out.finish_reason)])
+            if include_usage and out is not None:
+                yield event([], usage=self._usage(out))
+            yield "data: [DONE]\n\n"
+        except (EngineDead, RuntimeError) as exc:
+            log.error("request %s failed: %s", rid, exc)
+            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.abort()  # no-op when finished; frees the KV blocks of a client that left
+
+    async def respond(self, request: Request, body, chat: bool):
+        ids, params = self.chat_inputs(body) if chat else self.completion_inputs(body)
+        stream = await self._submit(ids, params)
+        rid = ("chatcmpl-" if chat else "cmpl-") + stream.request_id
+        if body.stream:
+            return StreamingResponse(self.sse(stream, rid, chat, body.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        out = await self.collect(stream, request)
+        return JSONResponse(self.chat_body(rid, out) if chat else self.completion_body(rid, out))
+
+
+class _NotFound(Exception):
+    def __init__(self, message: str, param: str | None, code: str):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    """The FastAPI app; it starts the engine thread on startup and stops it on shutdown."""
+    server = Server(engine, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if not engine.alive and engine.error is None:
+            engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="spear", description="OpenAI-compatible server for spear models", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc):
+        return _validation_error(exc)
+
+    @app.exception_handler(RequestError)
+    async def _bad_request(request, exc):
+        return error_response(400, exc.message, param=exc.param)
+
+    @app.exception_handler(_NotFound)
+    async def _not_found(request, exc):
+        return error_response(404, exc.message, param=exc.param, code=exc.code)
+
+    @app.exception_handler(QueueFull)
+    async def _queue_full(request, exc):
+        return error_response(429, f"the server is busy: {exc}; retry later", "rate_limit_error", code="queue_full")
+
+    @app.exception_handler(EngineDead)
+    async def _dead(request, exc):
+        return error_response(503, str(exc), "server_error", code="engine_stopped")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc):
+        return error_response(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc):
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, f"internal error: {exc!r}", "server_error")
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return error_response(503, f"the engine is not running: {engine.error!r}", "server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
+                                            "owned_by": "spear", "max_model_len": server.llm.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await server.respond(request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await server.respond(request, body, chat=True)
+
+    return app
+
+
+def run_server(engine: AsyncEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+               log_level: str = "info") -> None:
+    """Serve until interrupted (blocking)."""
+    import uvicorn
+
+    uvicorn.run(build_app(engine, model_name), host=host, port=port, log_level=log_level)

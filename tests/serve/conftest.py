@@ -1,0 +1,51 @@
+"""Fixtures of the serving tests: the default model loaded once, and real servers on loopback ports."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path):
+    """(model, tokenizer) of the default model, fp32 on the CPU; shared, so tests must not modify it."""
+    from spear.models.loading import load_model
+
+    return load_model(default_model_path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(engine, model_name: str = "test-model"):
+    """Serve ``engine`` (an LLMEngine) with uvicorn in a thread; yields (base_url, AsyncEngine)."""
+    import uvicorn
+
+    from spear.serve.async_engine import AsyncEngine
+    from spear.serve.server import build_app
+
+    async_engine = AsyncEngine(engine)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(async_engine, model_name), host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", async_engine
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        assert not async_engine._thread.is_alive(), "the engine thread outlived the server"
