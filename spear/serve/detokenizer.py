@@ -26,6 +26,7 @@ class IncrementalDetokenizer:
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
+        self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -33,9 +34,14 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> bool:
         """Append one token's text; True when a stop string now ends the output (text cut before it)."""
         self.ids.append(token_id)
+        return self._commit(force=False)
+
+    def _commit(self, force: bool) -> bool:
+        if self.stopped:
+            return True
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not force):
             return False
         start = max(0, len(self.text) - self.hold)
         self.text += full[len(prefix):]
@@ -43,11 +49,14 @@ class IncrementalDetokenizer:
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i != -1]
         if hits:  # the earliest match wins
             self.text = self.text[:min(hits)]
-            return True
-        return False
+            self.stopped = True
+        return self.stopped
 
     def delta(self, final: bool) -> str:
-        """Text not yet handed out; all of it when ``final``, else all but the held-back tail."""
+        """Text not yet handed out: all of it when ``final`` (an incomplete character included),
+        else all but the held-back tail."""
+        if final:
+            self._commit(force=True)
         end = len(self.text) if final else max(self.emitted, len(self.text) - self.hold)
         out = self.text[self.emitted:end]
         self.emitted = end

@@ -1,0 +1,225 @@
+"""Greedy output of the engine equals HF ``generate`` token for token (fp32, CPU).
+
+Batch compositions: all prompts at once, chunked prefill with a small token budget,
+requests arriving while others decode, and a cache so small that sequences are
+preempted and recomputed. Also on an RTN W4 model with compensators, on a saved
+spear checkpoint, and on tiny Qwen2 / Mistral / llama3-rope models.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from spear.serve import EngineConfig, LLMEngine, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Once upon a time, in a land far away, there lived",
+    "The three primary colors are",
+    "import numpy as np\nimport torch\n\n# A function that",
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight to "
+    "synthesize foods from carbon dioxide and water. In plants, it generally involves the green pigment",
+]
+MAX_NEW = 12
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+
+
+def hf_greedy(model, tokenizer, prompt: str | list[int], n: int = MAX_NEW) -> list[int]:
+    ids = tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(default_model):
+    model, tok = default_model
+    return [hf_greedy(model, tok, p) for p in PROMPTS]
+
+
+def engine(model_and_tok, **cfg) -> LLMEngine:
+    model, tok = model_and_tok
+    return LLMEngine(model, tok, EngineConfig(**{"num_blocks": 256, **cfg}))
+
+
+def test_batch_equals_hf(default_model, reference):
+    eng = engine(default_model, max_num_seqs=8)
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.output_token_ids for o in outs] == reference
+    assert all(o.finish_reason in ("length", "stop") for o in outs)
+    assert eng.stats().kv_usage == 0.0
+
+
+def test_chunked_prefill_equals_hf(default_model, reference):
+    eng = engine(default_model, max_num_seqs=4, max_num_batched_tokens=7)  # the long prompt takes 6 steps
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert [o.output_token_ids for o in outs] == reference
+
+
+def test_arrivals_mid_decode_equal_hf(default_model, reference):
+    eng = engine(default_model, max_num_seqs=8, max_num_batched_tokens=16, block_size=4)
+    tokens: dict[str, list[int]] = {}
+    pending = list(enumerate(PROMPTS))
+    steps = 0
+    while pending or eng.has_unfinished():
+        if pending and steps % 3 == 0:  # a new request every third step, while others decode
+            i, p = pending.pop(0)
+            eng.add_request(p, GREEDY, request_id=str(i))
+        for out in eng.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps += 1
+    assert [tokens[str(i)] for i in range(len(PROMPTS))] == reference
+
+
+def test_preemption_and_recompute_equal_hf(default_model, reference):
+    # 12 blocks of 4 tokens: fewer than the prompts need together, so decodes preempt.
+    eng = engine(default_model, num_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=48)
+    outs = eng.generate(PROMPTS[:4], GREEDY)
+    assert eng.num_preemptions > 0
+    assert [o.output_token_ids for o in outs] == reference[:4]
+    assert eng.stats().kv_usage == 0.0
+
+
+def test_stop_string_and_stop_token(default_model, reference):
+    model, tok = default_model
+    eng = engine(default_model)
+    full = tok.decode(reference[0])
+    stop = full.strip().split()[1]  # a word in the middle of the greedy continuation
+    out = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=MAX_NEW, temperature=0, stop=(stop,)))[0]
+    assert out.finish_reason == "stop" and out.text == full[:full.index(stop)]
+    # a stop token ends the output after it (as EOS does unless ignore_eos)
+    out = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0, stop_token_ids=(reference[0][1],)))[0]
+    assert out.output_token_ids == reference[0][:2] and out.finish_reason == "stop"
+    assert tok.eos_token_id in eng.eos_ids
+
+
+def test_seeded_sampling_is_reproducible_across_batches(default_model):
+    eng = engine(default_model, max_num_seqs=4)
+    p = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    alone = eng.generate([PROMPTS[2]], p)[0].output_token_ids
+    batched = eng.generate([PROMPTS[0], PROMPTS[2], PROMPTS[3]],
+                           [SamplingParams(max_tokens=8, temperature=1.0), p, GREEDY])[1].output_token_ids
+    assert alone == batched
+
+
+def test_abort_frees_blocks(default_model):
+    eng = engine(default_model)
+    rid = eng.add_request(PROMPTS[5], SamplingParams(max_tokens=50, temperature=0))
+    eng.step()
+    assert eng.stats().kv_usage > 0
+    assert eng.abort(rid) and not eng.abort(rid)
+    assert eng.stats().kv_usage == 0.0 and not eng.has_unfinished()
+
+
+def test_requests_that_cannot_run_are_refused(default_model):
+    from spear.errors import SpearError
+
+    eng = engine(default_model, max_model_len=64)
+    with pytest.raises(SpearError, match="empty"):
+        eng.add_request([], GREEDY)
+    with pytest.raises(SpearError, match="context"):
+        eng.add_request(list(range(100, 170)), GREEDY)
+    with pytest.raises(SpearError, match="max_tokens"):
+        eng.add_request(list(range(100, 150)), SamplingParams(max_tokens=20))
+    assert not eng.has_unfinished()
+
+
+# ---------------------------------------------------------------------- quantized models
+@pytest.fixture(scope="module")
+def w4_model(default_model):
+    """The default model with RTN W4 (per-channel) on every linear and rank-4 gated ECs on layers 0-3."""
+    from spear.compensate.ec import GatedCompensator
+    from spear.compensate.svd_init import error_factors
+    from spear.config import QuantConfig
+    from spear.quant import quantize_model_rtn
+
+    model, tok = default_model
+    model = copy.deepcopy(model)
+    fp = {n: m.weight.detach().clone() for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    modules = quantize_model_rtn(model, QuantConfig(bits=4), progress=False)
+    g = torch.Generator().manual_seed(0)
+    for name, q in modules.items():
+        if int(name.split(".")[2]) < 4:
+            a, b = error_factors(fp[name], q, 4, None)
+            ec = GatedCompensator(a.float(), b.float(), hidden=8)
+            with torch.no_grad():  # a non-trivial gate, so the per-token path is exercised
+                ec.w2.copy_(torch.randn(ec.w2.shape, generator=g) * 0.5)
+            q.compensator = ec
+    return model, tok
+
+
+def test_w4_with_compensators_equals_hf(w4_model):
+    from spear.quant.linear import QuantLinear
+
+    model, tok = w4_model
+    assert sum(isinstance(m, QuantLinear) and m.compensator is not None for m in model.modules()) == 28
+    prompts = PROMPTS[:3]
+    ref = [hf_greedy(model, tok, p) for p in prompts]
+    eng = engine(w4_model, max_num_seqs=4, max_num_batched_tokens=8)
+    assert [o.output_token_ids for o in eng.generate(prompts, GREEDY)] == ref
+
+
+def test_spear_checkpoint_loads_and_equals_hf(tiny_llama_path, tmp_path):
+    from spear.config import QuantConfig
+    from spear.models.checkpoint import save_checkpoint
+    from spear.models.loading import load_model
+    from spear.quant import quantize_model_rtn
+
+    model, tok = load_model(tiny_llama_path)
+    quantize_model_rtn(model, QuantConfig(bits=4, group_size=32), progress=False)
+    save_checkpoint(model, tok, tmp_path / "ckpt", QuantConfig(bits=4, group_size=32), str(tiny_llama_path))
+    eng = LLMEngine.from_pretrained(str(tmp_path / "ckpt"), EngineConfig(num_blocks=64), device="cpu")
+    ids = list(range(10, 30))
+    assert eng.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].output_token_ids \
+        == hf_greedy(eng.model, tok, ids, 16)
+
+
+# ---------------------------------------------------------------------- other Llama-family layouts
+def _tiny(kind: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
+        Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+    if kind == "qwen2":  # q/k/v biases
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    else:  # llama3 rope scaling, untied head
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False))
+    return model.eval()
+
+
+class _IdsTokenizer:
+    """Enough of a tokenizer for token-id prompts."""
+    eos_token_id = None
+
+    def decode(self, ids, **kw):
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "llama3"])
+def test_llama_family_layouts_equal_hf(kind):
+    model = _tiny(kind)
+    eng = LLMEngine(model, _IdsTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8,
+                                                         max_num_seqs=4))
+    prompts = [list(range(3, 40)), list(range(50, 55)), [7] * 90]  # the last one passes position 64
+    outs = eng.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        x = torch.tensor([p])
+        ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert o.output_token_ids == ref

@@ -1,0 +1,120 @@
+"""Sampling masks against plain loops, seeded reproducibility, stop strings and incremental text."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spear.serve.detokenizer import IncrementalDetokenizer
+from spear.serve.sampling import apply_top_k, apply_top_p, make_generator, sample
+from spear.serve.sequence import SamplingParams
+
+
+def ref_top_k(row: torch.Tensor, k: int) -> torch.Tensor:
+    if k <= 0 or k >= row.numel():
+        return torch.ones_like(row, dtype=torch.bool)
+    kth = sorted(row.tolist(), reverse=True)[k - 1]
+    return torch.tensor([v >= kth for v in row.tolist()])
+
+
+def ref_top_p(row: torch.Tensor, p: float) -> torch.Tensor:
+    probs = row.double().softmax(-1).tolist()
+    keep = torch.zeros(len(probs), dtype=torch.bool)
+    mass = 0.0
+    for i in sorted(range(len(probs)), key=lambda i: -probs[i]):
+        keep[i] = True
+        mass += probs[i]
+        if mass >= p:
+            break
+    return keep
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_top_k_mask_matches_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 50, generator=g)
+    logits[0, :10] = 1.0  # ties at the cut are kept
+    ks = torch.tensor([3, 0, 1, 50, 7, 60])
+    kept = apply_top_k(logits, ks) > float("-inf")
+    for i in range(6):
+        assert torch.equal(kept[i], ref_top_k(logits[i], int(ks[i]))), i
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_top_p_mask_matches_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(5, 40, generator=g) * 3
+    ps = torch.tensor([0.1, 0.5, 0.9, 1.0, 0.999])
+    kept = apply_top_p(logits.double(), ps) > float("-inf")
+    for i in range(5):
+        assert torch.equal(kept[i], ref_top_p(logits[i], float(ps[i]))), i
+    assert (kept.sum(-1) >= 1).all()
+
+
+def test_greedy_rows_take_the_argmax_and_seeds_reproduce():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 100, generator=g)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3),
+              SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=4), SamplingParams(temperature=0)]
+
+    def draw():
+        return sample(logits, params, [make_generator(p.seed) for p in params])
+
+    first = draw()
+    assert first[0] == int(logits[0].argmax()) and first[3] == int(logits[3].argmax())
+    assert draw() == first
+    # a seeded request draws the same tokens wherever it sits in the batch
+    gens = [make_generator(3) for _ in range(2)]
+    solo = [sample(logits[1:2], [params[1]], [gens[0]])[0] for _ in range(10)]
+    mixed = [sample(logits[[0, 1]], [params[0], params[1]], [None, gens[1]])[1] for _ in range(10)]
+    assert solo == mixed and len(set(solo)) > 1
+
+
+def test_sampling_respects_top_k():
+    logits = torch.arange(50, dtype=torch.float32)[None]
+    p = SamplingParams(temperature=5.0, top_k=3, seed=0)
+    gen = make_generator(0)
+    drawn = {sample(logits, [p], [gen])[0] for _ in range(200)}
+    assert drawn <= {47, 48, 49} and len(drawn) > 1
+
+
+@pytest.mark.parametrize("kw,message", [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
+                                        ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"stop": ("",)}, "stop")])
+def test_bad_sampling_params(kw, message):
+    from spear.errors import SpearError
+
+    with pytest.raises(SpearError, match=message):
+        SamplingParams(**kw)
+
+
+# ---------------------------------------------------------------------- text
+def stream_text(tokenizer, text: str, stop=()):
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    d = IncrementalDetokenizer(tokenizer, [1, 2, 3], tuple(stop))
+    deltas, stopped = [], False
+    for t in ids:
+        stopped = d.add(t)
+        deltas.append(d.delta(final=stopped))
+        if stopped:
+            break
+    deltas.append(d.delta(final=True))
+    return d.text, deltas, stopped
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=40))
+def test_incremental_text_equals_whole_decode(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    full, deltas, _ = stream_text(tokenizer, text)
+    assert full == "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string_cuts_the_output_and_is_never_streamed(tokenizer):
+    text, deltas, stopped = stream_text(tokenizer, "Hello world. The end of the story is near.", stop=["end of", "zzz"])
+    assert stopped and text == "Hello world. The " and "".join(deltas) == text
+    assert not any("end" in d for d in deltas)
+
+
+def test_earliest_stop_string_wins(tokenizer):
+    text, _, stopped = stream_text(tokenizer, "one two three four", stop=["four", "two"])
+    assert stopped and text == "one "
