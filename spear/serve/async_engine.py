@@ -28,6 +28,7 @@ from spear.serve.sequence import SamplingParams
 log = logging.getLogger(__name__)
 
 _ACCEPTED = object()
+_ABORTED = object()
 
 
 class EngineDead(RuntimeError):
@@ -49,6 +50,8 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         item = await self.queue.get()
+        if item is _ABORTED:
+            raise StopAsyncIteration
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -56,10 +59,12 @@ class RequestStream:
         return item
 
     def abort(self) -> None:
-        """Stop generating (no-op once finished); the engine frees the request's KV blocks."""
+        """Stop generating (no-op once finished); the engine frees the request's KV blocks and
+        the iteration ends. Call it on the event loop that submitted the request."""
         if not self.finished:
             self.finished = True
             self._owner.abort(self.request_id)
+            self.queue.put_nowait(_ABORTED)  # wakes a consumer waiting for the next output
 
 
 class AsyncEngine:

@@ -34,6 +34,7 @@ from spear.serve.scheduler import QueueFull
 log = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.25
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -47,7 +48,8 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return error_response(400, f"malformed JSON body: {detail}".rstrip(": "), code="invalid_json")
-    loc = [str(p) for p in first["loc"] if p != "body"]
+    # pydantic puts union branches ("str", "list[int]") in the location; they are not fields
+    loc = [str(p) for p in first["loc"] if p != "body" and str(p) not in _TYPE_TAGS and "[" not in str(p)]
     param = ".".join(loc) or None
     if first["type"] == "extra_forbidden":
         message = f"unknown field '{param}'"
@@ -119,8 +121,8 @@ class Server:
         return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
                 "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
 
-    async def collect(self, stream: RequestStream, request: Request) -> RequestOutput:
-        """Wait for the final output; abort if the client disconnects first."""
+    async def collect(self, stream: RequestStream, request: Request) -> RequestOutput | None:
+        """The final output; None if the client disconnected first (the request is then aborted)."""
         async def watch():
             while not stream.finished:
                 if await request.is_disconnected():
@@ -193,6 +195,8 @@ class Server:
             return StreamingResponse(self.sse(stream, rid, chat, body.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         out = await self.collect(stream, request)
+        if out is None or not out.finished:  # the client left; nobody reads this
+            return error_response(499, "client closed the request", code="client_closed")
         return JSONResponse(self.chat_body(rid, out) if chat else self.completion_body(rid, out))
 
 

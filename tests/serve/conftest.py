@@ -18,6 +18,18 @@ def default_model(default_model_path):
     return load_model(default_model_path)
 
 
+def hf_greedy(model, tokenizer, prompt, n: int) -> list[int]:
+    """HF transformers' greedy continuation (token ids) of a text or token-id prompt."""
+    import torch
+
+    ids = tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)
+    return out[0, len(ids):].tolist()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from spear.serve import EngineConfig, LLMEngine, SamplingParams
+from tests.serve.conftest import hf_greedy
 
 PROMPTS = [
     "The capital of France is",
@@ -28,19 +29,10 @@ MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
 
 
-def hf_greedy(model, tokenizer, prompt: str | list[int], n: int = MAX_NEW) -> list[int]:
-    ids = tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                             pad_token_id=tokenizer.eos_token_id)
-    return out[0, len(ids):].tolist()
-
-
 @pytest.fixture(scope="module")
 def reference(default_model):
     model, tok = default_model
-    return [hf_greedy(model, tok, p) for p in PROMPTS]
+    return [hf_greedy(model, tok, p, MAX_NEW) for p in PROMPTS]
 
 
 def engine(model_and_tok, **cfg) -> LLMEngine:
@@ -160,7 +152,7 @@ def test_w4_with_compensators_equals_hf(w4_model):
     model, tok = w4_model
     assert sum(isinstance(m, QuantLinear) and m.compensator is not None for m in model.modules()) == 28
     prompts = PROMPTS[:3]
-    ref = [hf_greedy(model, tok, p) for p in prompts]
+    ref = [hf_greedy(model, tok, p, MAX_NEW) for p in prompts]
     eng = engine(w4_model, max_num_seqs=4, max_num_batched_tokens=8)
     assert [o.output_token_ids for o in eng.generate(prompts, GREEDY)] == ref
 
