@@ -1,0 +1,76 @@
+"""``spear generate`` and ``spear serve`` from the command line."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from spear.cli import main
+from tests.serve.conftest import free_port
+
+
+def test_generate_prints_completions(tiny_llama_path, capsys):
+    assert main(["-q", "generate", "--model", str(tiny_llama_path), "--prompt", "Hello", "--prompt", "A b c",
+                 "--max-tokens", "5", "--num-blocks", "32", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt"] for r in rows] == ["Hello", "A b c"]
+    assert all(1 <= r["completion_tokens"] <= 5 and r["finish_reason"] in ("stop", "length") for r in rows)
+
+
+def test_generate_chat_and_stop(default_model_path, capsys):
+    assert main(["-q", "generate", "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "24",
+                 "--stop", ".", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert "Paris" in row["text"] and "." not in row["text"] and row["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--prompt", "x", "--kv-memory", "lots"], "expected a size such as 2GiB"),
+    (["generate", "--prompt", "x", "--kv-memory", "1GiB", "--num-blocks", "4"], "not allowed with argument"),
+    (["generate", "--prompt", "x", "--max-num-seqs", "0"], "expected a number >= 1"),
+    (["serve", "--dtype", "int3"], "invalid choice"),
+])
+def test_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_generate_without_prompt_and_impossible_settings(tiny_llama_path, capsys):
+    assert main(["generate", "--model", str(tiny_llama_path)]) == 2
+    assert "no prompt given" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tiny_llama_path), "--prompt", "x", "--num-blocks", "2",
+                 "--max-model-len", "100"]) == 2
+    assert "exceeds the model's KV cache capacity (32)" in capsys.readouterr().err
+
+
+def test_serve_subprocess_answers_and_stops(tiny_llama_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "spear", "serve", "--model", str(tiny_llama_path), "--port",
+                             str(port), "--num-blocks", "64", "--served-model-name", "tiny", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "spear serve did not come up"
+            time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert f"serving tiny on http://127.0.0.1:{port}" in out
