@@ -1,0 +1,284 @@
+"""Decode benchmark of the serving engine: FP16 vs W4 vs W4+EC at Llama-2-7B and Llama-3-8B shapes.
+
+    python benchmarks/bench_decode.py --out results/decode               # H200: both shapes, 32 layers
+    python benchmarks/bench_decode.py --layers 8 --models Llama-3-8B      # fewer layers, one shape
+    python benchmarks/bench_decode.py --tiny                              # CPU smoke check (seconds)
+
+Protocol (SPEAR.md §4): random weights (HF init, never zero), fp16 on CUDA. Variants run
+one after another on the same weights:
+
+  fp16    the HF-initialised model
+  w4      RTN W4 (group 128, symmetric) on every linear but lm_head; on CUDA each QuantLinear
+          is packed once for the Triton W4A16 kernel (spear/serve/w4_kernels.py)
+  w4+ec   w4 plus gated ECs (rank --ec-rank, gate hidden --ec-hidden) on evenly spread
+          linears until the compensators reach --ec-budget of the W4 model's bytes (about
+          1%); the kernel runs them fused at decode
+  w4+ec-all  (--ec-all) the same ECs on every linear: the worst-case density
+
+Per variant and concurrency (1 and --batches): ``model`` is the median latency of one
+decode step of the captured CUDA graph (CUDA events over replays, after warm-up),
+``engine`` the median wall time of an LLMEngine decode step (scheduler, input
+preparation, graph replay, sampling). Tokens/s = batch / latency. Ratios against FP16
+and W4 come from the same run. On CPU (``--tiny``) only the engine time exists.
+Prints a Markdown table with date and device; --out also writes results.json / table.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from spear.compensate.ec import GatedCompensator  # noqa: E402
+from spear.config import QuantConfig  # noqa: E402
+from spear.eval.memory import compensator_bytes, quantized_model_bytes  # noqa: E402
+from spear.models.modules import set_module  # noqa: E402
+from spear.quant import quantize_model_rtn  # noqa: E402
+from spear.serve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+SHAPES = {
+    "Llama-2-7B": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "Llama-3-8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1024),
+}
+GROUP = 128
+
+
+class _IdsTokenizer:
+    """The engine only decodes text for stop strings and streaming; ids suffice here."""
+    eos_token_id = None
+
+    def decode(self, ids, **kw):
+        return ""
+
+
+def build_model(shape: str, layers: int | None, device: str, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(SHAPES[shape])
+    if layers:
+        kw["num_hidden_layers"] = layers
+    cfg = LlamaConfig(**kw, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)  # HF init: normal(0, 0.02) linears, unit norms
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval()
+
+
+def attach_ecs(modules: dict, rank: int, hidden: int, budget: float | None, model) -> tuple[int, float]:
+    """Gated ECs on evenly spread modules until ``budget`` x W4 bytes (all modules when None)."""
+    names = list(modules)
+    w4_bytes = quantized_model_bytes(model)
+    per = {n: 2 * (rank * (m.in_features + m.out_features) + 2 * rank * hidden + hidden + rank + 1)
+           for n, m in modules.items()}
+    if budget is None:
+        chosen = names
+    else:
+        stride = max(1, math.ceil(sum(per.values()) / (budget * w4_bytes)))
+        chosen = names[::stride]
+    g = torch.Generator().manual_seed(1)
+    for n in chosen:
+        q = modules[n]
+        dev = q.codes.device
+        a = (torch.randn(rank, q.in_features, generator=g) / math.sqrt(q.in_features)).to(dev)
+        b = (torch.randn(q.out_features, rank, generator=g) * 1e-2).to(dev)
+        ec = GatedCompensator(a, b, hidden=hidden)
+        with torch.no_grad():
+            ec.w2.copy_(torch.randn(ec.w2.shape, generator=g).to(dev) * 0.1)
+        q.compensator = ec
+    return len(chosen), 100 * compensator_bytes(model) / w4_bytes
+
+
+def remove_ecs(modules: dict) -> None:
+    for q in modules.values():
+        q.compensator = None
+
+
+def restore_quantlinears(model, modules: dict) -> None:
+    """The engine swaps QuantLinears for packed kernel modules on CUDA; put the originals back."""
+    for name, q in modules.items():
+        set_module(model, name, q)
+
+
+def graph_latency_ms(engine: LLMEngine, batch: int, reps: int) -> float | None:
+    runner = engine.runner
+    if not runner.graphs:
+        return None
+    graph = runner.graphs[next(b for b in runner.graphs if b >= batch)]
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def engine_decode(engine: LLMEngine, batch: int, prompt_len: int, gen: int, warmup: int, reps: int, vocab: int):
+    """Median engine step (ms) over decode-only steps at ``batch`` running sequences; graph latency."""
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=warmup + gen, temperature=0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
+    times, seen = [], 0
+    while engine.has_unfinished():
+        sched = engine.scheduler
+        decode_only = (not sched.waiting and len(sched.running) == batch
+                       and all(s.is_decode for s in sched.running))
+        if engine.runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.step()  # sampling reads the logits back: the step has finished on return
+        dt = time.perf_counter() - t0
+        if decode_only:
+            seen += 1
+            if seen > warmup:
+                times.append(dt * 1e3)
+    # the graph of this batch size, on the caches the run left (contents do not matter for timing)
+    return statistics.median(times) if times else float("nan"), graph_latency_ms(engine, batch, reps)
+
+
+def run_variant(model, name: str, args, device: str, batches: list[int], vocab: int, max_len: int) -> dict:
+    cfg = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(512, max(batches)),
+                       max_model_len=max_len, block_size=16,
+                       num_blocks=max(batches) * math.ceil(max_len / 16) + 8, cuda_graphs=not args.no_graphs)
+    engine = LLMEngine(model, _IdsTokenizer(), cfg)
+    row = {"variant": name}
+    for b in batches:
+        step_ms, graph_ms = engine_decode(engine, b, args.prompt_len, args.gen, args.warmup, args.reps, vocab)
+        row[f"engine_ms@{b}"], row[f"model_ms@{b}"] = step_ms, graph_ms
+        lat = graph_ms if graph_ms is not None else step_ms
+        row[f"tok_s@{b}"] = 1e3 * b / lat
+        print(f"  {name:10s} batch {b:3d}: engine {step_ms:8.3f} ms/step  model "
+              f"{'-' if graph_ms is None else f'{graph_ms:8.3f}'} ms/step  {row[f'tok_s@{b}']:9.1f} tok/s", flush=True)
+    del engine
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def markdown(results: list[dict], batches: list[int], header: str) -> str:
+    lines = [header, "",
+             "| model | variant | EC modules | extra memory | ms/token b=1 (model) | ms/token b=1 (engine) | "
+             "tok/s b=1 | " + " | ".join(f"tok/s b={b}" for b in batches[1:]) + " | b=1 speed vs FP16 | "
+             "b=1 latency vs W4 |",
+             "|---|---|---:|---:|---:|---:|---:|" + "---:|" * (len(batches) - 1) + "---:|---:|"]
+    for r in results:
+        model_ms = "—" if r["model_ms@1"] is None else f"{r['model_ms@1']:.3f}"
+        lines.append(f"| {r['model']} | {r['variant']} | {r.get('ec_modules', '—')} | "
+                     f"{r['extra_pct']:.2f}% | {model_ms} | {r['engine_ms@1']:.3f} | {r['tok_s@1']:.1f} | "
+                     + " | ".join(f"{r[f'tok_s@{b}']:.1f}" for b in batches[1:])
+                     + f" | {r.get('speedup_vs_fp16', float('nan')):.2f}x | {r.get('latency_vs_w4', float('nan')):.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="Llama-2-7B,Llama-3-8B", help="comma-separated: " + ", ".join(SHAPES))
+    p.add_argument("--layers", type=int, help="decoder layers (default: the model's); fewer for a quick run")
+    p.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU in fp32: smoke check")
+    p.add_argument("--batches", default="1,8,32,64", help="concurrent sequences; must start with 1")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen", type=int, default=64, help="timed decode steps per run")
+    p.add_argument("--warmup", type=int, default=8, help="decode steps before timing")
+    p.add_argument("--reps", type=int, default=100, help="graph replays per model timing")
+    p.add_argument("--ec-rank", type=int, default=16)
+    p.add_argument("--ec-hidden", type=int, default=16)
+    p.add_argument("--ec-budget", type=float, default=0.01, help="EC bytes / W4 model bytes (default: 1%%)")
+    p.add_argument("--ec-all", action="store_true", help="also run ECs on every linear")
+    p.add_argument("--no-graphs", action="store_true", help="eager decode on CUDA")
+    p.add_argument("--out", help="folder for results.json and table.md")
+    args = p.parse_args(argv)
+
+    batches = [int(b) for b in args.batches.split(",")]
+    if batches[0] != 1:
+        p.error("--batches must start with 1 (the batch-1 latency columns)")
+    if args.tiny:
+        device, dtype, models = "cpu", torch.float32, ["tiny"]
+        args.gen, args.prompt_len = min(args.gen, 8), min(args.prompt_len, 16)
+    else:
+        if not torch.cuda.is_available():
+            p.error("no CUDA device: the benchmark needs a GPU (use --tiny for a CPU smoke check)")
+        device, dtype, models = "cuda", torch.float16, args.models.split(",")
+    unknown = [m for m in models if m not in SHAPES]
+    if unknown:
+        p.error(f"unknown model shape(s) {unknown}; known: {sorted(SHAPES)}")
+    dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
+    header = (f"Decode, {datetime.date.today().isoformat()}, {dev_name}, torch {torch.__version__}, "
+              f"{dtype}, prompt {args.prompt_len} tokens, median of {args.gen} steps"
+              + (f", {args.layers} layers" if args.layers else ""))
+    print(header, flush=True)
+    max_len = args.prompt_len + args.warmup + args.gen + 1
+    results = []
+    for shape in models:
+        print(f"{shape}: building random weights", flush=True)
+        model = build_model(shape, args.layers, device, dtype)
+        vocab = model.config.vocab_size
+        rows = [dict(run_variant(model, "fp16" if dtype == torch.float16 else "fp32", args, device, batches, vocab,
+                                 max_len), extra_pct=0.0)]
+        modules = quantize_model_rtn(model, QuantConfig(bits=4, group_size=GROUP), progress=False)
+        rows.append(dict(run_variant(model, "w4", args, device, batches, vocab, max_len), extra_pct=0.0))
+        ec_runs = [("w4+ec", args.ec_budget)] + ([("w4+ec-all", None)] if args.ec_all else [])
+        for name, budget in ec_runs:
+            restore_quantlinears(model, modules)
+            n, pct = attach_ecs(modules, args.ec_rank, args.ec_hidden, budget, model)
+            row = run_variant(model, name, args, device, batches, vocab, max_len)
+            rows.append(dict(row, extra_pct=pct, ec_modules=f"{n}/{len(modules)} r{args.ec_rank}"))
+            remove_ecs(modules)
+        fp, w4 = rows[0], rows[1]
+        for r in rows:
+            r["model"] = shape + (f" ({args.layers}L)" if args.layers else "")
+            r["speedup_vs_fp16"] = r["tok_s@1"] / fp["tok_s@1"]
+            r["latency_vs_w4"] = w4["tok_s@1"] / r["tok_s@1"]
+        results += rows
+        del model, modules
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    table = markdown(results, batches, header)
+    print()
+    print(table)
+    for r in results:  # the floors of issue 7
+        if r["variant"] == "w4":
+            print(f"{r['model']}: W4 / FP16 batch-1 tokens/s = {r['speedup_vs_fp16']:.2f}x (floor 2.5x)")
+        if r["variant"] == "w4+ec":
+            print(f"{r['model']}: W4+EC / W4 batch-1 latency = {r['latency_vs_w4']:.3f} (ceiling 1.10)")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"header": header, "args": vars(args), "results": results},
+                                                     indent=2))
+        (out / "table.md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
