@@ -88,7 +88,7 @@ class ModelRunner:
             cos, sin = model.model.rotary_emb(probe, positions)  # fp32, as HF computes them
         self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
 
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict = {}  # padded batch size -> torch.cuda.CUDAGraph
         if cuda_graphs and self.device.type == "cuda":
             self._capture_graphs()
 
@@ -183,7 +183,9 @@ class ModelRunner:
         return self._forward_decode(*inputs)
 
     # ------------------------------------------------------------------ CUDA graphs
-    def _capture_graphs(self) -> None:
+    def _capture_graphs(self, eager: bool = False) -> None:
+        """One graph per padded batch size over static input buffers. ``eager`` records the same
+        replays without CUDA (each replay runs the forward), so CPU tests cover the padding logic."""
         self._graph_blocks = -(-self.max_model_len // self.block_size)
         b_max, dev = self.max_num_seqs, self.device
         self._graph_inputs = (
@@ -192,20 +194,35 @@ class ModelRunner:
             torch.full((b_max, self._graph_blocks), self.scratch_block, dtype=torch.long, device=dev),
             torch.ones(b_max, dtype=torch.long, device=dev))
         self._graph_logits = torch.zeros(b_max, self.model.config.vocab_size, dtype=torch.float32, device=dev)
-        pool = torch.cuda.graph_pool_handle()
+        pool = None if eager else torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for batch in sorted(graph_batch_sizes(b_max), reverse=True):  # largest first: its pool fits all
                 args = [x[:batch] for x in self._graph_inputs]
+
+                def run(batch=batch, args=args):
+                    self._graph_logits[:batch].copy_(self._forward_decode(*args))
+
+                if eager:
+                    self.graphs[batch] = _EagerGraph(run)
+                    continue
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(2):  # warm-up: Triton autotuning, weight caches, allocator
-                        self._forward_decode(*args)
+                        run()
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self._graph_logits[:batch].copy_(self._forward_decode(*args))
+                    run()
                 self.graphs[batch] = graph
         self.graphs = dict(sorted(self.graphs.items()))
-        torch.cuda.synchronize()
-        log.info("captured decode CUDA graphs for batch sizes %s", list(self.graphs))
+        if not eager:
+            torch.cuda.synchronize()
+            log.info("captured decode CUDA graphs for batch sizes %s", list(self.graphs))
+
+
+class _EagerGraph:
+    """Stands in for a captured graph: ``replay`` runs the forward it would have recorded."""
+
+    def __init__(self, fn):
+        self.replay = fn

@@ -215,3 +215,13 @@ def test_llama_family_layouts_equal_hf(kind):
         ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert o.output_token_ids == ref
+
+
+def test_decode_graph_path_with_padding_equals_hf(default_model, reference):
+    # The CUDA-graph decode path (static buffers, padded batch sizes, scratch block) replayed
+    # eagerly on the CPU: 3 running sequences replay the batch-4 "graph" with one padding row.
+    eng = engine(default_model, max_num_seqs=6, max_model_len=128, cuda_graphs=False)
+    eng.runner._capture_graphs(eager=True)
+    assert list(eng.runner.graphs) == [1, 2, 4, 6]
+    outs = eng.generate(PROMPTS[:3], GREEDY)
+    assert [o.output_token_ids for o in outs] == reference[:3]
