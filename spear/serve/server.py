@@ -60,6 +60,14 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     return error_response(400, message, param=param, code=first["type"])
 
 
+class _NotFound(Exception):
+    """HTTP 404 with an OpenAI-style body (unknown model)."""
+
+    def __init__(self, message: str, param: str | None, code: str):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
 class Server:
     """The endpoints over one AsyncEngine serving one model under ``model_name``."""
 
@@ -180,8 +188,8 @@ class Server:
             if include_usage and out is not None:
                 yield event([], usage=self._usage(out))
             yield "data: [DONE]\n\n"
-        except (EngineDead, RuntimeError) as exc:
-            log.error("request %s failed: %s", rid, exc)
+        except Exception as exc:  # a failed engine step: the stream ends with an error event
+            log.error("request %s failed: %r", rid, exc)
             yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -198,12 +206,6 @@ class Server:
         if out is None or not out.finished:  # the client left; nobody reads this
             return error_response(499, "client closed the request", code="client_closed")
         return JSONResponse(self.chat_body(rid, out) if chat else self.completion_body(rid, out))
-
-
-class _NotFound(Exception):
-    def __init__(self, message: str, param: str | None, code: str):
-        super().__init__(message)
-        self.message, self.param, self.code = message, param, code
 
 
 def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:

@@ -264,3 +264,26 @@ def test_metrics_exposition(smol, client):
                  "spear_num_requests_waiting", "spear_num_requests_running"):
         assert name in m, name
     assert m["spear_generation_tokens_total"] >= 3 and m["spear_time_to_first_token_seconds_count"] >= 1
+
+
+def test_a_failing_step_fails_its_requests_not_the_server(tiny_llama_path):
+    eng = tiny_engine(tiny_llama_path)
+    real, calls = eng.runner.execute, []
+
+    def flaky(out):
+        calls.append(1)
+        if len(calls) <= 2:
+            raise RuntimeError("injected failure")
+        return real(out)
+
+    eng.runner.execute = flaky
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4}
+    with running_server(eng, "tiny") as (url, ae):
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        check_error(r, 500, None, "injected failure")
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert "injected failure" in events[0] and events[-1] == "data: [DONE]"
+        wait_idle(ae)
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+        assert httpx.get(url + "/health").status_code == 200
