@@ -1,23 +1,30 @@
-"""SPEAR calibration benchmark: static vs KL-calibrated vs gated ECs at equal memory.
+"""SPEAR calibration and placement benchmark: static vs KL-calibrated vs gated ECs.
 
-For each quantization setting and uniform rank (same modules and ranks for every
-row): static LQER and QERA-approx (text activation statistics), then KL-calibrated
-variants over several seeds (self-sample seed, gate init and data order all
-change with the seed). Prints one Markdown table (mean ± std over seeds) and
-writes JSON + Markdown to --out.
+Every row of one (setting, plan) pair has the same modules and ranks, hence the same
+memory. Rows: static LQER / QERA-approx (text activation statistics) and KL-calibrated
+variants over several seeds (the self-sample seed, gate init and data order all change
+with the seed). Each finished run is appended to ``<out>/rows.jsonl`` at once, so an
+interrupted grid keeps what it finished; ``--merge`` turns one or more such files into
+the Markdown table (mean ± std over seeds).
 
-    python benchmarks/bench_calibration.py                         # default grid, CPU
-    python benchmarks/bench_calibration.py --device cuda --seeds 0,1,2 \\
-        --variants nogate,gate,"gate:gate_lr=3e-2;hidden=16"
+    python benchmarks/bench_calibration.py                      # default grid, CPU
+    python benchmarks/bench_calibration.py --device cuda --settings w4pc,w3g64 \\
+        --plans r1,r2 --variants nogate,gate,"gate:gate_lr=3e-2;hidden=16"
+    python benchmarks/bench_calibration.py --plans uniform@0.5,random@0.5,cka@0.5 --static qera-approx
+    python benchmarks/bench_calibration.py --merge results/a results/b
 
-A variant is ``nogate`` or ``gate``, optionally followed by ``:key=value;...``
-overrides of :class:`spear.compensate.calibrate.CalibrationConfig`.
+Settings: ``[rtn-|gptq-|awq-]w<bits><pc|g<group>>`` (e.g. w4pc, w3g64, gptq-w4g64).
+Plans: ``r<k>`` (rank k on every linear) or ``<placement>@<percent>`` with placement
+uniform | random | cka | cka-full (cka with coverage_power 0: every module covered), the
+budget in % of the quantized model. Variants: ``nogate`` or ``gate``, optionally followed
+by ``:key=value;...`` overrides of :class:`spear.compensate.calibrate.CalibrationConfig`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -29,9 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spear.compensate.calibrate import CalibrationConfig  # noqa: E402
-from spear.compensate.static import attach_static  # noqa: E402
+from spear.compensate.static import attach_static, remove_compensators  # noqa: E402
 from spear.compensate.stats import collect_activation_stats  # noqa: E402
-from spear.compensate.workflow import attach_ecs, calibrate, prepare_calibration, uniform_plan  # noqa: E402
+from spear.compensate.workflow import attach_ecs, calibrate, prepare_calibration  # noqa: E402
 from spear.config import QuantConfig, StaticCompensationConfig  # noqa: E402
 from spear.data import load_text, make_split  # noqa: E402
 from spear.eval.memory import compensator_bytes, quantized_model_bytes  # noqa: E402
@@ -39,7 +46,16 @@ from spear.eval.perplexity import perplexity  # noqa: E402
 from spear.eval.report import gap_recovered, machine_label  # noqa: E402
 from spear.models.loading import load_model  # noqa: E402
 from spear.models.modules import quantizable_linears  # noqa: E402
-from spear.quant import quantize_model_rtn  # noqa: E402
+from spear.quant.api import quantize_model  # noqa: E402
+from spear.select.plan import make_plan  # noqa: E402
+
+
+def parse_setting(spec: str) -> QuantConfig:
+    m = re.fullmatch(r"(?:(rtn|gptq|awq)-)?w(\d)(pc|g\d+)", spec)
+    if not m:
+        raise SystemExit(f"setting must look like w4pc, w3g64 or gptq-w4g64; got {spec!r}")
+    group = 0 if m.group(3) == "pc" else int(m.group(3)[1:])
+    return QuantConfig(bits=int(m.group(2)), group_size=group, method=m.group(1) or "rtn")
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -58,25 +74,68 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return spec, over
 
 
+def summarize(rows: list[dict]) -> list[str]:
+    """Markdown table, one line per (setting, plan, method), mean ± std over seeds."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["setting"], r.get("plan", ""), r["method"]), []).append(r)
+    lines = ["| setting | plan | method | ppl | gap recovered | memory | modules | seeds | time/run |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+
+    def ms(xs, fmt):
+        return fmt.format(xs[0]) if len(xs) == 1 else (fmt + " ± " + fmt).format(statistics.mean(xs),
+                                                                                  statistics.stdev(xs))
+    for (setting, plan, method), rs in groups.items():
+        secs = [r["seconds"] for r in rs if r.get("seconds")]
+        lines.append(f"| {setting} | {plan} | {method} | {ms([r['ppl'] for r in rs], '{:.2f}')} | "
+                     f"{ms([r['gap'] for r in rs], '{:.1f}')}% | {rs[0]['mem']:.3f}% | {rs[0].get('modules', '')} | "
+                     f"{len(rs)} | {f'{statistics.mean(secs):.0f} s' if secs else ''} |")
+    return lines
+
+
+def merge(dirs: list[str]) -> None:
+    rows, heads = [], []
+    for d in dirs:
+        for line in (Path(d) / "rows.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            (heads if rec.get("kind") == "header" else rows).append(rec)
+    for h in {json.dumps({k: h[k] for k in ("date", "machine", "text", "fp_ppl", "steps")}, sort_keys=True)
+              for h in heads}:
+        print(h)
+    print("\n".join(summarize(rows)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--text", default="wikipedia")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--settings", default="w4pc", help="comma list of w4pc (W4 per-channel sym), w3g64 (W3 g64 sym)")
-    p.add_argument("--ranks", default="1,2")
+    p.add_argument("--settings", default="w4pc")
+    p.add_argument("--plans", default="r1,r2")
+    p.add_argument("--static", default="lqer,qera-approx", help="static rows per plan ('' for none)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--variants", default="nogate,gate")
     p.add_argument("--steps", type=int, default=240)
+    p.add_argument("--damage-samples", type=int, default=16, help="self-samples (x128 tokens) for CKA damage")
     p.add_argument("--eval-windows", type=int, default=24)
     p.add_argument("--out", default="results/calibration")
+    p.add_argument("--merge", nargs="+", metavar="DIR", help="only print the table of these result folders")
     args = p.parse_args()
+    if args.merge:
+        return merge(args.merge)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 numerics, comparable with the CPU
-    settings = {"w4pc": QuantConfig(bits=4), "w3g64": QuantConfig(bits=3, group_size=64)}
-    ranks = [int(r) for r in args.ranks.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
-    variants = [parse_variant(v) for v in args.variants.split(",")]
+    variants = [parse_variant(v) for v in args.variants.split(",") if v]
+    statics = [s for s in args.static.split(",") if s]
     dev = torch.device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sink = (out / "rows.jsonl").open("a")
+
+    def emit(rec):
+        sink.write(json.dumps(rec) + "\n")
+        sink.flush()
+        print(json.dumps(rec), flush=True)
 
     def fresh():
         m, t = load_model(args.model)
@@ -89,62 +148,65 @@ def main() -> None:
         return perplexity(m, split.eval, progress=False).ppl
 
     fp = ppl(model)
+    emit({"kind": "header", "date": time.strftime("%Y-%m-%d"), "machine": machine_label(),
+          "text": split.text_name, "fp_ppl": fp, "steps": args.steps, "seeds": seeds})
     text_stats = collect_activation_stats(model, quantizable_linears(model), split.calib, progress=False)
     base_cfg = CalibrationConfig(steps=args.steps)
-    data = {s: prepare_calibration(model, tok, replace(base_cfg, seed=s), progress=False) for s in seeds}
-    results = {"date": time.strftime("%Y-%m-%d"), "machine": machine_label(), "text": split.text_name,
-               "fp_ppl": fp, "eval_tokens": split.eval.numel() - split.eval.shape[0], "steps": args.steps,
-               "seeds": seeds, "rows": []}
-    print(f"FP {fp:.3f} on {split.text_name}", flush=True)
+    data = {s: prepare_calibration(model, tok, replace(base_cfg, seed=s), progress=False) for s in seeds} \
+        if variants else {}
+    del model
     for sname in args.settings.split(","):
-        qcfg = settings[sname]
+        qcfg = parse_setting(sname)
         model, _ = fresh()
-        fp_w = {n: l.weight.detach().clone() for n, l in quantizable_linears(model).items()}
-        mods = quantize_model_rtn(model, qcfg, progress=False)
+        fp_w = {n: lin.weight.detach().clone() for n, lin in quantizable_linears(model).items()}
+        plans = {}
+        t0 = time.perf_counter()
+        for spec in args.plans.split(","):  # placement needs the FP model
+            plans[spec] = make_plan(spec, model, tok, qcfg, damage_samples=args.damage_samples)
+        select_s = time.perf_counter() - t0
+        scales: dict = {}
+        t0 = time.perf_counter()
+        mods = quantize_model(model, qcfg, calib=None, progress=False, tokenizer=tok, channel_scales=scales)
+        quant_s = time.perf_counter() - t0
+        stats, sdata = text_stats, data
+        weights = fp_w
+        if scales:  # AWQ: compensate against the weights it rounded
+            from spear.quant.awq import rescale_reference
+            weights, stats = rescale_reference(fp_w, text_stats, scales)
+            sdata = {}
+            for s, d in data.items():
+                w2, st2 = rescale_reference(d.fp_weights, d.stats, scales)
+                sdata[s] = replace(d, fp_weights=w2, stats=st2)
         base = ppl(model)
         total = quantized_model_bytes(model)
-        print(f"{qcfg.label}: {base:.3f}", flush=True)
-        results["rows"].append({"setting": qcfg.label, "method": "base", "ppl": [base], "gap": [0.0], "mem": 0.0})
-        for rank in ranks:
-            for method in ("lqer", "qera-approx"):
-                attach_static(mods, fp_w, StaticCompensationConfig(method=method, rank=rank), text_stats, progress=False)
+        emit({"setting": qcfg.label, "method": "base", "ppl": base, "gap": 0.0, "mem": 0.0,
+              "quantize_seconds": quant_s, "select_seconds": select_s})
+        for pspec, plan in plans.items():
+            common = {"setting": qcfg.label, "plan": pspec, "modules": len(plan)}
+            for method in statics:
+                attach_static(mods, weights, StaticCompensationConfig(method=method, rank=1, plan=plan), stats,
+                              progress=False)
                 v = ppl(model)
-                row = {"setting": qcfg.label, "rank": rank, "method": f"static {method}", "ppl": [v],
-                       "gap": [gap_recovered(base, v, fp)], "mem": 100 * compensator_bytes(model) / total}
-                results["rows"].append(row)
-                print(row, flush=True)
+                emit({**common, "method": f"static {method}", "ppl": v, "gap": gap_recovered(base, v, fp),
+                      "mem": 100 * compensator_bytes(model) / total})
+                remove_compensators(model)
             for spec, over in variants:
-                row = {"setting": qcfg.label, "rank": rank, "method": f"KL {spec}", "ppl": [], "gap": [],
-                       "val_kl": [], "seconds": [], "best_step": []}
                 for s in seeds:
                     cfg = replace(base_cfg, seed=s, **over)
-                    attach_ecs(mods, fp_w, uniform_plan(mods, rank), cfg, data[s].stats)
-                    rep = calibrate(model, data[s], cfg, progress=False)
+                    attach_ecs(mods, sdata[s].fp_weights, plan, cfg, sdata[s].stats)
+                    rep = calibrate(model, sdata[s], cfg, progress=False)
                     v = ppl(model)
-                    row["ppl"].append(v)
-                    row["gap"].append(gap_recovered(base, v, fp))
-                    row["val_kl"].append(rep.best_val_kl)
-                    row["seconds"].append(rep.seconds)
-                    row["best_step"].append(rep.best_step)
-                    row["mem"] = 100 * compensator_bytes(model) / total
-                print(row, flush=True)
-                results["rows"].append(row)
-        for m in mods.values():
-            m.compensator = None
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "calibration.json").write_text(json.dumps(results, indent=2))
-    lines = [f"{results['date']}, {results['machine']}, {results['text']}, FP {fp:.2f}, {args.steps} steps, "
-             f"seeds {seeds}", "", "| setting | rank | method | ppl | gap recovered | memory | time/run |",
-             "|---|---:|---|---:|---:|---:|---:|"]
-    for r in results["rows"]:
-        def ms(xs, fmt):
-            return fmt.format(xs[0]) if len(xs) == 1 else (fmt + " ± " + fmt).format(statistics.mean(xs), statistics.stdev(xs))
-        secs = f"{statistics.mean(r['seconds']):.0f} s" if r.get("seconds") else ""
-        lines.append(f"| {r['setting']} | {r.get('rank', '')} | {r['method']} | {ms(r['ppl'], '{:.2f}')} | "
-                     f"{ms(r['gap'], '{:.1f}')}% | {r['mem']:.2f}% | {secs} |")
-    (out / "calibration.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+                    emit({**common, "method": f"KL {spec}", "seed": s, "ppl": v, "gap": gap_recovered(base, v, fp),
+                          "mem": 100 * compensator_bytes(model) / total, "val_kl": rep.best_val_kl,
+                          "initial_val_kl": rep.initial_val_kl, "best_step": rep.best_step,
+                          "steps_run": rep.steps_run, "seconds": rep.seconds})
+                    remove_compensators(model)
+        del model, mods
+    sink.close()
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    table = summarize([r for r in rows if r.get("kind") != "header"])
+    (out / "calibration.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,140 @@
+"""Training-free damage of each linear under quantization (SPEAR.md §1, "Where to put ECs").
+
+damage(m) = 1 − CKA(h_FP, h_m), where h are the model's final hidden states (after
+the last norm: what the output head reads) on self-sampled sequences, and h_m is
+computed with only module m quantized, every other module in full precision.
+
+Speed: one FP pass caches each decoder layer's output. For a module in layer l the
+layers before l are replaced by a replay of the cached output of layer l − 1, so
+only layers l… run (about half the model on average). The replay is checked once
+against a plain forward; a model whose layers do not allow it falls back to full
+forwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from spear.config import QuantConfig
+from spear.models.modules import quantizable_linears
+from spear.quant.primitives import fake_quantize
+from spear.select.cka import linear_cka
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DamageReport:
+    damage: dict[str, float]  # module name -> 1 - CKA
+    seconds: float
+    tokens: int
+    replay: bool  # whether the layer-replay shortcut was used
+    extra: dict = field(default_factory=dict)
+
+
+class _Replay(nn.Module):
+    """Stands in for the decoder layers before l: returns layer l-1's cached output."""
+
+    def __init__(self):
+        super().__init__()
+        self.output = None
+
+    def forward(self, *args, **kwargs):
+        return self.output
+
+
+def _decoder_layers(model: nn.Module, names) -> tuple[str, nn.ModuleList] | None:
+    """The ModuleList of decoder layers that holds the target modules, if there is exactly one."""
+    for prefix, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 1 and all(
+                any(n.startswith(f"{prefix}.{i}.") for i in range(len(mod))) for n in names):
+            return prefix, mod
+    return None
+
+
+def _layer_of(name: str, prefix: str) -> int:
+    return int(name[len(prefix) + 1:].split(".", 1)[0])
+
+
+@torch.no_grad()
+def module_damage(model: nn.Module, quant: QuantConfig, ids: torch.Tensor, batch_size: int = 8,
+                  modules: dict[str, nn.Linear] | None = None, progress: bool = True,
+                  replay: bool = True) -> DamageReport:
+    """1 − CKA of the final hidden states with one module at a time quantized by RTN at ``quant``'s
+    bits/group/symmetry (GPTQ/AWQ bases are scored with this RTN proxy)."""
+    targets = modules if modules is not None else quantizable_linears(model, quant.include_lm_head)
+    if not targets:
+        raise ValueError("no modules to score")
+    device = next(model.parameters()).device
+    batches = [ids[i:i + batch_size].to(device) for i in range(0, ids.shape[0], batch_size)]
+    found = _decoder_layers(model, targets) if replay else None
+    start = time.perf_counter()
+
+    def final_hidden(batch):
+        out = model(input_ids=batch, use_cache=False, output_hidden_states=True)
+        return out.hidden_states[-1].reshape(-1, out.hidden_states[-1].shape[-1]).float()
+
+    cached: list[list] = []
+    handles = []
+    if found is not None:
+        prefix, layers = found
+        for i, layer in enumerate(layers):
+            handles.append(layer.register_forward_hook(
+                lambda mod, args, out, i=i: cached[-1].__setitem__(i, out)))
+
+    fp = []
+    try:
+        for b in batches:
+            if found is not None:
+                cached.append([None] * len(found[1]))
+            fp.append(final_hidden(b))
+    finally:
+        for h in handles:
+            h.remove()
+    fp_all = torch.cat(fp)
+
+    def run(batch_index_layer: int | None):
+        """Final hidden states of every batch, replaying layers < l when l is given."""
+        outs = []
+        if batch_index_layer is None or batch_index_layer == 0 or found is None:
+            return torch.cat([final_hidden(b) for b in batches])
+        prefix, layers = found
+        l = batch_index_layer
+        saved = [layers[i] for i in range(l)]
+        rep = _Replay()
+        try:
+            for i in range(l):
+                layers[i] = rep
+            for bi, b in enumerate(batches):
+                rep.output = cached[bi][l - 1]
+                outs.append(final_hidden(b))
+        finally:
+            for i in range(l):
+                layers[i] = saved[i]
+        return torch.cat(outs)
+
+    if found is not None:  # the replay must reproduce the plain forward
+        mid = len(found[1]) // 2
+        err = (run(mid) - fp_all).abs().max().item()
+        if err > 1e-3 * fp_all.abs().max().item():
+            log.warning("layer replay does not reproduce the forward (max diff %.3g); using full forwards", err)
+            found = None
+
+    damage = {}
+    for name, lin in tqdm(targets.items(), desc="module damage (1 - CKA)", unit="mod", disable=not progress,
+                          leave=False):
+        w = lin.weight
+        orig = w.data.clone()
+        try:
+            w.data.copy_(fake_quantize(orig.float(), quant.bits, quant.group_size, quant.symmetric).to(w.dtype))
+            h = run(_layer_of(name, found[0]) if found is not None else None)
+        finally:
+            w.data.copy_(orig)
+        damage[name] = max(0.0, 1.0 - linear_cka(fp_all, h))
+    return DamageReport(damage, time.perf_counter() - start, int(fp_all.shape[0]), found is not None)

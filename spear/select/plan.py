@@ -1,0 +1,155 @@
+"""Plans (module -> rank): building them from a budget, and the JSON file that carries them.
+
+    sel = select(model, tokenizer, quant, budget="1%")      # damage + CKA-entropy-cost rule
+    save_plan(sel, folder)                                 # folder/plan.json
+    plan = load_plan(folder)                               # {module: rank}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from spear.config import QuantConfig
+from spear.errors import SpearError
+from spear.models.modules import quantizable_linears
+from spear.select.allocate import Allocation, cka_entropy_allocation, random_allocation, uniform_allocation
+from spear.select.budget import estimate_quantized_bytes, parse_budget
+from spear.select.damage import DamageReport, module_damage
+
+PLAN_FILE = "plan.json"
+PLACEMENTS = ("uniform", "random", "cka", "cka-full")
+
+
+@dataclass
+class Selection:
+    allocation: Allocation
+    model_bytes: int  # the quantized model the budget is a share of
+    damage: DamageReport | None = None
+    info: dict = field(default_factory=dict)
+
+    @property
+    def plan(self) -> dict[str, int]:
+        return self.allocation.plan
+
+    def to_dict(self) -> dict:
+        a = self.allocation
+        out = {"placement": a.method, "plan": a.plan, "bytes": a.bytes, "budget_bytes": a.budget,
+               "model_bytes": self.model_bytes, "memory_pct": 100 * a.bytes / self.model_bytes,
+               "budget_pct": 100 * a.budget / self.model_bytes, "modules": a.modules, **a.details, **self.info}
+        if self.damage is not None:
+            out.update(damage=self.damage.damage, damage_seconds=self.damage.seconds,
+                       damage_tokens=self.damage.tokens)
+        return out
+
+
+def damage_ids(model: nn.Module, tokenizer, n: int, seed: int = 0, length: int = 128,
+               progress: bool = True) -> torch.Tensor:
+    """Self-samples for damage scoring: the first ``n`` of the default calibration set (same cache)."""
+    from spear.compensate.calibrate import CalibrationConfig
+    from spear.data.selfsample import SampleConfig, sample_sequences
+
+    c = CalibrationConfig()
+    total = max(n, c.n_samples + c.val_samples) if length == c.sample_len else n
+    ids = sample_sequences(model, tokenizer, SampleConfig(n=total, length=length, temperature=c.temperature,
+                                                          top_p=c.top_p, seed=seed), progress=progress)
+    return ids[:n]
+
+
+def select(model: nn.Module, tokenizer, quant: QuantConfig, budget: str | int, placement: str = "cka",
+           hidden: int = 8, gated: bool = True, per_rank: bool = True, tp: int = 1, comm_penalty: float = 0.5,
+           damage_samples: int = 16, seed: int = 0, coverage_power: float = 0.5, progress: bool = True,
+           damage: DamageReport | None = None, ids: torch.Tensor | None = None) -> Selection:
+    """A plan for ``model`` (in full precision) within ``budget`` ("1%" of the quantized model, or bytes).
+
+    Damage is scored on ``ids`` when given, else on ``damage_samples`` self-samples."""
+    if placement not in PLACEMENTS:
+        raise SpearError(f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}")
+    targets = quantizable_linears(model, quant.include_lm_head)
+    shapes = {n: (lin.in_features, lin.out_features) for n, lin in targets.items()}
+    total = estimate_quantized_bytes(model, quant)
+    try:
+        budget_bytes = parse_budget(budget, total)
+    except ValueError as exc:
+        raise SpearError(str(exc)) from exc
+    kw = {"hidden": hidden, "gated": gated, "per_rank": per_rank}
+    if placement == "uniform":
+        return Selection(uniform_allocation(shapes, budget_bytes, **kw), total)
+    if placement == "random":
+        return Selection(random_allocation(shapes, budget_bytes, seed=seed, **kw), total)
+    if damage is None:
+        if ids is None:
+            ids = damage_ids(model, tokenizer, damage_samples, progress=progress)
+        damage = module_damage(model, quant, ids, modules=targets, progress=progress)
+    power = 0.0 if placement == "cka-full" else coverage_power
+    alloc = cka_entropy_allocation(damage.damage, shapes, budget_bytes, tp=tp, comm_penalty=comm_penalty,
+                                   coverage_power=power, **kw)
+    return Selection(alloc, total, damage)
+
+
+_damage_cache: dict[tuple, DamageReport] = {}
+
+
+def make_plan(spec: str, model: nn.Module, tokenizer, quant: QuantConfig, damage_samples: int = 16,
+              progress: bool = False) -> dict[str, int]:
+    """A plan from a short spec: ``r<k>`` (rank k everywhere) or ``<placement>@<percent>``.
+    Damage scores are cached per (quant, samples) within the process."""
+    m = re.fullmatch(r"r(\d+)", spec)
+    if m:
+        return dict.fromkeys(quantizable_linears(model, quant.include_lm_head), int(m.group(1)))
+    placement, _, pct = spec.partition("@")
+    if not pct:
+        raise SpearError(f"plan spec must be r<k> or <placement>@<percent>; got {spec!r}")
+    key = (quant.bits, quant.group_size, quant.symmetric, damage_samples)
+    damage = _damage_cache.get(key)
+    if placement.startswith("cka") and damage is None:
+        ids = damage_ids(model, tokenizer, damage_samples, progress=progress)
+        damage = _damage_cache[key] = module_damage(model, quant, ids, progress=progress)
+    return select(model, tokenizer, quant, f"{pct}%", placement, damage=damage, progress=progress).plan
+
+
+def save_plan(selection: Selection, folder: str | Path) -> Path:
+    """Write ``folder/plan.json`` atomically."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / PLAN_FILE
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".plan-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(selection.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_plan(path: str | Path, modules=None) -> dict[str, int]:
+    """The plan in ``path`` (a plan.json or a folder holding one), checked against ``modules`` if given."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / PLAN_FILE
+    if not path.is_file():
+        raise SpearError(f"no plan at {path} (write one with `spear select`)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SpearError(f"{path} is not valid JSON: {exc}") from exc
+    plan = data.get("plan") if isinstance(data, dict) and "plan" in data else data
+    if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, int) and v >= 0
+                                             for k, v in plan.items()):
+        raise SpearError(f"{path}: a plan must map module names to non-negative integer ranks")
+    if modules is not None:
+        unknown = sorted(set(plan) - set(modules))
+        if unknown:
+            raise SpearError(f"{path}: the plan names modules this model does not have: {', '.join(unknown[:5])}"
+                             + (" …" if len(unknown) > 5 else ""))
+    return {k: v for k, v in plan.items() if v > 0}
