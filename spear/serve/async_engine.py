@@ -102,7 +102,13 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         stream = RequestStream(rid, self)
         self._post(("add", rid, prompt_token_ids, params, time.monotonic(), asyncio.get_running_loop(), stream))
-        first = await stream.queue.get()
+        while True:  # the engine answers between steps; a thread that died meanwhile never will
+            try:
+                first = await asyncio.wait_for(stream.queue.get(), timeout=1.0)
+                break
+            except asyncio.TimeoutError:
+                if not self._thread.is_alive():
+                    raise EngineDead(f"the engine is not running: {self.error!r}") from None
         if isinstance(first, BaseException):
             stream.finished = True
             raise first
@@ -136,7 +142,16 @@ class AsyncEngine:
         except BaseException as exc:
             self.error = exc
             log.exception("engine thread stopped")
-            self._fail_all(EngineDead(f"the engine stopped: {exc!r}"))
+        # Nobody will step any more: answer every open and every queued request.
+        dead = EngineDead(f"the engine stopped: {self.error!r}" if self.error else "the server is shutting down")
+        self._fail_all(dead)
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                self._send(cmd[5], cmd[6], dead)
 
     def _apply_commands(self) -> None:
         while True:
