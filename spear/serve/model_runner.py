@@ -133,9 +133,11 @@ class ModelRunner:
         return self._logits(h)
 
     # ------------------------------------------------------------------ one step
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+    def _context_slots(self, block_table: list[int], end: int) -> torch.Tensor:
+        """Cache slots of positions 0 .. end - 1 of a sequence (CPU, int64)."""
         bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+        blocks = torch.tensor(block_table[:-(-end // bs)], dtype=torch.long)
+        return (blocks[:, None] * bs + torch.arange(bs)).flatten()[:end]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -145,29 +147,32 @@ class ModelRunner:
         ids, pos, slots, chunks, rows = [], [], [], [], []
         for c in out.chunks:
             end = c.start + c.num_tokens
-            seq_slots = self._slots(c.seq.block_table, 0, end)
-            chunks.append(ChunkMeta(len(ids), c.num_tokens, end, torch.tensor(seq_slots, device=self.device)))
+            seq_slots = self._context_slots(c.seq.block_table, end)
+            chunks.append(ChunkMeta(len(ids), c.num_tokens, end, seq_slots.to(self.device)))
             ids += c.seq.token_ids[c.start:end]
             pos += range(c.start, end)
-            slots += seq_slots[c.start:end]
+            slots.append(seq_slots[c.start:end])
             if c.samples:
                 rows.append(len(ids) - 1)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return self._forward_varlen(t(ids), t(pos), t(slots), chunks, t(rows))
+        return self._forward_varlen(t(ids), t(pos), torch.cat(slots).to(self.device), chunks, t(rows))
 
-    def _decode_inputs(self, out: SchedulerOutput, batch: int, n_blocks: int):
-        bs = self.block_size
-        ids = torch.zeros(batch, dtype=torch.long)
-        pos = torch.zeros(batch, dtype=torch.long)
-        slots = torch.full((batch,), self.scratch_block * bs, dtype=torch.long)
-        tables = torch.full((batch, n_blocks), self.scratch_block, dtype=torch.long)
-        lens = torch.ones(batch, dtype=torch.long)
-        for i, c in enumerate(out.chunks):
+    def _decode_inputs(self, out: SchedulerOutput, batch: int, n_blocks: int) -> tuple[torch.Tensor, ...]:
+        """(ids, positions, slots, block tables, context lengths) padded to ``batch`` rows; padding
+        rows write to and read from the scratch block."""
+        bs, scratch = self.block_size, self.scratch_block
+        ids, pos, slots, tables, lens = [], [], [], [], []
+        for c in out.chunks:
             seq, p = c.seq, c.start
-            ids[i], pos[i], lens[i] = seq.token_ids[p], p, p + 1
-            slots[i] = seq.block_table[p // bs] * bs + p % bs
-            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table)
-        return ids, pos, slots, tables, lens
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            tables.append(seq.block_table + [scratch] * (n_blocks - len(seq.block_table)))
+            lens.append(p + 1)
+        pad = batch - len(ids)
+        ids, pos, lens = ids + [0] * pad, pos + [0] * pad, lens + [1] * pad
+        slots, tables = slots + [scratch * bs] * pad, tables + [[scratch] * n_blocks] * pad
+        return tuple(torch.tensor(x, dtype=torch.long) for x in (ids, pos, slots, tables, lens))
 
     def _execute_decode(self, out: SchedulerOutput) -> torch.Tensor:
         n = len(out.chunks)
