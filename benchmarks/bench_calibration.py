@@ -13,7 +13,8 @@ the Markdown table (mean ± std over seeds).
     python benchmarks/bench_calibration.py --plans uniform@0.5,random@0.5,cka@0.5 --static qera-approx
     python benchmarks/bench_calibration.py --merge results/a results/b
 
-Settings: ``[rtn-|gptq-|awq-]w<bits><pc|g<group>>`` (e.g. w4pc, w3g64, gptq-w4g64).
+Settings: ``[rtn-|gptq-|gptqact-|awq-]w<bits><pc|g<group>>`` (e.g. w4pc, w3g64, gptq-w4g64;
+gptqact is GPTQ with act-order).
 Plans: ``r<k>`` (rank k on every linear) or ``<placement>@<percent>`` with placement
 uniform | random | cka | cka-full (cka with coverage_power 0: every module covered), the
 budget in % of the quantized model. Variants: ``nogate`` or ``gate``, optionally followed
@@ -39,7 +40,7 @@ from spear.compensate.calibrate import CalibrationConfig  # noqa: E402
 from spear.compensate.static import attach_static, remove_compensators  # noqa: E402
 from spear.compensate.stats import collect_activation_stats  # noqa: E402
 from spear.compensate.workflow import attach_ecs, calibrate, prepare_calibration  # noqa: E402
-from spear.config import QuantConfig, StaticCompensationConfig  # noqa: E402
+from spear.config import GPTQConfig, QuantConfig, StaticCompensationConfig  # noqa: E402
 from spear.data import load_text, make_split  # noqa: E402
 from spear.eval.memory import compensator_bytes, quantized_model_bytes  # noqa: E402
 from spear.eval.perplexity import perplexity  # noqa: E402
@@ -51,11 +52,14 @@ from spear.select.plan import make_plan  # noqa: E402
 
 
 def parse_setting(spec: str) -> QuantConfig:
-    m = re.fullmatch(r"(?:(rtn|gptq|awq)-)?w(\d)(pc|g\d+)", spec)
+    m = re.fullmatch(r"(?:(rtn|gptq|gptqact|awq)-)?w(\d)(pc|g\d+)", spec)
     if not m:
-        raise SystemExit(f"setting must look like w4pc, w3g64 or gptq-w4g64; got {spec!r}")
+        raise SystemExit(f"setting must look like w4pc, w3g64, gptq-w4g64 or gptqact-w4pc; got {spec!r}")
     group = 0 if m.group(3) == "pc" else int(m.group(3)[1:])
-    return QuantConfig(bits=int(m.group(2)), group_size=group, method=m.group(1) or "rtn")
+    method = m.group(1) or "rtn"
+    if method == "gptqact":
+        return QuantConfig(bits=int(m.group(2)), group_size=group, method="gptq", gptq=GPTQConfig(act_order=True))
+    return QuantConfig(bits=int(m.group(2)), group_size=group, method=method)
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -72,6 +76,12 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         over[k] = (v.lower() in ("1", "true", "yes")) if t in (bool, "bool") else \
             int(v) if t in (int, "int") else float(v) if t in (float, "float") else v
     return spec, over
+
+
+def sampling_key(cfg: CalibrationConfig) -> tuple:
+    """The settings that change the self-samples, teacher and statistics a run trains on."""
+    return (cfg.seed, cfg.n_samples, cfg.val_samples, cfg.sample_len, cfg.temperature, cfg.top_p,
+            cfg.init == "qera-exact")
 
 
 def summarize(rows: list[dict]) -> list[str]:
@@ -152,8 +162,12 @@ def main() -> None:
           "text": split.text_name, "fp_ppl": fp, "steps": args.steps, "seeds": seeds})
     text_stats = collect_activation_stats(model, quantizable_linears(model), split.calib, progress=False)
     base_cfg = CalibrationConfig(steps=args.steps)
-    data = {s: prepare_calibration(model, tok, replace(base_cfg, seed=s), progress=False) for s in seeds} \
-        if variants else {}
+    data = {}  # (seed, sampling settings) -> CalibrationData, prepared while the model is FP
+    for s in seeds:
+        for _, over in variants:
+            cfg = replace(base_cfg, seed=s, **over)
+            if sampling_key(cfg) not in data:
+                data[sampling_key(cfg)] = prepare_calibration(model, tok, cfg, progress=False)
     del model
     for sname in args.settings.split(","):
         qcfg = parse_setting(sname)
@@ -174,9 +188,9 @@ def main() -> None:
             from spear.quant.awq import rescale_reference
             weights, stats = rescale_reference(fp_w, text_stats, scales)
             sdata = {}
-            for s, d in data.items():
+            for key, d in data.items():
                 w2, st2 = rescale_reference(d.fp_weights, d.stats, scales)
-                sdata[s] = replace(d, fp_weights=w2, stats=st2)
+                sdata[key] = replace(d, fp_weights=w2, stats=st2)
         base = ppl(model)
         total = quantized_model_bytes(model)
         emit({"setting": qcfg.label, "method": "base", "ppl": base, "gap": 0.0, "mem": 0.0,
@@ -193,8 +207,9 @@ def main() -> None:
             for spec, over in variants:
                 for s in seeds:
                     cfg = replace(base_cfg, seed=s, **over)
-                    attach_ecs(mods, sdata[s].fp_weights, plan, cfg, sdata[s].stats)
-                    rep = calibrate(model, sdata[s], cfg, progress=False)
+                    d = sdata[sampling_key(cfg)]
+                    attach_ecs(mods, d.fp_weights, plan, cfg, d.stats)
+                    rep = calibrate(model, d, cfg, progress=False)
                     v = ppl(model)
                     emit({**common, "method": f"KL {spec}", "seed": s, "ppl": v, "gap": gap_recovered(base, v, fp),
                           "mem": 100 * compensator_bytes(model) / total, "val_kl": rep.best_val_kl,

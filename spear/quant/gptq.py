@@ -71,7 +71,7 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, cfg: Quant
     opts = cfg.gptq
     qmax = 2 ** cfg.bits - 1
     w = weight.detach().float().clone()
-    h = hessian.detach().double().clone()
+    h = hessian.detach().double().to(w.device).clone()
 
     # A column no token ever activated carries no information: its weight is
     # irrelevant to the objective, so it is zeroed and its Hessian row made benign.
@@ -83,16 +83,16 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, cfg: Quant
     if static:  # per-channel, or act-order's static groups: parameters from the original weights
         scales, zeros = _qparams(w, cfg, gs)
     else:
-        scales = torch.empty(out_f, in_f // gs)
-        zeros = torch.empty(out_f, in_f // gs)
+        scales = torch.empty(out_f, in_f // gs, device=w.device)
+        zeros = torch.empty(out_f, in_f // gs, device=w.device)
 
-    perm = torch.argsort(h.diagonal(), descending=True) if opts.act_order else torch.arange(in_f)
+    perm = torch.argsort(h.diagonal(), descending=True) if opts.act_order else torch.arange(in_f, device=w.device)
     w = w[:, perm]
     h = h[perm][:, perm]
-    group_of = torch.zeros(in_f, dtype=torch.long) if gs == 0 else perm // gs
-    u = _inverse_cholesky(h, opts.damp).float()
+    group_of = torch.zeros(in_f, dtype=torch.long, device=w.device) if gs == 0 else perm // gs
+    u = _inverse_cholesky(h, opts.damp).float().to(w.device)
 
-    codes = torch.empty(out_f, in_f)
+    codes = torch.empty(out_f, in_f, device=w.device)
     bs = opts.block_size
     for i1 in range(0, in_f, bs):
         i2 = min(i1 + bs, in_f)
