@@ -11,13 +11,14 @@ the Markdown table (mean ± std over seeds).
     python benchmarks/bench_calibration.py --device cuda --settings w4pc,w3g64 \\
         --plans r1,r2 --variants nogate,gate,"gate:gate_lr=3e-2;hidden=16"
     python benchmarks/bench_calibration.py --plans uniform@0.5,random@0.5,cka@0.5 --static qera-approx
-    python benchmarks/bench_calibration.py --merge results/a results/b
+    python benchmarks/bench_calibration.py --merge benchmarks/data/calibration-h200-2026-11-30.jsonl
 
 Settings: ``[rtn-|gptq-|gptqact-|awq-]w<bits><pc|g<group>>`` (e.g. w4pc, w3g64, gptq-w4g64;
 gptqact is GPTQ with act-order).
 Plans: ``r<k>`` (rank k on every linear) or ``<placement>@<percent>`` with placement
-uniform | random | cka | cka-full (cka with coverage_power 0: every module covered), the
-budget in % of the quantized model. Variants: ``nogate`` or ``gate``, optionally followed
+uniform | random | cka | cka-full | cka-sqrt, the
+budget in % of the quantized model; cka is SPEAR's rule, cka-full covers every module and
+cka-sqrt covers the top N·√evenness (see spear/select/allocate.py). Variants: ``nogate`` or ``gate``, optionally followed
 by ``:key=value;...`` overrides of :class:`spear.compensate.calibrate.CalibrationConfig`.
 """
 
@@ -106,7 +107,8 @@ def summarize(rows: list[dict]) -> list[str]:
 def merge(dirs: list[str]) -> None:
     rows, heads = [], []
     for d in dirs:
-        for line in (Path(d) / "rows.jsonl").read_text().splitlines():
+        path = Path(d) if Path(d).is_file() else Path(d) / "rows.jsonl"
+        for line in path.read_text().splitlines():
             rec = json.loads(line)
             (heads if rec.get("kind") == "header" else rows).append(rec)
     for h in {json.dumps({k: h[k] for k in ("date", "machine", "text", "fp_ppl", "steps")}, sort_keys=True)
@@ -129,7 +131,8 @@ def main() -> None:
     p.add_argument("--damage-samples", type=int, default=16, help="self-samples (x128 tokens) for CKA damage")
     p.add_argument("--eval-windows", type=int, default=24)
     p.add_argument("--out", default="results/calibration")
-    p.add_argument("--merge", nargs="+", metavar="DIR", help="only print the table of these result folders")
+    p.add_argument("--merge", nargs="+", metavar="PATH",
+                   help="only print the table of these result folders or rows.jsonl files")
     args = p.parse_args()
     if args.merge:
         return merge(args.merge)

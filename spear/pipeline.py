@@ -49,11 +49,14 @@ def _restore(modules, snap):
 
 
 def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_methods: list[str],
-            rank: int = 4, plan: dict[str, int] | None = None, progress: bool = True, log=print,
-            spear_variants: tuple[str, ...] = (), calib_cfg: CalibrationConfig | None = None) -> JobResult:
+            rank: int | None = None, plan: dict[str, int] | None = None, progress: bool = True, log=print,
+            spear_variants: tuple[str, ...] = (), calib_cfg: CalibrationConfig | None = None,
+            budget: str = "1%", placement: str = "cka", damage_samples: int = 8, tp: int = 1) -> JobResult:
     """Evaluate FP, the quantized base, each static method and each SPEAR variant
-    (``"gate"``: token-gated EC; ``"nogate"``: the same low-rank term KL-calibrated
-    with γ ≡ 1) with the same modules and ranks, so every row has the same memory."""
+    (``"nogate"``: the low-rank EC KL-calibrated with γ ≡ 1, SPEAR's default;
+    ``"gate"``: the token-gated EC) with the same modules and ranks, so every row has
+    the same memory. Modules and ranks: ``plan`` if given, else ``rank`` on every
+    module, else the selection's placement within ``budget``."""
     model, tokenizer = load_model(model_name)
     split = load_split(tokenizer, eval_cfg)
     log(f"text: {split.describe()}")
@@ -63,6 +66,20 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
 
     fp = ppl("FP")
     log(f"FP ppl {fp.ppl:.3f} ({fp.tokens} tokens)")
+    where = "plan" if plan is not None else f"r{rank}" if rank is not None else f"{placement}@{budget}"
+    selection = None
+    if plan is None and rank is None:
+        from spear.select.plan import select
+
+        cfg0 = calib_cfg or CalibrationConfig()
+        selection = select(model, tokenizer, quant, budget, placement, hidden=cfg0.hidden,
+                           gated="gate" in spear_variants, per_rank=cfg0.gate_per_rank, tp=tp,
+                           damage_samples=damage_samples, progress=progress, calib=cfg0)
+        plan = selection.plan
+        log(f"selection: {len(plan)} modules, {selection.allocation.bytes / 2**20:.2f} MiB "
+            f"({100 * selection.allocation.bytes / selection.model_bytes:.2f}% of the quantized model)"
+            + (f", damage from {selection.damage.tokens} tokens in {selection.damage.seconds:.0f} s"
+               if selection.damage else ""))
     targets = quantizable_linears(model, quant.include_lm_head)
     fp_weights = {n: lin.weight.detach().clone() for n, lin in targets.items()}
     stats = None
@@ -90,14 +107,14 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
     rows = [Row("FP", fp.ppl, details={"tokens": fp.tokens}), Row(quant.label, base.ppl)]
     snap = _snapshot(modules)
     for method in static_methods:
-        cfg = StaticCompensationConfig(method=method, rank=rank, plan=plan)
+        cfg = StaticCompensationConfig(method=method, rank=rank or 0, plan=plan)
         applied = attach_static(modules, fp_weights, cfg, stats, progress=progress)
         extra = compensator_bytes(model)
-        label = f"{STATIC_LABELS[method]} " + (f"r{rank}" if plan is None else "plan")
+        label = f"{STATIC_LABELS[method]} {where}"
         res = ppl(label)
         log(f"{label} ppl {res.ppl:.3f}, +{100 * extra / total:.2f}% memory")
         rows.append(Row(label, res.ppl, 100.0 * extra / total, extra,
-                        details={"method": method, "modules": len(applied), "rank": rank if plan is None else "plan"}))
+                        details={"method": method, "modules": len(applied), "placement": where}))
         remove_compensators(model)
         if method == "loftq":
             _restore(modules, snap)
@@ -107,8 +124,7 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
         applied = attach_ecs(modules, calib_data.fp_weights, ec_plan, cfg, calib_data.stats)
         report = calibrate(model, calib_data, cfg, progress=progress)
         extra = compensator_bytes(model)
-        label = ("SPEAR gated EC" if cfg.gated else "low-rank, KL-calibrated (no gate)") + \
-            (f" r{rank}" if plan is None else " plan")
+        label = ("SPEAR gated EC" if cfg.gated else "SPEAR EC (KL, no gate)") + f" {where}"
         res = ppl(label)
         log(f"{label} ppl {res.ppl:.3f}, +{100 * extra / total:.2f}% memory, val KL "
             f"{report.initial_val_kl:.4f} -> {report.best_val_kl:.4f} in {report.seconds:.0f} s")
@@ -118,7 +134,7 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
                                  "seed": cfg.seed}))
         remove_compensators(model)
     fill_gap(rows, fp.ppl, base.ppl)
-    header = {"model": model_name, "text": split.text_name, "quant": quant.label, "seq_len": split.seq_len,
+    header = {"placement": where, "model": model_name, "text": split.text_name, "quant": quant.label, "seq_len": split.seq_len,
               "eval_windows": split.eval.shape[0], "tokens_scored": fp.tokens,
               "calib_windows": split.calib.shape[0], "quantized_model_bytes": total,
               "modules": len(modules), "torch": torch.__version__}

@@ -12,7 +12,9 @@ def add_calibration_args(p, with_gate_flag: bool = True) -> None:
     d = CalibrationConfig()
     g = p.add_argument_group("SPEAR calibration (data-free: the FP model samples its own text)")
     if with_gate_flag:
-        g.add_argument("--no-gate", action="store_true", help="static low-rank term (γ ≡ 1), KL-calibrated")
+        g.add_argument("--gate", action="store_true",
+                       help="token-gated ECs (γ(Ax) ⊙ Ax); default: the ungated low-rank term, which "
+                            "calibrated as well or better in every measured setting")
     g.add_argument("--hidden", type=positive_int, default=d.hidden, help="gate MLP width h (default: %(default)s)")
     g.add_argument("--bound", type=float, default=d.bound, help="γ ∈ (1-bound, 1+bound) (default: %(default)s)")
     g.add_argument("--gate-per-module", action="store_true",
@@ -34,22 +36,22 @@ def calibration_config_from(args):
 
     return CalibrationConfig(n_samples=args.samples, val_samples=args.val_samples, sample_len=args.sample_len,
                              seed=args.seed, steps=args.steps, batch_size=args.calib_batch, lr=args.lr,
-                             gate_lr=args.gate_lr, gated=not getattr(args, "no_gate", False), hidden=args.hidden,
+                             gate_lr=args.gate_lr, gated=getattr(args, "gate", False), hidden=args.hidden,
                              bound=args.bound, gate_per_rank=not args.gate_per_module, init=args.init)
 
 
 def register(sub) -> None:
-    from spear.cli.common import add_model_arg, add_quant_args, nonneg_int
+    from spear.cli.common import add_model_arg, add_plan_args, add_quant_args
 
     p = sub.add_parser("calibrate", help="quantize + attach SPEAR error compensators + KL-calibrate + save",
-                       description="Quantize the model, attach token-gated low-rank error compensators to the "
-                                   "planned modules (default: --rank on every linear), calibrate them by "
+                       description="Quantize the model, attach low-rank error compensators to the modules the "
+                                   "selection picks within --budget (or --rank everywhere, or a --plan file), "
+                                   "calibrate them by "
                                    "KL(p_FP || p_quantized) on self-sampled text, and write a checkpoint.")
     add_model_arg(p)
     p.add_argument("--out", required=True, help="checkpoint folder to write")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    p.add_argument("--rank", type=nonneg_int, default=2, help="EC rank on every module (default: %(default)s)")
-    p.add_argument("--plan", help="JSON {module: rank} overriding --rank")
+    add_plan_args(p)
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--gate-report", help="folder for gate statistics (JSON) and the gate-vs-error PNG")
     add_quant_args(p)
@@ -58,9 +60,9 @@ def register(sub) -> None:
 
 
 def main(args) -> int:
-    from spear.cli.common import quant_config_from, read_plan
+    from spear.cli.common import plan_from_args, quant_config_from
     from spear.compensate.gate_stats import gate_statistics, plot_gate_vs_error, summary_rows
-    from spear.compensate.workflow import attach_ecs, calibrate, prepare_calibration, uniform_plan
+    from spear.compensate.workflow import attach_ecs, calibrate, prepare_calibration
     from spear.eval.memory import compensator_bytes, quantized_model_bytes
     from spear.models.checkpoint import is_checkpoint, save_checkpoint
     from spear.models.loading import load_model, resolve_model_path
@@ -73,6 +75,7 @@ def main(args) -> int:
         raise SpearError(f"{args.model} is already a spear checkpoint; calibrate from its source model")
     progress = not args.quiet
     model, tok = load_model(args.model, device=args.device)
+    plan, selection = plan_from_args(args, model, tok, quant, cfg, progress)
     data = prepare_calibration(model, tok, cfg, quant.include_lm_head, progress=progress)
     channel_scales: dict = {}
     modules = quantize_model(model, quant, calib=data.train_ids, progress=progress, tokenizer=tok,
@@ -81,7 +84,6 @@ def main(args) -> int:
         from spear.quant.awq import rescale_reference
 
         data.fp_weights, data.stats = rescale_reference(data.fp_weights, data.stats, channel_scales)
-    plan = read_plan(args.plan) or uniform_plan(modules, args.rank)
     unknown = sorted(set(plan) - set(modules))
     if unknown:
         raise SpearError(f"plan names {len(unknown)} module(s) that are not quantized linears, e.g. {unknown[0]}")
@@ -101,7 +103,13 @@ def main(args) -> int:
         (folder / "gate_stats.json").write_text(json.dumps(summary_rows(stats), indent=2))
         png = plot_gate_vs_error(stats, folder / "gate_vs_error.png")
         print(f"gate statistics: {folder / 'gate_stats.json'}, {png}")
+    if selection is not None:
+        meta["selection"] = {k: v for k, v in selection.to_dict().items() if k not in ("plan", "damage")}
     out = save_checkpoint(model.cpu(), tok, args.out, quant, args.model, meta=meta, overwrite=args.overwrite)
+    if selection is not None:
+        from spear.select.plan import save_plan
+
+        save_plan(selection, out)
     print(f"wrote {out}: {len(applied)} ECs ({'gated' if cfg.gated else 'ungated'}), +{100 * extra / total:.2f}% "
           f"memory; validation KL {report.initial_val_kl:.4f} -> {report.best_val_kl:.4f} "
           f"(best at step {report.best_step}/{report.steps_run}, {report.seconds:.0f} s)")

@@ -88,18 +88,48 @@ def quant_config_from(args) -> QuantConfig:
 
 
 def read_plan(path: str | None) -> dict[str, int] | None:
-    """A plan file: JSON ``{module name: rank}`` or ``{"plan": {...}}``."""
+    """A plan file (``{module: rank}``, ``{"plan": {...}}``, or a folder holding plan.json)."""
     if path is None:
         return None
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise SpearError(f"plan file {p} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise SpearError(f"plan file {p} is not valid JSON: {exc}") from exc
-    if isinstance(data, dict) and "plan" in data:
-        data = data["plan"]
-    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in data.items()):
-        raise SpearError(f"plan file {p} must map module names to non-negative integer ranks")
-    return data
+    from spear.select.plan import load_plan
+
+    return load_plan(path)
+
+
+def add_plan_args(p: argparse.ArgumentParser, budget: str = "1%") -> None:
+    from spear.select.plan import PLACEMENTS
+
+    g = p.add_argument_group("where the ECs go (one of --budget, --rank, --plan)")
+    g.add_argument("--budget", default=budget,
+                   help="extra memory for the ECs: a %% of the quantized model or bytes ('2MB'); the "
+                        "selection places them (default: %(default)s)")
+    g.add_argument("--placement", choices=PLACEMENTS, default="cka",
+                   help="cka: SPEAR's CKA-entropy-cost rule; uniform/random for comparison (default: %(default)s)")
+    g.add_argument("--damage-samples", type=positive_int, default=8,
+                   help="self-samples (x128 tokens) for the CKA damage scores (default: %(default)s)")
+    g.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel degree the ranking accounts for (default: %(default)s)")
+    g.add_argument("--rank", type=nonneg_int, help="the same rank on every module instead of --budget")
+    g.add_argument("--plan", help="plan.json (or a folder holding one, from `spear select`) instead of --budget")
+
+
+def plan_from_args(args, model, tokenizer, quant, calib_cfg=None, progress: bool = True):
+    """``(plan, selection)`` from --plan / --rank / --budget, for ``model`` still in full precision."""
+    from spear.models.modules import quantizable_linears
+    from spear.select.plan import load_plan, select
+
+    modules = quantizable_linears(model, quant.include_lm_head)
+    if args.plan is not None and args.rank is not None:
+        raise SpearError("give --plan or --rank, not both")
+    if args.plan is not None:
+        return load_plan(args.plan, modules), None
+    if args.rank is not None:
+        return dict.fromkeys(modules, args.rank), None
+    kw = {}
+    if calib_cfg is not None:
+        kw.update(hidden=calib_cfg.hidden, gated=calib_cfg.gated, per_rank=calib_cfg.gate_per_rank)
+        if hasattr(calib_cfg, "n_samples"):  # score damage on the samples calibration will use
+            kw["calib"] = calib_cfg
+    sel = select(model, tokenizer, quant, args.budget, args.placement, tp=args.tp,
+                 damage_samples=args.damage_samples, progress=progress, **kw)
+    return sel.plan, sel

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from spear.cli.common import add_model_arg, add_quant_args, add_text_args, eval_config_from, nonneg_int, quant_config_from, read_plan
+from spear.cli.common import (add_model_arg, add_plan_args, add_quant_args, add_text_args, eval_config_from,
+                              quant_config_from, read_plan)
 from spear.config import STATIC_METHODS
 from spear.errors import SpearError
 
 
 def register(sub) -> None:
     p = sub.add_parser("run", help="quantize, evaluate FP / W4 / static baselines / SPEAR ECs, print the table",
-                       description="The whole default job: FP, the quantized base and static low-rank "
-                                   "baselines on the same windows, as one table (also saved as JSON and Markdown).")
+                       description="The whole default job: FP, the quantized base, static low-rank baselines "
+                                   "and SPEAR's KL-calibrated ECs at the same modules and ranks (by default the "
+                                   "selection's placement within 1%% extra memory), evaluated on the same windows, "
+                                   "as one table (also saved as JSON and Markdown).")
     add_model_arg(p)
     add_quant_args(p)
     add_text_args(p)
@@ -18,11 +21,10 @@ def register(sub) -> None:
     g.add_argument("--baselines", default="lqer,qera-approx",
                    help=f"comma-separated static methods from {', '.join(STATIC_METHODS)}, or 'all' "
                         "or 'none' (default: %(default)s)")
-    g.add_argument("--rank", type=nonneg_int, default=4, help="rank on every module (default: %(default)s)")
-    g.add_argument("--plan", help="JSON {module: rank} overriding --rank")
-    g.add_argument("--spear", choices=["gate", "nogate", "both", "none"], default="gate",
-                   help="SPEAR rows: the gated EC, the same low-rank term KL-calibrated without gate, both, "
-                        "or none (default: %(default)s)")
+    g.add_argument("--spear", choices=["nogate", "gate", "both", "none"], default="nogate",
+                   help="SPEAR rows: the KL-calibrated low-rank EC (nogate, the default), the token-gated EC, "
+                        "both, or none (default: %(default)s)")
+    add_plan_args(p)
     from spear.cli.calibrate import add_calibration_args
 
     add_calibration_args(p, with_gate_flag=False)
@@ -50,9 +52,12 @@ def main(args) -> int:
 
     methods = parse_methods(args.baselines)
     variants = {"gate": ("gate",), "nogate": ("nogate",), "both": ("nogate", "gate"), "none": ()}[args.spear]
+    if args.plan is not None and args.rank is not None:
+        raise SpearError("give --plan or --rank, not both")
     result = run_job(args.model, quant_config_from(args), eval_config_from(args), methods, rank=args.rank,
                      plan=read_plan(args.plan), progress=not args.quiet, spear_variants=variants,
-                     calib_cfg=calibration_config_from(args) if variants else None)
+                     calib_cfg=calibration_config_from(args) if variants else None, budget=args.budget,
+                     placement=args.placement, damage_samples=args.damage_samples, tp=args.tp)
     print()
     for k, v in result.header.items():
         print(f"{k}: {v}")

@@ -9,7 +9,7 @@ from spear.compensate.registry import STORAGE_DTYPE
 BYTES = STORAGE_DTYPE.itemsize
 
 
-def ec_params(in_features: int, out_features: int, rank: int, hidden: int = 8, gated: bool = True,
+def ec_params(in_features: int, out_features: int, rank: int, hidden: int = 8, gated: bool = False,
               per_rank: bool = True) -> int:
     """Parameters + buffers of a :class:`~spear.compensate.ec.GatedCompensator` of this shape."""
     if rank == 0:
@@ -21,7 +21,7 @@ def ec_params(in_features: int, out_features: int, rank: int, hidden: int = 8, g
     return n
 
 
-def ec_bytes(in_features: int, out_features: int, rank: int, hidden: int = 8, gated: bool = True,
+def ec_bytes(in_features: int, out_features: int, rank: int, hidden: int = 8, gated: bool = False,
              per_rank: bool = True) -> int:
     """Bytes as stored and counted by :func:`spear.eval.memory.compensator_bytes`."""
     return BYTES * ec_params(in_features, out_features, rank, hidden, gated, per_rank)

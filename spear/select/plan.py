@@ -26,7 +26,7 @@ from spear.select.budget import estimate_quantized_bytes, parse_budget
 from spear.select.damage import DamageReport, module_damage
 
 PLAN_FILE = "plan.json"
-PLACEMENTS = ("uniform", "random", "cka", "cka-full")
+PLACEMENTS = ("uniform", "random", "cka", "cka-full", "cka-sqrt")
 
 
 @dataclass
@@ -51,26 +51,28 @@ class Selection:
         return out
 
 
-def damage_ids(model: nn.Module, tokenizer, n: int, seed: int = 0, length: int = 128,
-               progress: bool = True) -> torch.Tensor:
-    """Self-samples for damage scoring: the first ``n`` of the default calibration set (same cache)."""
-    from spear.compensate.calibrate import CalibrationConfig
+def damage_ids(model: nn.Module, tokenizer, n: int, calib=None, progress: bool = True) -> torch.Tensor:
+    """Self-samples for damage scoring. With ``calib`` (a CalibrationConfig), the first ``n`` of
+    its self-samples (the same cached set the calibration then trains on); else ``n`` fresh
+    samples of 128 tokens (seed 0)."""
     from spear.data.selfsample import SampleConfig, sample_sequences
 
-    c = CalibrationConfig()
-    total = max(n, c.n_samples + c.val_samples) if length == c.sample_len else n
-    ids = sample_sequences(model, tokenizer, SampleConfig(n=total, length=length, temperature=c.temperature,
-                                                          top_p=c.top_p, seed=seed), progress=progress)
-    return ids[:n]
+    if calib is not None:
+        cfg = SampleConfig(n=max(n, calib.n_samples + calib.val_samples), length=calib.sample_len,
+                           temperature=calib.temperature, top_p=calib.top_p, seed=calib.seed)
+    else:
+        cfg = SampleConfig(n=n, length=128, seed=0)
+    return sample_sequences(model, tokenizer, cfg, progress=progress)[:n]
 
 
 def select(model: nn.Module, tokenizer, quant: QuantConfig, budget: str | int, placement: str = "cka",
-           hidden: int = 8, gated: bool = True, per_rank: bool = True, tp: int = 1, comm_penalty: float = 0.5,
-           damage_samples: int = 16, seed: int = 0, coverage_power: float = 0.5, progress: bool = True,
-           damage: DamageReport | None = None, ids: torch.Tensor | None = None) -> Selection:
+           hidden: int = 8, gated: bool = False, per_rank: bool = True, tp: int = 1, comm_penalty: float = 0.5,
+           damage_samples: int = 16, seed: int = 0, progress: bool = True,
+           damage: DamageReport | None = None, ids: torch.Tensor | None = None, calib=None) -> Selection:
     """A plan for ``model`` (in full precision) within ``budget`` ("1%" of the quantized model, or bytes).
 
-    Damage is scored on ``ids`` when given, else on ``damage_samples`` self-samples."""
+    Damage is scored on ``ids`` when given, else on ``damage_samples`` self-samples (from the
+    calibration set of ``calib``, a CalibrationConfig, when given)."""
     if placement not in PLACEMENTS:
         raise SpearError(f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}")
     targets = quantizable_linears(model, quant.include_lm_head)
@@ -87,11 +89,11 @@ def select(model: nn.Module, tokenizer, quant: QuantConfig, budget: str | int, p
         return Selection(random_allocation(shapes, budget_bytes, seed=seed, **kw), total)
     if damage is None:
         if ids is None:
-            ids = damage_ids(model, tokenizer, damage_samples, progress=progress)
+            ids = damage_ids(model, tokenizer, damage_samples, calib, progress=progress)
         damage = module_damage(model, quant, ids, modules=targets, progress=progress)
-    power = 0.0 if placement == "cka-full" else coverage_power
+    coverage = {"cka": "entropy", "cka-full": "full", "cka-sqrt": "sqrt"}[placement]
     alloc = cka_entropy_allocation(damage.damage, shapes, budget_bytes, tp=tp, comm_penalty=comm_penalty,
-                                   coverage_power=power, **kw)
+                                   coverage=coverage, **kw)
     return Selection(alloc, total, damage)
 
 
@@ -111,7 +113,9 @@ def make_plan(spec: str, model: nn.Module, tokenizer, quant: QuantConfig, damage
     key = (quant.bits, quant.group_size, quant.symmetric, damage_samples)
     damage = _damage_cache.get(key)
     if placement.startswith("cka") and damage is None:
-        ids = damage_ids(model, tokenizer, damage_samples, progress=progress)
+        from spear.compensate.calibrate import CalibrationConfig
+
+        ids = damage_ids(model, tokenizer, damage_samples, CalibrationConfig(), progress=progress)
         damage = _damage_cache[key] = module_damage(model, quant, ids, progress=progress)
     return select(model, tokenizer, quant, f"{pct}%", placement, damage=damage, progress=progress).plan
 

@@ -9,7 +9,7 @@ def test_spear_calibrate_writes_checkpoint_and_gate_report(sharp_tiny_llama_path
     monkeypatch.setenv("SPEAR_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "ck"
     rc = main(["-q", "calibrate", "--model", str(sharp_tiny_llama_path), "--out", str(out), "--bits", "3",
-               "--rank", "2", "--steps", "6", "--samples", "4", "--val-samples", "2", "--sample-len", "16",
+               "--rank", "2", "--gate", "--steps", "6", "--samples", "4", "--val-samples", "2", "--sample-len", "16",
                "--gate-report", str(tmp_path / "gates")])
     assert rc == 0
     assert "14 ECs (gated)" in capsys.readouterr().out

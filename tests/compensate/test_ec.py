@@ -95,7 +95,7 @@ def calibrated_setup(sharp_tiny_llama_path, tmp_path, monkeypatch):
     monkeypatch.setenv("SPEAR_CACHE", str(tmp_path / "cache"))
     model, tok = load_model(sharp_tiny_llama_path)
     cfg = CalibrationConfig(n_samples=8, val_samples=4, sample_len=24, steps=20, batch_size=4, eval_every=5,
-                            patience=5, lr=5e-3)
+                            patience=5, lr=5e-3, gated=True)
     data = prepare_calibration(model, tok, cfg, progress=False)
     mods = quantize_model_rtn(model, QuantConfig(bits=3), progress=False)
     attach_ecs(mods, data.fp_weights, uniform_plan(mods, 2), cfg, data.stats)

@@ -52,7 +52,7 @@ def test_no_placement_exceeds_the_budget(d, budget, tp, gated):
     damage = dict(zip(SHAPES, d))
     kw = {"hidden": 8, "gated": gated}
     for alloc in (cka_entropy_allocation(damage, SHAPES, budget, tp=tp, **kw),
-                  cka_entropy_allocation(damage, SHAPES, budget, coverage_power=0.0, **kw),
+                  cka_entropy_allocation(damage, SHAPES, budget, coverage="full", **kw),
                   uniform_allocation(SHAPES, budget, **kw), random_allocation(SHAPES, budget, seed=3, **kw)):
         assert alloc.bytes == _bytes(alloc.plan, **kw) <= budget
         assert all(r >= 1 for r in alloc.plan.values()) and set(alloc.plan) <= set(SHAPES)
@@ -61,7 +61,7 @@ def test_no_placement_exceeds_the_budget(d, budget, tp, gated):
 def test_greedy_uses_the_budget_it_can():
     damage = {n: 1.0 + i for i, n in enumerate(SHAPES)}
     budget = 50_000
-    alloc = cka_entropy_allocation(damage, SHAPES, budget, coverage_power=0.0)
+    alloc = cka_entropy_allocation(damage, SHAPES, budget, coverage="full")
     smallest = min(ec_bytes(*SHAPES[n], 2) - ec_bytes(*SHAPES[n], 1) for n in SHAPES)
     assert budget - alloc.bytes < smallest  # nothing more would fit
     assert len(alloc.plan) == len(SHAPES)
@@ -84,15 +84,15 @@ def test_rank_follows_damage_share():
     damage = {n: 1.0 for n in SHAPES}
     hot = "layers.2.q_proj"
     damage[hot] = 8.0
-    alloc = cka_entropy_allocation(damage, SHAPES, 80_000, coverage_power=0.0)
+    alloc = cka_entropy_allocation(damage, SHAPES, 80_000, coverage="full")
     same = [r for n, r in alloc.plan.items() if SHAPES[n] == SHAPES[hot] and n != hot]
     assert alloc.plan[hot] > max(same)
 
 
 def test_tensor_parallel_cost_demotes_row_parallel_modules():
     damage = {n: 1.0 for n in SHAPES}
-    one = cka_entropy_allocation(damage, SHAPES, 60_000, tp=1, coverage_power=0.0)
-    four = cka_entropy_allocation(damage, SHAPES, 60_000, tp=4, coverage_power=0.0, comm_penalty=2.0)
+    one = cka_entropy_allocation(damage, SHAPES, 60_000, tp=1, coverage="full")
+    four = cka_entropy_allocation(damage, SHAPES, 60_000, tp=4, coverage="full", comm_penalty=2.0)
 
     def row_parallel_ranks(a):
         return sum(r for n, r in a.plan.items() if n.endswith(("o_proj", "down_proj")))
@@ -126,5 +126,5 @@ def test_ranks_never_exceed_the_module_rank():
     for alloc in (cka_entropy_allocation(damage, SHAPES, huge), random_allocation(SHAPES, huge),
                   uniform_allocation(SHAPES, huge)):
         assert all(r <= min(SHAPES[n]) for n, r in alloc.plan.items())
-    assert cka_entropy_allocation(damage, SHAPES, huge, coverage_power=0.0).plan == \
+    assert cka_entropy_allocation(damage, SHAPES, huge, coverage="full").plan == \
         {n: min(s) for n, s in SHAPES.items()}
