@@ -41,7 +41,7 @@ def calibration_config_from(args):
 
 
 def register(sub) -> None:
-    from spear.cli.common import add_model_arg, add_plan_args, add_quant_args
+    from spear.cli.common import add_model_arg, add_plan_args, add_quant_args, positive_int
 
     p = sub.add_parser("calibrate", help="quantize + attach SPEAR error compensators + KL-calibrate + save",
                        description="Quantize the model, attach low-rank error compensators to the modules the "
@@ -53,6 +53,12 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     add_plan_args(p)
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--blockwise", action="store_true",
+                   help="train one decoder layer at a time against the FP layer outputs (memory of one "
+                        "layer's activations and no teacher distribution: for models too large for "
+                        "end-to-end KL)")
+    p.add_argument("--layer-steps", type=positive_int,
+                   help="with --blockwise: optimizer steps per layer (default: --steps / 2)")
     p.add_argument("--gate-report", help="folder for gate statistics (JSON) and the gate-vs-error PNG")
     add_quant_args(p)
     add_calibration_args(p)
@@ -62,7 +68,7 @@ def register(sub) -> None:
 def main(args) -> int:
     from spear.cli.common import plan_from_args, quant_config_from
     from spear.compensate.gate_stats import gate_statistics, plot_gate_vs_error, summary_rows
-    from spear.compensate.workflow import attach_ecs, calibrate, prepare_calibration
+    from spear.compensate.workflow import attach_ecs, calibrate, calibrate_layerwise, prepare_calibration
     from spear.eval.memory import compensator_bytes, quantized_model_bytes
     from spear.models.checkpoint import is_checkpoint, save_checkpoint
     from spear.models.loading import load_model, resolve_model_path
@@ -76,7 +82,7 @@ def main(args) -> int:
     progress = not args.quiet
     model, tok = load_model(args.model, device=args.device)
     plan, selection = plan_from_args(args, model, tok, quant, cfg, progress)
-    data = prepare_calibration(model, tok, cfg, quant.include_lm_head, progress=progress)
+    data = prepare_calibration(model, tok, cfg, quant.include_lm_head, progress=progress, teacher=not args.blockwise)
     channel_scales: dict = {}
     modules = quantize_model(model, quant, calib=data.train_ids, progress=progress, tokenizer=tok,
                              channel_scales=channel_scales)
@@ -90,10 +96,15 @@ def main(args) -> int:
     applied = attach_ecs(modules, data.fp_weights, plan, cfg, data.stats)
     if not applied:
         raise SpearError("the plan gives every module rank 0: nothing to calibrate")
-    report = calibrate(model, data, cfg, progress=progress)
+    if args.blockwise:
+        report = calibrate_layerwise(model, data, cfg, args.layer_steps, progress=progress)
+        meta = {"calibration": {**cfg.to_dict(), "mode": "blockwise", "layer_steps": args.layer_steps},
+                "plan": applied, "report": {"seconds": report.seconds, "layers": report.layers}}
+    else:
+        report = calibrate(model, data, cfg, progress=progress)
+        meta = {"calibration": {**cfg.to_dict(), "mode": "end-to-end KL"}, "plan": applied,
+                "report": {k: v for k, v in report.__dict__.items() if k != "history"}, "history": report.history}
     total, extra = quantized_model_bytes(model), compensator_bytes(model)
-    meta = {"calibration": cfg.to_dict(), "plan": applied,
-            "report": {k: v for k, v in report.__dict__.items() if k != "history"}, "history": report.history}
     if args.gate_report and cfg.gated:
         stats = gate_statistics(model, data.val_ids, data.fp_weights)
         from pathlib import Path
@@ -110,7 +121,12 @@ def main(args) -> int:
         from spear.select.plan import save_plan
 
         save_plan(selection, out)
-    print(f"wrote {out}: {len(applied)} ECs ({'gated' if cfg.gated else 'ungated'}), +{100 * extra / total:.2f}% "
-          f"memory; validation KL {report.initial_val_kl:.4f} -> {report.best_val_kl:.4f} "
-          f"(best at step {report.best_step}/{report.steps_run}, {report.seconds:.0f} s)")
+    head = f"wrote {out}: {len(applied)} ECs ({'gated' if cfg.gated else 'ungated'}), +{100 * extra / total:.2f}% memory"
+    if args.blockwise:
+        errs = [(e["val_before"], min(e["val_before"], e["val_after"])) for e in report.layers if e["ecs"]]
+        print(f"{head}; blockwise: mean layer output error {sum(b for b, _ in errs) / len(errs):.3e} -> "
+              f"{sum(a for _, a in errs) / len(errs):.3e} over {len(errs)} layers ({report.seconds:.0f} s)")
+    else:
+        print(f"{head}; validation KL {report.initial_val_kl:.4f} -> {report.best_val_kl:.4f} "
+              f"(best at step {report.best_step}/{report.steps_run}, {report.seconds:.0f} s)")
     return 0

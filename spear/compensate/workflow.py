@@ -32,15 +32,16 @@ from spear.quant.linear import QuantLinear
 class CalibrationData:
     train_ids: torch.Tensor
     val_ids: torch.Tensor
-    train_teacher: torch.Tensor
-    val_teacher: torch.Tensor
+    train_teacher: torch.Tensor | None  # None when prepared for blockwise calibration
+    val_teacher: torch.Tensor | None
     stats: dict[str, ActivationStats]
     fp_weights: dict[str, torch.Tensor]
 
 
 def prepare_calibration(model: nn.Module, tokenizer, cfg: CalibrationConfig, include_lm_head: bool = False,
-                        progress: bool = True) -> CalibrationData:
-    """Everything calibration needs from the FP model (call before quantizing it)."""
+                        progress: bool = True, teacher: bool = True) -> CalibrationData:
+    """Everything calibration needs from the FP model (call before quantizing it).
+    ``teacher=False`` skips the teacher log-probabilities (blockwise mode needs none)."""
     n = cfg.n_samples + cfg.val_samples
     ids = sample_sequences(model, tokenizer, SampleConfig(n=n, length=cfg.sample_len, temperature=cfg.temperature,
                                                           top_p=cfg.top_p, seed=cfg.seed), progress=progress)
@@ -48,8 +49,9 @@ def prepare_calibration(model: nn.Module, tokenizer, cfg: CalibrationConfig, inc
     train_ids, val_ids = ids[: cfg.n_samples], ids[cfg.n_samples:]
     targets = quantizable_linears(model, include_lm_head)
     stats = collect_activation_stats(model, targets, train_ids, outer=cfg.init == "qera-exact", progress=progress)
-    teacher = teacher_logprobs(model, ids, batch_size=cfg.batch_size * 2, progress=progress)
-    return CalibrationData(train_ids, val_ids, teacher[: cfg.n_samples], teacher[cfg.n_samples:], stats,
+    lp = teacher_logprobs(model, ids, batch_size=cfg.batch_size * 2, progress=progress) if teacher else None
+    return CalibrationData(train_ids, val_ids, None if lp is None else lp[: cfg.n_samples],
+                           None if lp is None else lp[cfg.n_samples:], stats,
                            {n: lin.weight.detach().clone() for n, lin in targets.items()})
 
 
@@ -104,8 +106,20 @@ def set_gate_scales(model: nn.Module, ids: torch.Tensor) -> None:
 def calibrate(model: nn.Module, data: CalibrationData, cfg: CalibrationConfig, progress: bool = True
               ) -> CalibrationReport:
     """Normalise the gates' inputs, then KL-train the attached ECs."""
+    if data.train_teacher is None:
+        raise ValueError("end-to-end calibration needs teacher log-probabilities: prepare_calibration(teacher=True)")
     set_gate_scales(model, data.train_ids[: min(8, data.train_ids.shape[0])])
     return train_ecs(model, data.train_ids, data.train_teacher, data.val_ids, data.val_teacher, cfg, progress)
+
+
+def calibrate_layerwise(model: nn.Module, data: CalibrationData, cfg: CalibrationConfig,
+                        steps_per_layer: int | None = None, progress: bool = True):
+    """Normalise the gates' inputs, then train the ECs one decoder layer at a time
+    (:mod:`spear.compensate.blockwise`; for models too large for end-to-end KL)."""
+    from spear.compensate.blockwise import calibrate_blockwise
+
+    set_gate_scales(model, data.train_ids[: min(8, data.train_ids.shape[0])])
+    return calibrate_blockwise(model, data.train_ids, data.val_ids, data.fp_weights, cfg, steps_per_layer, progress)
 
 
 def uniform_plan(modules, rank: int) -> dict[str, int]:

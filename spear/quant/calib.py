@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from spear.errors import SpearError
 from spear.models.modules import quantizable_linears
+from spear.quant.linear import QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +51,11 @@ class InputStats:
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The ``nn.ModuleList`` holding the most quantizable linears (the decoder layers)."""
+    """The ``nn.ModuleList`` holding the most linears, plain or quantized (the decoder layers)."""
     best: tuple[int, str, nn.ModuleList] | None = None
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-            count = sum(type(m) is nn.Linear for m in mod.modules())
+            count = sum(type(m) is nn.Linear or isinstance(m, QuantLinear) for m in mod.modules())
             if count and (best is None or count > best[0]):
                 best = (count, name, mod)
     if best is None:

@@ -31,3 +31,17 @@ def test_plan_with_unknown_module_is_rejected(sharp_tiny_llama_path, tmp_path, m
     rc = main(["-q", "calibrate", "--model", str(sharp_tiny_llama_path), "--out", str(tmp_path / "o"),
                "--plan", str(plan), "--steps", "2", "--samples", "2", "--val-samples", "1", "--sample-len", "8"])
     assert rc == 2 and "model.layers.9.mlp.up_proj" in capsys.readouterr().err
+
+
+def test_spear_calibrate_blockwise(sharp_tiny_llama_path, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPEAR_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "ck"
+    rc = main(["-q", "calibrate", "--model", str(sharp_tiny_llama_path), "--out", str(out), "--bits", "3",
+               "--rank", "2", "--blockwise", "--layer-steps", "5", "--samples", "4", "--val-samples", "2",
+               "--sample-len", "16"])
+    assert rc == 0
+    assert "blockwise: mean layer output error" in capsys.readouterr().out
+    meta = json.loads((out / "spear_config.json").read_text())["meta"]
+    assert meta["calibration"]["mode"] == "blockwise" and len(meta["report"]["layers"]) == 2
+    model, _ = load_model(out)
+    assert model.model.layers[0].mlp.down_proj.compensator.rank == 2
