@@ -18,7 +18,8 @@ gptqact is GPTQ with act-order).
 Plans: ``r<k>`` (rank k on every linear) or ``<placement>@<percent>`` with placement
 uniform | random | cka | cka-full | cka-sqrt, the
 budget in % of the quantized model; cka is SPEAR's rule, cka-full covers every module and
-cka-sqrt covers the top N·√evenness (see spear/select/allocate.py). Variants: ``nogate`` or ``gate``, optionally followed
+cka-sqrt covers the top N·√evenness (see spear/select/allocate.py). Variants: ``nogate`` or ``gate`` (end-to-end KL) or ``bw-nogate``/``bw-gate``
+(blockwise, one layer at a time, steps / 2 per layer), optionally followed
 by ``:key=value;...`` overrides of :class:`spear.compensate.calibrate.CalibrationConfig`.
 """
 
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from spear.compensate.calibrate import CalibrationConfig  # noqa: E402
 from spear.compensate.static import attach_static, remove_compensators  # noqa: E402
 from spear.compensate.stats import collect_activation_stats  # noqa: E402
-from spear.compensate.workflow import attach_ecs, calibrate, prepare_calibration  # noqa: E402
+from spear.compensate.workflow import attach_ecs, calibrate, calibrate_layerwise, prepare_calibration  # noqa: E402
 from spear.config import GPTQConfig, QuantConfig, StaticCompensationConfig  # noqa: E402
 from spear.data import load_text, make_split  # noqa: E402
 from spear.eval.memory import compensator_bytes, quantized_model_bytes  # noqa: E402
@@ -65,10 +66,10 @@ def parse_setting(spec: str) -> QuantConfig:
 
 def parse_variant(spec: str) -> tuple[str, dict]:
     name, _, rest = spec.partition(":")
-    if name not in ("nogate", "gate"):
-        raise SystemExit(f"variant must start with nogate or gate, got {spec!r}")
+    if name not in ("nogate", "gate", "bw-nogate", "bw-gate"):
+        raise SystemExit(f"variant must start with nogate, gate, bw-nogate or bw-gate; got {spec!r}")
     types = {f.name: f.type for f in fields(CalibrationConfig)}
-    over = {"gated": name == "gate"}
+    over = {"gated": name.endswith("-gate") or name == "gate"}
     for item in filter(None, rest.split(";")):
         k, _, v = item.partition("=")
         if k not in types:
@@ -212,12 +213,17 @@ def main() -> None:
                     cfg = replace(base_cfg, seed=s, **over)
                     d = sdata[sampling_key(cfg)]
                     attach_ecs(mods, d.fp_weights, plan, cfg, d.stats)
-                    rep = calibrate(model, d, cfg, progress=False)
+                    rec = {**common, "method": f"KL {spec}", "seed": s}
+                    if spec.startswith("bw-"):  # blockwise: layer by layer, steps / 2 per layer
+                        rep = calibrate_layerwise(model, d, cfg, progress=False)
+                        rec.update(method=f"blockwise {spec[3:]}", seconds=rep.seconds, layers=rep.layers)
+                    else:
+                        rep = calibrate(model, d, cfg, progress=False)
+                        rec.update(val_kl=rep.best_val_kl, initial_val_kl=rep.initial_val_kl,
+                                   best_step=rep.best_step, steps_run=rep.steps_run, seconds=rep.seconds)
                     v = ppl(model)
-                    emit({**common, "method": f"KL {spec}", "seed": s, "ppl": v, "gap": gap_recovered(base, v, fp),
-                          "mem": 100 * compensator_bytes(model) / total, "val_kl": rep.best_val_kl,
-                          "initial_val_kl": rep.initial_val_kl, "best_step": rep.best_step,
-                          "steps_run": rep.steps_run, "seconds": rep.seconds})
+                    emit({**rec, "ppl": v, "gap": gap_recovered(base, v, fp),
+                          "mem": 100 * compensator_bytes(model) / total})
                     remove_compensators(model)
         del model, mods
     sink.close()
