@@ -111,6 +111,10 @@ def test_kl_calibration_lowers_validation_kl_and_trains_only_ecs(calibrated_setu
     after = model.state_dict()
     assert all(torch.equal(after[n], t) for n, t in frozen.items())  # base never changes
     assert not any(p.requires_grad for p in model.parameters())
+    # gradients reached the ECs (the last step's are left in .grad) and nothing else
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is None for n, g in grads.items() if ".compensator." not in n)
+    assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if ".compensator." in n)
 
 
 def test_calibrated_checkpoint_roundtrip(calibrated_setup, tmp_path):
