@@ -8,9 +8,12 @@ that on one GPU with room to spare. Blockwise mode keeps one layer's activations
    (:func:`spear.quant.calib.capture_layer_inputs`);
 2. for each layer l, its FP outputs Y_l are computed with the original weights
    (``fp_weights``; the layer's quantized linears run ``F.linear(x, W_fp)`` meanwhile);
-3. the ECs of layer l train (AdamW, warm-up + cosine, clipping) to minimise
-   ‖layer_q(X_l) − Y_l‖² / ‖Y_l‖², where X_l are the outputs of the already calibrated
-   quantized layers before it, so each layer also corrects the error it inherits;
+3. the ECs of layer l train (AdamW, warm-up + cosine, clipping) to minimise the
+   per-token relative error mean_t ‖layer_q(X_l)_t − Y_l,t‖² / ‖Y_l,t‖², where X_l are the
+   outputs of the already calibrated quantized layers before it, so each layer also
+   corrects the error it inherits. Per token, because a few tokens (the first, in Llama-
+   like models) carry hidden states orders of magnitude larger than the rest, and a plain
+   MSE would spend the whole EC on them;
 4. X_{l+1} = layer_q(X_l) with the trained ECs, Y_l becomes the next FP input.
 
 Held-out self-samples give each layer's validation error before and after; the state
@@ -61,14 +64,16 @@ def _fp_weights(layer: nn.Module, prefix: str, fp_weights: dict[str, torch.Tenso
             del mod.forward
 
 
+def _token_rel_err(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of ‖out_t − y_t‖² / ‖y_t‖²."""
+    y = y.float()
+    return ((out.float() - y).pow(2).sum(-1) / y.pow(2).sum(-1).clamp(min=1e-30)).mean()
+
+
 def _rel_err(layer, batches: list[LayerBatch], targets: list[torch.Tensor]) -> float:
-    num = den = 0.0
     with torch.no_grad():
-        for b, y in zip(batches, targets):
-            out = layer_forward(layer, b).float()
-            num += (out - y.float()).pow(2).sum().item()
-            den += y.float().pow(2).sum().item()
-    return num / max(den, 1e-30)
+        errs = [_token_rel_err(layer_forward(layer, b), y).item() for b, y in zip(batches, targets)]
+    return sum(errs) / len(errs)
 
 
 def calibrate_blockwise(model: nn.Module, train_ids: torch.Tensor, val_ids: torch.Tensor,
@@ -132,12 +137,11 @@ def _train_layer(layer, lname, ecs, batches, targets, cfg: CalibrationConfig, st
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / warm if s < warm else
         0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm))))
-    norms = [t.float().pow(2).mean().clamp(min=1e-30) for t in targets]
     try:
         for step in range(1, steps + 1):
             i = int(torch.randint(len(batches), (1,), generator=gen))
             out = layer_forward(layer, batches[i])
-            loss = (out.float() - targets[i].float()).pow(2).mean() / norms[i]
+            loss = _token_rel_err(out, targets[i])
             if not torch.isfinite(loss):
                 raise CalibrationDiverged(f"blockwise calibration diverged in {lname} at step {step}: the loss is "
                                           "non-finite (try a lower --lr)")

@@ -33,7 +33,8 @@ def test_blockwise_lowers_the_final_kl_and_trains_only_ecs(setup):
     before = _kl(model, data, fp_logits)
     report = calibrate_layerwise(model, data, cfg, steps_per_layer=30, progress=False)
     assert [e["layer"] for e in report.layers] == [0, 1] and all(e["ecs"] == 7 for e in report.layers)
-    assert all(e["val_after"] < e["val_before"] for e in report.layers)
+    assert any(e["val_after"] < 0.97 * e["val_before"] for e in report.layers)
+    assert all(e["val_after"] < e["val_before"] or e["kept"] == "init" for e in report.layers)
     assert _kl(model, data, fp_logits) < 0.97 * before
     after = model.state_dict()
     assert all(torch.equal(after[n], t) for n, t in frozen.items())  # only ECs changed
