@@ -96,10 +96,10 @@ def read_plan(path: str | None) -> dict[str, int] | None:
     return load_plan(path)
 
 
-def add_plan_args(p: argparse.ArgumentParser, budget: str = "1%") -> None:
+def add_plan_args(p: argparse.ArgumentParser, budget: str = "1%", overrides: bool = True) -> None:
     from spear.select.plan import PLACEMENTS
 
-    g = p.add_argument_group("where the ECs go (one of --budget, --rank, --plan)")
+    g = p.add_argument_group("where the ECs go (one of --budget, --rank, --plan)" if overrides else "where the ECs go")
     g.add_argument("--budget", default=budget,
                    help="extra memory for the ECs: a %% of the quantized model or bytes ('2MB'); the "
                         "selection places them (default: %(default)s)")
@@ -109,8 +109,11 @@ def add_plan_args(p: argparse.ArgumentParser, budget: str = "1%") -> None:
                    help="self-samples (x128 tokens) for the CKA damage scores (default: %(default)s)")
     g.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel degree the ranking accounts for (default: %(default)s)")
-    g.add_argument("--rank", type=nonneg_int, help="the same rank on every module instead of --budget")
-    g.add_argument("--plan", help="plan.json (or a folder holding one, from `spear select`) instead of --budget")
+    if overrides:
+        g.add_argument("--rank", type=nonneg_int, help="the same rank on every module instead of --budget")
+        g.add_argument("--plan", help="plan.json (or a folder holding one, from `spear select`) instead of --budget")
+    else:
+        p.set_defaults(rank=None, plan=None)
 
 
 def plan_from_args(args, model, tokenizer, quant, calib_cfg=None, progress: bool = True):

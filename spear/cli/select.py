@@ -19,7 +19,7 @@ def register(sub) -> None:
     p.add_argument("--gate", action="store_true", help="count the bytes of token-gated ECs (default: ungated)")
     p.add_argument("--hidden", type=int, default=8, help="gate width the byte count assumes (default: %(default)s)")
     add_quant_args(p)
-    add_plan_args(p)
+    add_plan_args(p, overrides=False)
     p.set_defaults(func=main)
 
 
@@ -33,8 +33,6 @@ def main(args) -> int:
     from spear.select.plan import save_plan
     from spear.select.plot import plot_selection
 
-    if args.plan is not None or args.rank is not None:
-        raise SpearError("spear select places ECs by --budget; --plan/--rank are for calibrate and run")
     if is_checkpoint(resolve_model_path(args.model)):
         raise SpearError(f"{args.model} is already a spear checkpoint; select on its source model")
     quant = quant_config_from(args)

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from spear.cli import main
 from spear.models.loading import load_model
 
@@ -30,9 +32,9 @@ def test_select_writes_plan_and_picture_and_calibrate_consumes_it(sharp_tiny_lla
 
 
 def test_select_rejects_rank_and_bad_budget(sharp_tiny_llama_path, tmp_path, capsys):
-    assert main(["-q", "select", "--model", str(sharp_tiny_llama_path), "--out", str(tmp_path / "s"),
-                 "--rank", "2"]) == 2
-    assert "--budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # select places by budget only
+        main(["-q", "select", "--model", str(sharp_tiny_llama_path), "--out", str(tmp_path / "s"), "--rank", "2"])
+    assert exc.value.code == 2 and "unrecognized arguments: --rank" in capsys.readouterr().err
     assert main(["-q", "select", "--model", str(sharp_tiny_llama_path), "--out", str(tmp_path / "s"),
                  "--budget", "lots"]) == 2
     assert "budget" in capsys.readouterr().err
