@@ -22,7 +22,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from spear.config import QuantConfig
+from spear.errors import SpearError
 from spear.models.modules import quantizable_linears
+from spear.quant.calib import find_decoder_layers
 from spear.quant.primitives import fake_quantize
 from spear.select.cka import linear_cka
 
@@ -50,12 +52,14 @@ class _Replay(nn.Module):
 
 
 def _decoder_layers(model: nn.Module, names) -> tuple[str, nn.ModuleList] | None:
-    """The ModuleList of decoder layers that holds the target modules, if there is exactly one."""
-    for prefix, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 1 and all(
-                any(n.startswith(f"{prefix}.{i}.") for i in range(len(mod))) for n in names):
-            return prefix, mod
-    return None
+    """The decoder layers (:func:`spear.quant.calib.find_decoder_layers`), if they hold every target."""
+    try:
+        prefix, layers = find_decoder_layers(model)
+    except SpearError:
+        return None
+    if len(layers) < 2 or not all(n.startswith(prefix + ".") for n in names):
+        return None
+    return prefix, layers
 
 
 def _layer_of(name: str, prefix: str) -> int:
@@ -99,13 +103,12 @@ def module_damage(model: nn.Module, quant: QuantConfig, ids: torch.Tensor, batch
             h.remove()
     fp_all = torch.cat(fp)
 
-    def run(batch_index_layer: int | None):
+    def run(l: int | None):
         """Final hidden states of every batch, replaying layers < l when l is given."""
         outs = []
-        if batch_index_layer is None or batch_index_layer == 0 or found is None:
+        if not l or found is None:
             return torch.cat([final_hidden(b) for b in batches])
-        prefix, layers = found
-        l = batch_index_layer
+        layers = found[1]
         saved = [layers[i] for i in range(l)]
         rep = _Replay()
         try:
