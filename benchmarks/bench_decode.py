@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     table = markdown(results, batches, header)
     print()
     print(table)
-    for r in results:  # the floors of issue 7
+    for r in results:  # the floors
         if r["variant"] == "w4":
             print(f"{r['model']}: W4 / FP16 batch-1 tokens/s = {r['speedup_vs_fp16']:.2f}x (floor 2.5x)")
         if r["variant"] == "w4+ec":
