@@ -50,8 +50,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     t_start = time.time()
-    sweep = [dict(BN=bn, BK=bk, num_warps=nw, num_stages=ns)
-             for bn, bk, nw, ns in itertools.product([64, 128, 256], [64, 128], [2, 4, 8], [1, 2, 3])]
+    # num_stages did not matter in the first sweep (the loop has no dot to pipeline): fixed at 1
+    sweep = [dict(BN=bn, BK=bk, num_warps=nw, num_stages=1, half=True, asm=True)
+             for bn, bk, nw in itertools.product([64, 128, 256], [64, 128, 256], [2, 4, 8])]
+    sweep += [dict(BN=64, BK=128, num_warps=nw, num_stages=1, half=half, asm=False)
+              for nw in (2, 4) for half in (True, False)]
     programs = [264, 528, 1056, 2112]
     rows, best = [], {}
     for m in [int(v) for v in args.ms.split(",")]:
@@ -79,7 +82,8 @@ def main(argv=None) -> int:
                     if time.time() - t_start > args.budget_s:
                         break
                     cfg = pick_gemv_config(m, n, k, GROUP, programs=prog, **c)
-                    key = f"BN{cfg.BN}_BK{cfg.BK}_w{cfg.num_warps}_s{cfg.num_stages}_sk{cfg.split_k}"
+                    mode = "asm" if cfg.asm else ("half" if cfg.half else "f32")
+                    key = f"{mode}_BN{cfg.BN}_BK{cfg.BK}_w{cfg.num_warps}_sk{cfg.split_k}"
                     if key in rec["gemv"]:
                         continue
                     try:
@@ -99,7 +103,7 @@ def main(argv=None) -> int:
                 rec["best_us"] = ok[bk_]["us"]
                 top = []
                 for kk in order:
-                    c = {f: ok[kk][f] for f in ("BN", "BK", "num_warps", "num_stages")}
+                    c = {f: ok[kk][f] for f in ("BN", "BK", "num_warps", "num_stages", "half", "asm")}
                     if c not in top:
                         top.append(c)
                 best[(label, m)] = dict(top=top[:6])

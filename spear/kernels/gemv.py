@@ -3,7 +3,9 @@
     out (M, N) = x (M, K) · W_hatᵀ
 
 Layout (``pack_kmajor``): qweight_t (K/8, N) int32, word (j, n) holds the codes of column n at
-k = 8j .. 8j+7, nibble i = k-offset i. Output features are contiguous, so a program's tile
+k = 8j .. 8j+7; nibble i holds k-offset KMAJOR_NIBBLE_K[i], so that the mask 0x000F000F on
+the word shifted by 4i takes the codes of k-offsets (2i, 2i+1): a pair of neighbouring
+activations, which fp16x2 instructions consume as one 32-bit register. Output features are contiguous, so a program's tile
 [BK/8, BN] is BK/8 rows of BN consecutive words: every thread loads 16 contiguous bytes of
 one K row, and the 8 activations a word needs are the same for all its 4 neighbours along N
 (the N-major layout of :mod:`layout` pairs each word with its own 8 activations instead).
@@ -29,7 +31,12 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
+from spear.kernels._common import _halves
 from spear.kernels.layout import LOCK_SLOTS, PackedW4
+
+
+# nibble i of a K-major word holds k-offset KMAJOR_NIBBLE_K[i]
+KMAJOR_NIBBLE_K = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 @dataclass
@@ -68,8 +75,8 @@ def pack_kmajor(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
         raise ValueError("symmetric=True requires every zero point to be 8")
     c = codes.t().reshape(k // 8, 8, n).to(torch.int64)
     word = torch.zeros(k // 8, n, dtype=torch.int64, device=codes.device)
-    for i in range(8):
-        word |= c[:, i, :] << (4 * i)
+    for nib, koff in enumerate(KMAJOR_NIBBLE_K):
+        word |= c[:, koff, :] << (4 * nib)
     word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
     return PackedW4K(qweight_t=word.contiguous(), scales=scales.to(torch.float16).t().contiguous(),
                      zeros=zeros.to(torch.uint8).t().contiguous(),
@@ -92,44 +99,111 @@ class GemvConfig:
     split_k: int = 8
     num_warps: int = 4
     num_stages: int = 2
+    half: bool = True  # fp16 activations: packed fp16 products (else the exact fp32 loop)
+    asm: bool = True   # the fp16 word product in PTX (CUDA only; the interpreter runs the Triton form)
 
 
 @triton.jit
-def _token(acc, x_ptr, t, stride_xm, k, i: tl.constexpr, offs_j, w, xs, M):
-    xi = tl.load(x_ptr + t * stride_xm + k + 8 * offs_j + i, mask=(offs_j * 0 + t) < M, other=0.0)
+def _token(acc, x_ptr, t, stride_xm, k, koff: tl.constexpr, offs_j, w, xs, M):
+    xi = tl.load(x_ptr + t * stride_xm + k + 8 * offs_j + koff, mask=(offs_j * 0 + t) < M, other=0.0)
     return acc + w * (xi.to(tl.float32) * xs)[:, None]
+
+
+@triton.jit
+def _token_half(acc, x_ptr, t, stride_xm, k, offs_j, d0, d1, d2, d3, M):
+    """acc [BK/8, BN] += sum over the word's 8 codes of d * x, products and their sum in fp16."""
+    m = (offs_j * 0 + t) < M
+    xb = x_ptr + t * stride_xm + k + 8 * offs_j
+    x0 = tl.join(tl.load(xb, mask=m, other=0.0), tl.load(xb + 1, mask=m, other=0.0))[:, None, :]
+    x1 = tl.join(tl.load(xb + 2, mask=m, other=0.0), tl.load(xb + 3, mask=m, other=0.0))[:, None, :]
+    x2 = tl.join(tl.load(xb + 4, mask=m, other=0.0), tl.load(xb + 5, mask=m, other=0.0))[:, None, :]
+    x3 = tl.join(tl.load(xb + 6, mask=m, other=0.0), tl.load(xb + 7, mask=m, other=0.0))[:, None, :]
+    prod = d0 * x0 + d1 * x1 + d2 * x2 + d3 * x3
+    return acc + tl.sum(prod.to(tl.float32), axis=2)
+
+
+# One packed word against its 8 activations, in PTX: Triton cannot view a 32-bit register as
+# two fp16 lanes, which is what the conversion needs to cost one LOP3 per two codes.
+# $1 word, $2 fp16x2 (-(1024 + zero) / 16), $3..$6 fp16x2 activation pairs (k-offsets 2i, 2i+1);
+# $0 = sum over the 8 codes of (code - zero) / 16 * x, products and partial sums in fp16x2.
+_WORD_DOT_PTX = tl.constexpr("""{
+.reg .b32 t0, t1, t2, t3, q, acc, c16;
+.reg .f16 lo, hi;
+.reg .f32 flo, fhi;
+mov.b32 c16, 0x2c002c00;
+lop3.b32 t0, $1, 0x000f000f, 0x64006400, 0xea;
+shr.u32 q, $1, 4;
+lop3.b32 t1, q, 0x000f000f, 0x64006400, 0xea;
+shr.u32 q, $1, 8;
+lop3.b32 t2, q, 0x000f000f, 0x64006400, 0xea;
+shr.u32 q, $1, 12;
+lop3.b32 t3, q, 0x000f000f, 0x64006400, 0xea;
+fma.rn.f16x2 t0, t0, c16, $2;
+fma.rn.f16x2 t1, t1, c16, $2;
+fma.rn.f16x2 t2, t2, c16, $2;
+fma.rn.f16x2 t3, t3, c16, $2;
+mul.rn.f16x2 acc, t0, $3;
+fma.rn.f16x2 acc, t1, $4, acc;
+fma.rn.f16x2 acc, t2, $5, acc;
+fma.rn.f16x2 acc, t3, $6, acc;
+mov.b32 {lo, hi}, acc;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}""")
+
+
+@triton.jit
+def _token_asm(acc, x_ptr, t, stride_xm, k, offs_j, p, zneg, M):
+    m = (offs_j * 0 + t) < M
+    xb = x_ptr.to(tl.pointer_type(tl.int32)) + (t * stride_xm + k) // 2 + 4 * offs_j
+    shape: tl.constexpr = p.shape
+    x0 = tl.broadcast_to(tl.load(xb, mask=m, other=0)[:, None], shape)
+    x1 = tl.broadcast_to(tl.load(xb + 1, mask=m, other=0)[:, None], shape)
+    x2 = tl.broadcast_to(tl.load(xb + 2, mask=m, other=0)[:, None], shape)
+    x3 = tl.broadcast_to(tl.load(xb + 3, mask=m, other=0)[:, None], shape)
+    return acc + tl.inline_asm_elementwise(_WORD_DOT_PTX, "=f,r,r,r,r,r,r", [p, zneg, x0, x1, x2, x3],
+                                           dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _gemv_kernel(x_ptr, qt_ptr, scales_ptr, zeros_ptr, out_ptr, part_ptr, locks_ptr,
                  M, N, K, stride_xm, stride_om, split_k,
-                 GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, MV: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
+                 GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, MV: tl.constexpr, HALF: tl.constexpr,
+                 ASM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    if HALF:
+        UNIT: tl.constexpr = 16.0  # the fp16 path accumulates (code - zero) / 16
+    else:
+        UNIT: tl.constexpr = 1.0
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     iters = tl.cdiv(K // BK, split_k)
     k_lo = pid_k * iters * BK
     k_hi = tl.minimum(k_lo + iters * BK, K)
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    # Output features are the contiguous dimension: the hints (and no modulo on the offsets)
+    # let the compiler give each thread runs of neighbouring words, loaded 16 bytes at a time,
+    # that share their activations. Columns past N are masked (only a layer's last tile).
+    offs_n = tl.max_contiguous(tl.multiple_of(pid_n * BN + tl.arange(0, BN), BN), BN)
     n_mask = offs_n < N
-    n_ld = offs_n % N  # in-bounds columns: unmasked, vectorized loads
     offs_j = tl.arange(0, BK // 8)
-    w_base = qt_ptr + offs_j[:, None] * N + n_ld[None, :]
+    w_base = qt_ptr + offs_j[:, None] * N + offs_n[None, :]
+    w_mask = (offs_j[:, None] >= 0) & n_mask[None, :]
     if SYMMETRIC:
         z = tl.full((BN,), 8.0, tl.float32)
     else:
-        z = tl.load(zeros_ptr + n_ld).to(tl.float32)
+        z = tl.load(zeros_ptr + offs_n, mask=n_mask, other=0).to(tl.float32)
     a0 = tl.zeros((BK // 8, BN), tl.float32)
     a1 = tl.zeros((BK // 8, BN), tl.float32)
     a2 = tl.zeros((BK // 8, BN), tl.float32)
     a3 = tl.zeros((BK // 8, BN), tl.float32)
     for k in range(k_lo, k_hi, BK):
-        p = tl.load(w_base + (k // 8) * N)
-        hi = p >> 20
+        p = tl.load(w_base + (k // 8) * N, mask=w_mask, other=0)
+        if not HALF:
+            hi = p >> 20
         if GROUP > 0:
             g = k // GROUP
             if not SYMMETRIC:
-                z = tl.load(zeros_ptr + g * N + n_ld).to(tl.float32)
+                z = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
             s0 = tl.zeros((BK // 8, BN), tl.float32)
             s1 = tl.zeros((BK // 8, BN), tl.float32)
             s2 = tl.zeros((BK // 8, BN), tl.float32)
@@ -139,23 +213,49 @@ def _gemv_kernel(x_ptr, qt_ptr, scales_ptr, zeros_ptr, out_ptr, part_ptr, locks_
             s1 = a1
             s2 = a2
             s3 = a3
-        for i in tl.static_range(8):
-            if i < 5:
-                bits = (p & (0xF << (4 * i))) | 0x4B000000
-                w = bits.to(tl.float32, bitcast=True) - (8388608.0 + z * (1 << (4 * i)))[None, :]
-                xs = 1.0 / (1 << (4 * i))
-            else:
-                bits = (hi & (0xF << (4 * (i - 5)))) | 0x4B000000
-                w = bits.to(tl.float32, bitcast=True) - (8388608.0 + z * (1 << (4 * (i - 5))))[None, :]
-                xs = 1.0 / (1 << (4 * (i - 5)))
-            s0 = _token(s0, x_ptr, 0, stride_xm, k, i, offs_j, w, xs, M)
+        if ASM:
+            zq = (-(1024.0 + z) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            zneg = tl.broadcast_to((zq | (zq << 16))[None, :], (BK // 8, BN))
+            s0 = _token_asm(s0, x_ptr, 0, stride_xm, k, offs_j, p, zneg, M)
             if MV > 1:
-                s1 = _token(s1, x_ptr, 1, stride_xm, k, i, offs_j, w, xs, M)
+                s1 = _token_asm(s1, x_ptr, 1, stride_xm, k, offs_j, p, zneg, M)
             if MV > 2:
-                s2 = _token(s2, x_ptr, 2, stride_xm, k, i, offs_j, w, xs, M)
-                s3 = _token(s3, x_ptr, 3, stride_xm, k, i, offs_j, w, xs, M)
+                s2 = _token_asm(s2, x_ptr, 2, stride_xm, k, offs_j, p, zneg, M)
+                s3 = _token_asm(s3, x_ptr, 3, stride_xm, k, offs_j, p, zneg, M)
+        elif HALF:
+            # fp16 pairs (1024 + code of nibble i, of nibble i + 4) by one mask-and-or each;
+            # one fused multiply-add per pair makes them exactly (code - zero) / 16 (the 1/16
+            # keeps the fp16 products below the activations' own magnitude).
+            zq = ((1024.0 + z) * 0.0625).to(tl.float16)[None, :, None]
+            d0 = _halves((p & 0x000F000F) | 0x64006400, False) * 0.0625 - zq
+            d1 = _halves(((p >> 4) & 0x000F000F) | 0x64006400, False) * 0.0625 - zq
+            d2 = _halves(((p >> 8) & 0x000F000F) | 0x64006400, False) * 0.0625 - zq
+            d3 = _halves(((p >> 12) & 0x000F000F) | 0x64006400, False) * 0.0625 - zq
+            s0 = _token_half(s0, x_ptr, 0, stride_xm, k, offs_j, d0, d1, d2, d3, M)
+            if MV > 1:
+                s1 = _token_half(s1, x_ptr, 1, stride_xm, k, offs_j, d0, d1, d2, d3, M)
+            if MV > 2:
+                s2 = _token_half(s2, x_ptr, 2, stride_xm, k, offs_j, d0, d1, d2, d3, M)
+                s3 = _token_half(s3, x_ptr, 3, stride_xm, k, offs_j, d0, d1, d2, d3, M)
+        else:
+            for i in tl.static_range(8):
+                if i < 5:
+                    bits = (p & (0xF << (4 * i))) | 0x4B000000
+                    w = bits.to(tl.float32, bitcast=True) - (8388608.0 + z * (1 << (4 * i)))[None, :]
+                    xs = 1.0 / (1 << (4 * i))
+                else:
+                    bits = (hi & (0xF << (4 * (i - 5)))) | 0x4B000000
+                    w = bits.to(tl.float32, bitcast=True) - (8388608.0 + z * (1 << (4 * (i - 5))))[None, :]
+                    xs = 1.0 / (1 << (4 * (i - 5)))
+                # k-offset of nibble i: KMAJOR_NIBBLE_K[i] = 2 (i % 4) + i // 4
+                s0 = _token(s0, x_ptr, 0, stride_xm, k, 2 * (i % 4) + i // 4, offs_j, w, xs, M)
+                if MV > 1:
+                    s1 = _token(s1, x_ptr, 1, stride_xm, k, 2 * (i % 4) + i // 4, offs_j, w, xs, M)
+                if MV > 2:
+                    s2 = _token(s2, x_ptr, 2, stride_xm, k, 2 * (i % 4) + i // 4, offs_j, w, xs, M)
+                    s3 = _token(s3, x_ptr, 3, stride_xm, k, 2 * (i % 4) + i // 4, offs_j, w, xs, M)
         if GROUP > 0:
-            s = tl.load(scales_ptr + g * N + n_ld).to(tl.float32)[None, :]
+            s = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :] * UNIT
             a0 += s * s0
             a1 += s * s1
             a2 += s * s2
@@ -174,7 +274,7 @@ def _gemv_kernel(x_ptr, qt_ptr, scales_ptr, zeros_ptr, out_ptr, part_ptr, locks_
         acc += tl.where(rows == 2, tl.sum(a2, axis=0)[None, :], 0.0)
         acc += tl.where(rows == 3, tl.sum(a3, axis=0)[None, :], 0.0)
     if GROUP == 0:
-        acc = acc * tl.load(scales_ptr + n_ld).to(tl.float32)[None, :]
+        acc = acc * (tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) * UNIT)[None, :]
     offs_t = tl.arange(0, 4)
     mask = (offs_t < M)[:, None] & n_mask[None, :]
     mn = offs_t[:, None] * N + offs_n[None, :]
@@ -195,14 +295,14 @@ def _gemv_kernel(x_ptr, qt_ptr, scales_ptr, zeros_ptr, out_ptr, part_ptr, locks_
 
 
 def pick_gemv_config(m: int, n: int, k: int, group_size: int, programs: int = 1024, BN: int = 128,
-                     BK: int = 128, num_warps: int = 4, num_stages: int = 2) -> GemvConfig:
+                     BK: int = 128, num_warps: int = 4, num_stages: int = 2, half: bool = True, asm: bool = True) -> GemvConfig:
     """Split-K to reach about ``programs`` programs, keeping >= 2 K steps each."""
     bk = min(BK, group_size) if group_size else BK
     tiles = triton.cdiv(n, BN)
     split = 1
     while tiles * split < programs and k // (bk * split * 2) >= 2:
         split *= 2
-    return GemvConfig(BN, bk, split, num_warps, num_stages)
+    return GemvConfig(BN, bk, split, num_warps, num_stages, half, asm)
 
 
 def w4_gemv(x: torch.Tensor, w: PackedW4K, config: GemvConfig | None = None, launch=None) -> torch.Tensor:
@@ -224,10 +324,14 @@ def w4_gemv(x: torch.Tensor, w: PackedW4K, config: GemvConfig | None = None, lau
     out = _common.alloc((m, n), dtype=x.dtype, device=x.device)
     part = _common.alloc((cfg.split_k, m, n) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
     mv = 1 if m == 1 else (2 if m == 2 else 4)
+    half = cfg.half and x.dtype == torch.float16
+    if half and x.stride(0) % 2:
+        raise ValueError("the fp16 path reads activation pairs as 32-bit words: x's row stride must be even")
     kernel = _gemv_kernel if launch is None else launch(_gemv_kernel)
     kernel[(n_tiles, cfg.split_k)](
         x, w.qweight_t, w.scales, w.zeros, out, part, w.locks, m, n, k, x.stride(0), out.stride(0), cfg.split_k,
-        GROUP=w.group_size, SYMMETRIC=w.symmetric, MV=mv, BN=cfg.BN, BK=cfg.BK,
+        GROUP=w.group_size, SYMMETRIC=w.symmetric, MV=mv, HALF=half, ASM=half and not _common.INTERPRET and cfg.asm,
+        BN=cfg.BN, BK=cfg.BK,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
