@@ -32,7 +32,7 @@ import triton.language as tl
 
 from spear.kernels import _common
 from spear.kernels._common import _halves
-from spear.kernels.layout import LOCK_SLOTS, PackedW4
+from spear.kernels.layout import LOCK_SLOTS, PackedW4, check_codes
 
 
 # nibble i of a K-major word holds k-offset KMAJOR_NIBBLE_K[i]
@@ -60,19 +60,7 @@ class PackedW4K:
 def pack_kmajor(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                 symmetric: bool = False) -> PackedW4K:
     """(codes (N, K) uint8, scales (N, G), zeros (N, G)) -> the K-major layout (module docstring)."""
-    if codes.dtype != torch.uint8 or codes.dim() != 2:
-        raise ValueError(f"codes must be a 2-D uint8 tensor (out, in); got {codes.dtype} of shape {tuple(codes.shape)}")
-    n, k = codes.shape
-    if k % 32:
-        raise ValueError(f"in_features must be a multiple of 32; got {k}")
-    g = 1 if group_size == 0 else k // group_size
-    if group_size not in (0, 32, 64, 128, 256) or (group_size and k % group_size):
-        raise ValueError(f"group_size must be 0 or one of 32/64/128/256 dividing in_features={k}; got {group_size}")
-    if scales.shape != (n, g) or zeros.shape != (n, g):
-        raise ValueError(f"scales and zeros must be (out, n_groups) = {(n, g)}; got {tuple(scales.shape)} "
-                         f"and {tuple(zeros.shape)}")
-    if symmetric and bool((zeros != 8).any()):
-        raise ValueError("symmetric=True requires every zero point to be 8")
+    n, k = check_codes(codes, scales, zeros, group_size, symmetric)
     c = codes.t().reshape(k // 8, 8, n).to(torch.int64)
     word = torch.zeros(k // 8, n, dtype=torch.int64, device=codes.device)
     for nib, koff in enumerate(KMAJOR_NIBBLE_K):

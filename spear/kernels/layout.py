@@ -87,12 +87,9 @@ class PackedEC:
         return self.w1 is not None
 
 
-def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-         symmetric: bool = False) -> PackedW4:
-    """Re-pack spear's (codes, scales, zeros) into the kernel layout (module docstring).
-
-    ``symmetric`` lets the kernels skip the zero-point loads; it requires every zero to be 8.
-    """
+def check_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                symmetric: bool) -> tuple[int, int]:
+    """Validate spear's (codes, scales, zeros) for packing; returns (out_features, in_features)."""
     if codes.dtype != torch.uint8 or codes.dim() != 2:
         raise ValueError(f"codes must be a 2-D uint8 tensor (out, in); got {codes.dtype} of shape {tuple(codes.shape)}")
     n, k = codes.shape
@@ -110,6 +107,16 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_s
     if symmetric and bool((zeros != 8).any()):
         raise ValueError("symmetric=True requires every zero point to be 8; "
                          f"saw values {sorted(set(zeros.unique().tolist()))[:8]}")
+    return n, k
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+         symmetric: bool = False) -> PackedW4:
+    """Re-pack spear's (codes, scales, zeros) into the kernel layout (module docstring).
+
+    ``symmetric`` lets the kernels skip the zero-point loads; it requires every zero to be 8.
+    """
+    n, k = check_codes(codes, scales, zeros, group_size, symmetric)
     c = codes.reshape(n, k // 8, 8).to(torch.int64)
     word = torch.zeros(n, k // 8, dtype=torch.int64, device=codes.device)
     for nib, koff in enumerate(NIBBLE_K):
