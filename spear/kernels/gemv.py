@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import _halves
+from spear.kernels._common import _WORD_DOT_PTX, _halves
 from spear.kernels.layout import LOCK_SLOTS, PackedW4, check_codes
 
 
@@ -108,37 +108,6 @@ def _token_half(acc, x_ptr, t, stride_xm, k, offs_j, d0, d1, d2, d3, M):
     x3 = tl.join(tl.load(xb + 6, mask=m, other=0.0), tl.load(xb + 7, mask=m, other=0.0))[:, None, :]
     prod = d0 * x0 + d1 * x1 + d2 * x2 + d3 * x3
     return acc + tl.sum(prod.to(tl.float32), axis=2)
-
-
-# One packed word against its 8 activations, in PTX: Triton cannot view a 32-bit register as
-# two fp16 lanes, which is what the conversion needs to cost one LOP3 per two codes.
-# $1 word, $2 fp16x2 (-(1024 + zero) / 16), $3..$6 fp16x2 activation pairs (k-offsets 2i, 2i+1);
-# $0 = sum over the 8 codes of (code - zero) / 16 * x, products and partial sums in fp16x2.
-_WORD_DOT_PTX = tl.constexpr("""{
-.reg .b32 t0, t1, t2, t3, q, acc, c16;
-.reg .f16 lo, hi;
-.reg .f32 flo, fhi;
-mov.b32 c16, 0x2c002c00;
-lop3.b32 t0, $1, 0x000f000f, 0x64006400, 0xea;
-shr.u32 q, $1, 4;
-lop3.b32 t1, q, 0x000f000f, 0x64006400, 0xea;
-shr.u32 q, $1, 8;
-lop3.b32 t2, q, 0x000f000f, 0x64006400, 0xea;
-shr.u32 q, $1, 12;
-lop3.b32 t3, q, 0x000f000f, 0x64006400, 0xea;
-fma.rn.f16x2 t0, t0, c16, $2;
-fma.rn.f16x2 t1, t1, c16, $2;
-fma.rn.f16x2 t2, t2, c16, $2;
-fma.rn.f16x2 t3, t3, c16, $2;
-mul.rn.f16x2 acc, t0, $3;
-fma.rn.f16x2 acc, t1, $4, acc;
-fma.rn.f16x2 acc, t2, $5, acc;
-fma.rn.f16x2 acc, t3, $6, acc;
-mov.b32 {lo, hi}, acc;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-add.f32 $0, flo, fhi;
-}""")
 
 
 @triton.jit

@@ -10,7 +10,8 @@ column tiles x split_k. Each W program streams BN rows of packed codes over its 
     accT [BN, BM] += W[BN, BK] · xT[BK, BM] accumulates in fp32. Tiles are transposed
     (weights on the left) so that decode's few tokens sit on the small MMA dimension.
   * CUDA cores (MV = 1, 2, 4 tokens; ``_fma_mainloop`` in _common.py): exact fp32 codes,
-    one FMA per weight and token, no change of register layout.
+    one FMA per weight and token, no change of register layout; with fp16 activations on
+    CUDA, each word's 8 products run in fp16x2 PTX instead (``_WORD_DOT_PTX``).
 Per-channel scales are applied once after the loop.
 
 Split-K (decode: N/BN tiles alone cannot fill 132 SMs). Every split writes its fp32
@@ -56,6 +57,7 @@ class Config:
     num_stages: int
     mv: int = 0       # 1, 2 or 4: CUDA-core main loop for M <= mv tokens (no tensor cores)
     u_split: int = 0  # K ranges of the fused u = A x programs; 0: balance against the W programs
+    ptx: bool = True  # CUDA-core loop with fp16 activations: the fp16x2 PTX word product
 
 
 # Launch shapes by token count. Runtime autotuning cannot run inside CUDA-graph capture
@@ -118,6 +120,7 @@ def _w4a16_kernel(
     EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     # tiling
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_wt = tl.cdiv(N, BN)
@@ -145,13 +148,13 @@ def _w4a16_kernel(
                        b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, u_split,
                        (local - n_u) // split_k, n_wt, lock_base, offs_m, m_mask, (local - n_u) % split_k,
                        M, N, K, stride_xm, stride_om,
-                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32)
+                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX)
     else:
         _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
                    b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, u_split,
                    local // split_k, n_wt, lock_base, offs_m, m_mask, local % split_k,
                    M, N, K, stride_xm, stride_om,
-                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32)
+                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX)
 
 
 @triton.jit
@@ -178,7 +181,8 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
                wt, n_wt, lock_base, offs_m, m_mask, split, M, N, K, stride_xm, stride_om,
                GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, IS_BF16: tl.constexpr,
                EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr):
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
+               PTX: tl.constexpr):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
     iters = tl.cdiv(K // BK, split_k)
     k_lo = split * iters * BK
@@ -201,7 +205,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
         zc = zbase + tl.load(zeros_ptr + n_ld).to(tl.float32)
     if MV > 0:
         accT = _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, stride_xm,
-                             GROUP, SYMMETRIC, BN, BK, BM, MV)
+                             GROUP, SYMMETRIC, BN, BK, BM, MV, PTX)
     else:
         accT = tl.zeros((BN, BM), tl.float32)
         for k in range(k_lo, k_hi, BK):
@@ -343,6 +347,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         GROUP=w.group_size, SYMMETRIC=w.symmetric, HAS_BIAS=bias is not None, IS_BF16=x.dtype == torch.bfloat16,
         EC_MODE=ec_mode, GATE=bool(e and e.gated), R=r, H=h,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
+        PTX=bool(cfg.mv and cfg.ptx and x.dtype == torch.float16 and not INTERPRET),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -10,6 +10,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from spear.kernels.attention import _paged_decode_kernel
 from spear.kernels.dequant import _dequant_kernel
 from spear.kernels.ec import _ec_gate_kernel, _ec_up_kernel
 from spear.kernels.w4a16 import _w4a16_kernel
@@ -35,7 +36,7 @@ def compile_w4(bf16, ec_mode, mv, bm, gate=True):
     ptrs = {k: "*" + ("fp16" if k in unused else v) for k, v in ptrs.items()}
     gate = gate and ec_mode == 1
     consts = dict(GROUP=128, SYMMETRIC=False, HAS_BIAS=True, IS_BF16=bf16, EC_MODE=ec_mode, GATE=gate, R=32, H=32,
-                  BM=bm, BN=64, BK=64, MV=mv, DOT_F32=False)
+                  BM=bm, BN=64, BK=64, MV=mv, DOT_F32=False, PTX=bool(mv) and not bf16)
     src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts), consts)
     triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=2))
 
@@ -53,9 +54,25 @@ def compile_small(bf16):
     triton.compile(ASTSource(_ec_up_kernel, sig(_ec_up_kernel, p, ("alpha",), c), c), target=TARGET)
 
 
+def compile_attention(dtype, head_dim, block_size, group, block_n):
+    """The paged decode kernel; pointers 16-byte aligned, as torch allocates them."""
+    fn = _paged_decode_kernel
+    ptrs = dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, bt_ptr="*i64", lens_ptr="*i64",
+                out_ptr="*" + dtype)
+    c = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+             BLOCK_N=block_n, IS_FP32=dtype == "fp32", DOT_F32=False)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ptrs}
+    src = ASTSource(fn, sig(fn, ptrs, ("qk_scale",), c), c, attrs)
+    triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=2))
+
+
 if __name__ == "__main__":
     bf16 = sys.argv[1] == "bf16"
     for ec_mode, mv, bm in ((0, 0, 64), (1, 1, 16), (1, 0, 16), (2, 0, 64)):
         compile_w4(bf16, ec_mode, mv, bm)
     compile_small(bf16)
+    for head_dim, block_size, group, block_n in ((128, 16, 4, 64), (128, 8, 1, 64), (64, 32, 8, 64), (256, 16, 4, 32)):
+        compile_attention("bf16" if bf16 else "fp16", head_dim, block_size, group, block_n)
+    if not bf16:
+        compile_attention("fp32", 128, 16, 4, 64)
     print("ok")

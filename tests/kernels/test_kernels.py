@@ -183,3 +183,27 @@ def test_gpu_real_shapes(poisoned, n, k, gs, sym, dtype, m):
     v = ec_gate(x, e)
     assert_close(ec_up(w4a16_matmul(x, w, b), v, e), expect, dtype, f"semi-fused {n}x{k} M={m}")
     assert_close(w4a16_matmul(x, w, b, e, ec_mode=2, v=v), expect, dtype, f"v-epilogue {n}x{k} M={m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,gs,sym", [(4096, 4096, 128, False), (4096, 11008, 0, True), (11008, 4096, 64, False)])
+@pytest.mark.parametrize("m,mv", [(1, 1), (2, 2), (3, 4), (4, 4)])
+def test_gpu_ptx_decode_loop(poisoned, n, k, gs, sym, m, mv):
+    """The fp16x2 PTX word product of the CUDA-core loop (fp16 on CUDA only), plain and fused EC."""
+    if DEVICE != "cuda":
+        pytest.skip("needs CUDA: the interpreter cannot run PTX")
+    ec = make_ec(n, k, 32, 32, torch.float16, seed=2)
+    x, w, b, e, expect = _setup(m, k, n, gs, sym, torch.float16, seed=m, ec=ec)
+    x_, w_, b_, _, expect_w4 = _setup(m, k, n, gs, sym, torch.float16, seed=m)
+    for split in (1, 8):
+        cfg = Config(16, 64, min(128, gs or 128), split, 4, 1, mv=mv)
+        assert_close(w4a16_matmul(x_, w_, b_, config=cfg), expect_w4, torch.float16, f"PTX W4 {n}x{k} M={m} {cfg}")
+        assert_close(w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg), expect, torch.float16,
+                     f"PTX fused {n}x{k} M={m} {cfg}")
+        assert int(w.locks.abs().sum()) == 0
+    # large activations: fp16 products must not overflow
+    x_big = x_.clone()
+    x_big[:, :16] = 3000.0
+    ref_big = ref.w4a16_ec_packed(x_big, w_, b_)
+    assert_close(w4a16_matmul(x_big, w_, b_, config=Config(16, 64, min(128, gs or 128), 8, 4, 1, mv=mv)),
+                 ref_big, torch.float16, "PTX outliers")
