@@ -215,9 +215,15 @@ def main(argv=None) -> int:
     p.add_argument("--ec-all", action="store_true", help="also run ECs on every linear")
     p.add_argument("--no-graphs", action="store_true", help="eager decode on CUDA")
     p.add_argument("--out", help="folder for results.json and table.md")
+    p.add_argument("--table", help="launch_table.json (bench_kernels.py --tune / bench_gemv.py) for the W4 kernel")
     args = p.parse_args(argv)
 
     batches = [int(b) for b in args.batches.split(",")]
+    if args.table:
+        from spear.kernels import w4a16
+
+        w4a16.LAUNCH.update(json.loads(Path(args.table).read_text()))
+        print("launch table:", w4a16.LAUNCH, flush=True)
     if batches[0] != 1:
         p.error("--batches must start with 1 (the batch-1 latency columns)")
     if args.tiny:
