@@ -11,6 +11,11 @@ at which sequence a token belongs to.
 On CUDA, decode-only steps replay a CUDA graph captured per padded batch size
 (1, 2, 4, 8, 16, 32, ...): fixed-shape inputs, the batched paged attention of
 layers.py, and a scratch cache block that padding rows write into.
+
+On CUDA the small per-layer ops run as the fused Triton kernels of
+``spear.kernels.fused`` (one launch each for RMSNorm with the residual add before it,
+rotary on q and k with the KV-cache write, and SiLU·mul), with the numerics of the
+torch code in layers.py, which stays the path on every other device.
 """
 
 from __future__ import annotations
@@ -88,6 +93,15 @@ class ModelRunner:
             cos, sin = model.model.rotary_emb(probe, positions)  # fp32, as HF computes them
         self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
 
+        # The fused kernels' module on CUDA, else None (imported here: spear.kernels decorates
+        # Triton kernels at import, which CPU runs need not pay for).
+        self.fused = None
+        if self.device.type == "cuda":
+            from spear.kernels import fused
+
+            self.fused = fused
+        self.fused_silu = getattr(cfg, "hidden_act", None) in ("silu", "swish")
+
         self.graphs: dict = {}  # padded batch size -> torch.cuda.CUDAGraph
         if cuda_graphs and self.device.type == "cuda":
             self._capture_graphs()
@@ -108,9 +122,49 @@ class ModelRunner:
         x = rms_norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
         return h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _layer_fused(self, i: int, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                     slots: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_layer`` on the fused kernels (CUDA). The residual stream is carried as ``h + delta``
+        with the add pending (``delta`` None before the first layer), so every residual add runs
+        inside the RMSNorm after it; returns the next (h, delta)."""
+        layer = self.layers[i]
+        attn, mlp = layer.self_attn, layer.mlp
+        t = h.shape[0]
+        norm = layer.input_layernorm
+        if delta is None:
+            x = self.fused.rms_norm(h, norm.weight, norm.variance_epsilon)
+        else:
+            h, x = self.fused.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)
+        q = attn.q_proj(x).view(t, self.n_heads, self.head_dim)
+        k = attn.k_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        q = self.fused.rope_write_kv(q, k, v, self.cos, self.sin, self.k_cache[i], self.v_cache[i], slots,
+                                     positions=positions)  # the whole tables: no gather launch
+        o = attn.o_proj(attend(q, self.k_cache[i], self.v_cache[i]))
+        norm = layer.post_attention_layernorm
+        h, x = self.fused.add_rms_norm(o, h, norm.weight, norm.variance_epsilon)
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        act = self.fused.silu_mul(gate, up) if self.fused_silu else mlp.act_fn(gate) * up
+        return h, mlp.down_proj(act)
+
+    def _run_layers(self, h: torch.Tensor, positions, slots, attend) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All decoder layers: (h, delta) whose sum is the last hidden state (delta None off CUDA)."""
+        if self.fused is None:
+            for i in range(len(self.layers)):
+                h = self._layer(i, h, positions, slots, attend)
+            return h, None
+        delta = None
+        for i in range(len(self.layers)):
+            h, delta = self._layer_fused(i, h, delta, positions, slots, attend)
+        return h, delta
+
+    def _logits(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         norm = self.model.model.norm
-        return self.model.lm_head(rms_norm(h, norm.weight, norm.variance_epsilon)).float()
+        if delta is None:
+            x = rms_norm(h, norm.weight, norm.variance_epsilon)
+        else:
+            x = self.fused.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]
+        return self.model.lm_head(x).float()
 
     def _forward_varlen(self, input_ids, positions, slots, chunks: list[ChunkMeta], sample_rows) -> torch.Tensor:
         h = self.model.model.embed_tokens(input_ids)
@@ -118,9 +172,8 @@ class ModelRunner:
         def attend(q, kc, vc):
             return varlen_attention(q, kc, vc, chunks, self.scale)
 
-        for i in range(len(self.layers)):
-            h = self._layer(i, h, positions, slots, attend)
-        return self._logits(h[sample_rows])
+        h, delta = self._run_layers(h, positions, slots, attend)
+        return self._logits(h[sample_rows], None if delta is None else delta[sample_rows])
 
     def _forward_decode(self, input_ids, positions, slots, block_tables, context_lens) -> torch.Tensor:
         h = self.model.model.embed_tokens(input_ids)
@@ -128,9 +181,7 @@ class ModelRunner:
         def attend(q, kc, vc):
             return decode_attention(q, kc, vc, block_tables, context_lens, self.scale)
 
-        for i in range(len(self.layers)):
-            h = self._layer(i, h, positions, slots, attend)
-        return self._logits(h)
+        return self._logits(*self._run_layers(h, positions, slots, attend))
 
     # ------------------------------------------------------------------ one step
     def _context_slots(self, block_table: list[int], end: int) -> torch.Tensor:

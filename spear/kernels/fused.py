@@ -1,0 +1,317 @@
+"""Fused kernels for the small per-layer ops of the serving engine's Llama layer.
+
+    rms_norm       y = weight * (x * rsqrt(mean(x²) + eps)).to(x.dtype)          1 kernel
+    add_rms_norm   s = residual + x;  y = rms_norm(s)  ->  (s, y)                  1 kernel
+    rope_write_kv  q' = rope(q);  k_cache[slots] = rope(k);  v_cache[slots] = v    1 kernel
+    silu_mul       silu(gate) * up                                                 1 kernel
+
+At decode these ops are tiny and each torch op is its own kernel launch (RMSNorm alone is
+about seven elementwise kernels, rotary about ten); here each is one launch.
+
+Numerics follow the torch code of ``spear.serve.layers`` (itself HF's Llama modules): every
+value is computed in fp32 from the 16-bit inputs and rounded to the activation dtype exactly
+where the torch ops round. Products and sums of two fp16/bf16 values are exact or correctly
+rounded in fp32 (fp32 has more than twice their precision plus two bits, so rounding twice
+equals rounding once), so those steps reproduce torch bit for bit; only the reduction
+order of the mean, rsqrt and exp may differ in the last fp32 bit.
+
+* rms_norm: the sum of squares, the mean and the rsqrt in fp32; x·rstd rounded to x's
+  dtype; the product with ``weight`` rounded to the promoted dtype of (weight, x).
+* rope: ``x·cos + rotate_half(x)·sin`` with both products and the sum rounded to the
+  activation dtype, as the torch expression rounds them.
+* silu_mul: silu in fp32 rounded to the activation dtype (what ``F.silu`` returns), the
+  product with ``up`` rounded once more, as ``F.silu(gate) * up`` does.
+
+On tensors that are not on a CUDA device the torch reference runs, except under Triton's
+interpreter (``TRITON_INTERPRET=1``), where the kernels run on CPU tensors (tests).
+Launches depend only on shapes (no host syncs, no data-dependent grids), so a CUDA graph
+can capture them. Slots and positions are not range-checked (that would need a sync): out
+of range values write or read outside the cache or the rotary table.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from spear.kernels import _common
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+# One program holds a whole row of the norm in registers.
+MAX_NORM_FEATURES = 65536
+# Elements of one half of the head dimension handled per rotary program (heads x half-dims).
+ROPE_TILE = 512
+SILU_BLOCK = 1024
+
+
+def _use_kernel(t: torch.Tensor) -> bool:
+    return t.is_cuda or _common.INTERPRET
+
+
+def _norm_warps(block: int) -> int:
+    return 1 if block <= 256 else (4 if block <= 2048 else (8 if block <= 8192 else 16))
+
+
+# The interpreter's fp32 -> bf16 cast truncates; under it, bf16 is rounded to nearest even
+# with integer ops first (the GPU's cast already rounds so).
+_SOFT_BF16: tl.constexpr = tl.constexpr(_common.INTERPRET)
+
+
+@triton.jit
+def _to(x, dt: tl.constexpr):
+    """fp32 ``x`` rounded to nearest even in ``dt``."""
+    if _SOFT_BF16 and dt == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x == x, b.to(tl.float32, bitcast=True), x).to(dt)
+    else:
+        return x.to(dt)
+
+
+# ---------------------------------------------------------------------------- RMSNorm
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, eps,
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(r_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+        s = _to(x, sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * N + offs, s, mask=mask)
+        x = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    xn = _to(x * rstd, x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, _to(w * xn, out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+    if not torch.is_tensor(x) or x.dim() < 1 or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x must be a tensor of fp16, bf16 or fp32 with a feature dimension; got "
+                         f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous; got strides {x.stride()} for shape {tuple(x.shape)}")
+    n = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != n or weight.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"weight must be 1-D fp16/bf16/fp32 with {n} entries; got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    if n > MAX_NORM_FEATURES:
+        raise ValueError(f"at most {MAX_NORM_FEATURES} features per row; got {n}")
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(f"residual must match x ({x.dtype} {tuple(x.shape)} on {x.device}); got "
+                             f"{residual.dtype} {tuple(residual.shape)} on {residual.device}")
+        if not residual.is_contiguous():
+            raise ValueError("residual must be contiguous")
+
+
+def _launch_norm(x, residual, weight, eps, launch):
+    n = x.shape[-1]
+    rows = x.numel() // n if n else 0
+    out = _common.alloc(x.shape, torch.promote_types(x.dtype, weight.dtype), x.device)
+    s = _common.alloc(x.shape, x.dtype, x.device) if residual is not None else out
+    if rows:
+        block = triton.next_power_of_2(n)
+        kernel = _rms_norm_kernel if launch is None else launch(_rms_norm_kernel)
+        kernel[(rows,)](x, residual if residual is not None else x, weight, s, out, float(eps),
+                        N=n, BLOCK=block, HAS_RES=residual is not None, num_warps=_norm_warps(block))
+    return s, out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, launch=None) -> torch.Tensor:
+    """RMSNorm over the last dimension of contiguous ``x``; the numerics of ``layers.rms_norm``."""
+    _check_norm(x, weight)
+    if not _use_kernel(x):
+        from spear.serve.layers import rms_norm as ref
+
+        return ref(x, weight, eps)
+    return _launch_norm(x, None, weight, eps, launch)[1]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 launch=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + x`` (rounded to x's dtype) and ``rms_norm(s)``, in one pass: (s, norm)."""
+    _check_norm(x, weight, residual)
+    if not _use_kernel(x):
+        from spear.serve.layers import rms_norm as ref
+
+        s = residual + x
+        return s, ref(s, weight, eps)
+    return _launch_norm(x, residual, weight, eps, launch)
+
+
+# ---------------------------------------------------------------------------- rotary + KV write
+
+
+@triton.jit
+def _rotate(base_ptr, offs, mask, c1, c2, s1, s2, HALF: tl.constexpr, dt: tl.constexpr):
+    """Both halves of ``x·cos + rotate_half(x)·sin``, rounded where the torch expression rounds."""
+    x1 = tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    # rotate_half(x) = (-x2, x1); rounding to nearest is symmetric, so round(-a) = -round(a)
+    lo = _to(x1 * c1, dt).to(tl.float32) - _to(x2 * s1, dt).to(tl.float32)
+    hi = _to(x2 * c2, dt).to(tl.float32) + _to(x1 * s2, dt).to(tl.float32)
+    return _to(lo, dt), _to(hi, dt)
+
+
+@triton.jit
+def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qo_ptr, kc_ptr, vc_ptr,
+                    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
+                    HAS_POS: tl.constexpr):
+    """Program (t, j): token t; j < cdiv(H, BH) rotates BH query heads, the others rotate BH
+    key heads into the cache and copy the matching value heads."""
+    HALF: tl.constexpr = D // 2
+    NQB: tl.constexpr = (H + BH - 1) // BH
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    dt = qo_ptr.dtype.element_ty
+    if HAS_POS:
+        row = tl.load(pos_ptr + t).to(tl.int64)
+    else:
+        row = t
+    offs_d = tl.arange(0, BD)
+    d_mask = offs_d < HALF
+    c1 = tl.load(cos_ptr + row * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + row * D + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + row * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + row * D + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    if j < NQB:
+        heads = j * BH + tl.arange(0, BH)
+        mask = (heads < H)[:, None] & d_mask[None, :]
+        offs = heads[:, None] * D + offs_d[None, :]
+        lo, hi = _rotate(q_ptr + t * (H * D), offs, mask, c1, c2, s1, s2, HALF, dt)
+        tl.store(qo_ptr + t * (H * D) + offs, lo, mask=mask)
+        tl.store(qo_ptr + t * (H * D) + offs + HALF, hi, mask=mask)
+    else:
+        heads = (j - NQB) * BH + tl.arange(0, BH)
+        mask = (heads < HKV)[:, None] & d_mask[None, :]
+        offs = heads[:, None] * D + offs_d[None, :]
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        src = t * (HKV * D)
+        dst = slot * (HKV * D)
+        lo, hi = _rotate(k_ptr + src, offs, mask, c1, c2, s1, s2, HALF, dt)
+        tl.store(kc_ptr + dst + offs, lo, mask=mask)
+        tl.store(kc_ptr + dst + offs + HALF, hi, mask=mask)
+        v1 = tl.load(v_ptr + src + offs, mask=mask, other=0.0)
+        v2 = tl.load(v_ptr + src + offs + HALF, mask=mask, other=0.0)
+        tl.store(vc_ptr + dst + offs, v1, mask=mask)
+        tl.store(vc_ptr + dst + offs + HALF, v2, mask=mask)
+
+
+def _check_rope(q, k, v, cos, sin, k_cache, v_cache, slots, positions) -> None:
+    for name, x, dims in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("cos", cos, 2), ("sin", sin, 2),
+                          ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
+        if not torch.is_tensor(x) or x.dim() != dims:
+            raise ValueError(f"{name} must be a {dims}-D tensor; got shape {tuple(getattr(x, 'shape', ()))}")
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous; got strides {x.stride()} for shape {tuple(x.shape)}")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q, k, v must be fp16, bf16 or fp32; got {q.dtype}")
+    t, _, d = q.shape
+    hkv = k.shape[1]
+    if k.shape != (t, hkv, d) or v.shape != k.shape:
+        raise ValueError(f"q (T, H, D) = {tuple(q.shape)} needs k and v of shape (T, n_kv_heads, D); got k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
+    if d % 2:
+        raise ValueError(f"head_dim must be even for rotate-half; got {d}")
+    if cos.shape != sin.shape or cos.shape[1] != d:
+        raise ValueError(f"cos and sin must be (rows, {d}); got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if positions is None and cos.shape[0] != t:
+        raise ValueError(f"without positions, cos and sin hold one row per token ({t}); got {cos.shape[0]} rows")
+    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != (hkv, d):
+        raise ValueError(f"caches must both be (num_blocks, block_size, {hkv}, {d}); got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    for name, idx in (("slots", slots), ("positions", positions)):
+        if idx is None:
+            continue
+        if not torch.is_tensor(idx) or idx.dim() != 1 or idx.shape[0] != t or idx.dtype not in INDEX_DTYPES:
+            raise ValueError(f"{name} must be 1-D int32/int64 with one entry per token ({t}); got "
+                             f"{getattr(idx, 'dtype', type(idx))} {tuple(getattr(idx, 'shape', ()))}")
+        if idx.device != q.device:
+            raise ValueError(f"{name} is on {idx.device}, q on {q.device}")
+        if not idx.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  positions: torch.Tensor | None = None, launch=None) -> torch.Tensor:
+    """Rotary on q and k, and the KV cache write, in one launch; returns the rotated q (new tensor).
+
+    q (T, n_heads, head_dim), k and v (T, n_kv_heads, head_dim); caches (num_blocks, block_size,
+    n_kv_heads, head_dim) receive the rotated k and v at ``slots`` (T,) (slot = block *
+    block_size + offset). ``cos``/``sin``: with ``positions`` (T,) they are whole rotary tables
+    (max_len, head_dim) indexed in the kernel (no gather launch); without, one row per token
+    (T, head_dim). All floating tensors share q's dtype. Same results as
+    ``layers.apply_rope`` on q and k followed by ``layers.write_kv``.
+    """
+    _check_rope(q, k, v, cos, sin, k_cache, v_cache, slots, positions)
+    if not _use_kernel(q):
+        from spear.serve.layers import apply_rope, write_kv
+
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
+        q_rot = apply_rope(q, cos, sin)
+        write_kv(k_cache, v_cache, apply_rope(k, cos, sin), v, slots)
+        return q_rot
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    q_out = _common.alloc(q.shape, q.dtype, q.device)
+    if t == 0:
+        return q_out
+    bd = triton.next_power_of_2(d // 2)
+    bh = min(triton.next_power_of_2(max(h, hkv)), max(1, ROPE_TILE // bd))
+    grid = (t, triton.cdiv(h, bh) + triton.cdiv(hkv, bh))
+    kernel = _rope_kv_kernel if launch is None else launch(_rope_kv_kernel)
+    kernel[grid](q, k, v, cos, sin, positions if positions is not None else slots, slots, q_out, k_cache, v_cache,
+                 H=h, HKV=hkv, D=d, BH=bh, BD=bd, HAS_POS=positions is not None, num_warps=4,
+                 enable_fp_fusion=False)  # fp32: no FMA contraction, the products round as torch's do
+    return q_out
+
+
+# ---------------------------------------------------------------------------- SiLU · up
+
+
+@triton.jit(do_not_specialize=["n"])
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dt = out_ptr.dtype.element_ty
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    act = _to(g / (1.0 + tl.exp(-g)), dt).to(tl.float32)
+    tl.store(out_ptr + offs, _to(act * u, dt), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, launch=None) -> torch.Tensor:
+    """``F.silu(gate) * up`` in one pass over contiguous tensors of one shape and dtype."""
+    for name, x in (("gate", gate), ("up", up)):
+        if not torch.is_tensor(x) or x.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name} must be an fp16, bf16 or fp32 tensor; got {getattr(x, 'dtype', type(x))}")
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous; got strides {x.stride()} for shape {tuple(x.shape)}")
+    if up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
+        raise ValueError(f"gate and up must match: {gate.dtype} {tuple(gate.shape)} on {gate.device} vs "
+                         f"{up.dtype} {tuple(up.shape)} on {up.device}")
+    if not _use_kernel(gate):
+        return torch.nn.functional.silu(gate) * up
+    out = _common.alloc(gate.shape, gate.dtype, gate.device)
+    n = gate.numel()
+    if n:
+        kernel = _silu_mul_kernel if launch is None else launch(_silu_mul_kernel)
+        kernel[(triton.cdiv(n, SILU_BLOCK),)](gate, up, out, n, BLOCK=SILU_BLOCK, num_warps=4)
+    return out
