@@ -84,8 +84,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     q (B, n_heads, head_dim); block_tables (B, max_blocks) int64, entries past a sequence's
     last block may point anywhere valid (they are masked); context_lens (B,).
-    Returns (B, n_heads * head_dim).
+    Returns (B, n_heads * head_dim). On CUDA the Triton kernel of ``spear.kernels.attention``
+    reads only the blocks each sequence uses; elsewhere (and for shapes it does not take)
+    ``decode_attention_reference`` runs.
     """
+    if q.is_cuda:
+        from spear.kernels.attention import paged_decode_attention, supports
+
+        if supports(q, k_cache):
+            return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """``decode_attention`` in torch: gathers the whole block table (O(max_blocks) per sequence),
+    then masked SDPA. The contract the kernel is tested against."""
     b, n_blocks = block_tables.shape
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     length = n_blocks * block_size

@@ -6,11 +6,12 @@ not type-check (e.g. a dot of fp16 and bf16 tiles) passes it; ptxas does not. Pr
 
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from spear.kernels.attention import _paged_decode_kernel
+from spear.kernels.attention import _paged_decode_kernel, launch_config
 from spear.kernels.dequant import _dequant_kernel
 from spear.kernels.ec import _ec_gate_kernel, _ec_up_kernel
 from spear.kernels.w4a16 import _w4a16_kernel
@@ -54,16 +55,20 @@ def compile_small(bf16):
     triton.compile(ASTSource(_ec_up_kernel, sig(_ec_up_kernel, p, ("alpha",), c), c), target=TARGET)
 
 
-def compile_attention(dtype, head_dim, block_size, group, block_n):
-    """The paged decode kernel; pointers 16-byte aligned, as torch allocates them."""
+def compile_attention(dtype, head_dim, block_size, group):
+    """The paged decode kernel as the launcher specializes it: pointers 16-byte aligned (torch's
+    allocations), strides multiples of head_dim >= 16, context_lens contiguous."""
     fn = _paged_decode_kernel
     ptrs = dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, bt_ptr="*i64", lens_ptr="*i64",
                 out_ptr="*" + dtype)
+    div16 = list(ptrs) + [n for n in fn.arg_names if n.startswith(("stride_q", "stride_o", "stride_k", "stride_v"))]
+    block_n, num_warps = launch_config(getattr(torch, dict(fp16="float16", bf16="bfloat16", fp32="float32")[dtype]),
+                                       head_dim)
     c = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-             BLOCK_N=block_n, IS_FP32=dtype == "fp32", DOT_F32=False)
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ptrs}
+             BLOCK_N=block_n, IS_FP32=dtype == "fp32", DOT_F32=False, stride_len=1)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
     src = ASTSource(fn, sig(fn, ptrs, ("qk_scale",), c), c, attrs)
-    triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=2))
+    triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=2))
 
 
 if __name__ == "__main__":
@@ -71,8 +76,8 @@ if __name__ == "__main__":
     for ec_mode, mv, bm in ((0, 0, 64), (1, 1, 16), (1, 0, 16), (2, 0, 64)):
         compile_w4(bf16, ec_mode, mv, bm)
     compile_small(bf16)
-    for head_dim, block_size, group, block_n in ((128, 16, 4, 64), (128, 8, 1, 64), (64, 32, 8, 64), (256, 16, 4, 32)):
-        compile_attention("bf16" if bf16 else "fp16", head_dim, block_size, group, block_n)
+    for head_dim, block_size, group in ((128, 16, 4), (128, 8, 1), (64, 32, 8), (256, 16, 4)):
+        compile_attention("bf16" if bf16 else "fp16", head_dim, block_size, group)
     if not bf16:
-        compile_attention("fp32", 128, 16, 4, 64)
+        compile_attention("fp32", 128, 16, 4)
     print("ok")

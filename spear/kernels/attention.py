@@ -1,0 +1,214 @@
+"""Paged attention for the decode step: one query token per sequence over its cached keys.
+
+    out[b, h] = softmax(scale · q[b, h] · K_bᵀ) V_b,   K_b, V_b = the first context_lens[b]
+                                                      tokens of sequence b in the paged cache
+
+Layout (serve/layers.py): q (B, n_heads, head_dim); a layer's caches
+(num_blocks, block_size, n_kv_heads, head_dim); token ``t`` of sequence ``b`` sits in block
+``block_tables[b, t // block_size]`` at offset ``t % block_size``. Query head ``h`` reads kv
+head ``h // (n_heads // n_kv_heads)`` (grouped-query attention). Output (B, n_heads · head_dim)
+in q's dtype, as the o_proj input.
+
+Algorithm: one program per (sequence, kv head) computes all the query heads of that group,
+so each K/V tile is read from memory once for the group. The program reads its context
+length from the device tensor and walks the keys in tiles of BLOCK_N tokens up to
+cdiv(context_len, BLOCK_N); each token's block id is gathered from the block table, so a
+tile may span several cache blocks (block_size 8 with a 16-token tile) or part of one. Keys
+at positions >= context_len are neither loaded nor counted. Per tile: S = Q Kᵀ on the tensor
+cores, online softmax in fp32 (running max and sum, base-2 exponentials with log2(e) folded
+into the scale), acc += P V. The grid is (B, n_kv_heads) whatever the context lengths, and
+nothing is read back to the host, so CUDA graphs capture it; memory traffic is the blocks
+the sequences use, not the padded block table.
+
+The query group is padded to 16 rows for ``tl.dot`` (its smallest M). Decode attention is
+bound by the K/V reads, so the padded rows cost tensor-core cycles the kernel has to spare;
+the elementwise alternative (a [group, BLOCK_N, head_dim] product reduced over head_dim)
+would need that whole product in registers and force a smaller key tile, i.e. fewer bytes
+in flight per program.
+
+Numerics: fp16/bf16 score products are exact in the fp32 accumulators; P is rounded to the
+cache dtype for the P V product, as flash attention does. fp32 takes IEEE dots (no TF32).
+Under the interpreter (DOT_F32) the dots run on fp32 copies of the same rounded operands.
+
+Shapes: head_dim a power of two from 16 to 256, block_size a power of two (tiles of 16+
+keys cover blocks of 8 by gathering); anything else raises ValueError (``supports`` tells
+the caller beforehand). Parallelism is B × n_kv_heads programs: at batch 1 with 8 kv heads
+a long context keeps only 8 SMs busy; splitting the context over programs (a second
+reduction pass) would fill the GPU there, and is not done.
+
+Why hand-written: the paged decode kernels published as Python packages (flash-attn's
+``flash_attn_with_kvcache``, FlashInfer, vLLM's) are CUDA binaries with their own page-size
+and layout rules and cannot run on Triton's CPU interpreter, which is how these kernels are
+tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from spear.kernels import _common
+from spear.kernels._common import INTERPRET
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["max_blocks", "stride_bt"])
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr,
+    qk_scale, max_blocks,
+    stride_qb, stride_qh, stride_ob,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt, stride_len,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    # keys past the block table do not exist (the reference's mask is over the table's length)
+    ctx = tl.minimum(tl.load(lens_ptr + b * stride_len).to(tl.int32), max_blocks * BLOCK_SIZE)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+
+    m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+    for start in range(0, ctx, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < ctx
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        tok = pos % BLOCK_SIZE
+        kT = tl.load(k_base + (blk * stride_kb + tok * stride_kt)[None, :] + offs_d[:, None],
+                     mask=valid[None, :], other=0.0)                                    # [HEAD_DIM, BLOCK_N]
+        v = tl.load(v_base + (blk * stride_vb + tok * stride_vt)[:, None] + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)                                     # [BLOCK_N, HEAD_DIM]
+        if DOT_F32:
+            kT = kT.to(tl.float32)
+        if IS_FP32:
+            s = tl.dot(q, kT, input_precision="ieee")
+        else:
+            s = tl.dot(q, kT)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))                      # log2 units
+        # every tile holds at least one valid key (start < ctx), so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IS_FP32:
+            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+        elif DOT_F32:
+            # the GPU path's rounding of P to the cache dtype, on fp32 operands
+            acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc * alpha[:, None])
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    # context_len 0 (never scheduled) gives zeros rather than 0/0
+    o = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes these dtypes and shapes (head_dim, block_size, GQA ratio)."""
+    if q.dim() != 3 or k_cache.dim() != 4 or q.dtype not in DTYPES:
+        return False
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    return (_pow2(head_dim) and 16 <= head_dim <= 256 and _pow2(block_size) and block_size <= 256
+            and kv_heads > 0 and q.shape[1] % kv_heads == 0 and q.shape[2] == head_dim)
+
+
+def launch_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    """(keys per tile, warps). 64 keys keep 16 KiB each of K and V (fp16, head_dim 128) in
+    flight per program, double-buffered by cp.async; head_dim 256 halves the tile to bound
+    shared memory and registers. fp32 takes the FMA path of ``tl.dot`` (exact products), whose
+    operands spill at 4 warps and fit at 8 (ptxas for sm_90)."""
+    return (64 if head_dim <= 128 else 32), (8 if dtype == torch.float32 else 4)
+
+
+def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be (batch, n_heads, head_dim); got shape {tuple(q.shape)}")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"q must be float16, bfloat16 or float32; got {q.dtype}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be (num_blocks, block_size, n_kv_heads, head_dim); got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"the caches must be in q's dtype {q.dtype}; got {k_cache.dtype} and {v_cache.dtype}")
+    b, n_heads, head_dim = q.shape
+    _, block_size, kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"q has head_dim {head_dim}, the caches {cache_dim}")
+    if not (_pow2(head_dim) and 16 <= head_dim <= 256):
+        raise ValueError(f"head_dim must be a power of two from 16 to 256; got {head_dim}")
+    if not (_pow2(block_size) and block_size <= 256):
+        raise ValueError(f"block_size must be a power of two up to 256; got {block_size}")
+    if kv_heads == 0 or n_heads % kv_heads:
+        raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={kv_heads}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != b or block_tables.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_tables must be ({b}, max_blocks) int32/int64; got {tuple(block_tables.shape)} "
+                         f"{block_tables.dtype}")
+    if block_tables.shape[1] == 0:
+        raise ValueError("block_tables must have at least one column")
+    if context_lens.shape != (b,) or context_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"context_lens must be ({b},) int32/int64; got {tuple(context_lens.shape)} "
+                         f"{context_lens.dtype}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride along head_dim; got strides {t.stride()}")
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           launch=None, block_n: int | None = None) -> torch.Tensor:
+    """Attention of one query per sequence over its paged keys; (B, n_heads · head_dim) in q's dtype.
+
+    Same contract as ``serve.layers.decode_attention_reference``: block table entries past a
+    sequence's last block are never read, context lengths past the table's width are clamped
+    to it. Fixed grid and no host synchronization: safe inside a CUDA graph. ``block_n`` (keys per
+    tile, a power of two >= 16) overrides the default tile, for tests.
+    """
+    _check(q, k_cache, v_cache, block_tables, context_lens)
+    if block_n is not None and not (_pow2(block_n) and block_n >= 16):
+        raise ValueError(f"block_n must be a power of two >= 16; got {block_n}")
+    b, n_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = n_heads // kv_heads
+    out = _common.alloc((b, n_heads * head_dim), dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    tile, num_warps = launch_config(q.dtype, head_dim)
+    block_n = block_n or tile
+    kernel = _paged_decode_kernel if launch is None else launch(_paged_decode_kernel)
+    kernel[(b, kv_heads)](
+        q, k_cache, v_cache, block_tables, context_lens, out,
+        float(scale) * LOG2E, block_tables.shape[1],
+        q.stride(0), q.stride(1), out.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), context_lens.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, IS_FP32=q.dtype == torch.float32, DOT_F32=INTERPRET,
+        num_warps=num_warps, num_stages=2,
+    )
+    return out

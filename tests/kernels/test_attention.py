@@ -1,0 +1,197 @@
+"""Paged decode attention (spear.kernels.attention) against the torch reference of serve.layers.
+
+Every batch holds sequences of context lengths 1, 7, 16, 17 and 40 over shuffled cache blocks,
+block tables padded with a scratch block id, and a padding row (all-scratch table, context
+length 1), as the engine's CUDA-graph path builds them. Cache slots outside every context are
+NaN, so a masked key that is loaded (rather than skipped) shows up; the output starts as NaN.
+
+On the CPU these run through TRITON_INTERPRET=1 at small shapes (conftest.py); the tests
+marked ``gpu`` repeat them at real Llama shapes, and inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spear.kernels.attention import paged_decode_attention
+from spear.serve.layers import decode_attention, decode_attention_reference
+from tests.kernels._helpers import DEVICE, SQNR_FLOOR, TOL, sqnr_db
+
+CONTEXT_LENS = (1, 7, 16, 17, 40)
+# fp32 reference vs a kernel in fp32 (exp2 with the scale folded, another summation order)
+TOLS = {**TOL, torch.float32: 1e-5}
+FLOORS = {**SQNR_FLOOR, torch.float32: 100.0}
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert torch.isfinite(out).all(), f"{what}: non-finite values (unwritten output or a masked key read)"
+    assert out.shape == ref.shape and out.dtype == dtype, f"{what}: {tuple(out.shape)} {out.dtype}"
+    err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+    s = sqnr_db(ref, out.float())
+    assert err <= TOLS[dtype] and s >= FLOORS[dtype], (
+        f"{what}: max error {err:.2e} (tol {TOLS[dtype]:.0e}), SQNR {s:.1f} dB (floor {FLOORS[dtype]} dB)")
+
+
+def make_batch(context_lens, n_heads, kv_heads, head_dim, block_size, dtype, seed, extra_blocks=3,
+               device=DEVICE):
+    """(q, k_cache, v_cache, clean k, clean v, block_tables, context_lens) with one padding row added.
+
+    Blocks are handed out in a random order; the last block is the scratch block. In the
+    caches the kernel gets, every slot that is not a position < context_len of some row is NaN;
+    the clean copies (for the reference, whose masked SDPA would turn NaN into NaN) hold the
+    random values there instead.
+    """
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in context_lens]
+    max_blocks = max(need) + 1  # one more column than any row needs: every table is padded
+    num_blocks = sum(need) + extra_blocks + 1
+    scratch = num_blocks - 1
+    perm = torch.randperm(num_blocks - 1, generator=g).tolist()
+    tables, live = [], torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for n, nb in zip(context_lens, need):
+        row = [perm.pop() for _ in range(nb)]
+        for t in range(n):
+            live[row[t // block_size], t % block_size] = True
+        tables.append(row + [scratch] * (max_blocks - nb))
+    tables.append([scratch] * max_blocks)  # padding row: reads scratch slot 0
+    live[scratch, 0] = True
+    lens = list(context_lens) + [1]
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k = torch.randn(shape, generator=g)
+    v = torch.randn(shape, generator=g)
+    q = torch.randn(len(lens), n_heads, head_dim, generator=g)
+    dead = ~live[:, :, None, None]
+    kp, vp = k.masked_fill(dead, float("nan")), v.masked_fill(dead, float("nan"))
+    to = lambda x: x.to(dtype).to(device)  # noqa: E731
+    i64 = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return to(q), to(kp), to(vp), to(k), to(v), i64(tables), i64(lens)
+
+
+def _reference(q, k, v, tables, lens, scale):
+    """The torch reference in fp32 on the (rounded) inputs the kernel reads."""
+    return decode_attention_reference(q.float().cpu(), k.float().cpu(), v.float().cpu(), tables.cpu(), lens.cpu(),
+                                      scale)
+
+
+# (block_size, GQA ratio, head_dim, dtype, keys per tile): tiles spanning two blocks (8 / 16),
+# one block, half a block (32 / 16), and the default tile (one tile holds every context)
+CASES = [
+    (8, 1, 16, torch.float32, 16),
+    (16, 4, 32, torch.float32, 16),
+    (8, 4, 32, torch.float16, 16),
+    (16, 1, 32, torch.float16, None),
+    (16, 4, 16, torch.bfloat16, 16),
+    (32, 4, 16, torch.float16, 16),
+]
+
+
+@pytest.mark.parametrize("block_size,ratio,head_dim,dtype,block_n", CASES)
+def test_paged_decode_attention(poisoned, block_size, ratio, head_dim, dtype, block_n):
+    kv_heads = 2
+    q, kp, vp, k, v, tables, lens = make_batch(CONTEXT_LENS, kv_heads * ratio, kv_heads, head_dim, block_size,
+                                               dtype, seed=block_size + ratio + head_dim)
+    scale = head_dim ** -0.5
+    out = paged_decode_attention(q, kp, vp, tables, lens, scale, block_n=block_n)
+    what = f"bs={block_size} gqa={ratio} d={head_dim} {dtype} tile={block_n}"
+    _check(out.cpu(), _reference(q, k, v, tables, lens, scale), dtype, what)
+
+
+def test_int32_tables_and_clamped_context():
+    """int32 block tables / lengths; a context length past the table's width is clamped to it."""
+    q, kp, vp, k, v, tables, lens = make_batch((7, 16), 2, 2, 16, 8, torch.float32, seed=5, extra_blocks=0)
+    lens_over = lens.clone()
+    lens_over[1] = 1000  # the table has 3 columns of 8: keys 0..23 exist, the reference masks nothing else
+    ref = _reference(q, v, v, tables, lens_over, 0.25)  # K = V: every slot of the table is finite there
+    out = paged_decode_attention(q, v, v, tables.int(), lens_over.int(), 0.25, block_n=16)
+    _check(out.cpu(), ref, torch.float32, "int32 tables, clamped context")
+
+
+def test_decode_attention_dispatch_on_cpu():
+    """CPU tensors keep the torch path, bit for bit."""
+    q, _, _, k, v, tables, lens = make_batch(CONTEXT_LENS, 4, 2, 16, 8, torch.float32, seed=1, device="cpu")
+    assert torch.equal(decode_attention(q, k, v, tables, lens, 0.25),
+                       decode_attention_reference(q, k, v, tables, lens, 0.25))
+
+
+def test_launcher_errors():
+    def call(**kw):
+        args = dict(q=torch.zeros(2, 4, 16), k=torch.zeros(5, 8, 2, 16), v=None,
+                    tables=torch.zeros(2, 3, dtype=torch.long), lens=torch.ones(2, dtype=torch.long))
+        args.update(kw)
+        args["v"] = args["k"] if args["v"] is None else args["v"]
+        a = {n: (t.to(DEVICE) if torch.is_tensor(t) else t) for n, t in args.items()}
+        return paged_decode_attention(a["q"], a["k"], a["v"], a["tables"], a["lens"], 0.25)
+
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        call(q=torch.zeros(2, 4, 24), k=torch.zeros(5, 8, 2, 24))
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        call(q=torch.zeros(2, 4, 8), k=torch.zeros(5, 8, 2, 8))
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        call(k=torch.zeros(5, 12, 2, 16))
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        call(q=torch.zeros(2, 3, 16))
+    with pytest.raises(ValueError, match="head_dim 16, the caches 32"):
+        call(k=torch.zeros(5, 8, 2, 32))
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        call(q=torch.zeros(2, 4, 16, dtype=torch.float64), k=torch.zeros(5, 8, 2, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="caches must be in q's dtype"):
+        call(k=torch.zeros(5, 8, 2, 16, dtype=torch.float16))
+    with pytest.raises(ValueError, match="k_cache and v_cache"):
+        call(v=torch.zeros(5, 8, 2, 32))
+    with pytest.raises(ValueError, match="block_tables must be"):
+        call(tables=torch.zeros(3, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="block_tables must be"):
+        call(tables=torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="context_lens must be"):
+        call(lens=torch.ones(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="unit stride along head_dim"):
+        call(q=torch.zeros(2, 16, 4).transpose(1, 2))
+    with pytest.raises(ValueError, match="q must be"):
+        call(q=torch.zeros(2, 64))
+
+
+# Real shapes on the GPU: Llama-2-7B (MHA, head_dim 128), Llama-3-8B (GQA 4), a head_dim 64 model
+GPU_SHAPES = [(32, 32, 128), (32, 8, 128), (16, 4, 64)]
+GPU_CONTEXTS = (1, 7, 16, 17, 40, 63, 64, 65, 500, 1023, 2049, 4000)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_heads,kv_heads,head_dim", GPU_SHAPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gpu_real_shapes(poisoned, n_heads, kv_heads, head_dim, block_size, dtype):
+    if DEVICE != "cuda":
+        pytest.skip("needs CUDA")
+    q, kp, vp, k, v, tables, lens = make_batch(GPU_CONTEXTS, n_heads, kv_heads, head_dim, block_size, dtype,
+                                               seed=head_dim + block_size)
+    scale = head_dim ** -0.5
+    ref = _reference(q, k, v, tables, lens, scale)
+    what = f"H={n_heads}/{kv_heads} d={head_dim} bs={block_size} {dtype}"
+    outs = [paged_decode_attention(q, kp, vp, tables, lens, scale) for _ in range(2)]
+    _check(outs[0].cpu(), ref, dtype, what)
+    assert torch.equal(outs[0], outs[1]), f"{what}: not deterministic"
+    _check(decode_attention(q, kp, vp, tables, lens, scale).cpu(), ref, dtype, what + " (dispatch)")
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay():
+    """Captured once over static buffers; new tables and lengths in the same buffers on replay."""
+    if DEVICE != "cuda":
+        pytest.skip("needs CUDA")
+    dtype, scale = torch.float16, 128 ** -0.5
+    q, kp, vp, k, v, tables, lens = make_batch((5, 300, 33, 1024), 32, 8, 128, 16, dtype, seed=0, extra_blocks=64)
+    q2 = torch.randn_like(q)
+    tables2 = tables[torch.tensor([3, 2, 4, 0, 1])]  # other rows' blocks: same finite slots, other lengths
+    lens2 = lens[torch.tensor([3, 2, 4, 0, 1])]
+    s_q, s_t, s_l = q.clone(), tables.clone(), lens.clone()
+    paged_decode_attention(s_q, kp, vp, s_t, s_l, scale)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        s_o = paged_decode_attention(s_q, kp, vp, s_t, s_l, scale)
+    for qq, tt, ll in ((q, tables, lens), (q2, tables2, lens2)):
+        s_q.copy_(qq)
+        s_t.copy_(tt)
+        s_l.copy_(ll)
+        graph.replay()
+        _check(s_o.cpu(), _reference(qq, k, v, tt, ll, scale), dtype, "graph replay")
