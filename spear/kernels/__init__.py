@@ -6,6 +6,9 @@ w4a16.py      W4 GEMM: split-K, fused compensator epilogue
 dequant.py    W4 -> fp16/bf16 for the dequantize + cuBLAS prefill path
 ec.py         compensator kernels of the semi-fused prefill path
 ops.py        ``spear::w4a16_ec`` (torch.library.triton_op) and the dispatch by token count
+gemv.py       K-major W4 GEMV for decode (measured candidate layout, not dispatched yet)
+fused.py      RMSNorm (+ residual), rotary + KV write, SiLU·mul for the CUDA decode layer
+attention.py  paged decode attention over the serving engine's block tables
 """
 
 from spear.kernels.layout import PackedEC, PackedW4, pack, pack_ec, unpack
