@@ -132,7 +132,14 @@ def _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound,
 # (nibbles i, i + 4) that the mask 0x000F000F takes from the word shifted by 4i;
 # $0 = sum over the 8 codes of (code - zero) / 16 * x, products and partial sums in fp16x2.
 # Only for fp16 activations on CUDA; the interpreter cannot run PTX.
-_WORD_DOT_PTX = tl.constexpr("""{
+@triton.jit
+def _word_dot(p, zneg, x0, x1, x2, x3):
+    """The PTX above, elementwise over int32 tensors of one shape; fp32 result.
+
+    The assembly is a literal here rather than a module-level constant: torch.compile copies
+    user Triton kernels with the jit functions they call, not with their global constants.
+    """
+    return tl.inline_asm_elementwise("""{
 .reg .b32 t0, t1, t2, t3, q, acc, c16;
 .reg .f16 lo, hi;
 .reg .f32 flo, fhi;
@@ -156,7 +163,8 @@ mov.b32 {lo, hi}, acc;
 cvt.f32.f16 flo, lo;
 cvt.f32.f16 fhi, hi;
 add.f32 $0, flo, fhi;
-}""")
+}""", "=f,r,r,r,r,r,r", [p, zneg, x0, x1, x2, x3],
+                                     dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -178,8 +186,7 @@ def _ptx_token(acc, x_ptr, i, stride_xm, k, offs_w, p, zneg, M):
     x1 = tl.broadcast_to(_x_pair(base, 2, 6, m)[None, :], shape)
     x2 = tl.broadcast_to(_x_pair(base, 1, 5, m)[None, :], shape)
     x3 = tl.broadcast_to(_x_pair(base, 3, 7, m)[None, :], shape)
-    return acc + tl.inline_asm_elementwise(_WORD_DOT_PTX, "=f,r,r,r,r,r,r", [p, zneg, x0, x1, x2, x3],
-                                           dtype=tl.float32, is_pure=True, pack=1)
+    return acc + _word_dot(p, zneg, x0, x1, x2, x3)
 
 
 @triton.jit
@@ -204,7 +211,7 @@ def _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, 
     (code - zero)·16^i exactly, and the matching x is pre-scaled by 16^-i (exact). Per weight:
     one LOP3, one FADD, one FFMA per token; the group scale is applied once per K step.
     PTX (fp16 activations on CUDA): each word against its 8 activations in fp16x2 instead
-    (``_WORD_DOT_PTX``: about 2.4 instructions per weight instead of ~4.7), accumulated in
+    (``_word_dot``: about 2.4 instructions per weight instead of ~4.7), accumulated in
     fp32 per word, in units of 1/16 that the scale takes back.
     """
     if PTX:
@@ -238,7 +245,7 @@ def _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, 
             s2 = a2
             s3 = a3
         if PTX:
-            # fp16 activations on CUDA: (code - zero)/16 · x per word in fp16x2 (_WORD_DOT_PTX)
+            # fp16 activations on CUDA: (code - zero)/16 · x per word in fp16x2 (_word_dot)
             zq = (-(1024.0 + z) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
             zneg = tl.broadcast_to((zq | (zq << 16))[:, None], (BN, BK // 8))
             s0 = _ptx_token(s0, x_ptr, 0, stride_xm, k, offs_w, p, zneg, M)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import _WORD_DOT_PTX, _halves
+from spear.kernels._common import _halves, _word_dot
 from spear.kernels.layout import LOCK_SLOTS, PackedW4, check_codes
 
 
@@ -119,8 +119,7 @@ def _token_asm(acc, x_ptr, t, stride_xm, k, offs_j, p, zneg, M):
     x1 = tl.broadcast_to(tl.load(xb + 1, mask=m, other=0)[:, None], shape)
     x2 = tl.broadcast_to(tl.load(xb + 2, mask=m, other=0)[:, None], shape)
     x3 = tl.broadcast_to(tl.load(xb + 3, mask=m, other=0)[:, None], shape)
-    return acc + tl.inline_asm_elementwise(_WORD_DOT_PTX, "=f,r,r,r,r,r,r", [p, zneg, x0, x1, x2, x3],
-                                           dtype=tl.float32, is_pure=True, pack=1)
+    return acc + _word_dot(p, zneg, x0, x1, x2, x3)
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])

@@ -11,7 +11,7 @@ column tiles x split_k. Each W program streams BN rows of packed codes over its 
     (weights on the left) so that decode's few tokens sit on the small MMA dimension.
   * CUDA cores (MV = 1, 2, 4 tokens; ``_fma_mainloop`` in _common.py): exact fp32 codes,
     one FMA per weight and token, no change of register layout; with fp16 activations on
-    CUDA, each word's 8 products run in fp16x2 PTX instead (``_WORD_DOT_PTX``).
+    CUDA, each word's 8 products run in fp16x2 PTX instead (``_common._word_dot``).
 Per-channel scales are applied once after the loop.
 
 Split-K (decode: N/BN tiles alone cannot fill 132 SMs). Every split writes its fp32
