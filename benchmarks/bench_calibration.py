@@ -130,6 +130,9 @@ def main() -> None:
     p.add_argument("--variants", default="nogate,gate")
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--damage-samples", type=int, default=16, help="self-samples (x128 tokens) for CKA damage")
+    p.add_argument("--damage-cache", type=Path,
+                   help="file keeping the CKA damage scores between runs (keyed by model, device, bits, group, "
+                        "symmetry, samples): later runs of the same model skip the damage pass")
     p.add_argument("--eval-windows", type=int, default=24)
     p.add_argument("--out", default="results/calibration")
     p.add_argument("--merge", nargs="+", metavar="PATH",
@@ -173,6 +176,13 @@ def main() -> None:
             if sampling_key(cfg) not in data:
                 data[sampling_key(cfg)] = prepare_calibration(model, tok, cfg, progress=False)
     del model
+    cache_prefix = (args.model, torch.device(args.device).type)
+    if args.damage_cache and args.damage_cache.exists():
+        from spear.select import plan as plan_mod
+
+        for key, dmg in torch.load(args.damage_cache, weights_only=False).items():
+            if tuple(key[:2]) == cache_prefix:
+                plan_mod._damage_cache.setdefault(tuple(key[2:]), dmg)
     for sname in args.settings.split(","):
         qcfg = parse_setting(sname)
         model, _ = fresh()
@@ -182,6 +192,8 @@ def main() -> None:
         for spec in args.plans.split(","):  # placement needs the FP model
             plans[spec] = make_plan(spec, model, tok, qcfg, damage_samples=args.damage_samples)
         select_s = time.perf_counter() - t0
+        if args.damage_cache:
+            _save_damage_cache(args.damage_cache, cache_prefix)
         scales: dict = {}
         t0 = time.perf_counter()
         mods = quantize_model(model, qcfg, calib=None, progress=False, tokenizer=tok, channel_scales=scales)
