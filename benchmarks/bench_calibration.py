@@ -83,7 +83,7 @@ def parse_variant(spec: str) -> tuple[str, dict]:
 def sampling_key(cfg: CalibrationConfig) -> tuple:
     """The settings that change the self-samples, teacher and statistics a run trains on."""
     return (cfg.seed, cfg.n_samples, cfg.val_samples, cfg.sample_len, cfg.temperature, cfg.top_p,
-            cfg.init == "qera-exact")
+            cfg.init == "qera-exact", cfg.teacher_top_k)
 
 
 def summarize(rows: list[dict]) -> list[str]:

@@ -27,6 +27,10 @@ def add_calibration_args(p, with_gate_flag: bool = True) -> None:
     g.add_argument("--lr", type=float, default=d.lr, help="learning rate of A, B (default: %(default)s)")
     g.add_argument("--gate-lr", type=float, default=d.gate_lr, help="learning rate of the gate (default: %(default)s)")
     g.add_argument("--seed", type=nonneg_int, default=d.seed, help="sampling, init and data-order seed (default: %(default)s)")
+    g.add_argument("--teacher-top-k", type=nonneg_int, default=d.teacher_top_k, metavar="K",
+                   help="keep only the teacher's K most likely tokens per position (plus the rest's mass) "
+                        "instead of the whole distribution: bounded memory for many samples or large "
+                        "vocabularies (default: %(default)s = whole distribution)")
     g.add_argument("--init", choices=["identity", "lqer", "qera-approx", "qera-exact"], default=d.init,
                    help="closed-form solution the ECs start from (default: %(default)s)")
 
@@ -37,7 +41,8 @@ def calibration_config_from(args):
     return CalibrationConfig(n_samples=args.samples, val_samples=args.val_samples, sample_len=args.sample_len,
                              seed=args.seed, steps=args.steps, batch_size=args.calib_batch, lr=args.lr,
                              gate_lr=args.gate_lr, gated=getattr(args, "gate", False), hidden=args.hidden,
-                             bound=args.bound, gate_per_rank=not args.gate_per_module, init=args.init)
+                             bound=args.bound, gate_per_rank=not args.gate_per_module, init=args.init,
+                             teacher_top_k=args.teacher_top_k)
 
 
 def register(sub) -> None:

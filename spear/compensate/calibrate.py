@@ -4,7 +4,9 @@ Only EC parameters train (A, B, α and the gate); the quantized base, embeddings
 norms stay frozen. The objective is KL(p_FP ‖ p_quantized+EC) over every position
 of sequences the FP model sampled itself. Teacher log-probabilities are computed
 once, before the model is quantized, and kept in fp16 (the default model's 64 x 128
-samples take ~0.8 GB). A held-out set of self-samples gives the validation KL used
+samples take ~0.8 GB), or, with ``teacher_top_k = k``, only the teacher's k most likely
+tokens per position plus the probability left over (:class:`TopKTeacher`: 6k + 4 bytes
+per position instead of 2 x vocab), for many samples or large vocabularies. A held-out set of self-samples gives the validation KL used
 for early stopping; the best EC state seen is restored at the end. A non-finite
 loss stops the run with an error naming the step and the first module whose
 parameters or gradients went non-finite, so no checkpoint is written from it.
@@ -52,6 +54,7 @@ class CalibrationConfig:
     bound: float = 1.0
     gate_per_rank: bool = True  # one γ per rank component (False: one per module)
     init: str = "qera-approx"  # static solution the ECs start from
+    teacher_top_k: int = 0  # 0: the full teacher distribution; k: its top k tokens + the rest (TopKTeacher)
 
     def __post_init__(self):
         positive = ("n_samples", "val_samples", "steps", "batch_size", "eval_every", "patience", "hidden")
@@ -65,6 +68,8 @@ class CalibrationConfig:
                 raise SpearError(f"calibration {name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.warmup < 1:
             raise SpearError(f"warmup must be a fraction in [0, 1), got {self.warmup}")
+        if self.teacher_top_k < 0:
+            raise SpearError(f"teacher_top_k must be 0 (full distribution) or >= 1, got {self.teacher_top_k}")
         if self.init not in ("identity", "lqer", "qera-approx", "qera-exact"):
             raise SpearError(f"init must be identity, lqer, qera-approx or qera-exact; got {self.init!r}")
 
@@ -86,22 +91,71 @@ class CalibrationDiverged(SpearError):
     """The KL loss became NaN/inf."""
 
 
+@dataclass
+class TopKTeacher:
+    """A sparse teacher: the k most likely tokens per position and the probability left over.
+
+    ``logp`` (n, L, k) fp16 log-probabilities of those tokens, ``idx`` (n, L, k) int32 their
+    ids, ``tail`` (n, L) fp32 log of the remaining mass. The loss against it is the KL between
+    the teacher and the student both coarsened to k + 1 outcomes (the k tokens and "any
+    other"): exact for the tokens that carry the teacher's mass, a lower bound of the full KL.
+    Indexing (rows) and ``.to(device)`` behave like a tensor's.
+    """
+
+    logp: torch.Tensor
+    idx: torch.Tensor
+    tail: torch.Tensor
+
+    def __getitem__(self, rows) -> "TopKTeacher":
+        return TopKTeacher(self.logp[rows], self.idx[rows], self.tail[rows])
+
+    def to(self, device) -> "TopKTeacher":
+        return TopKTeacher(self.logp.to(device), self.idx.to(device), self.tail.to(device))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.logp.shape
+
+    def __len__(self) -> int:
+        return self.logp.shape[0]
+
+
 @torch.no_grad()
-def teacher_logprobs(model: nn.Module, ids: torch.Tensor, batch_size: int = 8, progress: bool = True) -> torch.Tensor:
-    """FP log-probabilities (n, L, vocab) in fp16, computed batch by batch."""
+def teacher_logprobs(model: nn.Module, ids: torch.Tensor, batch_size: int = 8, progress: bool = True,
+                     top_k: int = 0) -> torch.Tensor | TopKTeacher:
+    """FP log-probabilities (n, L, vocab) in fp16, computed batch by batch; with ``top_k`` a
+    :class:`TopKTeacher` instead."""
     device = next(model.parameters()).device
     out = []
     for i in tqdm(range(0, ids.shape[0], batch_size), desc="teacher logits", unit="batch", disable=not progress,
                   leave=False):
         logits = model(input_ids=ids[i:i + batch_size].to(device), use_cache=False).logits
-        out.append(F.log_softmax(logits.float(), dim=-1).to(torch.float16).cpu())
+        lp = F.log_softmax(logits.float(), dim=-1)
+        if top_k:
+            top, idx = lp.topk(min(top_k, lp.shape[-1]), dim=-1)
+            # log(1 - sum p_top), computed without cancellation from the log-probabilities
+            tail = torch.log1p(-top.exp().sum(-1).clamp(max=1.0 - 1e-7))
+            out.append(TopKTeacher(top.to(torch.float16).cpu(), idx.to(torch.int32).cpu(), tail.cpu()))
+        else:
+            out.append(lp.to(torch.float16).cpu())
+    if top_k:
+        return TopKTeacher(*(torch.cat([getattr(t, f) for t in out]) for f in ("logp", "idx", "tail")))
     return torch.cat(out)
 
 
-def kl_loss(student_logits: torch.Tensor, teacher_lp: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of KL(p_teacher ‖ p_student)."""
-    t = teacher_lp.float()
+def kl_loss(student_logits: torch.Tensor, teacher_lp: torch.Tensor | TopKTeacher) -> torch.Tensor:
+    """Mean over positions of KL(p_teacher ‖ p_student) (coarsened to the teacher's top k + rest
+    for a :class:`TopKTeacher`)."""
     s = F.log_softmax(student_logits.float(), dim=-1)
+    if isinstance(teacher_lp, TopKTeacher):
+        t, idx, tail = teacher_lp.logp.float(), teacher_lp.idx.long(), teacher_lp.tail.float()
+        kl = (t.exp() * (t - s.gather(-1, idx))).sum(-1)
+        if idx.shape[-1] < s.shape[-1]:  # k = vocab leaves no other tokens (and no tail term)
+            # log of the student's mass outside the teacher's top k: logsumexp over the other tokens
+            s_rest = s.scatter(-1, idx, float("-inf")).logsumexp(-1)
+            kl = kl + tail.exp() * (tail - s_rest)
+        return kl.mean()
+    t = teacher_lp.float()
     return (t.exp() * (t - s)).sum(-1).mean()
 
 

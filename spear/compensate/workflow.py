@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from spear.compensate.calibrate import CalibrationConfig, CalibrationReport, ec_modules, teacher_logprobs, train_ecs
+from spear.compensate.calibrate import (CalibrationConfig, CalibrationReport, TopKTeacher, ec_modules, teacher_logprobs,
+                                       train_ecs)
 from spear.compensate.ec import GatedCompensator
 from spear.compensate.registry import as_stored
 from spear.compensate.stats import ActivationStats, collect_activation_stats
@@ -32,8 +33,8 @@ from spear.quant.linear import QuantLinear
 class CalibrationData:
     train_ids: torch.Tensor
     val_ids: torch.Tensor
-    train_teacher: torch.Tensor | None  # None when prepared for blockwise calibration
-    val_teacher: torch.Tensor | None
+    train_teacher: torch.Tensor | TopKTeacher | None  # None when prepared for blockwise calibration
+    val_teacher: torch.Tensor | TopKTeacher | None
     stats: dict[str, ActivationStats]
     fp_weights: dict[str, torch.Tensor]
 
@@ -49,7 +50,8 @@ def prepare_calibration(model: nn.Module, tokenizer, cfg: CalibrationConfig, inc
     train_ids, val_ids = ids[: cfg.n_samples], ids[cfg.n_samples:]
     targets = quantizable_linears(model, include_lm_head)
     stats = collect_activation_stats(model, targets, train_ids, outer=cfg.init == "qera-exact", progress=progress)
-    lp = teacher_logprobs(model, ids, batch_size=cfg.batch_size * 2, progress=progress) if teacher else None
+    lp = teacher_logprobs(model, ids, batch_size=cfg.batch_size * 2, progress=progress,
+                          top_k=cfg.teacher_top_k) if teacher else None
     return CalibrationData(train_ids, val_ids, None if lp is None else lp[: cfg.n_samples],
                            None if lp is None else lp[cfg.n_samples:], stats,
                            {n: lin.weight.detach().clone() for n, lin in targets.items()})
