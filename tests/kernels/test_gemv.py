@@ -19,8 +19,10 @@ def test_gemv_matches_reference(poisoned, m, group_size, symmetric, dtype):
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 0.5).to(dtype).to(DEVICE)
     ref = reference.w4a16_ec(x, codes, scales, zeros, group_size)
     # fp16: packed fp16 products (PTX on CUDA, the Triton form in the interpreter) and the exact fp32 loop
-    for cfg in (GemvConfig(BN=64, BK=32, split_k=1, num_warps=2), GemvConfig(BN=32, BK=32, split_k=4, num_warps=1),
-                GemvConfig(BN=32, BK=32, split_k=2, num_warps=1, half=False)):
+    # (bf16 always takes the fp32 loop: one configuration covers it)
+    cfgs = (GemvConfig(BN=64, BK=32, split_k=1, num_warps=2), GemvConfig(BN=32, BK=32, split_k=4, num_warps=1),
+            GemvConfig(BN=32, BK=32, split_k=2, num_warps=1, half=False))
+    for cfg in cfgs if dtype == torch.float16 else cfgs[1:2]:
         out = w4_gemv(x, w, cfg)
         assert_close(out, ref, dtype, f"m={m} g={group_size} sym={symmetric} {cfg}")
         assert int(w.locks.abs().sum()) == 0, "split-K counters must be re-armed"
