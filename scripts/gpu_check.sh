@@ -10,7 +10,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 {
   timeout 300 python -m pytest -q -p no:cacheprovider -m gpu tests/serve/test_gpu.py tests/kernels 2>&1 | tail -25
-  timeout 120 python -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py tests/kernels/test_attention.py \
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py \
     tests/kernels/test_fused.py 2>&1 | tail -6
 } > "$out/tests.txt"
 tail -8 "$out/tests.txt"

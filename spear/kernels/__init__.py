@@ -1,12 +1,12 @@
 """Triton kernels for W4A16 layers with error compensators, and the registered op.
 
-layout.py     packed weight / compensator layouts and ``pack()``
+layout.py     packed weight / compensator layouts and ``pack()`` (N-major, or K-major with kmajor=True)
 reference.py  plain-torch references (the contract)
 w4a16.py      W4 GEMM: split-K, fused compensator epilogue
+_kmajor.py    its main loops for the K-major layout (CUDA-core decode loop, tensor-core sub-dots)
 dequant.py    W4 -> fp16/bf16 for the dequantize + cuBLAS prefill path
 ec.py         compensator kernels of the semi-fused prefill path
 ops.py        ``spear::w4a16_ec`` (torch.library.triton_op) and the dispatch by token count
-gemv.py       K-major W4 GEMV for decode (measured candidate layout, not dispatched yet)
 fused.py      RMSNorm (+ residual), rotary + KV write, SiLU·mul for the CUDA decode layer
 attention.py  paged decode attention over the serving engine's block tables
 """

@@ -3,7 +3,9 @@
 At M >= ops.DEQUANT_MM_MIN_M a cuBLAS GEMM on the dequantized weight beats the Triton
 dequant-in-loop GEMM; this pass costs 2 bytes written and 0.52 read per weight.
 Algorithm: one program per [BN, BK] tile: unpack (``_unpack_w4``), apply zero point and
-scale, round once to the activation dtype (as the reference rounds W_hat), store.
+scale, round once to the activation dtype (as the reference rounds W_hat), store. The
+K-major layout is written as W_hatᵀ (K, N), contiguous along N as its words are, and
+returned as the (N, K) transposed view (cuBLAS takes either orientation).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import _dequant, _unpack_w4
+from spear.kernels._common import _dequant, _halves, _unpack_w4
+from spear.kernels._kmajor import _dequant_rows
 from spear.kernels.layout import PackedW4
 
 
@@ -45,11 +48,54 @@ def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, K,
     tl.store(w_ptr + offs_n[:, None] * K + (k + tl.arange(0, BK))[None, :], w, mask=n_mask[:, None])
 
 
+@triton.jit
+def _dequant_kmajor_kernel(qw_ptr, scales_ptr, zeros_ptr, wt_ptr, N,
+                           GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BN)
+    k0 = (pid // n_tiles) * BK
+    offs_n = tl.max_contiguous(tl.multiple_of((pid % n_tiles) * BN + tl.arange(0, BN), BN), BN)
+    offs_j = tl.arange(0, BK // 8)
+    mask = (offs_j[:, None] >= 0) & (offs_n < N)[None, :]
+    if IS_BF16:
+        magic = 0x43004300
+        zbase = 128.0
+    else:
+        magic = 0x64006400
+        zbase = 1024.0
+    if GROUP > 0:
+        grp = ((k0 + 8 * offs_j) // GROUP)[:, None] * N + offs_n[None, :]
+    else:
+        grp = offs_j[:, None] * 0 + offs_n[None, :]
+    s = tl.load(scales_ptr + grp, mask=mask, other=0.0).to(tl.float32)
+    if SYMMETRIC:
+        zc = tl.full((BK // 8, BN), zbase + 8.0, tl.float32)
+    else:
+        zc = zbase + tl.load(zeros_ptr + grp, mask=mask, other=0).to(tl.float32)
+    p = tl.load(qw_ptr + (k0 // 8 + offs_j)[:, None] * N + offs_n[None, :], mask=mask, other=0)
+    rows = wt_ptr + (k0 + 8 * offs_j)[:, None] * N + offs_n[None, :]
+    for i in tl.static_range(4):
+        lo, hi = tl.split(_halves(((p >> (4 * i)) & 0x000F000F) | magic, IS_BF16))  # k-offsets 2i, 2i+1
+        tl.store(rows + (2 * i) * N, _dequant_rows(lo, zc, s, True, IS_BF16), mask=mask)
+        tl.store(rows + (2 * i + 1) * N, _dequant_rows(hi, zc, s, True, IS_BF16), mask=mask)
+
+
 def dequantize(w: PackedW4, dtype: torch.dtype, launch=None) -> torch.Tensor:
     """W_hat (N, K) in ``dtype`` (float16 or bfloat16), rounded once as the reference rounds it."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dequantize dtype must be float16 or bfloat16; got {dtype}")
     n, k = w.out_features, w.in_features
+    if w.kmajor:
+        wt = _common.alloc((k, n), dtype=dtype, device=w.qweight.device)
+        bn, bk = 64, 128
+        kernel = _dequant_kmajor_kernel if launch is None else launch(_dequant_kmajor_kernel)
+        kernel[(triton.cdiv(n, bn) * (k // bk),)](
+            w.qweight, w.scales, w.zeros, wt, n,
+            GROUP=w.group_size, SYMMETRIC=w.symmetric, IS_BF16=dtype == torch.bfloat16, BN=bn, BK=bk,
+            num_warps=4, num_stages=1,
+        )
+        return wt.t()
     bk = min(128, w.group_size or 128)
     if k % bk:
         raise ValueError(f"in_features={k} must be a multiple of {bk}")

@@ -17,6 +17,16 @@ W4 weight (from spear's ``(codes, scales, zeros)`` layout, see :mod:`spear.quant
                            and is safe to reuse across calls and CUDA-graph replays.
 
   G = 1 for per-channel (group_size 0), else K / group_size.
+
+K-major variant (``pack(..., kmajor=True)``, K a multiple of 128):
+
+  qweight (K/8, N) int32   word (j, n) holds the codes of column n at k = 8j .. 8j+7;
+                           nibble i holds k-offset KMAJOR_NIBBLE_K[i], so the mask 0x000F000F
+                           on the word shifted by 4i takes k-offsets (2i, 2i+1): a pair of
+                           neighbouring activations, one 32-bit fp16x2 register. Output
+                           features are contiguous: a thread's 16-byte load holds 4 columns
+                           that share their activations (measured faster at decode,
+                           BENCHMARKS.md "Decode GEMV study"). Scales, zeros, locks as above.
   Storage at group 128: 4 + 16/128 + 8/128 = 4.19 bits per weight (the locks are per layer,
   not per weight). Per-channel: 4 + 24/K bits.
 
@@ -39,6 +49,9 @@ import torch
 
 # nibble i of a word holds k-offset NIBBLE_K[i]; the inverse of the order _unpack_w4 produces.
 NIBBLE_K = (0, 2, 1, 3, 4, 6, 5, 7)
+# nibble i of a K-major word holds k-offset KMAJOR_NIBBLE_K[i]
+KMAJOR_NIBBLE_K = (0, 2, 4, 6, 1, 3, 5, 7)
+KMAJOR_K_MULTIPLE = 128  # the K-major tensor-core tiles take 128 rows of K (16 words) per step
 LOCK_SLOTS = 4096
 MAX_RANK = 128
 
@@ -54,20 +67,21 @@ def padded_dim(n: int) -> int:
 
 @dataclass
 class PackedW4:
-    qweight: torch.Tensor  # (N, K/8) int32
+    qweight: torch.Tensor  # (N, K/8) int32, or (K/8, N) when kmajor
     scales: torch.Tensor   # (G, N) fp16
     zeros: torch.Tensor    # (G, N) uint8
     locks: torch.Tensor    # (LOCK_SLOTS,) int32 zeros
     group_size: int
     symmetric: bool
+    kmajor: bool = False
 
     @property
     def out_features(self) -> int:
-        return self.qweight.shape[0]
+        return self.qweight.shape[1] if self.kmajor else self.qweight.shape[0]
 
     @property
     def in_features(self) -> int:
-        return self.qweight.shape[1] * 8
+        return (self.qweight.shape[0] if self.kmajor else self.qweight.shape[1]) * 8
 
 
 @dataclass
@@ -111,26 +125,42 @@ def check_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-         symmetric: bool = False) -> PackedW4:
+         symmetric: bool = False, kmajor: bool = False) -> PackedW4:
     """Re-pack spear's (codes, scales, zeros) into the kernel layout (module docstring).
 
     ``symmetric`` lets the kernels skip the zero-point loads; it requires every zero to be 8.
+    ``kmajor`` selects the K-major layout (in_features a multiple of 128).
     """
     n, k = check_codes(codes, scales, zeros, group_size, symmetric)
-    c = codes.reshape(n, k // 8, 8).to(torch.int64)
-    word = torch.zeros(n, k // 8, dtype=torch.int64, device=codes.device)
-    for nib, koff in enumerate(NIBBLE_K):
-        word |= c[..., koff] << (4 * nib)
+    if kmajor and k % KMAJOR_K_MULTIPLE:
+        raise ValueError(f"the K-major layout needs in_features to be a multiple of {KMAJOR_K_MULTIPLE}; got {k}")
+    if kmajor:
+        c = codes.t().reshape(k // 8, 8, n).to(torch.int64)
+        word = torch.zeros(k // 8, n, dtype=torch.int64, device=codes.device)
+        for nib, koff in enumerate(KMAJOR_NIBBLE_K):
+            word |= c[:, koff, :] << (4 * nib)
+    else:
+        c = codes.reshape(n, k // 8, 8).to(torch.int64)
+        word = torch.zeros(n, k // 8, dtype=torch.int64, device=codes.device)
+        for nib, koff in enumerate(NIBBLE_K):
+            word |= c[..., koff] << (4 * nib)
     # int32 two's-complement view of the unsigned 32-bit word
     word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
     return PackedW4(qweight=word.contiguous(), scales=scales.to(torch.float16).t().contiguous(),
                     zeros=zeros.to(torch.uint8).t().contiguous(),
                     locks=torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=codes.device),
-                    group_size=group_size, symmetric=symmetric)
+                    group_size=group_size, symmetric=symmetric, kmajor=kmajor)
 
 
 def unpack(packed: PackedW4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack`: ``(codes (N, K) uint8, scales (N, G) fp16, zeros (N, G) uint8)``."""
+    if packed.kmajor:
+        qt = packed.qweight.to(torch.int64) & 0xFFFFFFFF
+        kw, n = qt.shape
+        codes = torch.empty(kw, 8, n, dtype=torch.uint8, device=qt.device)
+        for nib, koff in enumerate(KMAJOR_NIBBLE_K):
+            codes[:, koff, :] = ((qt >> (4 * nib)) & 0xF).to(torch.uint8)
+        return codes.reshape(kw * 8, n).t().contiguous(), packed.scales.t().contiguous(), packed.zeros.t().contiguous()
     qw = packed.qweight.to(torch.int64) & 0xFFFFFFFF
     n, kw = qw.shape
     codes = torch.empty(n, kw, 8, dtype=torch.uint8, device=qw.device)

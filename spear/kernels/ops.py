@@ -1,6 +1,6 @@
 """The registered op ``spear::w4a16_ec`` and its phase-aware dispatch.
 
-    torch.ops.spear.w4a16_ec(x, qweight, scales, zeros, locks, group_size, symmetric, bias,
+    torch.ops.spear.w4a16_ec(x, qweight, scales, zeros, locks, group_size, symmetric, kmajor, bias,
                              ec_a, ec_b, gate_w1, gate_b1, gate_w2, gate_b2, alpha, bound) -> Tensor
 
 x (..., K) fp16/bf16; the weight and EC tensors in the layouts of layout.py; ec_a None means
@@ -84,11 +84,11 @@ def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: P
 
 @triton_op("spear::w4a16_ec", mutates_args=())
 def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-             locks: torch.Tensor, group_size: int, symmetric: bool, bias: Optional[torch.Tensor],
+             locks: torch.Tensor, group_size: int, symmetric: bool, kmajor: bool, bias: Optional[torch.Tensor],
              ec_a: Optional[torch.Tensor], ec_b: Optional[torch.Tensor], gate_w1: Optional[torch.Tensor],
              gate_b1: Optional[torch.Tensor], gate_w2: Optional[torch.Tensor], gate_b2: Optional[torch.Tensor],
              alpha: float, bound: float) -> torch.Tensor:
-    w = PackedW4(qweight, scales, zeros, locks, group_size, symmetric)
+    w = PackedW4(qweight, scales, zeros, locks, group_size, symmetric, kmajor)
     e = None
     if ec_a is not None:
         if ec_b is None:
@@ -121,7 +121,7 @@ def w4a16_linear(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     """``x W_hatᵀ (+ bias) (+ alpha · B (gamma(A x) ⊙ A x))`` through ``spear::w4a16_ec``."""
     g = ec is not None and ec.gated
     return torch.ops.spear.w4a16_ec(
-        x, w.qweight, w.scales, w.zeros, w.locks, w.group_size, w.symmetric, bias,
+        x, w.qweight, w.scales, w.zeros, w.locks, w.group_size, w.symmetric, w.kmajor, bias,
         ec.a if ec is not None else None, ec.b if ec is not None else None,
         ec.w1 if g else None, ec.b1 if g else None, ec.w2 if g else None, ec.b2 if g else None,
         float(ec.alpha) if ec is not None else 0.0, float(ec.bound) if ec is not None else 0.0)

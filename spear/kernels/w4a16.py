@@ -43,6 +43,7 @@ import triton.language as tl
 
 from spear.kernels import _common
 from spear.kernels._common import INTERPRET, _dequant, _dot, _ec_gate, _fma_mainloop, _unpack_w4
+from spear.kernels._kmajor import _kmajor_mainloop
 from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
 
 
@@ -69,6 +70,10 @@ class Config:
 LAUNCH = {
     "fma_max_m": 1,                                       # CUDA-core main loop up to here
     "fma": dict(BN=64, BK=128, num_warps=2, num_stages=2, programs=1024),
+    # K-major layout: from the GEMV sweep (BENCHMARKS.md "Decode GEMV study"; BN 64, 4 warps,
+    # ~1024 programs was best or within 5% on every shape), ahead of the tensor-core tiles up to M = 4
+    "fma_kmajor_max_m": 4,
+    "fma_kmajor": dict(BN=64, BK=128, num_warps=4, num_stages=1, programs=1024),
     "tc": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=512),    # split-K tensor-core decode
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
 }
@@ -83,22 +88,25 @@ def _split_for(tiles: int, k: int, bk: int, programs: int) -> int:
     return split
 
 
-def pick_config(m: int, n: int, k: int, group_size: int) -> Config:
+def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -> Config:
     kmax = group_size if group_size else k  # BK must divide a group (one scale per step)
-    if m <= LAUNCH["fma_max_m"]:
-        c = LAUNCH["fma"]
+    # K-major tensor-core tiles take 128 rows of K per step whatever the group (scales per row)
+    kmax_tc = 128 if kmajor else kmax
+    fma = "fma_kmajor" if kmajor else "fma"
+    if m <= LAUNCH[fma + "_max_m"]:
+        c = LAUNCH[fma]
         bk = min(c["BK"], kmax)
         mv = 1 if m == 1 else (2 if m == 2 else 4)
         split = _split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=mv)
     if m <= DECODE_MAX_M:
         c = LAUNCH["tc"]
-        bk = min(c["BK"], kmax)
+        bk = 128 if kmajor else min(c["BK"], kmax_tc)
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         split = _split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"])
     c = LAUNCH["prefill"]
-    return Config(c["BM"], c["BN"], min(c["BK"], kmax), 1, c["num_warps"], c["num_stages"])
+    return Config(c["BM"], c["BN"], 128 if kmajor else min(c["BK"], kmax), 1, c["num_warps"], c["num_stages"])
 
 
 @triton.jit(do_not_specialize=["M", "split_k", "u_split"])
@@ -120,7 +128,7 @@ def _w4a16_kernel(
     EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     # tiling
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, KMAJOR: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_wt = tl.cdiv(N, BN)
@@ -148,13 +156,13 @@ def _w4a16_kernel(
                        b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, u_split,
                        (local - n_u) // split_k, n_wt, lock_base, offs_m, m_mask, (local - n_u) % split_k,
                        M, N, K, stride_xm, stride_om,
-                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX)
+                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR)
     else:
         _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
                    b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, u_split,
                    local // split_k, n_wt, lock_base, offs_m, m_mask, local % split_k,
                    M, N, K, stride_xm, stride_om,
-                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX)
+                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR)
 
 
 @triton.jit
@@ -182,7 +190,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
                GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, IS_BF16: tl.constexpr,
                EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
-               PTX: tl.constexpr):
+               PTX: tl.constexpr, KMAJOR: tl.constexpr):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
     iters = tl.cdiv(K // BK, split_k)
     k_lo = split * iters * BK
@@ -203,7 +211,10 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
         zc = tl.full((BN,), zbase + 8.0, tl.float32)
     else:
         zc = zbase + tl.load(zeros_ptr + n_ld).to(tl.float32)
-    if MV > 0:
+    if KMAJOR:  # scales applied inside
+        accT = _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_m, m_mask, wt * BN, k_lo, k_hi, M, N,
+                                stride_xm, GROUP, SYMMETRIC, IS_BF16, BN, BK, BM, MV, PTX, DOT_F32)
+    elif MV > 0:
         accT = _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, stride_xm,
                              GROUP, SYMMETRIC, BN, BK, BM, MV, PTX)
     else:
@@ -218,7 +229,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
             w = _dequant(_unpack_w4(p, BN, BK, IS_BF16), zc, s, GROUP > 0, IS_BF16)
             xt = tl.load(x_base + k, mask=m_mask[None, :], other=0.0)
             accT = _dot(w, xt, accT, DOT_F32)
-    if GROUP == 0:
+    if GROUP == 0 and not KMAJOR:
         accT = accT * s[:, None]
 
     out_mask = n_mask[:, None] & m_mask[None, :]
@@ -312,9 +323,13 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         raise ValueError(f"ec_mode must be 0, 1 (with ec) or 2 (with ec and v); got {ec_mode}")
     m, k = x.shape
     n = w.out_features
-    cfg = config or pick_config(m, n, k, w.group_size)
-    if k % cfg.BK or (w.group_size and w.group_size % cfg.BK):
+    cfg = config or pick_config(m, n, k, w.group_size, w.kmajor)
+    # one scale per K step, except in the K-major tensor-core loop (scales per word row)
+    per_step_scale = not (w.kmajor and cfg.mv == 0)
+    if k % cfg.BK or (per_step_scale and w.group_size and w.group_size % cfg.BK):
         raise ValueError(f"BK={cfg.BK} must divide in_features={k} and the group size {w.group_size}")
+    if w.kmajor and cfg.mv == 0 and cfg.BK < 128:
+        raise ValueError(f"the K-major tensor-core loop takes BK >= 128 (16 words per dot); got BK={cfg.BK}")
     m_tiles, n_wt = triton.cdiv(m, cfg.BM), triton.cdiv(n, cfg.BN)
     if cfg.mv and (m > cfg.mv or cfg.mv not in (1, 2, 4) or cfg.mv > cfg.BM):
         raise ValueError(f"the CUDA-core main loop takes M <= mv, mv in (1, 2, 4), mv <= BM; got M={m}, "
@@ -347,7 +362,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         GROUP=w.group_size, SYMMETRIC=w.symmetric, HAS_BIAS=bias is not None, IS_BF16=x.dtype == torch.bfloat16,
         EC_MODE=ec_mode, GATE=bool(e and e.gated), R=r, H=h,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
-        PTX=bool(cfg.mv and cfg.ptx and x.dtype == torch.float16 and not INTERPRET),
+        PTX=bool(cfg.mv and cfg.ptx and x.dtype == torch.float16 and not INTERPRET), KMAJOR=w.kmajor,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -12,7 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from spear.kernels.attention import _paged_decode_kernel, launch_config
-from spear.kernels.dequant import _dequant_kernel
+from spear.kernels.dequant import _dequant_kernel, _dequant_kmajor_kernel
 from spear.kernels.ec import _ec_gate_kernel, _ec_up_kernel
 from spear.kernels.w4a16 import _w4a16_kernel
 
@@ -26,7 +26,7 @@ def sig(fn, ptrs, floats, consts):
     return out
 
 
-def compile_w4(bf16, ec_mode, mv, bm, gate=True):
+def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False):
     dt = "bf16" if bf16 else "fp16"
     ptrs = dict(x_ptr=dt, qw_ptr="i32", scales_ptr="fp16", zeros_ptr="u8", bias_ptr=dt, out_ptr=dt, part_ptr="fp32",
                 locks_ptr="i32", a_ptr=dt, b_ptr=dt, w1_ptr=dt, b1_ptr=dt, w2_ptr=dt, b2_ptr=dt, upart_ptr="fp32",
@@ -37,7 +37,8 @@ def compile_w4(bf16, ec_mode, mv, bm, gate=True):
     ptrs = {k: "*" + ("fp16" if k in unused else v) for k, v in ptrs.items()}
     gate = gate and ec_mode == 1
     consts = dict(GROUP=128, SYMMETRIC=False, HAS_BIAS=True, IS_BF16=bf16, EC_MODE=ec_mode, GATE=gate, R=32, H=32,
-                  BM=bm, BN=64, BK=64, MV=mv, DOT_F32=False, PTX=bool(mv) and not bf16)
+                  BM=bm, BN=64, BK=128 if kmajor and not mv else 64, MV=mv, DOT_F32=False,
+                  PTX=bool(mv) and not bf16, KMAJOR=kmajor)
     src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts), consts)
     triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=2))
 
@@ -47,6 +48,9 @@ def compile_small(bf16):
     c = dict(GROUP=64, SYMMETRIC=True, IS_BF16=bf16, BN=64, BK=64)
     p = dict(qw_ptr="*i32", scales_ptr="*fp16", zeros_ptr="*u8", w_ptr=dt)
     triton.compile(ASTSource(_dequant_kernel, sig(_dequant_kernel, p, (), c), c), target=TARGET)
+    c = dict(GROUP=64, SYMMETRIC=False, IS_BF16=bf16, BN=64, BK=128)
+    p = dict(qw_ptr="*i32", scales_ptr="*fp16", zeros_ptr="*u8", wt_ptr=dt)
+    triton.compile(ASTSource(_dequant_kmajor_kernel, sig(_dequant_kmajor_kernel, p, (), c), c), target=TARGET)
     c = dict(GATE=True, R=16, H=16, BM=16, BK=64, DOT_F32=False)
     p = {k: dt for k in ("x_ptr", "a_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr", "v_ptr")}
     triton.compile(ASTSource(_ec_gate_kernel, sig(_ec_gate_kernel, p, ("bound",), c), c), target=TARGET)
@@ -75,6 +79,8 @@ if __name__ == "__main__":
     bf16 = sys.argv[1] == "bf16"
     for ec_mode, mv, bm in ((0, 0, 64), (1, 1, 16), (1, 0, 16), (2, 0, 64)):
         compile_w4(bf16, ec_mode, mv, bm)
+    for ec_mode, mv, bm in ((0, 1, 16), (1, 4, 16), (0, 0, 64), (2, 0, 128)):  # the K-major layout
+        compile_w4(bf16, ec_mode, mv, bm, kmajor=True)
     compile_small(bf16)
     for head_dim, block_size, group in ((128, 16, 4), (128, 8, 1), (64, 32, 8), (256, 16, 4)):
         compile_attention("bf16" if bf16 else "fp16", head_dim, block_size, group)

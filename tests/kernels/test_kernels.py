@@ -14,15 +14,16 @@ from spear.kernels import reference as ref
 from spear.kernels.ec import ec_gate, ec_up
 from spear.kernels.layout import LOCK_SLOTS, pack, pack_ec, unpack
 from spear.kernels.dequant import dequantize
+from spear.kernels.ops import w4a16_linear
 from spear.kernels.w4a16 import Config, pick_config, w4a16_matmul
 from tests.kernels._helpers import DEVICE, INTERPRET, assert_close, make_ec, make_layer
 
 N_SMALL, K_SMALL = 96, 256  # N not a multiple of the 64-wide tile: exercises the column mask
 
 
-def _setup(m, k, n, gs, sym, dtype, seed, bias=True, ec=None):
+def _setup(m, k, n, gs, sym, dtype, seed, bias=True, ec=None, kmajor=False):
     codes, scales, zeros = make_layer(n, k, gs, sym, seed)
-    w = pack(codes, scales, zeros, gs, sym)
+    w = pack(codes, scales, zeros, gs, sym, kmajor=kmajor)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
     b = (torch.randn(n, generator=g) * 0.1).to(dtype).to(DEVICE) if bias else None
@@ -66,6 +67,62 @@ def test_w4a16_gemm(poisoned, m, gs, sym, dtype, bias, cfg):
     out = w4a16_matmul(x, w, b, config=cfg)
     assert_close(out, expect, dtype, f"W4 M={m} g={gs} sym={sym} {dtype} cfg={cfg}")
     assert int(w.locks.abs().sum()) == 0, "split-K counters not re-armed"
+
+
+# The K-major layout: CUDA-core loop (mv), tensor-core sub-dots (BK 128 across groups of 32/64), dispatch
+KMAJOR_CASES = [
+    (1, 0, True, torch.float16, False, Config(16, 64, 128, 1, 4, 2, mv=1)),
+    (3, 32, False, torch.float16, True, Config(16, 64, 32, 3, 4, 2, mv=4)),
+    (2, 64, True, torch.bfloat16, False, Config(16, 32, 64, 2, 4, 2, mv=2)),
+    (17, 64, False, torch.bfloat16, True, Config(16, 64, 128, 2, 4, 2)),
+    (33, 0, True, torch.float16, False, Config(32, 32, 128, 1, 4, 2)),
+    (17, 32, False, torch.float16, True, None),
+    (1, 128, False, torch.bfloat16, True, None),
+]
+
+
+@pytest.mark.parametrize("m,gs,sym,dtype,bias,cfg", KMAJOR_CASES)
+def test_w4a16_gemm_kmajor(poisoned, m, gs, sym, dtype, bias, cfg):
+    x, w, b, _, expect = _setup(m, K_SMALL, N_SMALL, gs, sym, dtype, seed=m + gs, bias=bias, kmajor=True)
+    assert w.kmajor and w.qweight.shape == (K_SMALL // 8, N_SMALL)
+    out = w4a16_matmul(x, w, b, config=cfg)
+    assert_close(out, expect, dtype, f"K-major W4 M={m} g={gs} sym={sym} {dtype} cfg={cfg}")
+    assert int(w.locks.abs().sum()) == 0, "split-K counters not re-armed"
+
+
+@pytest.mark.parametrize("m,gs,dtype,r,h,split,mv", [(1, 64, torch.float16, 8, 12, 2, 1),
+                                                      (5, 128, torch.bfloat16, 16, None, 2, 0)])
+def test_fused_ec_kmajor(poisoned, m, gs, dtype, r, h, split, mv):
+    ec = make_ec(N_SMALL, K_SMALL, r, h, dtype, seed=r)
+    x, w, b, e, expect = _setup(m, K_SMALL, N_SMALL, gs, False, dtype, seed=m + r, ec=ec, kmajor=True)
+    cfg = Config(16, 64, min(128, gs) if mv else 128, split, 4, 2, mv=mv)
+    for _ in range(2):
+        out = w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg)
+        assert_close(out, expect, dtype, f"K-major fused EC M={m} g={gs} r={r} h={h}")
+        assert int(w.locks.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("gs,dtype", [(0, torch.float16), (64, torch.bfloat16)])
+def test_dequantize_kmajor(poisoned, gs, dtype):
+    codes, scales, zeros = make_layer(N_SMALL, K_SMALL, gs, False, 6)
+    w_hat = dequantize(pack(codes, scales, zeros, gs, kmajor=True), dtype)
+    expect = ref.dequantize(codes, scales, zeros, gs).to(dtype)
+    assert w_hat.shape == expect.shape
+    if INTERPRET and dtype == torch.bfloat16:
+        torch.testing.assert_close(w_hat.float(), expect.float(), rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(w_hat, expect)
+
+
+def test_kmajor_pack_roundtrip_and_errors():
+    codes, scales, zeros = make_layer(48, 256, 32, False, 7)
+    w = pack(codes, scales, zeros, 32, kmajor=True)
+    assert (w.in_features, w.out_features) == (256, 48)
+    c, s_, z = unpack(w)
+    assert torch.equal(c, codes) and torch.equal(s_, scales) and torch.equal(z, zeros)
+    bad = make_layer(16, 96, 32, False, 8)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        pack(*bad, 32, kmajor=True)
 
 
 # (M, group, symmetric, dtype, rank, gate hidden or None, split_k, mv, u_split)
@@ -188,13 +245,14 @@ def test_gpu_real_shapes(poisoned, n, k, gs, sym, dtype, m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k,gs,sym", [(4096, 4096, 128, False), (4096, 11008, 0, True), (11008, 4096, 64, False)])
 @pytest.mark.parametrize("m,mv", [(1, 1), (2, 2), (3, 4), (4, 4)])
-def test_gpu_ptx_decode_loop(poisoned, n, k, gs, sym, m, mv):
+@pytest.mark.parametrize("kmajor", [False, True])
+def test_gpu_ptx_decode_loop(poisoned, n, k, gs, sym, m, mv, kmajor):
     """The fp16x2 PTX word product of the CUDA-core loop (fp16 on CUDA only), plain and fused EC."""
     if DEVICE != "cuda":
         pytest.skip("needs CUDA: the interpreter cannot run PTX")
     ec = make_ec(n, k, 32, 32, torch.float16, seed=2)
-    x, w, b, e, expect = _setup(m, k, n, gs, sym, torch.float16, seed=m, ec=ec)
-    x_, w_, b_, _, expect_w4 = _setup(m, k, n, gs, sym, torch.float16, seed=m)
+    x, w, b, e, expect = _setup(m, k, n, gs, sym, torch.float16, seed=m, ec=ec, kmajor=kmajor)
+    x_, w_, b_, _, expect_w4 = _setup(m, k, n, gs, sym, torch.float16, seed=m, kmajor=kmajor)
     for split in (1, 8):
         cfg = Config(16, 64, min(128, gs or 128), split, 4, 1, mv=mv)
         assert_close(w4a16_matmul(x_, w_, b_, config=cfg), expect_w4, torch.float16, f"PTX W4 {n}x{k} M={m} {cfg}")
@@ -207,3 +265,18 @@ def test_gpu_ptx_decode_loop(poisoned, n, k, gs, sym, m, mv):
     ref_big = ref.w4a16_ec_packed(x_big, w_, b_)
     assert_close(w4a16_matmul(x_big, w_, b_, config=Config(16, 64, min(128, gs or 128), 8, 4, 1, mv=mv)),
                  ref_big, torch.float16, "PTX outliers")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,gs,sym,dtype", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 33, 257])
+def test_gpu_real_shapes_kmajor(poisoned, n, k, gs, sym, dtype, m):
+    """The K-major layout through the op's dispatch (every path: CUDA-core, tensor-core, dequantize + cuBLAS)."""
+    if DEVICE != "cuda":
+        pytest.skip("needs CUDA")
+    ec = make_ec(n, k, 32, 32, dtype, seed=1)
+    x, w, b, e, expect = _setup(m, k, n, gs, sym, dtype, seed=m, ec=ec, kmajor=True)
+    x_, w_, b_, _, expect_w4 = _setup(m, k, n, gs, sym, dtype, seed=m, kmajor=True)
+    assert_close(w4a16_linear(x_, w_, b_), expect_w4, dtype, f"K-major W4 {n}x{k} M={m}")
+    assert_close(w4a16_linear(x, w, b, e), expect, dtype, f"K-major W4+EC {n}x{k} M={m}")
+    assert int(w.locks.abs().sum()) == 0

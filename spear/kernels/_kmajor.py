@@ -1,0 +1,209 @@
+"""Main loops of the W4A16 GEMM over the K-major layout (``pack(..., kmajor=True)``, layout.py).
+
+Both return accT [BN, BM] (output features x tokens) with every scale applied, so the
+split-K reduction and the epilogue of w4a16.py (bias, fused compensator) are shared with
+the N-major layout.
+
+CUDA-core loop (decode, M <= MV <= 4 tokens). The program's tile is [BK/8, BN] words:
+BK/8 rows of K, BN contiguous output features, so a thread's 16-byte load holds 4
+neighbouring columns that share the 8 activations of their row. Per word:
+  * fp16 on CUDA (PTX): ``_word_dot`` takes the 4 code pairs (k-offsets 2i, 2i+1) as fp16x2
+    registers, turns them into (code - zero)/16 with one fused multiply-add each, and
+    multiplies them against the activation pairs, which are simply the 32-bit words of x;
+  * otherwise (bf16, the interpreter): the exact fp32 trick of ``_fma_mainloop`` (code
+    OR-ed into the mantissa of 2^23, one subtraction, one FMA per weight and token).
+Accumulators stay [BK/8, BN] in the load's layout and are reduced over K once.
+
+Tensor-core loop (M > MV). The dequantized tile is the right dot operand [K, N], but its
+rows come in the nibble order of the words: instead of interleaving them, each of the 8
+k-offsets is its own [BK/8, BN] operand and meets the activations x[:, k + 8j + offset]
+(a strided [BM, BK/8] load): acc [BM, BN] += sum over offsets of x_o · w_o, 8 dots with a
+reduction dimension of 16 per 128-row K step (tensor cores need 16). Scales and zeros are
+loaded per word row, so a step may span several groups (BK = 128 for every group size).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from spear.kernels._common import _dot, _halves, _word_dot
+
+
+@triton.jit
+def _token_f32(acc, x_ptr, t, stride_xm, k, koff: tl.constexpr, offs_j, w, xs, M):
+    xi = tl.load(x_ptr + t * stride_xm + k + 8 * offs_j + koff, mask=(offs_j * 0 + t) < M, other=0.0)
+    return acc + w * (xi.to(tl.float32) * xs)[:, None]
+
+
+@triton.jit
+def _token_ptx(acc, x_ptr, t, stride_xm, k, offs_j, p, zneg, M):
+    m = (offs_j * 0 + t) < M
+    # the activation pairs (k-offsets 2i, 2i+1) are the int32 words of x
+    xb = x_ptr.to(tl.pointer_type(tl.int32)) + (t * stride_xm + k) // 2 + 4 * offs_j
+    shape: tl.constexpr = p.shape
+    x0 = tl.broadcast_to(tl.load(xb, mask=m, other=0)[:, None], shape)
+    x1 = tl.broadcast_to(tl.load(xb + 1, mask=m, other=0)[:, None], shape)
+    x2 = tl.broadcast_to(tl.load(xb + 2, mask=m, other=0)[:, None], shape)
+    x3 = tl.broadcast_to(tl.load(xb + 3, mask=m, other=0)[:, None], shape)
+    return acc + _word_dot(p, zneg, x0, x1, x2, x3)
+
+
+@triton.jit
+def _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs_j, k_lo, k_hi, M, N, stride_xm,
+              GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              BM: tl.constexpr, MV: tl.constexpr, PTX: tl.constexpr):
+    if PTX:
+        UNIT: tl.constexpr = 16.0  # the PTX sums are in units of 1/16
+    else:
+        UNIT: tl.constexpr = 1.0
+    if SYMMETRIC:
+        z = tl.full((BN,), 8.0, tl.float32)
+    else:
+        z = tl.load(zeros_ptr + offs_n, mask=n_mask, other=0).to(tl.float32)
+    a0 = tl.zeros((BK // 8, BN), tl.float32)
+    a1 = tl.zeros((BK // 8, BN), tl.float32)
+    a2 = tl.zeros((BK // 8, BN), tl.float32)
+    a3 = tl.zeros((BK // 8, BN), tl.float32)
+    for k in range(k_lo, k_hi, BK):
+        p = tl.load(w_ptrs + (k // 8) * N, mask=w_mask, other=0)
+        if GROUP > 0:
+            g = k // GROUP
+            if not SYMMETRIC:
+                z = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+            s0 = tl.zeros((BK // 8, BN), tl.float32)
+            s1 = tl.zeros((BK // 8, BN), tl.float32)
+            s2 = tl.zeros((BK // 8, BN), tl.float32)
+            s3 = tl.zeros((BK // 8, BN), tl.float32)
+        else:
+            s0 = a0
+            s1 = a1
+            s2 = a2
+            s3 = a3
+        if PTX:
+            zq = (-(1024.0 + z) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            zneg = tl.broadcast_to((zq | (zq << 16))[None, :], (BK // 8, BN))
+            s0 = _token_ptx(s0, x_ptr, 0, stride_xm, k, offs_j, p, zneg, M)
+            if MV > 1:
+                s1 = _token_ptx(s1, x_ptr, 1, stride_xm, k, offs_j, p, zneg, M)
+            if MV > 2:
+                s2 = _token_ptx(s2, x_ptr, 2, stride_xm, k, offs_j, p, zneg, M)
+                s3 = _token_ptx(s3, x_ptr, 3, stride_xm, k, offs_j, p, zneg, M)
+        else:
+            hi = p >> 20
+            for i in tl.static_range(8):
+                # nibble i at bits 4i: 2^23 + code * 16^i is exact up to nibble 4; 5..7 from p >> 20
+                if i < 5:
+                    bits = (p & (0xF << (4 * i))) | 0x4B000000
+                    w = bits.to(tl.float32, bitcast=True) - (8388608.0 + z * (1 << (4 * i)))[None, :]
+                    xs = 1.0 / (1 << (4 * i))
+                else:
+                    bits = (hi & (0xF << (4 * (i - 5)))) | 0x4B000000
+                    w = bits.to(tl.float32, bitcast=True) - (8388608.0 + z * (1 << (4 * (i - 5))))[None, :]
+                    xs = 1.0 / (1 << (4 * (i - 5)))
+                # k-offset of nibble i: KMAJOR_NIBBLE_K[i] = 2 (i % 4) + i // 4
+                s0 = _token_f32(s0, x_ptr, 0, stride_xm, k, 2 * (i % 4) + i // 4, offs_j, w, xs, M)
+                if MV > 1:
+                    s1 = _token_f32(s1, x_ptr, 1, stride_xm, k, 2 * (i % 4) + i // 4, offs_j, w, xs, M)
+                if MV > 2:
+                    s2 = _token_f32(s2, x_ptr, 2, stride_xm, k, 2 * (i % 4) + i // 4, offs_j, w, xs, M)
+                    s3 = _token_f32(s3, x_ptr, 3, stride_xm, k, 2 * (i % 4) + i // 4, offs_j, w, xs, M)
+        if GROUP > 0:
+            s = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :] * UNIT
+            a0 += s * s0
+            a1 += s * s1
+            a2 += s * s2
+            a3 += s * s3
+        else:
+            a0 = s0
+            a1 = s1
+            a2 = s2
+            a3 = s3
+    cols = tl.arange(0, BM)[None, :]
+    accT = tl.where(cols == 0, tl.sum(a0, axis=0)[:, None], 0.0)
+    if MV > 1:
+        accT += tl.where(cols == 1, tl.sum(a1, axis=0)[:, None], 0.0)
+    if MV > 2:
+        accT += tl.where(cols == 2, tl.sum(a2, axis=0)[:, None], 0.0)
+        accT += tl.where(cols == 3, tl.sum(a3, axis=0)[:, None], 0.0)
+    if GROUP == 0:
+        accT = accT * (tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) * UNIT)[:, None]
+    return accT
+
+
+@triton.jit
+def _dequant_rows(w, zc, s, GROUPED: tl.constexpr, IS_BF16: tl.constexpr):
+    """w = BASE + code [BK/8, BN]; zc = BASE + zero, s = scale, broadcastable fp32.
+    (code - zero) * scale (GROUPED) or (code - zero), rounded once to the activation dtype."""
+    if IS_BF16:
+        wf = w.to(tl.float32)
+        if GROUPED:
+            wf = wf * s - zc * s
+        else:
+            wf = wf - zc
+        return wf.to(tl.bfloat16)
+    else:
+        w = w - zc.to(tl.float16)
+        if GROUPED:
+            w = w * s.to(tl.float16)
+        return w
+
+
+@triton.jit
+def _tc_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs_j, offs_m, m_mask, k_lo, k_hi, N,
+             stride_xm, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, BM: tl.constexpr, DOT_F32: tl.constexpr):
+    if IS_BF16:
+        magic = 0x43004300
+        zbase = 128.0
+    else:
+        magic = 0x64006400
+        zbase = 1024.0
+    if GROUP == 0:
+        if SYMMETRIC:
+            zc = tl.full((1, BN), zbase + 8.0, tl.float32)
+        else:
+            zc = zbase + tl.load(zeros_ptr + offs_n, mask=n_mask, other=0).to(tl.float32)[None, :]
+        s = zc  # unused: per-channel scales are applied to the accumulator
+    acc = tl.zeros((BM, BN), tl.float32)
+    x_rows = x_ptr + offs_m[:, None] * stride_xm + 8 * offs_j[None, :]
+    for k in range(k_lo, k_hi, BK):
+        p = tl.load(w_ptrs + (k // 8) * N, mask=w_mask, other=0)
+        if GROUP > 0:
+            grp = ((k + 8 * offs_j) // GROUP)[:, None] * N + offs_n[None, :]  # each word row's group
+            s = tl.load(scales_ptr + grp, mask=w_mask, other=0.0).to(tl.float32)
+            if SYMMETRIC:
+                zc = tl.full((BK // 8, BN), zbase + 8.0, tl.float32)
+            else:
+                zc = zbase + tl.load(zeros_ptr + grp, mask=w_mask, other=0).to(tl.float32)
+        for i in tl.static_range(4):
+            lo, hi = tl.split(_halves(((p >> (4 * i)) & 0x000F000F) | magic, IS_BF16))  # k-offsets 2i, 2i+1
+            x_lo = tl.load(x_rows + k + 2 * i, mask=m_mask[:, None], other=0.0)
+            x_hi = tl.load(x_rows + k + 2 * i + 1, mask=m_mask[:, None], other=0.0)
+            acc = _dot(x_lo, _dequant_rows(lo, zc, s, GROUP > 0, IS_BF16), acc, DOT_F32)
+            acc = _dot(x_hi, _dequant_rows(hi, zc, s, GROUP > 0, IS_BF16), acc, DOT_F32)
+    accT = tl.trans(acc)
+    if GROUP == 0:
+        accT = accT * tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    return accT
+
+
+@triton.jit
+def _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_m, m_mask, n0, k_lo, k_hi, M, N, stride_xm,
+                     GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, BM: tl.constexpr, MV: tl.constexpr, PTX: tl.constexpr,
+                     DOT_F32: tl.constexpr):
+    """accT [BN, BM] for output features n0 .. n0 + BN over K range [k_lo, k_hi), scales applied."""
+    # Output features are contiguous here: the hints (and no modulo on the offsets) give each
+    # thread 16-byte loads; columns past N are masked (only a layer's last tile has any).
+    offs_n = tl.max_contiguous(tl.multiple_of(n0 + tl.arange(0, BN), BN), BN)
+    n_mask = offs_n < N
+    offs_j = tl.arange(0, BK // 8)
+    w_ptrs = qw_ptr + offs_j[:, None] * N + offs_n[None, :]
+    w_mask = (offs_j[:, None] >= 0) & n_mask[None, :]
+    if MV > 0:
+        return _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs_j, k_lo, k_hi, M, N,
+                         stride_xm, GROUP, SYMMETRIC, BN, BK, BM, MV, PTX)
+    else:
+        return _tc_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs_j, offs_m, m_mask, k_lo,
+                        k_hi, N, stride_xm, GROUP, SYMMETRIC, IS_BF16, BN, BK, BM, DOT_F32)
