@@ -166,8 +166,7 @@ def engine_decode(engine: LLMEngine, batch: int, prompt_len: int, gen: int, warm
 def run_variant(model, name: str, args, device: str, batches: list[int], vocab: int, max_len: int) -> dict:
     cfg = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(512, max(batches)),
                        max_model_len=max_len, block_size=16,
-                       num_blocks=max(batches) * math.ceil(max_len / 16) + 8, cuda_graphs=not args.no_graphs,
-                       w4_layout=args.layout)
+                       num_blocks=max(batches) * math.ceil(max_len / 16) + 8, cuda_graphs=not args.no_graphs)
     engine = LLMEngine(model, _IdsTokenizer(), cfg)
     row = {"variant": name}
     for b in batches:
@@ -216,7 +215,6 @@ def main(argv=None) -> int:
     p.add_argument("--ec-all", action="store_true", help="also run ECs on every linear")
     p.add_argument("--no-graphs", action="store_true", help="eager decode on CUDA")
     p.add_argument("--out", help="folder for results.json and table.md")
-    p.add_argument("--layout", choices=["nmajor", "kmajor"], default="nmajor", help="packed W4 layout (default: %(default)s)")
     p.add_argument("--table", help="launch_table.json (bench_kernels.py --tune / bench_gemv.py) for the W4 kernel")
     args = p.parse_args(argv)
 
@@ -240,7 +238,7 @@ def main(argv=None) -> int:
         p.error(f"unknown model shape(s) {unknown}; known: {sorted(SHAPES)}")
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
     header = (f"Decode, {datetime.date.today().isoformat()}, {dev_name}, torch {torch.__version__}, "
-              f"{dtype}, W4 layout {args.layout}, prompt {args.prompt_len} tokens, median of {args.gen} steps"
+              f"{dtype}, prompt {args.prompt_len} tokens, median of {args.gen} steps"
               + (f", {args.layers} layers" if args.layers else ""))
     print(header, flush=True)
     max_len = args.prompt_len + args.warmup + args.gen + 1

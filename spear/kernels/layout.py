@@ -27,6 +27,9 @@ K-major variant (``pack(..., kmajor=True)``, K a multiple of 128):
                            features are contiguous: a thread's 16-byte load holds 4 columns
                            that share their activations (measured faster at decode,
                            BENCHMARKS.md "Decode GEMV study"). Scales, zeros, locks as above.
+                           Experimental: its decode loop (M <= 4) is checked on the H200, its
+                           tensor-core tiles gave wrong results there at small M (not yet
+                           found; right under the interpreter), so serving packs N-major.
   Storage at group 128: 4 + 16/128 + 8/128 = 4.19 bits per weight (the locks are per layer,
   not per weight). Per-channel: 4 + 24/K bits.
 

@@ -75,16 +75,3 @@ def test_only_kernel_shapes_are_packed(tiny_llama):
     model.half()
     assert use_w4_kernels(model) == 14
     assert sum(isinstance(m, W4KernelLinear) for m in model.modules()) == 14
-
-
-@pytest.mark.parametrize("group_size", [0, 64])
-def test_kmajor_packing_matches_quantlinear_and_falls_back_where_k_does_not_fit(group_size):
-    q = quant_linear(group_size, bias=True)  # in_features 128: K-major fits
-    q.compensator = gated()
-    x = torch.randn(5, 128).half()
-    packed = W4KernelLinear(q, torch.float16, kmajor=True)
-    assert packed.weight.kmajor and "K-major" in packed.extra_repr()
-    assert sqnr_db(q(x.float()), packed(x).float()) > 40
-    torch.manual_seed(3)
-    narrow = rtn_quantize_linear(torch.nn.Linear(96, 32), QuantConfig(bits=4, group_size=32))
-    assert not W4KernelLinear(narrow, torch.float16, kmajor=True).weight.kmajor  # 96 % 128 != 0
