@@ -288,11 +288,26 @@ def _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, 
         a1 = a1 * UNIT
         a2 = a2 * UNIT
         a3 = a3 * UNIT
+    return _tokens_to_accT(a0, a1, a2, a3, BM, MV, 1)
+
+
+@triton.jit
+def _tokens_to_accT(a0, a1, a2, a3, BM: tl.constexpr, MV: tl.constexpr, AXIS: tl.constexpr):
+    """accT [BN, BM]: column t is token t's accumulator summed over its K axis (columns >= MV zero)."""
     cols = tl.arange(0, BM)[None, :]
-    accT = tl.where(cols == 0, tl.sum(a0, axis=1)[:, None], 0.0)
+    accT = tl.where(cols == 0, tl.sum(a0, axis=AXIS)[:, None], 0.0)
     if MV > 1:
-        accT += tl.where(cols == 1, tl.sum(a1, axis=1)[:, None], 0.0)
+        accT += tl.where(cols == 1, tl.sum(a1, axis=AXIS)[:, None], 0.0)
     if MV > 2:
-        accT += tl.where(cols == 2, tl.sum(a2, axis=1)[:, None], 0.0)
-        accT += tl.where(cols == 3, tl.sum(a3, axis=1)[:, None], 0.0)
+        accT += tl.where(cols == 2, tl.sum(a2, axis=AXIS)[:, None], 0.0)
+        accT += tl.where(cols == 3, tl.sum(a3, axis=AXIS)[:, None], 0.0)
     return accT
+
+
+@triton.jit
+def _magic(IS_BF16: tl.constexpr):
+    """(two 16-bit floats whose mantissa step is 1, as an int32 OR mask; that float's value)."""
+    if IS_BF16:
+        return 0x43004300, 128.0
+    else:
+        return 0x64006400, 1024.0

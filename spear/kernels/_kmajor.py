@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spear.kernels._common import _dot, _halves, _word_dot
+from spear.kernels._common import _dot, _halves, _magic, _tokens_to_accT, _word_dot
 
 
 @triton.jit
@@ -119,13 +119,7 @@ def _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs
             a1 = s1
             a2 = s2
             a3 = s3
-    cols = tl.arange(0, BM)[None, :]
-    accT = tl.where(cols == 0, tl.sum(a0, axis=0)[:, None], 0.0)
-    if MV > 1:
-        accT += tl.where(cols == 1, tl.sum(a1, axis=0)[:, None], 0.0)
-    if MV > 2:
-        accT += tl.where(cols == 2, tl.sum(a2, axis=0)[:, None], 0.0)
-        accT += tl.where(cols == 3, tl.sum(a3, axis=0)[:, None], 0.0)
+    accT = _tokens_to_accT(a0, a1, a2, a3, BM, MV, 0)
     if GROUP == 0:
         accT = accT * (tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) * UNIT)[:, None]
     return accT
@@ -153,12 +147,7 @@ def _dequant_rows(w, zc, s, GROUPED: tl.constexpr, IS_BF16: tl.constexpr):
 def _tc_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs_j, offs_m, m_mask, k_lo, k_hi, N,
              stride_xm, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr, BN: tl.constexpr,
              BK: tl.constexpr, BM: tl.constexpr, DOT_F32: tl.constexpr):
-    if IS_BF16:
-        magic = 0x43004300
-        zbase = 128.0
-    else:
-        magic = 0x64006400
-        zbase = 1024.0
+    magic, zbase = _magic(IS_BF16)
     if GROUP == 0:
         if SYMMETRIC:
             zc = tl.full((1, BN), zbase + 8.0, tl.float32)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import _dequant, _halves, _unpack_w4
+from spear.kernels._common import _dequant, _halves, _magic, _unpack_w4
 from spear.kernels._kmajor import _dequant_rows
 from spear.kernels.layout import PackedW4
 
@@ -58,12 +58,7 @@ def _dequant_kmajor_kernel(qw_ptr, scales_ptr, zeros_ptr, wt_ptr, N,
     offs_n = tl.max_contiguous(tl.multiple_of((pid % n_tiles) * BN + tl.arange(0, BN), BN), BN)
     offs_j = tl.arange(0, BK // 8)
     mask = (offs_j[:, None] >= 0) & (offs_n < N)[None, :]
-    if IS_BF16:
-        magic = 0x43004300
-        zbase = 128.0
-    else:
-        magic = 0x64006400
-        zbase = 1024.0
+    magic, zbase = _magic(IS_BF16)
     if GROUP > 0:
         grp = ((k0 + 8 * offs_j) // GROUP)[:, None] * N + offs_n[None, :]
     else:
