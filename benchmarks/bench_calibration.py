@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -116,6 +117,18 @@ def merge(dirs: list[str]) -> None:
               for h in heads}:
         print(h)
     print("\n".join(summarize(rows)))
+
+
+def _save_damage_cache(path: Path, prefix: tuple) -> None:
+    """Merge this process's damage scores into ``path`` (atomic replace)."""
+    from spear.select import plan as plan_mod
+
+    old = torch.load(path, weights_only=False) if path.exists() else {}
+    old.update({prefix + tuple(k): v for k, v in plan_mod._damage_cache.items()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
+    torch.save(old, tmp)
+    tmp.replace(path)
 
 
 def main() -> None:
