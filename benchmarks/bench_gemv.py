@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernels import copies_for, time_calls  # noqa: E402
+from kernel_timing import copies_for, time_calls  # noqa: E402
 
 from spear.kernels import pack, reference  # noqa: E402
 from spear.kernels import w4a16  # noqa: E402

@@ -33,6 +33,9 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernel_timing import ceilings, copies_for, time_calls  # noqa: E402
 
 from spear.kernels import ops, pack, pack_ec, reference, w4a16_linear  # noqa: E402
 from spear.kernels.dequant import dequantize  # noqa: E402
@@ -63,45 +66,6 @@ def layer_shapes(models):
         h, i = MODELS[name]
         out += [(name, "q/o", h, h), (name, "gate_up", 2 * i, h), (name, "down", h, i)]
     return out
-
-
-# ----------------------------------------------------------------------------- timing
-def time_calls(fns, target_s=0.02, max_reps=30):
-    """Median µs per call of a CUDA graph that runs every fn once (one per weight copy)."""
-    for f in fns:
-        f()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    for _ in range(2):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    reps = max(5, min(max_reps, int(target_s * 1e3 / max(start.elapsed_time(end), 1e-3))))
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in events:
-        a.record()
-        graph.replay()
-        b.record()
-    torch.cuda.synchronize()
-    med_ms = statistics.median(a.elapsed_time(b) for a, b in events)
-    del graph
-    return 1e3 * med_ms / len(fns)
-
-
-def copies_for(nbytes, l2):
-    return max(1, min(64, math.ceil(2 * l2 / max(nbytes, 1))))
 
 
 # ----------------------------------------------------------------------------- layers
@@ -199,18 +163,6 @@ def check(layer, m, ranks, ecs, log):
         if not good:
             print(f"  CHECK FAILED {name} {layer.n}x{layer.k} M={m}: err {err:.2e} sqnr {sq:.1f} dB", flush=True)
     return ok
-
-
-# ----------------------------------------------------------------------------- ceilings
-def ceilings():
-    """Memory and fp16-MMA ceilings measured here (an SM copy kernel: D2D memcpy uses the slower copy engines)."""
-    a = torch.randn(1 << 29, device=DEVICE).half()
-    b = torch.empty_like(a)
-    t = time_calls([lambda: torch.neg(a, out=b)])
-    bw = 4 * a.numel() / (t * 1e-6)
-    x = torch.randn(8192, 8192, device=DEVICE).half()
-    t = time_calls([lambda: x @ x])
-    return bw, 2 * 8192**3 / (t * 1e-6)
 
 
 def floor_us(n, k, m, bw, peak):

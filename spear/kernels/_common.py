@@ -274,21 +274,21 @@ def _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, 
                     s3 = _fma_token(s3, x_ptr, 3, stride_xm, k, koff, offs_w, wj, xs, M)
         if GROUP > 0:
             s = tl.load(scales_ptr + g * N + n_ld).to(tl.float32)[:, None] * UNIT
-            a0 += s * s0
-            a1 += s * s1
-            a2 += s * s2
-            a3 += s * s3
+            a0, a1, a2, a3 = _add_scaled(a0, a1, a2, a3, s0, s1, s2, s3, s)
         else:
-            a0 = s0
-            a1 = s1
-            a2 = s2
-            a3 = s3
+            a0, a1, a2, a3 = s0, s1, s2, s3
     if GROUP == 0:  # the caller applies the per-channel scale; the PTX sums are in units of 1/16
         a0 = a0 * UNIT
         a1 = a1 * UNIT
         a2 = a2 * UNIT
         a3 = a3 * UNIT
     return _tokens_to_accT(a0, a1, a2, a3, BM, MV, 1)
+
+
+@triton.jit
+def _add_scaled(a0, a1, a2, a3, s0, s1, s2, s3, s):
+    """The four token accumulators plus one group's partial sums times that group's scales."""
+    return a0 + s * s0, a1 + s * s1, a2 + s * s2, a3 + s * s3
 
 
 @triton.jit

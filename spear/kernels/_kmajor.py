@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spear.kernels._common import _dot, _halves, _magic, _tokens_to_accT, _word_dot
+from spear.kernels._common import _add_scaled, _dot, _halves, _magic, _tokens_to_accT, _word_dot
 
 
 @triton.jit
@@ -110,15 +110,9 @@ def _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs
                     s3 = _token_f32(s3, x_ptr, 3, stride_xm, k, 2 * (i % 4) + i // 4, offs_j, w, xs, M)
         if GROUP > 0:
             s = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :] * UNIT
-            a0 += s * s0
-            a1 += s * s1
-            a2 += s * s2
-            a3 += s * s3
+            a0, a1, a2, a3 = _add_scaled(a0, a1, a2, a3, s0, s1, s2, s3, s)
         else:
-            a0 = s0
-            a1 = s1
-            a2 = s2
-            a3 = s3
+            a0, a1, a2, a3 = s0, s1, s2, s3
     accT = _tokens_to_accT(a0, a1, a2, a3, BM, MV, 0)
     if GROUP == 0:
         accT = accT * (tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) * UNIT)[:, None]
