@@ -166,7 +166,8 @@ def engine_decode(engine: LLMEngine, batch: int, prompt_len: int, gen: int, warm
 def run_variant(model, name: str, args, device: str, batches: list[int], vocab: int, max_len: int) -> dict:
     cfg = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(512, max(batches)),
                        max_model_len=max_len, block_size=16,
-                       num_blocks=max(batches) * math.ceil(max_len / 16) + 8, cuda_graphs=not args.no_graphs)
+                       num_blocks=max(batches) * math.ceil(max_len / 16) + 8, cuda_graphs=not args.no_graphs,
+                       weight_layout=args.layout)
     engine = LLMEngine(model, _IdsTokenizer(), cfg)
     row = {"variant": name}
     for b in batches:
@@ -214,6 +215,8 @@ def main(argv=None) -> int:
     p.add_argument("--ec-budget", type=float, default=0.01, help="EC bytes / W4 model bytes (default: 1%%)")
     p.add_argument("--ec-all", action="store_true", help="also run ECs on every linear")
     p.add_argument("--no-graphs", action="store_true", help="eager decode on CUDA")
+    p.add_argument("--layout", choices=("nmajor", "kmajor"), default="nmajor",
+                   help="packed W4 weight layout of the engine (spear.kernels.layout)")
     p.add_argument("--out", help="folder for results.json and table.md")
     p.add_argument("--table", help="launch_table.json (bench_kernels.py --tune / bench_gemv.py) for the W4 kernel")
     args = p.parse_args(argv)

@@ -102,6 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--ms", help="token counts (default 1,2,4,16; --quick: 1,16,512)")
     p.add_argument("--quick", action="store_true", help="two shapes, dispatched launches only")
+    p.add_argument("--all-shapes", action="store_true", help="with --quick: the five shapes of the sweep")
     p.add_argument("--budget-s", type=float, default=300, help="stop sweeping after this many seconds")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     rows = []
     for m in ms:
-        for label, n, k in (QUICK_SHAPES if args.quick else SHAPES):
+        for label, n, k in (QUICK_SHAPES if args.quick and not args.all_shapes else SHAPES):
             g = torch.Generator(device="cuda").manual_seed(0)
             w = torch.randn(n, k, device="cuda", generator=g) * 0.02
             codes, scales, zeros = rtn(w, 4, GROUP, symmetric=False)

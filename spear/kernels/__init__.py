@@ -3,7 +3,7 @@
 layout.py     packed weight / compensator layouts and ``pack()`` (N-major, or K-major with kmajor=True)
 reference.py  plain-torch references (the contract)
 w4a16.py      W4 GEMM: split-K, fused compensator epilogue
-_kmajor.py    its main loops for the K-major layout (CUDA-core decode loop, tensor-core sub-dots)
+_kmajor.py    its CUDA-core decode loop for the K-major layout
 dequant.py    W4 -> fp16/bf16 for the dequantize + cuBLAS prefill path
 ec.py         compensator kernels of the semi-fused prefill path
 ops.py        ``spear::w4a16_ec`` (torch.library.triton_op) and the dispatch by token count

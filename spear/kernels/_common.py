@@ -45,13 +45,16 @@ def _halves(m, IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def _unpack_w4(p, BN: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr):
+def _unpack_w4(p, BN: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr, KMAJOR: tl.constexpr = False):
     """[BN, BK/8] int32 words -> [BN, BK] floats equal to BASE + code, exactly.
 
     Each code is OR-ed into the mantissa of a float whose exponent makes one mantissa
     step equal 1 (fp16 0x6400 = 1024, bf16 0x4300 = 128), so no int->float conversion
     is needed. The mask 0x000F000F takes two codes per 32-bit operation (nibbles i and
-    i+4); the join tree then orders nibble i at k-offset NIBBLE_K[i] (layout.py).
+    i+4); the join tree then puts nibble i at its k-offset: NIBBLE_K[i] for the N-major
+    words, KMAJOR_NIBBLE_K[i] (= 2i, and 2i+1 for nibble i+4) for the K-major ones
+    (layout.py). ``tl.join`` adds the new axis innermost and the reshape reads the last
+    axes in row-major order, so the order of the joins decides the k order.
     """
     if IS_BF16:
         magic = 0x43004300
@@ -61,7 +64,15 @@ def _unpack_w4(p, BN: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr):
     t1 = _halves(((p >> 4) & 0x000F000F) | magic, IS_BF16)
     t2 = _halves(((p >> 8) & 0x000F000F) | magic, IS_BF16)
     t3 = _halves(((p >> 12) & 0x000F000F) | magic, IS_BF16)
-    w = tl.join(tl.join(t0, t1), tl.join(t2, t3))
+    if KMAJOR:
+        # tree over [i // 2, i % 2, lo/hi]: position 4 (i // 2) + 2 (i % 2) + h = 2i + h
+        l0, h0 = tl.split(t0)
+        l1, h1 = tl.split(t1)
+        l2, h2 = tl.split(t2)
+        l3, h3 = tl.split(t3)
+        w = tl.join(tl.join(tl.join(l0, l2), tl.join(l1, l3)), tl.join(tl.join(h0, h2), tl.join(h1, h3)))
+    else:
+        w = tl.join(tl.join(t0, t1), tl.join(t2, t3))
     return tl.reshape(w, (BN, BK))
 
 

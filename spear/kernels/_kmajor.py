@@ -1,25 +1,19 @@
-"""Main loops of the W4A16 GEMM over the K-major layout (``pack(..., kmajor=True)``, layout.py).
+"""CUDA-core main loop of the W4A16 GEMM over the K-major layout (``pack(..., kmajor=True)``).
 
-Both return accT [BN, BM] (output features x tokens) with every scale applied, so the
+It returns accT [BN, BM] (output features x tokens) with every scale applied, so the
 split-K reduction and the epilogue of w4a16.py (bias, fused compensator) are shared with
-the N-major layout.
+the N-major layout. The tensor-core tiles of both layouts are the same loop in w4a16.py:
+only the word load and the order of ``_unpack_w4``'s join tree differ.
 
-CUDA-core loop (decode, M <= MV <= 4 tokens). The program's tile is [BK/8, BN] words:
-BK/8 rows of K, BN contiguous output features, so a thread's 16-byte load holds 4
-neighbouring columns that share the 8 activations of their row. Per word:
+Decode, M <= MV <= 4 tokens. The program's tile is [BK/8, BN] words: BK/8 rows of K, BN
+contiguous output features, so a thread's 16-byte load holds 4 neighbouring columns that
+share the 8 activations of their row. Per word:
   * fp16 on CUDA (PTX): ``_word_dot`` takes the 4 code pairs (k-offsets 2i, 2i+1) as fp16x2
     registers, turns them into (code - zero)/16 with one fused multiply-add each, and
     multiplies them against the activation pairs, which are simply the 32-bit words of x;
   * otherwise (bf16, the interpreter): the exact fp32 trick of ``_fma_mainloop`` (code
     OR-ed into the mantissa of 2^23, one subtraction, one FMA per weight and token).
 Accumulators stay [BK/8, BN] in the load's layout and are reduced over K once.
-
-Tensor-core loop (M > MV). The dequantized tile is the right dot operand [K, N], but its
-rows come in the nibble order of the words: instead of interleaving them, each of the 8
-k-offsets is its own [BK/8, BN] operand and meets the activations x[:, k + 8j + offset]
-(a strided [BM, BK/8] load): acc [BM, BN] += sum over offsets of x_o · w_o, 8 dots with a
-reduction dimension of 16 per 128-row K step (tensor cores need 16). Scales and zeros are
-loaded per word row, so a step may span several groups (BK = 128 for every group size).
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spear.kernels._common import _add_scaled, _dot, _halves, _magic, _tokens_to_accT, _word_dot
+from spear.kernels._common import _add_scaled, _tokens_to_accT, _word_dot
 
 
 @triton.jit
@@ -120,62 +114,9 @@ def _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs
 
 
 @triton.jit
-def _dequant_rows(w, zc, s, GROUPED: tl.constexpr, IS_BF16: tl.constexpr):
-    """w = BASE + code [BK/8, BN]; zc = BASE + zero, s = scale, broadcastable fp32.
-    (code - zero) * scale (GROUPED) or (code - zero), rounded once to the activation dtype."""
-    if IS_BF16:
-        wf = w.to(tl.float32)
-        if GROUPED:
-            wf = wf * s - zc * s
-        else:
-            wf = wf - zc
-        return wf.to(tl.bfloat16)
-    else:
-        w = w - zc.to(tl.float16)
-        if GROUPED:
-            w = w * s.to(tl.float16)
-        return w
-
-
-@triton.jit
-def _tc_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs_j, offs_m, m_mask, k_lo, k_hi, N,
-             stride_xm, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, BM: tl.constexpr, DOT_F32: tl.constexpr):
-    magic, zbase = _magic(IS_BF16)
-    if GROUP == 0:
-        if SYMMETRIC:
-            zc = tl.full((1, BN), zbase + 8.0, tl.float32)
-        else:
-            zc = zbase + tl.load(zeros_ptr + offs_n, mask=n_mask, other=0).to(tl.float32)[None, :]
-        s = zc  # unused: per-channel scales are applied to the accumulator
-    acc = tl.zeros((BM, BN), tl.float32)
-    x_rows = x_ptr + offs_m[:, None] * stride_xm + 8 * offs_j[None, :]
-    for k in range(k_lo, k_hi, BK):
-        p = tl.load(w_ptrs + (k // 8) * N, mask=w_mask, other=0)
-        if GROUP > 0:
-            grp = ((k + 8 * offs_j) // GROUP)[:, None] * N + offs_n[None, :]  # each word row's group
-            s = tl.load(scales_ptr + grp, mask=w_mask, other=0.0).to(tl.float32)
-            if SYMMETRIC:
-                zc = tl.full((BK // 8, BN), zbase + 8.0, tl.float32)
-            else:
-                zc = zbase + tl.load(zeros_ptr + grp, mask=w_mask, other=0).to(tl.float32)
-        for i in tl.static_range(4):
-            lo, hi = tl.split(_halves(((p >> (4 * i)) & 0x000F000F) | magic, IS_BF16))  # k-offsets 2i, 2i+1
-            x_lo = tl.load(x_rows + k + 2 * i, mask=m_mask[:, None], other=0.0)
-            x_hi = tl.load(x_rows + k + 2 * i + 1, mask=m_mask[:, None], other=0.0)
-            acc = _dot(x_lo, _dequant_rows(lo, zc, s, GROUP > 0, IS_BF16), acc, DOT_F32)
-            acc = _dot(x_hi, _dequant_rows(hi, zc, s, GROUP > 0, IS_BF16), acc, DOT_F32)
-    accT = tl.trans(acc)
-    if GROUP == 0:
-        accT = accT * tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    return accT
-
-
-@triton.jit
-def _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_m, m_mask, n0, k_lo, k_hi, M, N, stride_xm,
-                     GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, BM: tl.constexpr, MV: tl.constexpr, PTX: tl.constexpr,
-                     DOT_F32: tl.constexpr):
+def _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n0, k_lo, k_hi, M, N, stride_xm,
+                     GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     BM: tl.constexpr, MV: tl.constexpr, PTX: tl.constexpr):
     """accT [BN, BM] for output features n0 .. n0 + BN over K range [k_lo, k_hi), scales applied."""
     # Output features are contiguous here: the hints (and no modulo on the offsets) give each
     # thread 16-byte loads; columns past N are masked (only a layer's last tile has any).
@@ -184,9 +125,5 @@ def _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_m, m_mask, n0, k
     offs_j = tl.arange(0, BK // 8)
     w_ptrs = qw_ptr + offs_j[:, None] * N + offs_n[None, :]
     w_mask = (offs_j[:, None] >= 0) & n_mask[None, :]
-    if MV > 0:
-        return _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs_j, k_lo, k_hi, M, N,
-                         stride_xm, GROUP, SYMMETRIC, BN, BK, BM, MV, PTX)
-    else:
-        return _tc_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs_j, offs_m, m_mask, k_lo,
-                        k_hi, N, stride_xm, GROUP, SYMMETRIC, IS_BF16, BN, BK, BM, DOT_F32)
+    return _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs_j, k_lo, k_hi, M, N,
+                     stride_xm, GROUP, SYMMETRIC, BN, BK, BM, MV, PTX)

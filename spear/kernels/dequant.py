@@ -16,7 +16,6 @@ import triton.language as tl
 
 from spear.kernels import _common
 from spear.kernels._common import _dequant, _halves, _magic, _unpack_w4
-from spear.kernels._kmajor import _dequant_rows
 from spear.kernels.layout import PackedW4
 
 
@@ -46,6 +45,24 @@ def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, K,
     p = tl.load(qw_ptr + n_ld[:, None] * (K // 8) + (k // 8 + tl.arange(0, BK // 8))[None, :])
     w = _dequant(_unpack_w4(p, BN, BK, IS_BF16), zc, s, True, IS_BF16)
     tl.store(w_ptr + offs_n[:, None] * K + (k + tl.arange(0, BK))[None, :], w, mask=n_mask[:, None])
+
+
+@triton.jit
+def _dequant_rows(w, zc, s, GROUPED: tl.constexpr, IS_BF16: tl.constexpr):
+    """w = BASE + code [BK/8, BN]; zc = BASE + zero, s = scale, broadcastable fp32.
+    (code - zero) * scale (GROUPED) or (code - zero), rounded once to the activation dtype."""
+    if IS_BF16:
+        wf = w.to(tl.float32)
+        if GROUPED:
+            wf = wf * s - zc * s
+        else:
+            wf = wf - zc
+        return wf.to(tl.bfloat16)
+    else:
+        w = w - zc.to(tl.float16)
+        if GROUPED:
+            w = w * s.to(tl.float16)
+        return w
 
 
 @triton.jit

@@ -27,9 +27,8 @@ K-major variant (``pack(..., kmajor=True)``, K a multiple of 128):
                            features are contiguous: a thread's 16-byte load holds 4 columns
                            that share their activations (measured faster at decode,
                            BENCHMARKS.md "Decode GEMV study"). Scales, zeros, locks as above.
-                           Experimental: its decode loop (M <= 4) is checked on the H200, its
-                           tensor-core tiles gave wrong results there at small M (not yet
-                           found; right under the interpreter), so serving packs N-major.
+                           Its tensor-core tiles unpack the same [BN, BK] operand as the
+                           N-major ones (only the join order of the nibbles differs).
   Storage at group 128: 4 + 16/128 + 8/128 = 4.19 bits per weight (the locks are per layer,
   not per weight). Per-channel: 4 + 24/K bits.
 
@@ -54,7 +53,7 @@ import torch
 NIBBLE_K = (0, 2, 1, 3, 4, 6, 5, 7)
 # nibble i of a K-major word holds k-offset KMAJOR_NIBBLE_K[i]
 KMAJOR_NIBBLE_K = (0, 2, 4, 6, 1, 3, 5, 7)
-KMAJOR_K_MULTIPLE = 128  # the K-major tensor-core tiles take 128 rows of K (16 words) per step
+KMAJOR_K_MULTIPLE = 128  # the K-major decode loop takes 128 rows of K (16 words) per step
 LOCK_SLOTS = 4096
 MAX_RANK = 128
 

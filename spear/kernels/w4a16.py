@@ -90,8 +90,6 @@ def _split_for(tiles: int, k: int, bk: int, programs: int) -> int:
 
 def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -> Config:
     kmax = group_size if group_size else k  # BK must divide a group (one scale per step)
-    # K-major tensor-core tiles take 128 rows of K per step whatever the group (scales per row)
-    kmax_tc = 128 if kmajor else kmax
     fma = "fma_kmajor" if kmajor else "fma"
     if m <= LAUNCH[fma + "_max_m"]:
         c = LAUNCH[fma]
@@ -101,12 +99,12 @@ def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -
         return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=mv)
     if m <= DECODE_MAX_M:
         c = LAUNCH["tc"]
-        bk = 128 if kmajor else min(c["BK"], kmax_tc)
+        bk = min(c["BK"], kmax)
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         split = _split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"])
     c = LAUNCH["prefill"]
-    return Config(c["BM"], c["BN"], 128 if kmajor else min(c["BK"], kmax), 1, c["num_warps"], c["num_stages"])
+    return Config(c["BM"], c["BN"], min(c["BK"], kmax), 1, c["num_warps"], c["num_stages"])
 
 
 @triton.jit(do_not_specialize=["M", "split_k", "u_split"])
@@ -211,25 +209,34 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
         zc = tl.full((BN,), zbase + 8.0, tl.float32)
     else:
         zc = zbase + tl.load(zeros_ptr + n_ld).to(tl.float32)
-    if KMAJOR:  # scales applied inside
-        accT = _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_m, m_mask, wt * BN, k_lo, k_hi, M, N,
-                                stride_xm, GROUP, SYMMETRIC, IS_BF16, BN, BK, BM, MV, PTX, DOT_F32)
+    if KMAJOR and MV > 0:  # scales applied inside
+        accT = _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt * BN, k_lo, k_hi, M, N, stride_xm,
+                                GROUP, SYMMETRIC, BN, BK, BM, MV, PTX)
     elif MV > 0:
         accT = _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, stride_xm,
                              GROUP, SYMMETRIC, BN, BK, BM, MV, PTX)
     else:
+        if KMAJOR:
+            # (K/8, N) words: load the [BN, BK/8] tile directly (N is the contiguous axis; the
+            # hints keep 16-byte loads, which the modulo of n_ld would hide; past N is masked)
+            offs_nc = tl.max_contiguous(tl.multiple_of(wt * BN + tl.arange(0, BN), BN), BN)
+            w_base = qw_ptr + offs_kw[None, :] * N + offs_nc[:, None]
+            w_mask = n_mask[:, None] & (offs_kw[None, :] >= 0)
         accT = tl.zeros((BN, BM), tl.float32)
         for k in range(k_lo, k_hi, BK):
-            p = tl.load(w_base + k // 8)
+            if KMAJOR:
+                p = tl.load(w_base + (k // 8) * N, mask=w_mask, other=0)
+            else:
+                p = tl.load(w_base + k // 8)
             if GROUP > 0:
                 g = k // GROUP
                 s = tl.load(scales_ptr + g * N + n_ld).to(tl.float32)
                 if not SYMMETRIC:
                     zc = zbase + tl.load(zeros_ptr + g * N + n_ld).to(tl.float32)
-            w = _dequant(_unpack_w4(p, BN, BK, IS_BF16), zc, s, GROUP > 0, IS_BF16)
+            w = _dequant(_unpack_w4(p, BN, BK, IS_BF16, KMAJOR), zc, s, GROUP > 0, IS_BF16)
             xt = tl.load(x_base + k, mask=m_mask[None, :], other=0.0)
             accT = _dot(w, xt, accT, DOT_F32)
-    if GROUP == 0 and not KMAJOR:
+    if GROUP == 0 and not (KMAJOR and MV > 0):
         accT = accT * s[:, None]
 
     out_mask = n_mask[:, None] & m_mask[None, :]
@@ -324,12 +331,9 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     m, k = x.shape
     n = w.out_features
     cfg = config or pick_config(m, n, k, w.group_size, w.kmajor)
-    # one scale per K step, except in the K-major tensor-core loop (scales per word row)
-    per_step_scale = not (w.kmajor and cfg.mv == 0)
-    if k % cfg.BK or (per_step_scale and w.group_size and w.group_size % cfg.BK):
+    # one scale per K step
+    if k % cfg.BK or (w.group_size and w.group_size % cfg.BK):
         raise ValueError(f"BK={cfg.BK} must divide in_features={k} and the group size {w.group_size}")
-    if w.kmajor and cfg.mv == 0 and cfg.BK < 128:
-        raise ValueError(f"the K-major tensor-core loop takes BK >= 128 (16 words per dot); got BK={cfg.BK}")
     m_tiles, n_wt = triton.cdiv(m, cfg.BM), triton.cdiv(n, cfg.BN)
     if cfg.mv and (m > cfg.mv or cfg.mv not in (1, 2, 4) or cfg.mv > cfg.BM):
         raise ValueError(f"the CUDA-core main loop takes M <= mv, mv in (1, 2, 4), mv <= BM; got M={m}, "

@@ -17,6 +17,7 @@ class EngineConfig:
     kv_memory: int | None = None         # bytes for the KV cache; None: 1 GiB on CPU, 85% of free GPU memory
     max_waiting: int = 256               # queued requests beyond which add_request raises QueueFull
     cuda_graphs: bool = True             # capture decode steps on CUDA (ignored on CPU)
+    weight_layout: str = "nmajor"        # packed W4 layout on CUDA: "nmajor" or "kmajor" (spear.kernels.layout)
     seed: int = 0                        # the generator of requests without a seed
 
     def __post_init__(self):
@@ -27,6 +28,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise SpearError(f"{name} must be >= 1 when given, got {v}")
+        if self.weight_layout not in ("nmajor", "kmajor"):
+            raise SpearError(f"weight_layout must be 'nmajor' or 'kmajor', got {self.weight_layout!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise SpearError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence decodes one token per step")

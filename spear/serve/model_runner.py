@@ -62,7 +62,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, cuda_graphs: bool = True):
+                 max_num_seqs: int, cuda_graphs: bool = True, weight_layout: str = "nmajor"):
         check_supported(model)
         cfg = model.config
         self.model = model
@@ -77,7 +77,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             from spear.serve.w4_kernels import use_w4_kernels
 
-            n = use_w4_kernels(model)
+            n = use_w4_kernels(model, kmajor=weight_layout == "kmajor")
             if n:
                 log.info("W4 kernels on %d quantized linears", n)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from spear.kernels.layout import MAX_RANK, pack, pack_ec
+from spear.kernels.layout import KMAJOR_K_MULTIPLE, MAX_RANK, pack, pack_ec
 from spear.kernels.ops import w4a16_linear
 from spear.models.modules import set_module
 from spear.quant.linear import QuantLinear
@@ -45,13 +45,15 @@ def _pack_compensator(comp: nn.Module, dtype: torch.dtype):
 class W4KernelLinear(nn.Module):
     """A QuantLinear packed once for the kernels; ``forward`` is one ``w4a16_linear`` call."""
 
-    def __init__(self, q: QuantLinear, dtype: torch.dtype):
+    def __init__(self, q: QuantLinear, dtype: torch.dtype, kmajor: bool = False):
         super().__init__()
         if not packable(q):
             raise ValueError(f"QuantLinear({q.extra_repr()}) does not fit the W4 kernels: need bits=4, "
                              f"in_features % 32 == 0, group_size in {_KERNEL_GROUPS}")
         self.in_features, self.out_features = q.in_features, q.out_features
-        self.weight = pack(q.codes, q.scales, q.zeros, q.group_size, q.symmetric)
+        # the K-major layout needs K % 128 == 0; other layers keep the N-major one
+        kmajor = kmajor and q.in_features % KMAJOR_K_MULTIPLE == 0
+        self.weight = pack(q.codes, q.scales, q.zeros, q.group_size, q.symmetric, kmajor=kmajor)
         self.bias = None if q.bias is None else q.bias.detach().to(dtype)
         self.ec = None if q.compensator is None else _pack_compensator(q.compensator, dtype)
         # A compensator the kernels cannot run stays a module beside them.
@@ -68,12 +70,13 @@ class W4KernelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fused EC: {ec}"
 
 
-def use_w4_kernels(model: nn.Module) -> int:
-    """Swap every packable QuantLinear of a CUDA fp16/bf16 model for a W4KernelLinear; returns how many."""
+def use_w4_kernels(model: nn.Module, kmajor: bool = False) -> int:
+    """Swap every packable QuantLinear of a CUDA fp16/bf16 model for a W4KernelLinear; returns how many.
+    ``kmajor``: pack K-major (``spear.kernels.layout``) where in_features allows it."""
     dtype = model.get_input_embeddings().weight.dtype
     if dtype not in (torch.float16, torch.bfloat16):
         return 0  # the kernels take fp16/bf16 activations; fp32 keeps the torch path
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear) and packable(m)]
     for name, q in targets:
-        set_module(model, name, W4KernelLinear(q, dtype))
+        set_module(model, name, W4KernelLinear(q, dtype, kmajor))
     return len(targets)

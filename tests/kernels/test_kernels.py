@@ -69,12 +69,13 @@ def test_w4a16_gemm(poisoned, m, gs, sym, dtype, bias, cfg):
     assert int(w.locks.abs().sum()) == 0, "split-K counters not re-armed"
 
 
-# The K-major layout: CUDA-core loop (mv), tensor-core sub-dots (BK 128 across groups of 32/64), dispatch
+# The K-major layout: CUDA-core loop (mv), tensor-core tiles (K-major join order of the nibbles), dispatch
 KMAJOR_CASES = [
     (1, 0, True, torch.float16, False, Config(16, 64, 128, 1, 4, 2, mv=1)),
     (3, 32, False, torch.float16, True, Config(16, 64, 32, 3, 4, 2, mv=4)),
     (2, 64, True, torch.bfloat16, False, Config(16, 32, 64, 2, 4, 2, mv=2)),
-    (17, 64, False, torch.bfloat16, True, Config(16, 64, 128, 2, 4, 2)),
+    (17, 64, False, torch.bfloat16, True, Config(16, 64, 64, 2, 4, 2)),
+    (7, 32, True, torch.float16, False, Config(16, 32, 32, 4, 4, 2)),
     (33, 0, True, torch.float16, False, Config(32, 32, 128, 1, 4, 2)),
     (17, 32, False, torch.float16, True, None),
     (1, 128, False, torch.bfloat16, True, None),
@@ -95,7 +96,7 @@ def test_w4a16_gemm_kmajor(poisoned, m, gs, sym, dtype, bias, cfg):
 def test_fused_ec_kmajor(poisoned, m, gs, dtype, r, h, split, mv):
     ec = make_ec(N_SMALL, K_SMALL, r, h, dtype, seed=r)
     x, w, b, e, expect = _setup(m, K_SMALL, N_SMALL, gs, False, dtype, seed=m + r, ec=ec, kmajor=True)
-    cfg = Config(16, 64, min(128, gs) if mv else 128, split, 4, 2, mv=mv)
+    cfg = Config(16, 64, min(128, gs), split, 4, 2, mv=mv)
     for _ in range(2):
         out = w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg)
         assert_close(out, expect, dtype, f"K-major fused EC M={m} g={gs} r={r} h={h}")
@@ -267,16 +268,9 @@ def test_gpu_ptx_decode_loop(poisoned, n, k, gs, sym, m, mv, kmajor):
                  ref_big, torch.float16, "PTX outliers")
 
 
-# On the H200 (2026-11-30) the K-major tensor-core tiles gave wrong results at M = 7 and 16
-# (SQNR -3 dB) while passing here under the interpreter and at M = 512; M = 1 passed with and
-# without the fused EC. Until that is found, the serving engine does not use the K-major layout.
-KMAJOR_TC_ON_GPU = pytest.mark.xfail(reason="K-major tensor-core tiles wrong on the H200 at small M", strict=False)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k,gs,sym,dtype", GPU_SHAPES)
-@pytest.mark.parametrize("m", [1, pytest.param(7, marks=KMAJOR_TC_ON_GPU), pytest.param(33, marks=KMAJOR_TC_ON_GPU),
-                               257])
+@pytest.mark.parametrize("m", [1, 3, 7, 16, 33, 257])
 def test_gpu_real_shapes_kmajor(poisoned, n, k, gs, sym, dtype, m):
     """The K-major layout through the op's dispatch (every path: CUDA-core, tensor-core, dequantize + cuBLAS)."""
     if DEVICE != "cuda":

@@ -11,9 +11,9 @@ from spear.serve.w4_kernels import W4KernelLinear, packable, use_w4_kernels
 from tests.conftest import sqnr_db
 
 
-def quant_linear(group_size=0, bias=False, seed=0):
+def quant_linear(group_size=0, bias=False, seed=0, in_features=128):
     torch.manual_seed(seed)
-    lin = torch.nn.Linear(128, 96, bias=bias)
+    lin = torch.nn.Linear(in_features, 96, bias=bias)
     return rtn_quantize_linear(lin, QuantConfig(bits=4, group_size=group_size))
 
 
@@ -45,6 +45,16 @@ def test_packed_layer_matches_quantlinear(group_size, bias, comp):
     out = packed(x)
     assert out.dtype == torch.float16 and out.shape == (7, 96)
     assert sqnr_db(ref, out.float()) > 40
+
+
+@pytest.mark.parametrize("in_features,expect_kmajor", [(128, True), (96, False)])
+def test_kmajor_packing(in_features, expect_kmajor):
+    """K-major where K allows it (multiple of 128), else the N-major layout; same function."""
+    q = quant_linear(32, bias=True, in_features=in_features)
+    packed = W4KernelLinear(q, torch.float16, kmajor=True)
+    assert packed.weight.kmajor == expect_kmajor
+    x = torch.randn(5, in_features).half()
+    assert sqnr_db(q(x.float()), packed(x).float()) > 40
 
 
 class _Slice(torch.nn.Module):
