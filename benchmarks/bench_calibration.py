@@ -18,7 +18,8 @@ gptqact is GPTQ with act-order).
 Plans: ``r<k>`` (rank k on every linear) or ``<placement>@<percent>`` with placement
 uniform | random | cka | cka-full | cka-sqrt, the
 budget in % of the quantized model; cka is SPEAR's rule, cka-full covers every module and
-cka-sqrt covers the top N·√evenness (see spear/select/allocate.py). Variants: ``nogate`` or ``gate`` (end-to-end KL) or ``bw-nogate``/``bw-gate``
+cka-sqrt covers the top N·√evenness (see spear/select/allocate.py); ``none`` attaches no EC
+(only meaningful with ``tune_scales=1``: the scales-only ablation). Variants: ``nogate`` or ``gate`` (end-to-end KL) or ``bw-nogate``/``bw-gate``
 (blockwise, one layer at a time, steps / 2 per layer), optionally followed
 by ``:key=value;...`` overrides of :class:`spear.compensate.calibrate.CalibrationConfig`.
 """
@@ -203,7 +204,8 @@ def main() -> None:
         plans = {}
         t0 = time.perf_counter()
         for spec in args.plans.split(","):  # placement needs the FP model
-            plans[spec] = make_plan(spec, model, tok, qcfg, damage_samples=args.damage_samples)
+            plans[spec] = {} if spec == "none" else make_plan(spec, model, tok, qcfg,
+                                                                damage_samples=args.damage_samples)
         select_s = time.perf_counter() - t0
         if args.damage_cache:
             _save_damage_cache(args.damage_cache, cache_prefix)
@@ -221,12 +223,13 @@ def main() -> None:
                 w2, st2 = rescale_reference(d.fp_weights, d.stats, scales)
                 sdata[key] = replace(d, fp_weights=w2, stats=st2)
         base = ppl(model)
+        base_scales = {n: m.scales.clone() for n, m in mods.items()}  # tune_scales runs change them
         total = quantized_model_bytes(model)
         emit({"setting": qcfg.label, "method": "base", "ppl": base, "gap": 0.0, "mem": 0.0,
               "quantize_seconds": quant_s, "select_seconds": select_s})
         for pspec, plan in plans.items():
             common = {"setting": qcfg.label, "plan": pspec, "modules": len(plan)}
-            for method in statics:
+            for method in statics if plan else []:  # no static row without ECs
                 attach_static(mods, weights, StaticCompensationConfig(method=method, rank=1, plan=plan), stats,
                               progress=False)
                 v = ppl(model)
@@ -250,6 +253,9 @@ def main() -> None:
                     emit({**rec, "ppl": v, "gap": gap_recovered(base, v, fp),
                           "mem": 100 * compensator_bytes(model) / total})
                     remove_compensators(model)
+                    if cfg.tune_scales:  # the next run starts from the same quantized base
+                        for n, m in mods.items():
+                            m.set_quantized(m.codes, base_scales[n], m.zeros)
         del model, mods
     sink.close()
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]

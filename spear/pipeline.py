@@ -124,15 +124,18 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
         applied = attach_ecs(modules, calib_data.fp_weights, ec_plan, cfg, calib_data.stats)
         report = calibrate(model, calib_data, cfg, progress=progress)
         extra = compensator_bytes(model)
-        label = ("SPEAR gated EC" if cfg.gated else "SPEAR EC (KL, no gate)") + f" {where}"
+        label = ("SPEAR gated EC" if cfg.gated else "SPEAR EC (KL, no gate)") + f" {where}" + \
+            (" + tuned scales" if cfg.tune_scales else "")
         res = ppl(label)
         log(f"{label} ppl {res.ppl:.3f}, +{100 * extra / total:.2f}% memory, val KL "
             f"{report.initial_val_kl:.4f} -> {report.best_val_kl:.4f} in {report.seconds:.0f} s")
         rows.append(Row(label, res.ppl, 100.0 * extra / total, extra,
                         details={"variant": variant, "modules": len(applied), "val_kl": report.best_val_kl,
                                  "calibration_seconds": report.seconds, "steps": report.steps_run,
-                                 "seed": cfg.seed}))
+                                 "seed": cfg.seed, "tune_scales": cfg.tune_scales}))
         remove_compensators(model)
+        if cfg.tune_scales:  # the next variant starts from the same quantized weights
+            _restore(modules, snap)
     fill_gap(rows, fp.ppl, base.ppl)
     header = {"placement": where, "model": model_name, "text": split.text_name, "quant": quant.label, "seq_len": split.seq_len,
               "eval_windows": split.eval.shape[0], "tokens_scored": fp.tokens,

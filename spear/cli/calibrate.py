@@ -31,6 +31,12 @@ def add_calibration_args(p, with_gate_flag: bool = True) -> None:
                    help="keep only the teacher's K most likely tokens per position (plus the rest's mass) "
                         "instead of the whole distribution: bounded memory for many samples or large "
                         "vocabularies (default: %(default)s = whole distribution)")
+    g.add_argument("--tune-scales", action="store_true",
+                   help="also KL-train the quantization scales of every quantized linear (a log-factor per "
+                        "stored scale, folded into the fp16 scales afterwards: no extra memory); end-to-end "
+                        "KL only. Default: only the ECs train")
+    g.add_argument("--scale-lr", type=float, default=d.scale_lr,
+                   help="with --tune-scales: learning rate of the scales' log-factors (default: %(default)s)")
     g.add_argument("--init", choices=["identity", "lqer", "qera-approx", "qera-exact"], default=d.init,
                    help="closed-form solution the ECs start from (default: %(default)s)")
 
@@ -42,7 +48,8 @@ def calibration_config_from(args):
                              seed=args.seed, steps=args.steps, batch_size=args.calib_batch, lr=args.lr,
                              gate_lr=args.gate_lr, gated=getattr(args, "gate", False), hidden=args.hidden,
                              bound=args.bound, gate_per_rank=not args.gate_per_module, init=args.init,
-                             teacher_top_k=args.teacher_top_k)
+                             teacher_top_k=args.teacher_top_k, tune_scales=args.tune_scales,
+                             scale_lr=args.scale_lr)
 
 
 def register(sub) -> None:
@@ -82,6 +89,8 @@ def main(args) -> int:
 
     quant = quant_config_from(args)
     cfg = calibration_config_from(args)
+    if args.blockwise and cfg.tune_scales:
+        raise SpearError("--tune-scales needs end-to-end KL calibration (not --blockwise)")
     if is_checkpoint(resolve_model_path(args.model)):
         raise SpearError(f"{args.model} is already a spear checkpoint; calibrate from its source model")
     progress = not args.quiet
@@ -99,7 +108,7 @@ def main(args) -> int:
     if unknown:
         raise SpearError(f"plan names {len(unknown)} module(s) that are not quantized linears, e.g. {unknown[0]}")
     applied = attach_ecs(modules, data.fp_weights, plan, cfg, data.stats)
-    if not applied:
+    if not applied and not cfg.tune_scales:
         raise SpearError("the plan gives every module rank 0: nothing to calibrate")
     if args.blockwise:
         report = calibrate_layerwise(model, data, cfg, args.layer_steps, progress=progress)
@@ -127,6 +136,8 @@ def main(args) -> int:
 
         save_plan(selection, out)
     head = f"wrote {out}: {len(applied)} ECs ({'gated' if cfg.gated else 'ungated'}), +{100 * extra / total:.2f}% memory"
+    if cfg.tune_scales:
+        head += ", KL-tuned scales"
     if args.blockwise:
         errs = [(e["val_before"], min(e["val_before"], e["val_after"])) for e in report.layers if e["ecs"]]
         print(f"{head}; blockwise: mean layer output error {sum(b for b, _ in errs) / len(errs):.3e} -> "

@@ -34,6 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from spear.compensate.calibrate import CalibrationConfig, CalibrationDiverged
+from spear.errors import SpearError
 from spear.quant.calib import LayerBatch, capture_layer_inputs, find_decoder_layers, layer_forward
 from spear.quant.linear import QuantLinear
 
@@ -80,6 +81,8 @@ def calibrate_blockwise(model: nn.Module, train_ids: torch.Tensor, val_ids: torc
                         fp_weights: dict[str, torch.Tensor], cfg: CalibrationConfig,
                         steps_per_layer: int | None = None, progress: bool = True) -> BlockwiseReport:
     """Train the ECs already attached to ``model``'s quantized linears, layer by layer."""
+    if cfg.tune_scales:
+        raise SpearError("tune_scales needs end-to-end KL calibration; blockwise calibration trains the ECs only")
     start = time.perf_counter()
     steps = steps_per_layer or max(1, cfg.steps // 2)
     prefix, layers = find_decoder_layers(model)

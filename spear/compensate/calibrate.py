@@ -10,10 +10,17 @@ per position instead of 2 x vocab), for many samples or large vocabularies. A he
 for early stopping; the best EC state seen is restored at the end. A non-finite
 loss stops the run with an error naming the step and the first module whose
 parameters or gradients went non-finite, so no checkpoint is written from it.
+
+``tune_scales`` (off by default, so the ECs' own contribution stays measurable) also
+trains the quantization scales of every quantized linear under the same loss: a
+log-factor per stored scale, folded into the fp16 scales at the end
+(:mod:`spear.compensate.scales`; no extra memory). With it, a model without ECs can
+be calibrated too (scales only).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from spear.compensate.scales import ScaleFactors, tunable_scales
 from spear.errors import SpearError
 from spear.quant.linear import QuantLinear
 
@@ -55,6 +63,10 @@ class CalibrationConfig:
     gate_per_rank: bool = True  # one γ per rank component (False: one per module)
     init: str = "qera-approx"  # static solution the ECs start from
     teacher_top_k: int = 0  # 0: the full teacher distribution; k: its top k tokens + the rest (TopKTeacher)
+    # Also KL-train every quantized linear's scales (a log-factor per scale, folded into the
+    # fp16 scales at the end; spear/compensate/scales.py). Off: only the ECs train.
+    tune_scales: bool = False
+    scale_lr: float = 1e-3  # learning rate of the scales' log-factors
 
     def __post_init__(self):
         positive = ("n_samples", "val_samples", "steps", "batch_size", "eval_every", "patience", "hidden")
@@ -63,7 +75,7 @@ class CalibrationConfig:
                 raise SpearError(f"calibration {name} must be >= 1, got {getattr(self, name)}")
         if self.sample_len < 2:
             raise SpearError(f"calibration sample_len must be >= 2, got {self.sample_len}")
-        for name in ("lr", "gate_lr", "alpha_lr", "temperature", "clip"):
+        for name in ("lr", "gate_lr", "alpha_lr", "scale_lr", "temperature", "clip"):
             if not getattr(self, name) > 0:
                 raise SpearError(f"calibration {name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.warmup < 1:
@@ -176,7 +188,8 @@ def val_kl(model: nn.Module, ids: torch.Tensor, teacher: torch.Tensor, batch_siz
     return total / n
 
 
-def _param_groups(ecs: dict[str, nn.Module], cfg: CalibrationConfig) -> list[dict]:
+def _param_groups(ecs: dict[str, nn.Module], cfg: CalibrationConfig,
+                  scales: ScaleFactors | None = None) -> list[dict]:
     low, gate, alpha = [], [], []
     for ec in ecs.values():
         for name, p in ec.named_parameters():
@@ -184,32 +197,50 @@ def _param_groups(ecs: dict[str, nn.Module], cfg: CalibrationConfig) -> list[dic
     groups = [{"params": low, "lr": cfg.lr}, {"params": alpha, "lr": cfg.alpha_lr, "weight_decay": 0.0}]
     if gate:
         groups.append({"params": gate, "lr": cfg.gate_lr})
-    return groups
+    if scales is not None:
+        groups.append({"params": scales.parameters(), "lr": cfg.scale_lr, "weight_decay": 0.0})
+    return [g for g in groups if g["params"]]
 
 
-def _diagnose(ecs: dict[str, nn.Module], step: int) -> CalibrationDiverged:
-    for name, ec in ecs.items():
-        for pname, p in ec.named_parameters():
-            if not torch.isfinite(p).all():
-                return CalibrationDiverged(f"calibration diverged at step {step}: {name}.{pname} is non-finite")
-            if p.grad is not None and not torch.isfinite(p.grad).all():
-                return CalibrationDiverged(f"calibration diverged at step {step}: gradient of {name}.{pname} is non-finite")
+def _diagnose(ecs: dict[str, nn.Module], step: int, scales: ScaleFactors | None = None) -> CalibrationDiverged:
+    named = [(f"{name}.{pname}", p) for name, ec in ecs.items() for pname, p in ec.named_parameters()]
+    if scales is not None:
+        named += list(scales.named_parameters())
+    for name, p in named:
+        if not torch.isfinite(p).all():
+            return CalibrationDiverged(f"calibration diverged at step {step}: {name} is non-finite")
+        if p.grad is not None and not torch.isfinite(p.grad).all():
+            return CalibrationDiverged(f"calibration diverged at step {step}: gradient of {name} is non-finite")
     return CalibrationDiverged(f"calibration diverged at step {step}: the KL loss is non-finite "
-                               "(every EC parameter is finite; try a lower --lr)")
+                               "(every trained parameter is finite; try a lower --lr)")
 
 
 def train_ecs(model: nn.Module, train_ids: torch.Tensor, train_teacher: torch.Tensor, val_ids: torch.Tensor,
               val_teacher: torch.Tensor, cfg: CalibrationConfig, progress: bool = True) -> CalibrationReport:
-    """Minimise the KL to the teacher over EC parameters only; restores the best validation state."""
+    """Minimise the KL to the teacher over EC parameters (and, with ``cfg.tune_scales``, the
+    quantization scales); restores the best validation state."""
     ecs = ec_modules(model)
-    if not ecs:
+    if not ecs and not cfg.tune_scales:
         raise SpearError("the model has no error compensators to calibrate")
     for p in model.parameters():
         p.requires_grad_(False)
     for ec in ecs.values():
         for p in ec.parameters():
             p.requires_grad_(True)
-    opt = torch.optim.AdamW(_param_groups(ecs, cfg), weight_decay=cfg.weight_decay)
+    # With tune_scales the factors fold into the scales on success; an exception leaves them as they were.
+    with tunable_scales(model) if cfg.tune_scales else contextlib.nullcontext() as scales:
+        report = _optimise(model, ecs, scales, train_ids, train_teacher, val_ids, val_teacher, cfg, progress)
+    for ec in ecs.values():
+        for p in ec.parameters():
+            p.requires_grad_(False)
+    return report
+
+
+def _optimise(model: nn.Module, ecs: dict[str, nn.Module], scales: ScaleFactors | None, train_ids: torch.Tensor,
+              train_teacher: torch.Tensor, val_ids: torch.Tensor, val_teacher: torch.Tensor,
+              cfg: CalibrationConfig, progress: bool) -> CalibrationReport:
+    """The optimisation loop of :func:`train_ecs`; leaves the best validation state loaded."""
+    opt = torch.optim.AdamW(_param_groups(ecs, cfg, scales), weight_decay=cfg.weight_decay)
     warm = max(1, int(cfg.warmup * cfg.steps))
 
     def schedule(step):  # linear warm-up, then cosine to 10%
@@ -218,13 +249,17 @@ def train_ecs(model: nn.Module, train_ids: torch.Tensor, train_teacher: torch.Te
         t = (step - warm) / max(1, cfg.steps - warm)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
 
+    def snapshot():
+        return ({n: {k: v.detach().clone() for k, v in ec.state_dict().items()} for n, ec in ecs.items()},
+                None if scales is None else scales.state())
+
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(cfg.seed)
     start = time.perf_counter()
     initial = val_kl(model, val_ids, val_teacher, cfg.batch_size)
     best, best_step, bad = initial, 0, 0
-    best_state = {n: {k: v.detach().clone() for k, v in ec.state_dict().items()} for n, ec in ecs.items()}
+    best_state = snapshot()
     history = [{"step": 0, "val_kl": initial}]
     order = torch.empty(0, dtype=torch.long)
     running = None
@@ -238,13 +273,13 @@ def train_ecs(model: nn.Module, train_ids: torch.Tensor, train_teacher: torch.Te
         logits = model(input_ids=train_ids[idx].to(device), use_cache=False).logits
         loss = kl_loss(logits, train_teacher[idx].to(device))
         if not torch.isfinite(loss):
-            raise _diagnose(ecs, step)
+            raise _diagnose(ecs, step, scales)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         params = [p for g in opt.param_groups for p in g["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
         if not torch.isfinite(norm):
-            raise _diagnose(ecs, step)
+            raise _diagnose(ecs, step, scales)
         opt.step()
         sched.step()
         running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
@@ -254,7 +289,7 @@ def train_ecs(model: nn.Module, train_ids: torch.Tensor, train_teacher: torch.Te
             entry["val_kl"] = v
             if v < best:
                 best, best_step, bad = v, step, 0
-                best_state = {n: {k: t.detach().clone() for k, t in ec.state_dict().items()} for n, ec in ecs.items()}
+                best_state = snapshot()
             else:
                 bad += 1
             bar.set_postfix(kl=f"{running:.4f}", val=f"{v:.4f}")
@@ -265,11 +300,11 @@ def train_ecs(model: nn.Module, train_ids: torch.Tensor, train_teacher: torch.Te
             bar.set_postfix(kl=f"{running:.4f}")
         history.append(entry)
     bar.close()
+    best_ecs, best_scales = best_state
     with torch.no_grad():
         for n, ec in ecs.items():
-            ec.load_state_dict(best_state[n])
-    for ec in ecs.values():
-        for p in ec.parameters():
-            p.requires_grad_(False)
+            ec.load_state_dict(best_ecs[n])
+    if scales is not None:
+        scales.load_state(best_scales)
     return CalibrationReport(steps_run=step, best_step=best_step, best_val_kl=best, initial_val_kl=initial,
                              seconds=time.perf_counter() - start, history=history)
