@@ -167,7 +167,7 @@ def run_variant(model, name: str, args, device: str, batches: list[int], vocab: 
     cfg = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(512, max(batches)),
                        max_model_len=max_len, block_size=16,
                        num_blocks=max(batches) * math.ceil(max_len / 16) + 8, cuda_graphs=not args.no_graphs,
-                       weight_layout=args.layout)
+                       weight_layout=args.layout, fuse_projections=not args.no_fuse)
     engine = LLMEngine(model, _IdsTokenizer(), cfg)
     row = {"variant": name}
     for b in batches:
@@ -215,7 +215,8 @@ def main(argv=None) -> int:
     p.add_argument("--ec-budget", type=float, default=0.01, help="EC bytes / W4 model bytes (default: 1%%)")
     p.add_argument("--ec-all", action="store_true", help="also run ECs on every linear")
     p.add_argument("--no-graphs", action="store_true", help="eager decode on CUDA")
-    p.add_argument("--layout", choices=("nmajor", "kmajor"), default="nmajor",
+    p.add_argument("--no-fuse", action="store_true", help="q/k/v and gate/up as separate GEMMs")
+    p.add_argument("--layout", choices=("nmajor", "kmajor"), default="kmajor",
                    help="packed W4 weight layout of the engine (spear.kernels.layout)")
     p.add_argument("--out", help="folder for results.json and table.md")
     p.add_argument("--table", help="launch_table.json (bench_kernels.py --tune / bench_gemv.py) for the W4 kernel")
@@ -242,7 +243,8 @@ def main(argv=None) -> int:
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
     header = (f"Decode, {datetime.date.today().isoformat()}, {dev_name}, torch {torch.__version__}, "
               f"{dtype}, prompt {args.prompt_len} tokens, median of {args.gen} steps"
-              + (f", {args.layers} layers" if args.layers else ""))
+              + (f", {args.layers} layers" if args.layers else "")
+              + f", W4 layout {args.layout}, projections {'separate' if args.no_fuse else 'fused'}")
     print(header, flush=True)
     max_len = args.prompt_len + args.warmup + args.gen + 1
     results = []

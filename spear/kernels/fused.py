@@ -166,7 +166,7 @@ def _rotate(base_ptr, offs, mask, c1, c2, s1, s2, HALF: tl.constexpr, dt: tl.con
 
 @triton.jit
 def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qo_ptr, kc_ptr, vc_ptr,
-                    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
+                    stride_q, stride_k, stride_v, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
                     HAS_POS: tl.constexpr):
     """Program (t, j): token t; j < cdiv(H, BH) rotates BH query heads, the others rotate BH
     key heads into the cache and copy the matching value heads."""
@@ -189,7 +189,7 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qo
         heads = j * BH + tl.arange(0, BH)
         mask = (heads < H)[:, None] & d_mask[None, :]
         offs = heads[:, None] * D + offs_d[None, :]
-        lo, hi = _rotate(q_ptr + t * (H * D), offs, mask, c1, c2, s1, s2, HALF, dt)
+        lo, hi = _rotate(q_ptr + t * stride_q, offs, mask, c1, c2, s1, s2, HALF, dt)
         tl.store(qo_ptr + t * (H * D) + offs, lo, mask=mask)
         tl.store(qo_ptr + t * (H * D) + offs + HALF, hi, mask=mask)
     else:
@@ -197,13 +197,12 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qo
         mask = (heads < HKV)[:, None] & d_mask[None, :]
         offs = heads[:, None] * D + offs_d[None, :]
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        src = t * (HKV * D)
         dst = slot * (HKV * D)
-        lo, hi = _rotate(k_ptr + src, offs, mask, c1, c2, s1, s2, HALF, dt)
+        lo, hi = _rotate(k_ptr + t * stride_k, offs, mask, c1, c2, s1, s2, HALF, dt)
         tl.store(kc_ptr + dst + offs, lo, mask=mask)
         tl.store(kc_ptr + dst + offs + HALF, hi, mask=mask)
-        v1 = tl.load(v_ptr + src + offs, mask=mask, other=0.0)
-        v2 = tl.load(v_ptr + src + offs + HALF, mask=mask, other=0.0)
+        v1 = tl.load(v_ptr + t * stride_v + offs, mask=mask, other=0.0)
+        v2 = tl.load(v_ptr + t * stride_v + offs + HALF, mask=mask, other=0.0)
         tl.store(vc_ptr + dst + offs, v1, mask=mask)
         tl.store(vc_ptr + dst + offs + HALF, v2, mask=mask)
 
@@ -215,8 +214,11 @@ def _check_rope(q, k, v, cos, sin, k_cache, v_cache, slots, positions) -> None:
             raise ValueError(f"{name} must be a {dims}-D tensor; got shape {tuple(getattr(x, 'shape', ()))}")
         if x.dtype != q.dtype:
             raise ValueError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
-        if not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous; got strides {x.stride()} for shape {tuple(x.shape)}")
+        # q, k, v may be column slices of one fused projection: rows strided, each row's heads dense
+        dense = x.stride()[1:] == (x.shape[2], 1) if name in ("q", "k", "v") else x.is_contiguous()
+        if not dense:
+            raise ValueError(f"{name} must be contiguous{' within each token' if name in 'qkv' else ''}; got "
+                             f"strides {x.stride()} for shape {tuple(x.shape)}")
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device}, q on {q.device}")
     if q.dtype not in FLOAT_DTYPES:
@@ -252,7 +254,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
                   positions: torch.Tensor | None = None, launch=None) -> torch.Tensor:
     """Rotary on q and k, and the KV cache write, in one launch; returns the rotated q (new tensor).
 
-    q (T, n_heads, head_dim), k and v (T, n_kv_heads, head_dim); caches (num_blocks, block_size,
+    q (T, n_heads, head_dim), k and v (T, n_kv_heads, head_dim), each token's heads contiguous
+    (rows may be strided: q, k, v can be column slices of one fused projection); caches (num_blocks, block_size,
     n_kv_heads, head_dim) receive the rotated k and v at ``slots`` (T,) (slot = block *
     block_size + offset). ``cos``/``sin``: with ``positions`` (T,) they are whole rotary tables
     (max_len, head_dim) indexed in the kernel (no gather launch); without, one row per token
@@ -278,7 +281,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     grid = (t, triton.cdiv(h, bh) + triton.cdiv(hkv, bh))
     kernel = _rope_kv_kernel if launch is None else launch(_rope_kv_kernel)
     kernel[grid](q, k, v, cos, sin, positions if positions is not None else slots, slots, q_out, k_cache, v_cache,
-                 H=h, HKV=hkv, D=d, BH=bh, BD=bd, HAS_POS=positions is not None, num_warps=4,
+                 q.stride(0), k.stride(0), v.stride(0), H=h, HKV=hkv, D=d, BH=bh, BD=bd, HAS_POS=positions is not None, num_warps=4,
                  enable_fp_fusion=False)  # fp32: no FMA contraction, the products round as torch's do
     return q_out
 
@@ -286,24 +289,27 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 # ---------------------------------------------------------------------------- SiLU · up
 
 
-@triton.jit(do_not_specialize=["n"])
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "cols", "stride_g", "stride_u"])
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, cols, stride_g, stride_u, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
+    row, col = offs // cols, offs % cols
     dt = out_ptr.dtype.element_ty
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + col, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + col, mask=mask, other=0.0).to(tl.float32)
     act = _to(g / (1.0 + tl.exp(-g)), dt).to(tl.float32)
     tl.store(out_ptr + offs, _to(act * u, dt), mask=mask)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, launch=None) -> torch.Tensor:
-    """``F.silu(gate) * up`` in one pass over contiguous tensors of one shape and dtype."""
+    """``F.silu(gate) * up`` in one pass; 2-D inputs of one shape and dtype whose rows may be strided
+    (gate and up can be the two halves of one fused projection). Returns a contiguous tensor."""
     for name, x in (("gate", gate), ("up", up)):
         if not torch.is_tensor(x) or x.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name} must be an fp16, bf16 or fp32 tensor; got {getattr(x, 'dtype', type(x))}")
-        if not x.is_contiguous():
-            raise ValueError(f"{name} must be contiguous; got strides {x.stride()} for shape {tuple(x.shape)}")
+        if x.dim() != 2 or x.stride(1) != 1:
+            raise ValueError(f"{name} must be 2-D (tokens, features) with unit stride along features; got "
+                             f"strides {x.stride()} for shape {tuple(x.shape)}")
     if up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
         raise ValueError(f"gate and up must match: {gate.dtype} {tuple(gate.shape)} on {gate.device} vs "
                          f"{up.dtype} {tuple(up.shape)} on {up.device}")
@@ -313,5 +319,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, launch=None) -> torch.Tensor:
     n = gate.numel()
     if n:
         kernel = _silu_mul_kernel if launch is None else launch(_silu_mul_kernel)
-        kernel[(triton.cdiv(n, SILU_BLOCK),)](gate, up, out, n, BLOCK=SILU_BLOCK, num_warps=4)
+        kernel[(triton.cdiv(n, SILU_BLOCK),)](gate, up, out, n, gate.shape[1], gate.stride(0), up.stride(0),
+                                              BLOCK=SILU_BLOCK, num_warps=4)
     return out

@@ -17,7 +17,8 @@ class EngineConfig:
     kv_memory: int | None = None         # bytes for the KV cache; None: 1 GiB on CPU, 85% of free GPU memory
     max_waiting: int = 256               # queued requests beyond which add_request raises QueueFull
     cuda_graphs: bool = True             # capture decode steps on CUDA (ignored on CPU)
-    weight_layout: str = "nmajor"        # packed W4 layout on CUDA: "nmajor" or "kmajor" (spear.kernels.layout)
+    weight_layout: str = "kmajor"        # packed W4 layout on CUDA: "kmajor" (faster decode) or "nmajor"
+    fuse_projections: bool = True        # on CUDA: q/k/v and gate/up as one GEMM each (spear.serve.fusion)
     seed: int = 0                        # the generator of requests without a seed
 
     def __post_init__(self):

@@ -15,7 +15,8 @@ layers.py, and a scratch cache block that padding rows write into.
 On CUDA the small per-layer ops run as the fused Triton kernels of
 ``spear.kernels.fused`` (one launch each for RMSNorm with the residual add before it,
 rotary on q and k with the KV-cache write, and SiLU·mul), with the numerics of the
-torch code in layers.py, which stays the path on every other device.
+torch code in layers.py, which stays the path on every other device; q/k/v and
+gate/up run as one projection each (spear.serve.fusion).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, cuda_graphs: bool = True, weight_layout: str = "nmajor"):
+                 max_num_seqs: int, cuda_graphs: bool = True, weight_layout: str = "kmajor",
+                 fuse_projections: bool = True):
         check_supported(model)
         cfg = model.config
         self.model = model
@@ -80,6 +82,10 @@ class ModelRunner:
             n = use_w4_kernels(model, kmajor=weight_layout == "kmajor")
             if n:
                 log.info("W4 kernels on %d quantized linears", n)
+            if fuse_projections:
+                from spear.serve.fusion import fuse_projections as fuse
+
+                log.info("fused %d q/k/v and gate/up groups", fuse(self.layers))
 
         # One extra block at index num_blocks: padding rows of captured graphs write there.
         shape = (num_blocks + 1, block_size, self.n_kv_heads, self.head_dim)
@@ -135,15 +141,20 @@ class ModelRunner:
             x = self.fused.rms_norm(h, norm.weight, norm.variance_epsilon)
         else:
             h, x = self.fused.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)
-        q = attn.q_proj(x).view(t, self.n_heads, self.head_dim)
-        k = attn.k_proj(x).view(t, self.n_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
+        qkv = getattr(attn, "qkv_proj", None)  # spear.serve.fusion: one GEMM, column slices
+        q, k, v = qkv(x).split(qkv.splits, dim=-1) if qkv is not None else (attn.q_proj(x), attn.k_proj(x),
+                                                                           attn.v_proj(x))
+        q = q.view(t, self.n_heads, self.head_dim)
+        k = k.view(t, self.n_kv_heads, self.head_dim)
+        v = v.view(t, self.n_kv_heads, self.head_dim)
         q = self.fused.rope_write_kv(q, k, v, self.cos, self.sin, self.k_cache[i], self.v_cache[i], slots,
                                      positions=positions)  # the whole tables: no gather launch
         o = attn.o_proj(attend(q, self.k_cache[i], self.v_cache[i]))
         norm = layer.post_attention_layernorm
         h, x = self.fused.add_rms_norm(o, h, norm.weight, norm.variance_epsilon)
-        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        gate_up = getattr(mlp, "gate_up_proj", None)
+        gate, up = gate_up(x).split(gate_up.splits, dim=-1) if gate_up is not None else (mlp.gate_proj(x),
+                                                                                        mlp.up_proj(x))
         act = self.fused.silu_mul(gate, up) if self.fused_silu else mlp.act_fn(gate) * up
         return h, mlp.down_proj(act)
 

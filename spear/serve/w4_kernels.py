@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from spear.kernels.layout import KMAJOR_K_MULTIPLE, MAX_RANK, pack, pack_ec
+from spear.kernels.layout import KMAJOR_K_MULTIPLE, MAX_RANK, PackedEC, PackedW4, pack, pack_ec
 from spear.kernels.ops import w4a16_linear
 from spear.models.modules import set_module
 from spear.quant.linear import QuantLinear
@@ -58,6 +58,15 @@ class W4KernelLinear(nn.Module):
         self.ec = None if q.compensator is None else _pack_compensator(q.compensator, dtype)
         # A compensator the kernels cannot run stays a module beside them.
         self.compensator = q.compensator if q.compensator is not None and self.ec is None else None
+
+    @classmethod
+    def from_packed(cls, weight: PackedW4, bias: torch.Tensor | None, ec: PackedEC | None) -> "W4KernelLinear":
+        """A layer over already packed tensors (e.g. several layers' packs merged, spear/serve/fusion.py)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.weight, self.bias, self.ec, self.compensator = weight, bias, ec, None
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = w4a16_linear(x, self.weight, self.bias, self.ec)

@@ -102,11 +102,16 @@ def test_rope_write_kv(poisoned, dtype, t, h, hkv, d):
     written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
     written[slots] = True
 
-    # per-token rows (as layers.apply_rope takes them), then whole tables + positions
-    for args, kw in (((cos, sin), {}), ((cos_t, sin_t), dict(positions=positions.to(torch.int32)))):
+    # q, k, v as column slices of one fused projection (strided rows), as the engine passes them
+    qkv = torch.cat([x.reshape(t, -1) for x in (q, k, v)], dim=1)
+    q_s, k_s, v_s = (x.view(t, -1, d) for x in qkv.split([h * d, hkv * d, hkv * d], dim=1))
+    # per-token rows (as layers.apply_rope takes them), then whole tables + positions, then strided
+    for args, kw, qkv_in in (((cos, sin), {}, (q, k, v)),
+                             ((cos_t, sin_t), dict(positions=positions.to(torch.int32)), (q, k, v)),
+                             ((cos_t, sin_t), dict(positions=positions), (q_s, k_s, v_s))):
         kc, vc = k0.clone(), v0.clone()
-        out = fused.rope_write_kv(q, k, v, *args, kc, vc, slots, **kw)
-        what = f"{dtype} t={t} h={h}/{hkv} d={d} {'positions' if kw else 'rows'}"
+        out = fused.rope_write_kv(*qkv_in, *args, kc, vc, slots, **kw)
+        what = f"{dtype} t={t} h={h}/{hkv} d={d} {'positions' if kw else 'rows'} {'strided' if qkv_in[0] is q_s else ''}"
         check(out, ref_q, "q " + what)
         kc, vc, rk, rv = (c.view(-1, hkv, d) for c in (kc, vc, ref_k, ref_v))
         check(kc[written], rk[written], "k cache " + what)
@@ -126,6 +131,9 @@ def test_silu_mul(poisoned, dtype, shape):
     gate.view(-1)[:4] = torch.tensor([-100.0, 100.0, 0.0, -30.0], dtype=dtype)  # exp over/underflow
     up = randn(*shape, dtype=dtype, seed=shape[1])
     check(fused.silu_mul(gate, up), F.silu(gate) * up, f"silu_mul {dtype} {shape}")
+    # the two halves of one fused gate/up projection (strided rows)
+    g_s, u_s = torch.cat((gate, up), dim=1).split(shape[1], dim=1)
+    check(fused.silu_mul(g_s, u_s), F.silu(gate) * up, f"silu_mul strided {dtype} {shape}")
 
 
 # ---------------------------------------------------------------------------- inputs and fallback
@@ -163,6 +171,7 @@ def test_bad_inputs_raise():
         (dict(slots=slots.float()), "slots"),
         (dict(positions=torch.zeros(3, 1, dtype=torch.long, device=DEVICE)), "positions"),
         (dict(q=q.transpose(0, 1).contiguous().transpose(0, 1)), "contiguous"),
+        (dict(k=torch.zeros(3, 16, 2, **f16).transpose(1, 2)), "contiguous within each token"),
     ]
     for change, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -172,7 +181,7 @@ def test_bad_inputs_raise():
         fused.silu_mul(x, torch.zeros(2, 16, **f16))
     with pytest.raises(ValueError, match="match"):
         fused.silu_mul(x, x.float())
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match="unit stride"):
         fused.silu_mul(x.t(), x.t())
 
 
@@ -286,8 +295,10 @@ for dt in ("fp16", "bf16", "fp32"):
     for has_pos in (False, True):
         ptrs = {n: p for n in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "kc_ptr", "vc_ptr")}
         compile(_rope_kv_kernel, dict(ptrs, pos_ptr="*i64", slot_ptr="*i64"),
-                dict(H=32, HKV=8, D=128, BH=8, BD=64, HAS_POS=has_pos), num_warps=4, enable_fp_fusion=False)
-    k = compile(_silu_mul_kernel, dict(g_ptr=p, u_ptr=p, out_ptr=p), dict(BLOCK=1024), dict(n="i32"), num_warps=4)
+                dict(H=32, HKV=8, D=128, BH=8, BD=64, HAS_POS=has_pos),
+                dict(stride_q="i32", stride_k="i32", stride_v="i32"), num_warps=4, enable_fp_fusion=False)
+    k = compile(_silu_mul_kernel, dict(g_ptr=p, u_ptr=p, out_ptr=p), dict(BLOCK=1024),
+                dict(n="i32", cols="i32", stride_g="i32", stride_u="i32"), num_warps=4)
     if dt == "bf16":
         assert "cvt.rn.bf16.f32" in k.asm["ptx"]
 print("ok")
