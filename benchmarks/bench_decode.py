@@ -26,6 +26,7 @@ Prints a Markdown table with date and device; --out also writes results.json / t
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import gc
 import json
@@ -46,6 +47,7 @@ from spear.eval.memory import compensator_bytes, quantized_model_bytes  # noqa: 
 from spear.models.modules import set_module  # noqa: E402
 from spear.quant import quantize_model_rtn  # noqa: E402
 from spear.serve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from spear.serve.fusion import GROUPS  # noqa: E402
 
 SHAPES = {
     "Llama-2-7B": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -116,9 +118,14 @@ def remove_ecs(modules: dict) -> None:
 
 
 def restore_quantlinears(model, modules: dict) -> None:
-    """The engine swaps QuantLinears for packed kernel modules on CUDA; put the originals back."""
+    """The engine swaps QuantLinears for packed kernel modules on CUDA and fuses q/k/v and
+    gate/up (spear.serve.fusion); put the originals back and drop the fused projections."""
     for name, q in modules.items():
         set_module(model, name, q)
+    for layer in model.model.layers:
+        for parent_name, _, fused_name in GROUPS:
+            if hasattr(getattr(layer, parent_name), fused_name):
+                delattr(getattr(layer, parent_name), fused_name)
 
 
 def graph_latency_ms(engine: LLMEngine, batch: int, reps: int) -> float | None:
@@ -252,10 +259,14 @@ def main(argv=None) -> int:
         print(f"{shape}: building random weights", flush=True)
         model = build_model(shape, args.layers, device, dtype)
         vocab = model.config.vocab_size
-        rows = [dict(run_variant(model, "fp16" if dtype == torch.float16 else "fp32", args, device, batches, vocab,
+        # the engine fuses projections in place: the FP16 run gets its own copy of the weights
+        fp_model = copy.deepcopy(model)
+        rows = [dict(run_variant(fp_model, "fp16" if dtype == torch.float16 else "fp32", args, device, batches, vocab,
                                  max_len), extra_pct=0.0)]
+        del fp_model
         modules = quantize_model_rtn(model, QuantConfig(bits=4, group_size=GROUP), progress=False)
         rows.append(dict(run_variant(model, "w4", args, device, batches, vocab, max_len), extra_pct=0.0))
+        restore_quantlinears(model, modules)
         ec_runs = [("w4+ec", args.ec_budget)] + ([("w4+ec-all", None)] if args.ec_all else [])
         for name, budget in ec_runs:
             restore_quantlinears(model, modules)

@@ -71,8 +71,10 @@ LAUNCH = {
     "fma_max_m": 1,                                       # CUDA-core main loop up to here
     "fma": dict(BN=64, BK=128, num_warps=2, num_stages=2, programs=1024),
     # K-major layout: from the GEMV sweep (BENCHMARKS.md "Decode GEMV study"; BN 64, 4 warps,
-    # ~1024 programs was best or within 5% on every shape), ahead of the tensor-core tiles up to M = 4
-    "fma_kmajor_max_m": 4,
+    # ~1024 programs was best or within 5% on every shape); ahead of the tensor-core tiles at M = 1, 2
+    # (as dispatched on the five 7B/8B shapes: 1.81x / 1.33x FP16; at M = 4 the loop gave 1.08x,
+    # the tiles 1.16x at M = 8, which pads to the same BM = 16 tile)
+    "fma_kmajor_max_m": 2,
     "fma_kmajor": dict(BN=64, BK=128, num_warps=4, num_stages=1, programs=1024),
     "tc": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=512),    # split-K tensor-core decode
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
@@ -267,6 +269,8 @@ def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_
               R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr):
     offs_r = tl.arange(0, R)
     if EC_MODE == 1:
+        # B's tile does not depend on u: issue its load before the wait, so it overlaps the wait
+        bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
         u_lock = locks_ptr + lock_base + n_wt
         # poll with plain loads (an atomic per poll from every waiting program would contend on
         # one L2 line), then one acquire to order the reads of u after the producers' release
@@ -278,7 +282,6 @@ def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_
             uT += tl.load(upart_ptr + s_i * M * R + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :],
                           other=0.0, cache_modifier=".cg")
         vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, R, H, BM, GATE, DOT_F32)
-        bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
         accT += alpha * _dot(bt, vT.to(bt.dtype), tl.zeros((BN, BM), tl.float32), DOT_F32)
         # the last W tile of this m-tile to get here re-arms the counters for the next call
         done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="acq_rel")
