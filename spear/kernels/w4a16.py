@@ -49,7 +49,8 @@ from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
 
 @dataclass(frozen=True)
 class Config:
-    """One launch shape. SPLIT_K is a runtime argument (no recompilation per value)."""
+    """One launch shape. split_k (and the fused EC's u_split) are constexpr in the kernel: one
+    compilation per value, so the reductions over their partials unroll."""
     BM: int
     BN: int
     BK: int
@@ -80,6 +81,7 @@ LAUNCH = {
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
 }
 DECODE_MAX_M = 64      # split-K tensor-core tiles up to here, prefill tiles above
+U_SPLIT_MAX = 16       # fused EC: u = A x programs per m-tile
 
 
 def _split_for(tiles: int, k: int, bk: int, programs: int) -> int:
@@ -109,7 +111,7 @@ def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -
     return Config(c["BM"], c["BN"], min(c["BK"], kmax), 1, c["num_warps"], c["num_stages"])
 
 
-@triton.jit(do_not_specialize=["M", "split_k", "u_split"])
+@triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(
     # tensors
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
@@ -119,7 +121,7 @@ def _w4a16_kernel(
     upart_ptr,     # fp32 (u_split, M, R) partial A x
     v_ptr,         # (M, R) gamma(u) ⊙ u for EC_MODE 2
     # scalars
-    alpha, bound, split_k, u_split,
+    alpha, bound,
     # sizes and strides (x and out have unit stride along features)
     M, N, K, stride_xm, stride_om,
     # weight layout
@@ -129,14 +131,17 @@ def _w4a16_kernel(
     # tiling
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
     PTX: tl.constexpr, KMAJOR: tl.constexpr,
+    # split-K and the fused EC's u programs: constexpr so that the reductions over their partials
+    # unroll (all loads in flight at once instead of one round trip per partial)
+    SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_wt = tl.cdiv(N, BN)
     if EC_MODE == 1:
-        n_u = u_split
+        n_u = U_SPLIT
     else:
         n_u = 0
-    per_m = n_u + n_wt * split_k
+    per_m = n_u + n_wt * SPLIT_K
     pid_m = pid // per_m
     local = pid % per_m
     lock_base = pid_m * (n_wt + 2)   # n_wt tile counters, u counter, done counter
@@ -146,21 +151,21 @@ def _w4a16_kernel(
     if EC_MODE == 1:
         # the u programs of an m-tile have its lowest ids, so they are dispatched first
         if local < n_u:
-            iters = tl.cdiv(K // BK, u_split)
+            iters = tl.cdiv(K // BK, U_SPLIT)
             k_lo = local * iters * BK
             k_hi = tl.minimum(k_lo + iters * BK, K)
             _u_program(x_ptr, a_ptr, upart_ptr, locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local,
                        M, K, stride_xm, R, BM, BK, DOT_F32)
         else:
             _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
-                       b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, u_split,
-                       (local - n_u) // split_k, n_wt, lock_base, offs_m, m_mask, (local - n_u) % split_k,
+                       b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, SPLIT_K, U_SPLIT,
+                       (local - n_u) // SPLIT_K, n_wt, lock_base, offs_m, m_mask, (local - n_u) % SPLIT_K,
                        M, N, K, stride_xm, stride_om,
                        GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR)
     else:
         _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
-                   b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, u_split,
-                   local // split_k, n_wt, lock_base, offs_m, m_mask, local % split_k,
+                   b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, SPLIT_K, U_SPLIT,
+                   local // SPLIT_K, n_wt, lock_base, offs_m, m_mask, local % SPLIT_K,
                    M, N, K, stride_xm, stride_om,
                    GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR)
 
@@ -185,14 +190,15 @@ def _u_program(x_ptr, a_ptr, upart_ptr, u_lock, offs_m, m_mask, k_lo, k_hi, spli
 
 @triton.jit
 def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
-               b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, split_k, u_split,
-               wt, n_wt, lock_base, offs_m, m_mask, split, M, N, K, stride_xm, stride_om,
+               b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound,
+               SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr, wt, n_wt, lock_base, offs_m, m_mask, split, M, N, K,
+               stride_xm, stride_om,
                GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, IS_BF16: tl.constexpr,
                EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
                PTX: tl.constexpr, KMAJOR: tl.constexpr):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
-    iters = tl.cdiv(K // BK, split_k)
+    iters = tl.cdiv(K // BK, SPLIT_K)
     k_lo = split * iters * BK
     k_hi = tl.minimum(k_lo + iters * BK, K)
     offs_n = wt * BN + tl.arange(0, BN)
@@ -243,28 +249,40 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
 
     out_mask = n_mask[:, None] & m_mask[None, :]
     mn_offs = offs_m[None, :] * N + offs_n[:, None]
-    if split_k > 1:
+    if SPLIT_K > 1:
         tl.store(part_ptr + split * M * N + mn_offs, accT, mask=out_mask)
         tl.debug_barrier()
         arrived = tl.atomic_add(locks_ptr + lock_base + wt, 1, sem="acq_rel")
-        if arrived == split_k - 1:
-            accT = tl.zeros((BN, BM), tl.float32)
-            for s_i in range(split_k):
-                # .cg: read at L2, where the other programs' writes are
-                accT += tl.load(part_ptr + s_i * M * N + mn_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+        if arrived == SPLIT_K - 1:
+            accT = _sum_partials(part_ptr + mn_offs, M * N, out_mask, tl.zeros((BN, BM), tl.float32), SPLIT_K)
             tl.atomic_xchg(locks_ptr + lock_base + wt, 0)
             _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-                      b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, u_split, M,
+                      b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, U_SPLIT, M,
                       stride_om, HAS_BIAS, EC_MODE, GATE, R, H, BM, BN, DOT_F32)
     else:
         _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-                  b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, u_split, M,
+                  b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, U_SPLIT, M,
                   stride_om, HAS_BIAS, EC_MODE, GATE, R, H, BM, BN, DOT_F32)
 
 
 @triton.jit
+def _sum_partials(ptrs, part_stride, mask, acc, N_PARTS: tl.constexpr):
+    """acc + the sum of N_PARTS fp32 partial tiles at ptrs + i * part_stride, in index order.
+    Four loads are in flight at a time: one L2 round trip per four partials, and registers
+    for four tiles only (a full unroll of 16 raised the kernel to ~190 registers)."""
+    CHUNK: tl.constexpr = 4
+    for s0 in range(0, N_PARTS, CHUNK):
+        for j in tl.static_range(CHUNK):
+            if j < N_PARTS:
+                # .cg: read at L2, where the other programs' writes are
+                acc += tl.load(ptrs + (s0 + j) * part_stride, mask=mask & (s0 + j < N_PARTS), other=0.0,
+                               cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
 def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-              b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, u_split, M,
+              b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, U_SPLIT: tl.constexpr, M,
               stride_om, HAS_BIAS: tl.constexpr, EC_MODE: tl.constexpr, GATE: tl.constexpr,
               R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr):
     offs_r = tl.arange(0, R)
@@ -274,13 +292,11 @@ def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_
         u_lock = locks_ptr + lock_base + n_wt
         # poll with plain loads (an atomic per poll from every waiting program would contend on
         # one L2 line), then one acquire to order the reads of u after the producers' release
-        while tl.load(u_lock, volatile=True) < u_split:
+        while tl.load(u_lock, volatile=True) < U_SPLIT:
             pass
         tl.atomic_add(u_lock, 0, sem="acquire")
-        uT = tl.zeros((R, BM), tl.float32)
-        for s_i in range(u_split):
-            uT += tl.load(upart_ptr + s_i * M * R + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :],
-                          other=0.0, cache_modifier=".cg")
+        uT = _sum_partials(upart_ptr + offs_m[None, :] * R + offs_r[:, None], M * R, m_mask[None, :],
+                           tl.zeros((R, BM), tl.float32), U_SPLIT)
         vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, R, H, BM, GATE, DOT_F32)
         accT += alpha * _dot(bt, vT.to(bt.dtype), tl.zeros((BN, BM), tl.float32), DOT_F32)
         # the last W tile of this m-tile to get here re-arms the counters for the next call
@@ -345,7 +361,8 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     u_split = 0
     if ec_mode == 1:
         # a u program streams R x K_range fp16, a W program BN x K_range x 4 bit: balance the two
-        u_split = cfg.u_split or min(k // cfg.BK, cfg.split_k * triton.cdiv(4 * r, cfg.BN))
+        # (at most U_SPLIT_MAX: the epilogue's unrolled sum loads one partial per u program)
+        u_split = cfg.u_split or min(k // cfg.BK, cfg.split_k * triton.cdiv(4 * r, cfg.BN), U_SPLIT_MAX)
     needs_locks = cfg.split_k > 1 or ec_mode == 1
     if needs_locks and m_tiles * (n_wt + 2) > w.locks.numel():
         raise ValueError(f"split-K/fused EC needs {m_tiles * (n_wt + 2)} lock slots for M={m}, N={n}; "
@@ -364,12 +381,13 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         e.w1 if e and e.gated else dummy, e.b1 if e and e.gated else dummy,
         e.w2 if e and e.gated else dummy, e.b2 if e and e.gated else dummy,
         upart, v if v is not None else dummy,
-        float(e.alpha) if e else 0.0, float(e.bound) if e else 0.0, cfg.split_k, u_split,
+        float(e.alpha) if e else 0.0, float(e.bound) if e else 0.0,
         m, n, k, x.stride(0), out.stride(0),
         GROUP=w.group_size, SYMMETRIC=w.symmetric, HAS_BIAS=bias is not None, IS_BF16=x.dtype == torch.bfloat16,
         EC_MODE=ec_mode, GATE=bool(e and e.gated), R=r, H=h,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
         PTX=bool(cfg.mv and cfg.ptx and x.dtype == torch.float16 and not INTERPRET), KMAJOR=w.kmajor,
+        SPLIT_K=cfg.split_k, U_SPLIT=u_split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

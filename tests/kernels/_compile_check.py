@@ -38,7 +38,7 @@ def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False):
     gate = gate and ec_mode == 1
     consts = dict(GROUP=128, SYMMETRIC=False, HAS_BIAS=True, IS_BF16=bf16, EC_MODE=ec_mode, GATE=gate, R=32, H=32,
                   BM=bm, BN=64, BK=64, MV=mv, DOT_F32=False,
-                  PTX=bool(mv) and not bf16, KMAJOR=kmajor)
+                  PTX=bool(mv) and not bf16, KMAJOR=kmajor, SPLIT_K=4, U_SPLIT=8 if ec_mode == 1 else 0)
     src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts), consts)
     triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=2))
 
