@@ -223,6 +223,9 @@ def main(argv=None) -> int:
     p.add_argument("--ec-all", action="store_true", help="also run ECs on every linear")
     p.add_argument("--no-graphs", action="store_true", help="eager decode on CUDA")
     p.add_argument("--no-fuse", action="store_true", help="q/k/v and gate/up as separate GEMMs")
+    p.add_argument("--fused-max-rank", type=int,
+                   help="decode: ECs of a larger padded rank run ec_gate + the GEMM's v-epilogue instead "
+                        "of the one-launch fused kernel (spear.kernels.ops.FUSED_MAX_RANK)")
     p.add_argument("--layout", choices=("nmajor", "kmajor"), default="kmajor",
                    help="packed W4 weight layout of the engine (spear.kernels.layout)")
     p.add_argument("--out", help="folder for results.json and table.md")
@@ -248,10 +251,15 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown model shape(s) {unknown}; known: {sorted(SHAPES)}")
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
+    if args.fused_max_rank is not None:
+        from spear.kernels import ops
+
+        ops.FUSED_MAX_RANK = args.fused_max_rank
     header = (f"Decode, {datetime.date.today().isoformat()}, {dev_name}, torch {torch.__version__}, "
               f"{dtype}, prompt {args.prompt_len} tokens, median of {args.gen} steps"
               + (f", {args.layers} layers" if args.layers else "")
-              + f", W4 layout {args.layout}, projections {'separate' if args.no_fuse else 'fused'}")
+              + f", W4 layout {args.layout}, projections {'separate' if args.no_fuse else 'fused'}"
+              + (f", fused EC up to rank {args.fused_max_rank}" if args.fused_max_rank is not None else ""))
     print(header, flush=True)
     max_len = args.prompt_len + args.warmup + args.gen + 1
     results = []

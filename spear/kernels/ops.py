@@ -41,6 +41,13 @@ from spear.kernels.w4a16 import w4a16_matmul
 # (benchmarks/bench_kernels.py, BENCHMARKS.md "Kernels"; r = 32, h = 32, median over the
 # Llama-2-7B/3-8B shapes): fused/semi-fused time 0.89 at M = 16, 1.09 at M = 32, 1.19 at 64.
 FUSED_MAX_M = 16
+# Largest (padded) EC rank that takes the fused kernel at M <= FUSED_MAX_M; larger ECs run
+# ec_gate first and the GEMM's v-epilogue (EC_MODE 2). ptxas (sm_90): the fused K-major
+# decode kernel needs 151 registers at R = 16 and 255 at R = 64 (the W4 loop alone: 96; with
+# the v-epilogue: 96 at R = 16, 128 at R = 64), so large ranks cost the W4 loop occupancy.
+# Kept at MAX_RANK (always fused) until the two are timed against each other
+# (benchmarks/bench_decode.py --fused-max-rank).
+FUSED_MAX_RANK = 128
 # Smallest M at which dequantize + cuBLAS beats the Triton W4 GEMM (same run): their time
 # ratio is 0.36 at M = 128 and 0.37..0.52 up to M = 4096; at M <= 64 the split-K tiles win.
 DEQUANT_MM_MIN_M = 128
@@ -108,8 +115,10 @@ def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         y = reference.w4a16_ec_packed(x2, w, bias, e).to(x.dtype)
     elif e is None:
         y = _plain_w4(x2, w, bias)
-    elif m <= FUSED_MAX_M:
+    elif m <= FUSED_MAX_M and e.a.shape[0] <= FUSED_MAX_RANK:
         y = w4a16_matmul(x2, w, bias, e, ec_mode=1, launch=wrap_triton)
+    elif m <= FUSED_MAX_M:
+        y = _semi_fused(x2, w, bias, e, overlap=False)
     else:
         eager = type(x) is torch.Tensor and not torch.compiler.is_compiling()
         y = _semi_fused(x2, w, bias, e, overlap=SEMI_FUSED_OVERLAP and eager)

@@ -60,6 +60,8 @@ def _need_cuda():
 def test_gpu_dispatch(poisoned, monkeypatch, m, overlap):
     _need_cuda()
     monkeypatch.setattr(ops, "SEMI_FUSED_OVERLAP", overlap)
+    # without overlap, decode ECs above FUSED_MAX_RANK take ec_gate + the v-epilogue
+    monkeypatch.setattr(ops, "FUSED_MAX_RANK", ops.FUSED_MAX_RANK if overlap else 16)
     dtype = torch.float16
     codes, scales, zeros, w, e = _layer(4096, 4096, 128, dtype, "cuda", r=32, h=32)
     x = torch.randn(m, 4096, device="cuda").to(dtype)
