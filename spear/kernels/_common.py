@@ -246,19 +246,10 @@ def _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, 
             g = k // GROUP
             if not SYMMETRIC:
                 z = tl.load(zeros_ptr + g * N + n_ld).to(tl.float32)
-            s0 = tl.zeros((BN, BK // 8), tl.float32)
-            s1 = tl.zeros((BN, BK // 8), tl.float32)
-            s2 = tl.zeros((BN, BK // 8), tl.float32)
-            s3 = tl.zeros((BN, BK // 8), tl.float32)
-        else:
-            s0 = a0
-            s1 = a1
-            s2 = a2
-            s3 = a3
+        s0, s1, s2, s3 = _step_sums(a0, a1, a2, a3, GROUP > 0)
         if PTX:
             # fp16 activations on CUDA: (code - zero)/16 · x per word in fp16x2 (_word_dot)
-            zq = (-(1024.0 + z) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            zneg = tl.broadcast_to((zq | (zq << 16))[:, None], (BN, BK // 8))
+            zneg = tl.broadcast_to(_neg_zero_pair(z)[:, None], (BN, BK // 8))
             s0 = _ptx_token(s0, x_ptr, 0, stride_xm, k, offs_w, p, zneg, M)
             if MV > 1:
                 s1 = _ptx_token(s1, x_ptr, 1, stride_xm, k, offs_w, p, zneg, M)
@@ -294,6 +285,27 @@ def _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, 
         a2 = a2 * UNIT
         a3 = a3 * UNIT
     return _tokens_to_accT(a0, a1, a2, a3, BM, MV, 1)
+
+
+@triton.jit
+def _step_sums(a0, a1, a2, a3, GROUPED: tl.constexpr):
+    """The sums one K step adds to: fresh zeros when the step has its own group scale (applied
+    by _add_scaled after the step), else the running accumulators themselves."""
+    if GROUPED:
+        s0 = tl.zeros(a0.shape, tl.float32)
+        s1 = tl.zeros(a0.shape, tl.float32)
+        s2 = tl.zeros(a0.shape, tl.float32)
+        s3 = tl.zeros(a0.shape, tl.float32)
+    else:
+        s0, s1, s2, s3 = a0, a1, a2, a3
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _neg_zero_pair(z):
+    """int32 fp16x2 words holding -(1024 + z) / 16 twice: ``_word_dot``'s offset for zero points z."""
+    zq = (-(1024.0 + z) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return zq | (zq << 16)
 
 
 @triton.jit

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spear.kernels._common import _add_scaled, _tokens_to_accT, _word_dot
+from spear.kernels._common import _add_scaled, _neg_zero_pair, _step_sums, _tokens_to_accT, _word_dot
 
 
 @triton.jit
@@ -65,18 +65,9 @@ def _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs
             g = k // GROUP
             if not SYMMETRIC:
                 z = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
-            s0 = tl.zeros((BK // 8, BN), tl.float32)
-            s1 = tl.zeros((BK // 8, BN), tl.float32)
-            s2 = tl.zeros((BK // 8, BN), tl.float32)
-            s3 = tl.zeros((BK // 8, BN), tl.float32)
-        else:
-            s0 = a0
-            s1 = a1
-            s2 = a2
-            s3 = a3
+        s0, s1, s2, s3 = _step_sums(a0, a1, a2, a3, GROUP > 0)
         if PTX:
-            zq = (-(1024.0 + z) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            zneg = tl.broadcast_to((zq | (zq << 16))[None, :], (BK // 8, BN))
+            zneg = tl.broadcast_to(_neg_zero_pair(z)[None, :], (BK // 8, BN))
             s0 = _token_ptx(s0, x_ptr, 0, stride_xm, k, offs_j, p, zneg, M)
             if MV > 1:
                 s1 = _token_ptx(s1, x_ptr, 1, stride_xm, k, offs_j, p, zneg, M)

@@ -59,6 +59,14 @@ class FusedLinear(nn.Module):
         return self.inner(x)
 
 
+def _cat_bias(mods: list[nn.Module], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The members' biases side by side (zeros for a member without one); None if none has one."""
+    if all(m.bias is None for m in mods):
+        return None
+    return torch.cat([m.bias.detach().to(dtype) if m.bias is not None
+                      else torch.zeros(m.out_features, dtype=dtype, device=device) for m in mods])
+
+
 def _cat_linears(mods: list[nn.Linear]) -> nn.Linear:
     w = mods[0].weight
     out = nn.Linear(w.shape[1], sum(m.out_features for m in mods), bias=any(m.bias is not None for m in mods),
@@ -66,8 +74,7 @@ def _cat_linears(mods: list[nn.Linear]) -> nn.Linear:
     with torch.no_grad():
         out.weight.copy_(torch.cat([m.weight for m in mods]))
         if out.bias is not None:
-            out.bias.copy_(torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, device=w.device,
-                                                                                     dtype=w.dtype) for m in mods]))
+            out.bias.copy_(_cat_bias(mods, w.dtype, w.device))
     out.weight.requires_grad_(False)
     return out
 
@@ -130,12 +137,7 @@ def _fuse_w4(mods: list[W4KernelLinear]) -> W4KernelLinear | None:
                              weight.qweight.device)
     except ValueError:
         return None
-    bias = None
-    if any(m.bias is not None for m in mods):
-        dev = weight.qweight.device
-        bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=dtype, device=dev)
-                          for m in mods]).to(dtype)
-    return W4KernelLinear.from_packed(weight, bias, ec)
+    return W4KernelLinear.from_packed(weight, _cat_bias(mods, dtype, weight.qweight.device), ec)
 
 
 def fuse_group(mods: list[nn.Module]) -> FusedLinear | None:
