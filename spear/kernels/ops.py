@@ -44,7 +44,8 @@ FUSED_MAX_M = 16
 # Largest (padded) EC rank that takes the fused kernel at M <= FUSED_MAX_M; larger ECs run
 # ec_gate first and the GEMM's v-epilogue (EC_MODE 2). ptxas (sm_90): the fused K-major
 # decode kernel needs 151 registers at R = 16 and 255 at R = 64 (the W4 loop alone: 96; with
-# the v-epilogue: 96 at R = 16, 128 at R = 64), so large ranks cost the W4 loop occupancy.
+# the v-epilogue: 96 at R = 16, 128 at R = 64; benchmarks/kernel_registers.py), so large ranks
+# cost the W4 loop occupancy.
 # Kept at MAX_RANK (always fused) until the two are timed against each other
 # (benchmarks/bench_decode.py --fused-max-rank).
 FUSED_MAX_RANK = 128

@@ -1,0 +1,61 @@
+"""Registers per thread of the W4A16 kernel's variants for Hopper, from ptxas, without a GPU.
+
+    python benchmarks/kernel_registers.py
+
+Compiles ``_w4a16_kernel`` for sm_90 (Triton's bundled ptxas) and reads the register count
+with cuobjdump. The variants are the decode ones BENCHMARKS.md discusses: no EC, fused EC
+(EC_MODE 1) and the v-epilogue (EC_MODE 2), CUDA-core (MV = 1) and tensor-core (MV = 0)
+loops, K-major and N-major, at EC ranks 16 and 64 (4 warps, split-K 16, group 128, fp16).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from spear.kernels.w4a16 import _w4a16_kernel  # noqa: E402
+from tests.kernels._compile_check import TARGET, sig  # noqa: E402
+
+
+def registers(ec_mode: int, mv: int, kmajor: bool, r: int = 16, bm: int = 16) -> int:
+    ptrs = dict(x_ptr="fp16", qw_ptr="i32", scales_ptr="fp16", zeros_ptr="u8", bias_ptr="fp16", out_ptr="fp16",
+                part_ptr="fp32", locks_ptr="i32", a_ptr="fp16", b_ptr="fp16", w1_ptr="fp16", b1_ptr="fp16",
+                w2_ptr="fp16", b2_ptr="fp16", upart_ptr="fp32", v_ptr="fp16")
+    ptrs = {k: "*" + v for k, v in ptrs.items()}
+    consts = dict(GROUP=128, SYMMETRIC=False, HAS_BIAS=False, IS_BF16=False, EC_MODE=ec_mode, GATE=False, R=r, H=32,
+                  BM=bm, BN=64, BK=128, MV=mv, DOT_F32=False, PTX=bool(mv), KMAJOR=kmajor, SPLIT_K=16,
+                  U_SPLIT=16 if ec_mode == 1 else 0)
+    src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts), consts)
+    kernel = triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=1))
+    cuobjdump = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))[0]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return int(re.findall(r"REG:(\d+)", out)[0])
+
+
+def main() -> int:
+    print("| loop | layout | EC | rank | registers |\n|---|---|---|---:|---:|")
+    for mv, kmajor in ((1, True), (0, True), (1, False)):
+        for ec_mode, r in ((0, 16), (1, 16), (1, 64), (2, 16), (2, 64)):
+            if ec_mode == 0 and r != 16:
+                continue
+            ec = ("none", "fused", "v-epilogue")[ec_mode]
+            print(f"| {'CUDA-core' if mv else 'tensor-core'} | {'K' if kmajor else 'N'}-major | {ec} | "
+                  f"{r if ec_mode else '—'} | {registers(ec_mode, mv, kmajor, r)} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
