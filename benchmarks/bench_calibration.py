@@ -41,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spear.compensate.calibrate import CalibrationConfig  # noqa: E402
+from spear.compensate.scales import NormWeights, norm_modules  # noqa: E402
 from spear.compensate.static import attach_static, remove_compensators  # noqa: E402
 from spear.compensate.stats import collect_activation_stats  # noqa: E402
 from spear.compensate.workflow import attach_ecs, calibrate, calibrate_layerwise, prepare_calibration  # noqa: E402
@@ -224,6 +225,8 @@ def main() -> None:
                 sdata[key] = replace(d, fp_weights=w2, stats=st2)
         base = ppl(model)
         base_scales = {n: m.scales.clone() for n, m in mods.items()}  # tune_scales runs change them
+        norms = NormWeights(norm_modules(model))
+        base_norms = norms.state()  # and tune_norms runs the norm weights
         total = quantized_model_bytes(model)
         emit({"setting": qcfg.label, "method": "base", "ppl": base, "gap": 0.0, "mem": 0.0,
               "quantize_seconds": quant_s, "select_seconds": select_s})
@@ -256,6 +259,8 @@ def main() -> None:
                     if cfg.tune_scales:  # the next run starts from the same quantized base
                         for n, m in mods.items():
                             m.set_quantized(m.codes, base_scales[n], m.zeros)
+                    if cfg.tune_norms:
+                        norms.load_state(base_norms)
         del model, mods
     sink.close()
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from spear.compensate.calibrate import CalibrationConfig
+from spear.compensate.scales import NormWeights, norm_modules
 from spear.compensate.workflow import attach_ecs, calibrate, prepare_calibration, uniform_plan
-
 from spear.compensate.static import attach_static, needs_stats, remove_compensators
 from spear.compensate.stats import collect_activation_stats
 from spear.config import EvalConfig, QuantConfig, StaticCompensationConfig
@@ -106,6 +106,8 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
     total = quantized_model_bytes(model)
     rows = [Row("FP", fp.ppl, details={"tokens": fp.tokens}), Row(quant.label, base.ppl)]
     snap = _snapshot(modules)
+    norms = NormWeights(norm_modules(model))
+    norm_snap = norms.state()
     for method in static_methods:
         cfg = StaticCompensationConfig(method=method, rank=rank or 0, plan=plan)
         applied = attach_static(modules, fp_weights, cfg, stats, progress=progress)
@@ -125,17 +127,20 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
         report = calibrate(model, calib_data, cfg, progress=progress)
         extra = compensator_bytes(model)
         label = ("SPEAR gated EC" if cfg.gated else "SPEAR EC (KL, no gate)") + f" {where}" + \
-            (" + tuned scales" if cfg.tune_scales else "")
+            (" + tuned scales" if cfg.tune_scales else "") + (" + tuned norms" if cfg.tune_norms else "")
         res = ppl(label)
         log(f"{label} ppl {res.ppl:.3f}, +{100 * extra / total:.2f}% memory, val KL "
             f"{report.initial_val_kl:.4f} -> {report.best_val_kl:.4f} in {report.seconds:.0f} s")
         rows.append(Row(label, res.ppl, 100.0 * extra / total, extra,
                         details={"variant": variant, "modules": len(applied), "val_kl": report.best_val_kl,
                                  "calibration_seconds": report.seconds, "steps": report.steps_run,
-                                 "seed": cfg.seed, "tune_scales": cfg.tune_scales}))
+                                 "seed": cfg.seed, "tune_scales": cfg.tune_scales,
+                                 "tune_norms": cfg.tune_norms}))
         remove_compensators(model)
         if cfg.tune_scales:  # the next variant starts from the same quantized weights
             _restore(modules, snap)
+        if cfg.tune_norms:
+            norms.load_state(norm_snap)
     fill_gap(rows, fp.ppl, base.ppl)
     header = {"placement": where, "model": model_name, "text": split.text_name, "quant": quant.label, "seq_len": split.seq_len,
               "eval_windows": split.eval.shape[0], "tokens_scored": fp.tokens,

@@ -37,6 +37,11 @@ def add_calibration_args(p, with_gate_flag: bool = True) -> None:
                         "KL only. Default: only the ECs train")
     g.add_argument("--scale-lr", type=float, default=d.scale_lr,
                    help="with --tune-scales: learning rate of the scales' log-factors (default: %(default)s)")
+    g.add_argument("--tune-norms", action="store_true",
+                   help="also KL-train the RMSNorm/LayerNorm weights in place (norm tweaking; they are stored "
+                        "anyway: no extra memory); end-to-end KL only")
+    g.add_argument("--norm-lr", type=float, default=d.norm_lr,
+                   help="with --tune-norms: learning rate of the norm weights (default: %(default)s)")
     g.add_argument("--init", choices=["identity", "lqer", "qera-approx", "qera-exact"], default=d.init,
                    help="closed-form solution the ECs start from (default: %(default)s)")
 
@@ -49,7 +54,7 @@ def calibration_config_from(args):
                              gate_lr=args.gate_lr, gated=getattr(args, "gate", False), hidden=args.hidden,
                              bound=args.bound, gate_per_rank=not args.gate_per_module, init=args.init,
                              teacher_top_k=args.teacher_top_k, tune_scales=args.tune_scales,
-                             scale_lr=args.scale_lr)
+                             scale_lr=args.scale_lr, tune_norms=args.tune_norms, norm_lr=args.norm_lr)
 
 
 def register(sub) -> None:
@@ -89,8 +94,8 @@ def main(args) -> int:
 
     quant = quant_config_from(args)
     cfg = calibration_config_from(args)
-    if args.blockwise and cfg.tune_scales:
-        raise SpearError("--tune-scales needs end-to-end KL calibration (not --blockwise)")
+    if args.blockwise and (cfg.tune_scales or cfg.tune_norms):
+        raise SpearError("--tune-scales and --tune-norms need end-to-end KL calibration (not --blockwise)")
     if is_checkpoint(resolve_model_path(args.model)):
         raise SpearError(f"{args.model} is already a spear checkpoint; calibrate from its source model")
     progress = not args.quiet
@@ -108,7 +113,7 @@ def main(args) -> int:
     if unknown:
         raise SpearError(f"plan names {len(unknown)} module(s) that are not quantized linears, e.g. {unknown[0]}")
     applied = attach_ecs(modules, data.fp_weights, plan, cfg, data.stats)
-    if not applied and not cfg.tune_scales:
+    if not applied and not cfg.tune_scales and not cfg.tune_norms:
         raise SpearError("the plan gives every module rank 0: nothing to calibrate")
     if args.blockwise:
         report = calibrate_layerwise(model, data, cfg, args.layer_steps, progress=progress)
@@ -138,6 +143,8 @@ def main(args) -> int:
     head = f"wrote {out}: {len(applied)} ECs ({'gated' if cfg.gated else 'ungated'}), +{100 * extra / total:.2f}% memory"
     if cfg.tune_scales:
         head += ", KL-tuned scales"
+    if cfg.tune_norms:
+        head += ", KL-tuned norms"
     if args.blockwise:
         errs = [(e["val_before"], min(e["val_before"], e["val_after"])) for e in report.layers if e["ecs"]]
         print(f"{head}; blockwise: mean layer output error {sum(b for b, _ in errs) / len(errs):.3e} -> "

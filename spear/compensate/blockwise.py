@@ -81,8 +81,9 @@ def calibrate_blockwise(model: nn.Module, train_ids: torch.Tensor, val_ids: torc
                         fp_weights: dict[str, torch.Tensor], cfg: CalibrationConfig,
                         steps_per_layer: int | None = None, progress: bool = True) -> BlockwiseReport:
     """Train the ECs already attached to ``model``'s quantized linears, layer by layer."""
-    if cfg.tune_scales:
-        raise SpearError("tune_scales needs end-to-end KL calibration; blockwise calibration trains the ECs only")
+    if cfg.tune_scales or cfg.tune_norms:
+        raise SpearError("tune_scales and tune_norms need end-to-end KL calibration; blockwise calibration "
+                         "trains the ECs only")
     start = time.perf_counter()
     steps = steps_per_layer or max(1, cfg.steps // 2)
     prefix, layers = find_decoder_layers(model)

@@ -15,7 +15,8 @@ parameters or gradients went non-finite, so no checkpoint is written from it.
 trains the quantization scales of every quantized linear under the same loss: a
 log-factor per stored scale, folded into the fp16 scales at the end
 (:mod:`spear.compensate.scales`; no extra memory). With it, a model without ECs can
-be calibrated too (scales only).
+be calibrated too (scales only). ``tune_norms`` likewise trains the elementwise weights of
+every RMSNorm/LayerNorm in place (norm tweaking; they are stored in the checkpoint anyway).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from spear.compensate.scales import ScaleFactors, tunable_scales
+from spear.compensate.scales import NormWeights, ScaleFactors, tunable_norms, tunable_scales
 from spear.errors import SpearError
 from spear.quant.linear import QuantLinear
 
@@ -67,6 +68,9 @@ class CalibrationConfig:
     # fp16 scales at the end; spear/compensate/scales.py). Off: only the ECs train.
     tune_scales: bool = False
     scale_lr: float = 1e-3  # learning rate of the scales' log-factors
+    # Also KL-train the norm layers' elementwise weights in place (zero extra memory).
+    tune_norms: bool = False
+    norm_lr: float = 1e-4
 
     def __post_init__(self):
         positive = ("n_samples", "val_samples", "steps", "batch_size", "eval_every", "patience", "hidden")
@@ -75,7 +79,7 @@ class CalibrationConfig:
                 raise SpearError(f"calibration {name} must be >= 1, got {getattr(self, name)}")
         if self.sample_len < 2:
             raise SpearError(f"calibration sample_len must be >= 2, got {self.sample_len}")
-        for name in ("lr", "gate_lr", "alpha_lr", "scale_lr", "temperature", "clip"):
+        for name in ("lr", "gate_lr", "alpha_lr", "scale_lr", "norm_lr", "temperature", "clip"):
             if not getattr(self, name) > 0:
                 raise SpearError(f"calibration {name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.warmup < 1:
@@ -189,7 +193,7 @@ def val_kl(model: nn.Module, ids: torch.Tensor, teacher: torch.Tensor, batch_siz
 
 
 def _param_groups(ecs: dict[str, nn.Module], cfg: CalibrationConfig,
-                  scales: ScaleFactors | None = None) -> list[dict]:
+                  scales: ScaleFactors | None = None, norms: NormWeights | None = None) -> list[dict]:
     low, gate, alpha = [], [], []
     for ec in ecs.values():
         for name, p in ec.named_parameters():
@@ -199,13 +203,16 @@ def _param_groups(ecs: dict[str, nn.Module], cfg: CalibrationConfig,
         groups.append({"params": gate, "lr": cfg.gate_lr})
     if scales is not None:
         groups.append({"params": scales.parameters(), "lr": cfg.scale_lr, "weight_decay": 0.0})
+    if norms is not None:
+        groups.append({"params": norms.parameters(), "lr": cfg.norm_lr, "weight_decay": 0.0})
     return [g for g in groups if g["params"]]
 
 
-def _diagnose(ecs: dict[str, nn.Module], step: int, scales: ScaleFactors | None = None) -> CalibrationDiverged:
+def _diagnose(ecs: dict[str, nn.Module], step: int, *tuners) -> CalibrationDiverged:
     named = [(f"{name}.{pname}", p) for name, ec in ecs.items() for pname, p in ec.named_parameters()]
-    if scales is not None:
-        named += list(scales.named_parameters())
+    for tuner in tuners:
+        if tuner is not None:
+            named += list(tuner.named_parameters())
     for name, p in named:
         if not torch.isfinite(p).all():
             return CalibrationDiverged(f"calibration diverged at step {step}: {name} is non-finite")
@@ -218,9 +225,9 @@ def _diagnose(ecs: dict[str, nn.Module], step: int, scales: ScaleFactors | None 
 def train_ecs(model: nn.Module, train_ids: torch.Tensor, train_teacher: torch.Tensor, val_ids: torch.Tensor,
               val_teacher: torch.Tensor, cfg: CalibrationConfig, progress: bool = True) -> CalibrationReport:
     """Minimise the KL to the teacher over EC parameters (and, with ``cfg.tune_scales``, the
-    quantization scales); restores the best validation state."""
+    quantization scales; with ``cfg.tune_norms``, the norm weights); restores the best validation state."""
     ecs = ec_modules(model)
-    if not ecs and not cfg.tune_scales:
+    if not ecs and not cfg.tune_scales and not cfg.tune_norms:
         raise SpearError("the model has no error compensators to calibrate")
     for p in model.parameters():
         p.requires_grad_(False)
@@ -228,19 +235,23 @@ def train_ecs(model: nn.Module, train_ids: torch.Tensor, train_teacher: torch.Te
         for p in ec.parameters():
             p.requires_grad_(True)
     # With tune_scales the factors fold into the scales on success; an exception leaves them as they were.
-    with tunable_scales(model) if cfg.tune_scales else contextlib.nullcontext() as scales:
-        report = _optimise(model, ecs, scales, train_ids, train_teacher, val_ids, val_teacher, cfg, progress)
-    for ec in ecs.values():
-        for p in ec.parameters():
-            p.requires_grad_(False)
-    return report
+    # tune_norms: trained in place, restored on an exception.
+    try:
+        with tunable_scales(model) if cfg.tune_scales else contextlib.nullcontext() as scales, \
+                tunable_norms(model) if cfg.tune_norms else contextlib.nullcontext() as norms:
+            return _optimise(model, ecs, scales, train_ids, train_teacher, val_ids, val_teacher, cfg, progress,
+                             norms)
+    finally:
+        for ec in ecs.values():
+            for p in ec.parameters():
+                p.requires_grad_(False)
 
 
 def _optimise(model: nn.Module, ecs: dict[str, nn.Module], scales: ScaleFactors | None, train_ids: torch.Tensor,
               train_teacher: torch.Tensor, val_ids: torch.Tensor, val_teacher: torch.Tensor,
-              cfg: CalibrationConfig, progress: bool) -> CalibrationReport:
+              cfg: CalibrationConfig, progress: bool, norms: NormWeights | None = None) -> CalibrationReport:
     """The optimisation loop of :func:`train_ecs`; leaves the best validation state loaded."""
-    opt = torch.optim.AdamW(_param_groups(ecs, cfg, scales), weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(_param_groups(ecs, cfg, scales, norms), weight_decay=cfg.weight_decay)
     warm = max(1, int(cfg.warmup * cfg.steps))
 
     def schedule(step):  # linear warm-up, then cosine to 10%
@@ -251,7 +262,7 @@ def _optimise(model: nn.Module, ecs: dict[str, nn.Module], scales: ScaleFactors 
 
     def snapshot():
         return ({n: {k: v.detach().clone() for k, v in ec.state_dict().items()} for n, ec in ecs.items()},
-                None if scales is None else scales.state())
+                None if scales is None else scales.state(), None if norms is None else norms.state())
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     device = next(model.parameters()).device
@@ -273,13 +284,13 @@ def _optimise(model: nn.Module, ecs: dict[str, nn.Module], scales: ScaleFactors 
         logits = model(input_ids=train_ids[idx].to(device), use_cache=False).logits
         loss = kl_loss(logits, train_teacher[idx].to(device))
         if not torch.isfinite(loss):
-            raise _diagnose(ecs, step, scales)
+            raise _diagnose(ecs, step, scales, norms)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         params = [p for g in opt.param_groups for p in g["params"]]
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
         if not torch.isfinite(norm):
-            raise _diagnose(ecs, step, scales)
+            raise _diagnose(ecs, step, scales, norms)
         opt.step()
         sched.step()
         running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
@@ -300,11 +311,13 @@ def _optimise(model: nn.Module, ecs: dict[str, nn.Module], scales: ScaleFactors 
             bar.set_postfix(kl=f"{running:.4f}")
         history.append(entry)
     bar.close()
-    best_ecs, best_scales = best_state
+    best_ecs, best_scales, best_norms = best_state
     with torch.no_grad():
         for n, ec in ecs.items():
             ec.load_state_dict(best_ecs[n])
     if scales is not None:
         scales.load_state(best_scales)
+    if norms is not None:
+        norms.load_state(best_norms)
     return CalibrationReport(steps_run=step, best_step=best_step, best_val_kl=best, initial_val_kl=initial,
                              seconds=time.perf_counter() - start, history=history)

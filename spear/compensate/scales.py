@@ -91,3 +91,62 @@ def tunable_scales(model: nn.Module) -> Iterator[ScaleFactors]:
                     mod.scales.copy_(folded[n])
         for mod in modules.values():
             mod.drop_cache()
+
+
+def norm_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The normalisation layers of ``model`` with an elementwise weight (RMSNorm, LayerNorm)."""
+    out = {}
+    for n, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if (isinstance(m, nn.LayerNorm) or type(m).__name__.endswith("RMSNorm")) and \
+                isinstance(w, nn.Parameter) and w.dim() == 1:
+            out[n] = m
+    return out
+
+
+class NormWeights:
+    """The elementwise weights of a model's norm layers, trained in place (norm tweaking)."""
+
+    def __init__(self, modules: dict[str, nn.Module]):
+        self.modules = modules
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [m.weight for m in self.modules.values()]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for n, m in self.modules.items():
+            yield f"{n}.weight", m.weight
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {n: m.weight.detach().clone() for n, m in self.modules.items()}
+
+    @torch.no_grad()
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        for n, m in self.modules.items():
+            m.weight.copy_(state[n])
+
+
+@contextlib.contextmanager
+def tunable_norms(model: nn.Module) -> Iterator[NormWeights]:
+    """Make the norm weights of ``model`` trainable in place.
+
+    They are stored in every checkpoint anyway (no extra memory). On a normal exit the trained
+    weights stay; on an exception the original weights are restored. ``requires_grad`` is off again
+    on exit either way.
+    """
+    modules = norm_modules(model)
+    if not modules:
+        raise ValueError("the model has no RMSNorm/LayerNorm weights to tune")
+    tuner = NormWeights(modules)
+    original = tuner.state()
+    ok = False
+    try:
+        for m in modules.values():
+            m.weight.requires_grad_(True)
+        yield tuner
+        ok = True
+    finally:
+        if not ok:
+            tuner.load_state(original)
+        for m in modules.values():
+            m.weight.requires_grad_(False)
