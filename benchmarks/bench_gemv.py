@@ -66,17 +66,23 @@ def tc_config(m, n, k, kmajor):
         w4a16.LAUNCH[key] = saved
 
 
-def fma_configs(m, n, k):
+GRID = dict(BN=[32, 64, 128, 256], num_warps=[2, 4, 8], programs=[528, 1056, 2112], prefetch=[0])
+
+
+def fma_configs(m, n, k, kmajor, grid=GRID):
+    """The CUDA-core launches of the sweep (register prefetch only exists in the K-major loop)."""
     mv = 1 if m == 1 else (2 if m == 2 else 4)
-    for bn, nw, prog in itertools.product([32, 64, 128, 256], [2, 4, 8], [528, 1056, 2112]):
-        yield dict(BN=bn, num_warps=nw, programs=prog), Config(16, bn, 128, _split_for(-(-n // bn), k, 128, prog), nw,
-                                                               1, mv=mv)
+    for bn, nw, prog, pf in itertools.product(grid["BN"], grid["num_warps"], grid["programs"], grid["prefetch"]):
+        if pf and not kmajor:
+            continue
+        yield (dict(BN=bn, num_warps=nw, programs=prog, prefetch=bool(pf)),
+               Config(16, bn, 128, _split_for(-(-n // bn), k, 128, prog), nw, 1, mv=mv, prefetch=bool(pf)))
 
 
-def launch_table(rows) -> dict:
+def launch_table(rows, layouts=LAYOUTS) -> dict:
     """Per layout: the CUDA-core launch with the best geometric mean at M = 1, and how far up it wins."""
     table = {}
-    for layout, kmajor in LAYOUTS.items():
+    for layout, kmajor in layouts.items():
         prefix = "fma_kmajor" if kmajor else "fma"
         ones = [r for r in rows if r["m"] == 1 and r[layout].get("sweep")]
         if not ones:
@@ -87,6 +93,8 @@ def launch_table(rows) -> dict:
         best = min(keys, key=lambda kk: geomean(r[layout]["sweep"][kk]["us"] for r in ones))
         c = ones[0][layout]["sweep"][best]["launch"]
         table[prefix] = dict(BN=c["BN"], BK=128, num_warps=c["num_warps"], num_stages=1, programs=c["programs"])
+        if c.get("prefetch"):
+            table[prefix]["prefetch"] = True
         table[prefix + "_max_m"] = 0
         for m in (1, 2, 4):
             rs = [r for r in rows if r["m"] == m and best in r[layout].get("sweep", {})
@@ -104,10 +112,16 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="two shapes, dispatched launches only")
     p.add_argument("--all-shapes", action="store_true", help="with --quick: the five shapes of the sweep")
     p.add_argument("--budget-s", type=float, default=300, help="stop sweeping after this many seconds")
+    p.add_argument("--layouts", default="nmajor,kmajor", help="comma-separated: nmajor, kmajor")
+    for key, vals in GRID.items():
+        p.add_argument("--" + key.replace("_", "-"), default=",".join(map(str, vals)),
+                       help=f"sweep values of {key} (default: %(default)s)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     ms = [int(v) for v in (args.ms or ("1,16,512" if args.quick else "1,2,4,16")).split(",")]
+    layouts = {name: LAYOUTS[name] for name in args.layouts.split(",")}
+    grid = {key: [int(v) for v in getattr(args, key).split(",")] for key in GRID}
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     t_start = time.time()
     rows = []
@@ -126,7 +140,7 @@ def main(argv=None) -> int:
             rec = dict(m=m, shape=label, n=n, k=k, fp16_us=time_calls([lambda w_=w_: torch.nn.functional.linear(x, w_)
                                                                        for w_ in fp]))
             del fp, w16
-            for layout, kmajor in LAYOUTS.items():
+            for layout, kmajor in layouts.items():
                 ws = [pack(codes, scales, zeros, GROUP, kmajor=kmajor)
                       for _ in range(copies_for(base.qweight.numel() * 4, l2))]
 
@@ -141,10 +155,11 @@ def main(argv=None) -> int:
                 if not args.quick and m <= 4:
                     r["tc_us"] = timed(tc_config(m, n, k, kmajor)).get("us", float("inf"))
                     r["sweep"] = {}
-                    for launch, c in fma_configs(m, n, k):
+                    for launch, c in fma_configs(m, n, k, kmajor, grid):
                         if time.time() - t_start > args.budget_s:
                             break
-                        key = f"BN{launch['BN']}_w{launch['num_warps']}_p{launch['programs']}"
+                        key = f"BN{launch['BN']}_w{launch['num_warps']}_p{launch['programs']}" + \
+                            ("_pf" if launch["prefetch"] else "")
                         try:
                             r["sweep"][key] = dict(launch=launch, **timed(c))
                         except Exception as e:  # out of resources for a tile shape: record and go on
@@ -153,7 +168,7 @@ def main(argv=None) -> int:
                 del ws
             torch.cuda.empty_cache()
             line = f"M={m:4d} {label:11s} fp16 {rec['fp16_us']:7.1f} us"
-            for layout in LAYOUTS:
+            for layout in layouts:
                 us = rec[layout].get("dispatched_us")
                 line += f" | {layout} {us:7.1f} us ({rec['fp16_us'] / us:.2f}x)" if us else f" | {layout} failed"
                 sw = {kk: v["us"] for kk, v in rec[layout].get("sweep", {}).items() if "us" in v}
@@ -166,14 +181,14 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gemv.json").write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(),
                                                    torch=torch.__version__, rows=rows), indent=1))
-    table = launch_table(rows)
+    table = launch_table(rows, layouts)
     if table:
         (out / "launch_table.json").write_text(json.dumps(dict(w4a16.LAUNCH, **table), indent=1))
         print("launch table:", json.dumps(table), flush=True)
     for m in ms:
         rs = [r for r in rows if r["m"] == m]
         parts = [f"{layout} {statistics.median(r['fp16_us'] / r[layout]['dispatched_us'] for r in rs):.2f}x"
-                 for layout in LAYOUTS if all(r[layout].get("dispatched_us") for r in rs)]
+                 for layout in layouts if all(r[layout].get("dispatched_us") for r in rs)]
         print(f"M={m}: median FP16 / W4 as dispatched: " + ", ".join(parts))
     return 0
 

@@ -31,22 +31,39 @@ def _token_f32(acc, x_ptr, t, stride_xm, k, koff: tl.constexpr, offs_j, w, xs, M
 
 
 @triton.jit
-def _token_ptx(acc, x_ptr, t, stride_xm, k, offs_j, p, zneg, M):
-    m = (offs_j * 0 + t) < M
-    # the activation pairs (k-offsets 2i, 2i+1) are the int32 words of x
+def _x_words(x_ptr, t, stride_xm, k, offs_j, k_hi, M):
+    """Token t's activation pairs (k-offsets 2i, 2i+1) of every row j at step k: the int32 words of x."""
+    m = ((offs_j * 0 + t) < M) & ((offs_j * 0 + k) < k_hi)
     xb = x_ptr.to(tl.pointer_type(tl.int32)) + (t * stride_xm + k) // 2 + 4 * offs_j
+    return (tl.load(xb, mask=m, other=0), tl.load(xb + 1, mask=m, other=0), tl.load(xb + 2, mask=m, other=0),
+            tl.load(xb + 3, mask=m, other=0))
+
+
+@triton.jit
+def _token_ptx(acc, p, zneg, x0, x1, x2, x3):
     shape: tl.constexpr = p.shape
-    x0 = tl.broadcast_to(tl.load(xb, mask=m, other=0)[:, None], shape)
-    x1 = tl.broadcast_to(tl.load(xb + 1, mask=m, other=0)[:, None], shape)
-    x2 = tl.broadcast_to(tl.load(xb + 2, mask=m, other=0)[:, None], shape)
-    x3 = tl.broadcast_to(tl.load(xb + 3, mask=m, other=0)[:, None], shape)
-    return acc + _word_dot(p, zneg, x0, x1, x2, x3)
+    return acc + _word_dot(p, zneg, tl.broadcast_to(x0[:, None], shape), tl.broadcast_to(x1[:, None], shape),
+                           tl.broadcast_to(x2[:, None], shape), tl.broadcast_to(x3[:, None], shape))
+
+
+@triton.jit
+def _w_step(w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, k, k_hi, N, s, z,
+            GROUP: tl.constexpr, SYMMETRIC: tl.constexpr):
+    """The loads of step k (nothing past k_hi): code words, and per group the scales (and zero points)."""
+    live = (offs_n * 0 + k) < k_hi
+    p = tl.load(w_ptrs + (k // 8) * N, mask=w_mask & live[None, :], other=0)
+    if GROUP > 0:
+        g = k // GROUP
+        s = tl.load(scales_ptr + g * N + offs_n, mask=n_mask & live, other=0.0).to(tl.float32)
+        if not SYMMETRIC:
+            z = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask & live, other=0).to(tl.float32)
+    return p, s, z
 
 
 @triton.jit
 def _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs_j, k_lo, k_hi, M, N, stride_xm,
               GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              BM: tl.constexpr, MV: tl.constexpr, PTX: tl.constexpr):
+              BM: tl.constexpr, MV: tl.constexpr, PTX: tl.constexpr, PREFETCH: tl.constexpr):
     if PTX:
         UNIT: tl.constexpr = 16.0  # the PTX sums are in units of 1/16
     else:
@@ -55,25 +72,68 @@ def _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs
         z = tl.full((BN,), 8.0, tl.float32)
     else:
         z = tl.load(zeros_ptr + offs_n, mask=n_mask, other=0).to(tl.float32)
+    s = tl.full((BN,), 1.0, tl.float32)  # per-channel scales: applied after the loop
     a0 = tl.zeros((BK // 8, BN), tl.float32)
     a1 = tl.zeros((BK // 8, BN), tl.float32)
     a2 = tl.zeros((BK // 8, BN), tl.float32)
     a3 = tl.zeros((BK // 8, BN), tl.float32)
+    if PREFETCH:
+        # software pipelining in registers: the loads of step k + BK are issued before the math of
+        # step k, so every program keeps two steps of code words (and activations) in flight
+        p, s, z = _w_step(w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, N, s, z,
+                          GROUP, SYMMETRIC)
+        if PTX:
+            x00, x01, x02, x03 = _x_words(x_ptr, 0, stride_xm, k_lo, offs_j, k_hi, M)
+            x10, x11, x12, x13 = x00, x01, x02, x03
+            x20, x21, x22, x23 = x00, x01, x02, x03
+            x30, x31, x32, x33 = x00, x01, x02, x03
+            if MV > 1:
+                x10, x11, x12, x13 = _x_words(x_ptr, 1, stride_xm, k_lo, offs_j, k_hi, M)
+            if MV > 2:
+                x20, x21, x22, x23 = _x_words(x_ptr, 2, stride_xm, k_lo, offs_j, k_hi, M)
+                x30, x31, x32, x33 = _x_words(x_ptr, 3, stride_xm, k_lo, offs_j, k_hi, M)
     for k in range(k_lo, k_hi, BK):
-        p = tl.load(w_ptrs + (k // 8) * N, mask=w_mask, other=0)
-        if GROUP > 0:
-            g = k // GROUP
-            if not SYMMETRIC:
-                z = tl.load(zeros_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+        if PREFETCH:
+            kn = k + BK
+            pn, sn, zn = _w_step(w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, kn, k_hi, N, s, z,
+                                 GROUP, SYMMETRIC)
+        else:
+            p, s, z = _w_step(w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, k, k_hi, N, s, z,
+                              GROUP, SYMMETRIC)
         s0, s1, s2, s3 = _step_sums(a0, a1, a2, a3, GROUP > 0)
         if PTX:
+            if PREFETCH:
+                y00, y01, y02, y03 = _x_words(x_ptr, 0, stride_xm, kn, offs_j, k_hi, M)
+                y10, y11, y12, y13 = y00, y01, y02, y03
+                y20, y21, y22, y23 = y00, y01, y02, y03
+                y30, y31, y32, y33 = y00, y01, y02, y03
+                if MV > 1:
+                    y10, y11, y12, y13 = _x_words(x_ptr, 1, stride_xm, kn, offs_j, k_hi, M)
+                if MV > 2:
+                    y20, y21, y22, y23 = _x_words(x_ptr, 2, stride_xm, kn, offs_j, k_hi, M)
+                    y30, y31, y32, y33 = _x_words(x_ptr, 3, stride_xm, kn, offs_j, k_hi, M)
+            else:
+                x00, x01, x02, x03 = _x_words(x_ptr, 0, stride_xm, k, offs_j, k_hi, M)
+                x10, x11, x12, x13 = x00, x01, x02, x03
+                x20, x21, x22, x23 = x00, x01, x02, x03
+                x30, x31, x32, x33 = x00, x01, x02, x03
+                if MV > 1:
+                    x10, x11, x12, x13 = _x_words(x_ptr, 1, stride_xm, k, offs_j, k_hi, M)
+                if MV > 2:
+                    x20, x21, x22, x23 = _x_words(x_ptr, 2, stride_xm, k, offs_j, k_hi, M)
+                    x30, x31, x32, x33 = _x_words(x_ptr, 3, stride_xm, k, offs_j, k_hi, M)
             zneg = tl.broadcast_to(_neg_zero_pair(z)[None, :], (BK // 8, BN))
-            s0 = _token_ptx(s0, x_ptr, 0, stride_xm, k, offs_j, p, zneg, M)
+            s0 = _token_ptx(s0, p, zneg, x00, x01, x02, x03)
             if MV > 1:
-                s1 = _token_ptx(s1, x_ptr, 1, stride_xm, k, offs_j, p, zneg, M)
+                s1 = _token_ptx(s1, p, zneg, x10, x11, x12, x13)
             if MV > 2:
-                s2 = _token_ptx(s2, x_ptr, 2, stride_xm, k, offs_j, p, zneg, M)
-                s3 = _token_ptx(s3, x_ptr, 3, stride_xm, k, offs_j, p, zneg, M)
+                s2 = _token_ptx(s2, p, zneg, x20, x21, x22, x23)
+                s3 = _token_ptx(s3, p, zneg, x30, x31, x32, x33)
+            if PREFETCH:
+                x00, x01, x02, x03 = y00, y01, y02, y03
+                x10, x11, x12, x13 = y10, y11, y12, y13
+                x20, x21, x22, x23 = y20, y21, y22, y23
+                x30, x31, x32, x33 = y30, y31, y32, y33
         else:
             hi = p >> 20
             for i in tl.static_range(8):
@@ -94,10 +154,11 @@ def _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs
                     s2 = _token_f32(s2, x_ptr, 2, stride_xm, k, 2 * (i % 4) + i // 4, offs_j, w, xs, M)
                     s3 = _token_f32(s3, x_ptr, 3, stride_xm, k, 2 * (i % 4) + i // 4, offs_j, w, xs, M)
         if GROUP > 0:
-            s = tl.load(scales_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :] * UNIT
-            a0, a1, a2, a3 = _add_scaled(a0, a1, a2, a3, s0, s1, s2, s3, s)
+            a0, a1, a2, a3 = _add_scaled(a0, a1, a2, a3, s0, s1, s2, s3, s[None, :] * UNIT)
         else:
             a0, a1, a2, a3 = s0, s1, s2, s3
+        if PREFETCH:
+            p, s, z = pn, sn, zn
     accT = _tokens_to_accT(a0, a1, a2, a3, BM, MV, 0)
     if GROUP == 0:
         accT = accT * (tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) * UNIT)[:, None]
@@ -107,7 +168,7 @@ def _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs
 @triton.jit
 def _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n0, k_lo, k_hi, M, N, stride_xm,
                      GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     BM: tl.constexpr, MV: tl.constexpr, PTX: tl.constexpr):
+                     BM: tl.constexpr, MV: tl.constexpr, PTX: tl.constexpr, PREFETCH: tl.constexpr):
     """accT [BN, BM] for output features n0 .. n0 + BN over K range [k_lo, k_hi), scales applied."""
     # Output features are contiguous here: the hints (and no modulo on the offsets) give each
     # thread 16-byte loads; columns past N are masked (only a layer's last tile has any).
@@ -117,4 +178,4 @@ def _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n0, k_lo, k_hi, M, N,
     w_ptrs = qw_ptr + offs_j[:, None] * N + offs_n[None, :]
     w_mask = (offs_j[:, None] >= 0) & n_mask[None, :]
     return _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs_j, k_lo, k_hi, M, N,
-                     stride_xm, GROUP, SYMMETRIC, BN, BK, BM, MV, PTX)
+                     stride_xm, GROUP, SYMMETRIC, BN, BK, BM, MV, PTX, PREFETCH)

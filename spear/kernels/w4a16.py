@@ -60,6 +60,7 @@ class Config:
     mv: int = 0       # 1, 2 or 4: CUDA-core main loop for M <= mv tokens (no tensor cores)
     u_split: int = 0  # K ranges of the fused u = A x programs; 0: balance against the W programs
     ptx: bool = True  # CUDA-core loop with fp16 activations: the fp16x2 PTX word product
+    prefetch: bool = False  # K-major CUDA-core loop: issue step k + 1's loads before step k's math
 
 
 # Launch shapes by token count. Runtime autotuning cannot run inside CUDA-graph capture
@@ -100,7 +101,8 @@ def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -
         bk = min(c["BK"], kmax)
         mv = 1 if m == 1 else (2 if m == 2 else 4)
         split = _split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
-        return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=mv)
+        return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=mv,
+                      prefetch=bool(kmajor and c.get("prefetch", False)))
     if m <= DECODE_MAX_M:
         c = LAUNCH["tc"]
         bk = min(c["BK"], kmax)
@@ -130,7 +132,7 @@ def _w4a16_kernel(
     EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     # tiling
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
-    PTX: tl.constexpr, KMAJOR: tl.constexpr,
+    PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr,
     # split-K and the fused EC's u programs: constexpr so that the reductions over their partials
     # unroll (all loads in flight at once instead of one round trip per partial)
     SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr,
@@ -161,13 +163,15 @@ def _w4a16_kernel(
                        b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, SPLIT_K, U_SPLIT,
                        (local - n_u) // SPLIT_K, n_wt, lock_base, offs_m, m_mask, (local - n_u) % SPLIT_K,
                        M, N, K, stride_xm, stride_om,
-                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR)
+                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
+                       PREFETCH)
     else:
         _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
                    b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, SPLIT_K, U_SPLIT,
                    local // SPLIT_K, n_wt, lock_base, offs_m, m_mask, local % SPLIT_K,
                    M, N, K, stride_xm, stride_om,
-                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR)
+                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
+                       PREFETCH)
 
 
 @triton.jit
@@ -196,7 +200,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
                GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, IS_BF16: tl.constexpr,
                EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
-               PTX: tl.constexpr, KMAJOR: tl.constexpr):
+               PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
     iters = tl.cdiv(K // BK, SPLIT_K)
     k_lo = split * iters * BK
@@ -219,7 +223,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
         zc = zbase + tl.load(zeros_ptr + n_ld).to(tl.float32)
     if KMAJOR and MV > 0:  # scales applied inside
         accT = _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt * BN, k_lo, k_hi, M, N, stride_xm,
-                                GROUP, SYMMETRIC, BN, BK, BM, MV, PTX)
+                                GROUP, SYMMETRIC, BN, BK, BM, MV, PTX, PREFETCH)
     elif MV > 0:
         accT = _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, stride_xm,
                              GROUP, SYMMETRIC, BN, BK, BM, MV, PTX)
@@ -387,7 +391,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         EC_MODE=ec_mode, GATE=bool(e and e.gated), R=r, H=h,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
         PTX=bool(cfg.mv and cfg.ptx and x.dtype == torch.float16 and not INTERPRET), KMAJOR=w.kmajor,
-        SPLIT_K=cfg.split_k, U_SPLIT=u_split,
+        SPLIT_K=cfg.split_k, U_SPLIT=u_split, PREFETCH=bool(cfg.prefetch and w.kmajor and cfg.mv),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

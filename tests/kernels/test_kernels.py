@@ -79,6 +79,10 @@ KMAJOR_CASES = [
     (33, 0, True, torch.float16, False, Config(32, 32, 128, 1, 4, 2)),
     (17, 32, False, torch.float16, True, None),
     (1, 128, False, torch.bfloat16, True, None),
+    # register prefetch of the next K step (codes, group scales, zero points); odd step counts per split
+    (1, 32, False, torch.float16, True, Config(16, 64, 32, 3, 4, 1, mv=1, prefetch=True)),
+    (2, 0, True, torch.bfloat16, False, Config(16, 32, 64, 1, 4, 1, mv=2, prefetch=True)),
+    (3, 64, True, torch.float16, True, Config(16, 64, 64, 2, 2, 1, mv=4, prefetch=True)),
 ]
 
 
@@ -91,12 +95,13 @@ def test_w4a16_gemm_kmajor(poisoned, m, gs, sym, dtype, bias, cfg):
     assert int(w.locks.abs().sum()) == 0, "split-K counters not re-armed"
 
 
-@pytest.mark.parametrize("m,gs,dtype,r,h,split,mv", [(1, 64, torch.float16, 8, 12, 2, 1),
-                                                      (5, 128, torch.bfloat16, 16, None, 2, 0)])
-def test_fused_ec_kmajor(poisoned, m, gs, dtype, r, h, split, mv):
+@pytest.mark.parametrize("m,gs,dtype,r,h,split,mv,prefetch", [(1, 64, torch.float16, 8, 12, 2, 1, False),
+                                                               (2, 32, torch.float16, 8, None, 3, 2, True),
+                                                               (5, 128, torch.bfloat16, 16, None, 2, 0, False)])
+def test_fused_ec_kmajor(poisoned, m, gs, dtype, r, h, split, mv, prefetch):
     ec = make_ec(N_SMALL, K_SMALL, r, h, dtype, seed=r)
     x, w, b, e, expect = _setup(m, K_SMALL, N_SMALL, gs, False, dtype, seed=m + r, ec=ec, kmajor=True)
-    cfg = Config(16, 64, min(128, gs), split, 4, 2, mv=mv)
+    cfg = Config(16, 64, min(128, gs), split, 4, 2, mv=mv, prefetch=prefetch)
     for _ in range(2):
         out = w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg)
         assert_close(out, expect, dtype, f"K-major fused EC M={m} g={gs} r={r} h={h}")
@@ -254,8 +259,10 @@ def test_gpu_ptx_decode_loop(poisoned, n, k, gs, sym, m, mv, kmajor):
     ec = make_ec(n, k, 32, 32, torch.float16, seed=2)
     x, w, b, e, expect = _setup(m, k, n, gs, sym, torch.float16, seed=m, ec=ec, kmajor=kmajor)
     x_, w_, b_, _, expect_w4 = _setup(m, k, n, gs, sym, torch.float16, seed=m, kmajor=kmajor)
-    for split in (1, 8):
-        cfg = Config(16, 64, min(128, gs or 128), split, 4, 1, mv=mv)
+    for split, prefetch in ((1, False), (8, False), (1, True), (8, True)):
+        if prefetch and not kmajor:
+            continue
+        cfg = Config(16, 64, min(128, gs or 128), split, 4, 1, mv=mv, prefetch=prefetch)
         assert_close(w4a16_matmul(x_, w_, b_, config=cfg), expect_w4, torch.float16, f"PTX W4 {n}x{k} M={m} {cfg}")
         assert_close(w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg), expect, torch.float16,
                      f"PTX fused {n}x{k} M={m} {cfg}")
