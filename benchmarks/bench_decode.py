@@ -146,6 +146,29 @@ def graph_latency_ms(engine: LLMEngine, batch: int, reps: int) -> float | None:
     return statistics.median(times)
 
 
+def kernel_profile(engine: LLMEngine, batch: int, reps: int = 10) -> list[dict] | None:
+    """GPU time per decode step by kernel name (torch.profiler over graph replays), largest first,
+    with the graph's wall time per step, so launch gaps show as the difference."""
+    runner = engine.runner
+    if not runner.graphs:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = runner.graphs[next(b for b in runner.graphs if b >= batch)]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0 and "cudaGraph" not in e.key:
+            rows.append({"kernel": e.key[:80], "us_per_step": us / reps, "calls_per_step": e.count / reps})
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
 def engine_decode(engine: LLMEngine, batch: int, prompt_len: int, gen: int, warmup: int, reps: int, vocab: int):
     """Median engine step (ms) over decode-only steps at ``batch`` running sequences; graph latency."""
     g = torch.Generator().manual_seed(batch)
@@ -179,6 +202,14 @@ def run_variant(model, name: str, args, device: str, batches: list[int], vocab: 
     row = {"variant": name}
     for b in batches:
         step_ms, graph_ms = engine_decode(engine, b, args.prompt_len, args.gen, args.warmup, args.reps, vocab)
+        if args.profile and b == 1 and device == "cuda":
+            prof = kernel_profile(engine, 1)
+            if prof:
+                row["kernels@1"] = prof
+                total = sum(r["us_per_step"] for r in prof)
+                print(f"  {name}: GPU kernel time {total:.0f} us per step of {1e3 * graph_ms:.0f} us; by kernel:")
+                for r in prof[:12]:
+                    print(f"    {r['us_per_step']:8.1f} us  {r['calls_per_step']:5.0f} calls  {r['kernel']}")
         row[f"engine_ms@{b}"], row[f"model_ms@{b}"] = step_ms, graph_ms
         lat = graph_ms if graph_ms is not None else step_ms
         row[f"tok_s@{b}"] = 1e3 * b / lat
@@ -229,6 +260,8 @@ def main(argv=None) -> int:
     p.add_argument("--layout", choices=("nmajor", "kmajor"), default="kmajor",
                    help="packed W4 weight layout of the engine (spear.kernels.layout)")
     p.add_argument("--out", help="folder for results.json and table.md")
+    p.add_argument("--profile", action="store_true",
+                   help="also print and store the GPU time per kernel of a batch-1 step (torch.profiler)")
     p.add_argument("--table", help="launch_table.json (bench_kernels.py --tune / bench_gemv.py) for the W4 kernel")
     args = p.parse_args(argv)
 
