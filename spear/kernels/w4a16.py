@@ -21,13 +21,16 @@ needs no second launch and ``locks`` stays reusable across calls and CUDA-graph 
 
 Fused compensator (EC_MODE 1, decode). ``u_split`` extra programs per m-tile compute
 u = A x over their own K ranges in the same launch (so the W programs' loop is untouched);
-they write fp32 partials of u and bump a per-m-tile counter. The program finishing each W
-tile waits on that counter, sums u, evaluates the gate MLP and adds alpha · B_tile
-(gamma ⊙ u). The wait cannot deadlock: the u programs have the lowest program ids of their
-m-tile and the hardware dispatches blocks in id order, so they are resident or finished
-before any program that waits on them; they wait on nothing. The last W tile to finish
-resets the counters. Chosen over a second launch because at decode a launch costs about
-as much as the whole W4 GEMV.
+they write fp32 partials of u and bump a per-m-tile counter. The u program that arrives
+last sums the partials, evaluates the gate MLP, writes v = gamma(u) ⊙ u (M, R) and bumps
+the counter once more. The program finishing each W tile waits for that, loads v (one L2
+round trip) and adds alpha · B_tile v: the W programs carry neither the gate's code nor
+its registers, and their tail is one load and one small dot (the gate runs while the W
+programs stream their weights). The wait cannot deadlock: the u programs have the lowest
+program ids of their m-tile and the hardware dispatches blocks in id order, so they are
+resident or finished before any program that waits on them; they wait on nothing. The last
+W tile to finish resets the counters. Chosen over a second launch because at decode a
+launch costs about as much as the whole W4 GEMV.
 
 EC_MODE 2 (prefill, serial variant): v = gamma(u) ⊙ u was computed by ``ec.ec_gate``;
 the epilogue only adds alpha · B_tile v.
@@ -42,7 +45,7 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import INTERPRET, _dequant, _dot, _ec_gate, _fma_mainloop, _unpack_w4
+from spear.kernels._common import INTERPRET, _dequant, _dot, _ec_gate, _fma_mainloop, _tokens_to_accT, _unpack_w4
 from spear.kernels._kmajor import _kmajor_mainloop
 from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
 
@@ -156,8 +159,9 @@ def _w4a16_kernel(
             iters = tl.cdiv(K // BK, U_SPLIT)
             k_lo = local * iters * BK
             k_hi = tl.minimum(k_lo + iters * BK, K)
-            _u_program(x_ptr, a_ptr, upart_ptr, locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local,
-                       M, K, stride_xm, R, BM, BK, DOT_F32)
+            _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, bound,
+                       locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local, M, K, stride_xm,
+                       U_SPLIT, GATE, R, H, BM, BK, MV, DOT_F32)
         else:
             _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
                        b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, SPLIT_K, U_SPLIT,
@@ -175,21 +179,53 @@ def _w4a16_kernel(
 
 
 @triton.jit
-def _u_program(x_ptr, a_ptr, upart_ptr, u_lock, offs_m, m_mask, k_lo, k_hi, split, M, K, stride_xm,
-               R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
-    """Partial u for one K range: uT [R, BM] = A[R, BK] . xT[BK, BM], then signal."""
+def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, bound, u_lock, offs_m, m_mask,
+               k_lo, k_hi, split, M, K, stride_xm, U_SPLIT: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr,
+               H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr):
+    """Partial u for one K range: uT [R, BM] = A[R, BK] . xT[BK, BM], then signal. The last u program
+    of the m-tile to finish sums the partials, writes v = gamma(u) ⊙ u and signals once more."""
     offs_r = tl.arange(0, R)
     offs_k = tl.arange(0, BK)
-    x_base = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
-    uT = tl.zeros((R, BM), tl.float32)
-    for k in range(k_lo, k_hi, BK):
-        a = tl.load(a_ptr + offs_r[:, None] * K + (k + offs_k)[None, :])
-        xt = tl.load(x_base + k, mask=m_mask[None, :], other=0.0)
-        uT = _dot(a, xt, uT, DOT_F32)
-    tl.store(upart_ptr + split * M * R + offs_m[None, :] * R + offs_r[:, None], uT, mask=m_mask[None, :])
+    if MV > 0:
+        # decode's few tokens: fp32 FMAs on [R, BK] tiles, one accumulator per token (a tensor-core
+        # dot here would set the register count of the whole kernel, W programs included); UK
+        # keeps each tile at 2048 elements (16 fp32 registers per thread at 4 warps) for any rank
+        UK: tl.constexpr = min(BK, 2048 // R)
+        offs_u = tl.arange(0, UK)
+        c0 = tl.zeros((R, UK), tl.float32)
+        c1 = tl.zeros((R, UK), tl.float32)
+        c2 = tl.zeros((R, UK), tl.float32)
+        c3 = tl.zeros((R, UK), tl.float32)
+        for k in range(k_lo, k_hi, UK):
+            a = tl.load(a_ptr + offs_r[:, None] * K + (k + offs_u)[None, :]).to(tl.float32)
+            c0 += a * tl.load(x_ptr + k + offs_u).to(tl.float32)[None, :]
+            if MV > 1:
+                c1 += a * tl.load(x_ptr + stride_xm + k + offs_u, mask=offs_u * 0 + 1 < M,
+                                  other=0.0).to(tl.float32)[None, :]
+            if MV > 2:
+                c2 += a * tl.load(x_ptr + 2 * stride_xm + k + offs_u, mask=offs_u * 0 + 2 < M,
+                                  other=0.0).to(tl.float32)[None, :]
+                c3 += a * tl.load(x_ptr + 3 * stride_xm + k + offs_u, mask=offs_u * 0 + 3 < M,
+                                  other=0.0).to(tl.float32)[None, :]
+        uT = _tokens_to_accT(c0, c1, c2, c3, BM, MV, 1)
+    else:
+        x_base = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
+        uT = tl.zeros((R, BM), tl.float32)
+        for k in range(k_lo, k_hi, BK):
+            a = tl.load(a_ptr + offs_r[:, None] * K + (k + offs_k)[None, :])
+            xt = tl.load(x_base + k, mask=m_mask[None, :], other=0.0)
+            uT = _dot(a, xt, uT, DOT_F32)
+    u_offs = offs_m[None, :] * R + offs_r[:, None]
+    tl.store(upart_ptr + split * M * R + u_offs, uT, mask=m_mask[None, :])
     # every thread's stores must precede the (single-thread) release
     tl.debug_barrier()
-    tl.atomic_add(u_lock, 1, sem="release")
+    arrived = tl.atomic_add(u_lock, 1, sem="acq_rel")
+    if arrived == U_SPLIT - 1:
+        uT = _sum_partials(upart_ptr + u_offs, M * R, m_mask[None, :], tl.zeros((R, BM), tl.float32), U_SPLIT)
+        vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, R, H, BM, GATE, DOT_F32)
+        tl.store(v_ptr + u_offs, vT.to(v_ptr.dtype.element_ty), mask=m_mask[None, :])
+        tl.debug_barrier()
+        tl.atomic_add(u_lock, 1, sem="release")  # U_SPLIT + 1: v is ready
 
 
 @triton.jit
@@ -291,17 +327,17 @@ def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_
               R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr):
     offs_r = tl.arange(0, R)
     if EC_MODE == 1:
-        # B's tile does not depend on u: issue its load before the wait, so it overlaps the wait
+        # B's tile does not depend on v: issue its load before the wait, so it overlaps the wait
         bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
         u_lock = locks_ptr + lock_base + n_wt
         # poll with plain loads (an atomic per poll from every waiting program would contend on
-        # one L2 line), then one acquire to order the reads of u after the producers' release
-        while tl.load(u_lock, volatile=True) < U_SPLIT:
+        # one L2 line), then one acquire to order the read of v after the last u program's release
+        while tl.load(u_lock, volatile=True) <= U_SPLIT:
             pass
         tl.atomic_add(u_lock, 0, sem="acquire")
-        uT = _sum_partials(upart_ptr + offs_m[None, :] * R + offs_r[:, None], M * R, m_mask[None, :],
-                           tl.zeros((R, BM), tl.float32), U_SPLIT)
-        vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, R, H, BM, GATE, DOT_F32)
+        # .cg: read at L2, where the u program wrote v
+        vT = tl.load(v_ptr + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :], other=0.0,
+                     cache_modifier=".cg")
         accT += alpha * _dot(bt, vT.to(bt.dtype), tl.zeros((BN, BM), tl.float32), DOT_F32)
         # the last W tile of this m-tile to get here re-arms the counters for the next call
         done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="acq_rel")
@@ -375,6 +411,8 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     part = _common.alloc((cfg.split_k, m, n) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
     h = ec.w1.shape[0] if ec is not None and ec.gated else 16
     upart = _common.alloc((u_split, m, r) if ec_mode == 1 else (1,), dtype=torch.float32, device=x.device)
+    if ec_mode == 1:  # v = gamma(u) ⊙ u, written by the last u program of each m-tile
+        v = _common.alloc((m, r), dtype=x.dtype, device=x.device)
     dummy = w.scales  # never read when its feature flag is off
     e = ec
     grid = (m_tiles * (u_split + n_wt * cfg.split_k),)
