@@ -75,12 +75,12 @@ class Config:
 LAUNCH = {
     "fma_max_m": 1,                                       # CUDA-core main loop up to here
     "fma": dict(BN=64, BK=128, num_warps=2, num_stages=2, programs=1024),
-    # K-major layout: from the GEMV sweep (BENCHMARKS.md "Decode GEMV study"; BN 64, 4 warps,
-    # ~1024 programs was best or within 5% on every shape); ahead of the tensor-core tiles at M = 1, 2
-    # (as dispatched on the five 7B/8B shapes: 1.81x / 1.33x FP16; at M = 4 the loop gave 1.08x,
-    # the tiles 1.16x at M = 8, which pads to the same BM = 16 tile)
+    # K-major layout: from the GEMV sweeps (BENCHMARKS.md "Decode GEMV study" and "Register
+    # prefetch"): with the next K step's loads issued before the current step's math, fewer and
+    # longer programs win (BN 64, 2 warps, ~396 programs: best geometric mean over the five
+    # 7B/8B shapes at M = 1 and 2, H200, 2026-11-30); ahead of the tensor-core tiles at M = 1, 2
     "fma_kmajor_max_m": 2,
-    "fma_kmajor": dict(BN=64, BK=128, num_warps=4, num_stages=1, programs=1024),
+    "fma_kmajor": dict(BN=64, BK=128, num_warps=2, num_stages=1, programs=396, prefetch=True),
     "tc": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=512),    # split-K tensor-core decode
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
 }
