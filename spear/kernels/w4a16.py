@@ -77,10 +77,12 @@ LAUNCH = {
     "fma": dict(BN=64, BK=128, num_warps=2, num_stages=2, programs=1024),
     # K-major layout: from the GEMV sweeps (BENCHMARKS.md "Decode GEMV study" and "Register
     # prefetch"): with the next K step's loads issued before the current step's math, fewer and
-    # longer programs win (BN 64, 2 warps, ~396 programs: best geometric mean over the five
-    # 7B/8B shapes at M = 1 and 2, H200, 2026-11-30); ahead of the tensor-core tiles at M = 1, 2
+    # longer programs win. BN 64, 2 warps, ~528 programs: best geometric mean over the five 7B/8B
+    # shapes at M = 1 in the first sweep; ~396 was as good standalone in the second, but slower in
+    # the engine (same run, Llama-2-7B / Llama-3-8B W4 batch 1: 2.62 / 2.80 ms against 2.68 / 3.04).
+    # Ahead of the tensor-core tiles at M = 1, 2.
     "fma_kmajor_max_m": 2,
-    "fma_kmajor": dict(BN=64, BK=128, num_warps=2, num_stages=1, programs=396, prefetch=True),
+    "fma_kmajor": dict(BN=64, BK=128, num_warps=2, num_stages=1, programs=528, prefetch=True),
     "tc": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=512),    # split-K tensor-core decode
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
 }
