@@ -260,6 +260,9 @@ def main(argv=None) -> int:
     p.add_argument("--layout", choices=("nmajor", "kmajor"), default="kmajor",
                    help="packed W4 weight layout of the engine (spear.kernels.layout)")
     p.add_argument("--out", help="folder for results.json and table.md")
+    p.add_argument("--attn-max-splits", type=int,
+                   help="decode attention: at most this many context splits (1: one program per sequence and "
+                        "kv head; default: spear.kernels.attention.MAX_SPLITS)")
     p.add_argument("--profile", action="store_true",
                    help="also print and store the GPU time per kernel of a batch-1 step (torch.profiler)")
     p.add_argument("--table", help="launch_table.json (bench_kernels.py --tune / bench_gemv.py) for the W4 kernel")
@@ -284,6 +287,10 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown model shape(s) {unknown}; known: {sorted(SHAPES)}")
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
+    if args.attn_max_splits is not None:
+        from spear.kernels import attention
+
+        attention.MAX_SPLITS = args.attn_max_splits
     if args.fused_max_rank is not None:
         from spear.kernels import ops
 
@@ -292,7 +299,8 @@ def main(argv=None) -> int:
               f"{dtype}, prompt {args.prompt_len} tokens, median of {args.gen} steps"
               + (f", {args.layers} layers" if args.layers else "")
               + f", W4 layout {args.layout}, projections {'separate' if args.no_fuse else 'fused'}"
-              + (f", fused EC up to rank {args.fused_max_rank}" if args.fused_max_rank is not None else ""))
+              + (f", fused EC up to rank {args.fused_max_rank}" if args.fused_max_rank is not None else "")
+              + (f", attention splits <= {args.attn_max_splits}" if args.attn_max_splits is not None else ""))
     print(header, flush=True)
     max_len = args.prompt_len + args.warmup + args.gen + 1
     results = []

@@ -30,11 +30,21 @@ Numerics: fp16/bf16 score products are exact in the fp32 accumulators; P is roun
 cache dtype for the P V product, as flash attention does. fp32 takes IEEE dots (no TF32).
 Under the interpreter (DOT_F32) the dots run on fp32 copies of the same rounded operands.
 
+Split context (flash-decoding, one launch). B × n_kv_heads programs leave most of the GPU
+idle at small batch (Llama-2-7B at batch 1: 32 programs, each walking its context tile by
+tile, two dependent memory round trips per tile). So the grid is (B, n_kv_heads, splits):
+split s walks keys [s·chunk, (s+1)·chunk) of the context. The number of splits and the chunk
+are fixed per launch from the block table's width (so a CUDA graph captures them) and the
+batch (about 256 programs); splits past a sequence's context exit at once. A sequence whose
+context fits one chunk is finished by its one active split as before. Otherwise every
+active split writes its fp32 partial (running max m, sum l, unnormalised output) to a
+workspace and bumps a counter of its (sequence, kv head); the split that arrives last
+merges the partials (global max, rescaled sums: exact up to summation order) and resets
+the counter, so no second launch is needed and the counters stay zero between calls.
+
 Shapes: head_dim a power of two from 16 to 256, block_size a power of two (tiles of 16+
 keys cover blocks of 8 by gathering); anything else raises ValueError (``supports`` tells
-the caller beforehand). Parallelism is B × n_kv_heads programs: at batch 1 with 8 kv heads
-a long context keeps only 8 SMs busy; splitting the context over programs (a second
-reduction pass) would fill the GPU there, and is not done.
+the caller beforehand).
 
 Why hand-written: the paged decode kernels published as Python packages (flash-attn's
 ``flash_attn_with_kvcache``, FlashInfer, vLLM's) are CUDA binaries with their own page-size
@@ -58,66 +68,118 @@ LOG2E = 1.4426950408889634
 @triton.jit(do_not_specialize=["max_blocks", "stride_bt"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr,
-    qk_scale, max_blocks,
+    part_ptr,      # fp32 (B, n_kv_heads, SPLITS, GROUP_PAD, HEAD_DIM + 2): o, then m and l per row
+    count_ptr,     # int32 (B * n_kv_heads,) arrival counters, zero on entry and on exit
+    qk_scale, max_blocks, chunk,
     stride_qb, stride_qh, stride_ob,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_bt, stride_len,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr, DOT_F32: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
+    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * HEAD_DIM + offs_d[None, :]
 
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
     # keys past the block table do not exist (the reference's mask is over the table's length)
     ctx = tl.minimum(tl.load(lens_ptr + b * stride_len).to(tl.int32), max_blocks * BLOCK_SIZE)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    k_base = k_ptr + kvh * stride_kh
-    v_base = v_ptr + kvh * stride_vh
-
-    m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
-    l_i = tl.zeros((GROUP_PAD,), tl.float32)
-    acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-    for start in range(0, ctx, BLOCK_N):
-        pos = start + offs_n
-        valid = pos < ctx
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        tok = pos % BLOCK_SIZE
-        kT = tl.load(k_base + (blk * stride_kb + tok * stride_kt)[None, :] + offs_d[:, None],
-                     mask=valid[None, :], other=0.0)                                    # [HEAD_DIM, BLOCK_N]
-        v = tl.load(v_base + (blk * stride_vb + tok * stride_vt)[:, None] + offs_d[None, :],
-                    mask=valid[:, None], other=0.0)                                     # [BLOCK_N, HEAD_DIM]
+    active = tl.cdiv(ctx, chunk)  # splits holding at least one key
+    if split == 0 or split < active:
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
+                    other=0.0)
         if DOT_F32:
-            kT = kT.to(tl.float32)
-        if IS_FP32:
-            s = tl.dot(q, kT, input_precision="ieee")
+            q = q.to(tl.float32)
+        bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+        k_base = k_ptr + kvh * stride_kh
+        v_base = v_ptr + kvh * stride_vh
+
+        m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+        l_i = tl.zeros((GROUP_PAD,), tl.float32)
+        acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, ctx)
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + offs_n
+            valid = pos < hi
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            tok = pos % BLOCK_SIZE
+            kT = tl.load(k_base + (blk * stride_kb + tok * stride_kt)[None, :] + offs_d[:, None],
+                         mask=valid[None, :], other=0.0)                                    # [HEAD_DIM, BLOCK_N]
+            v = tl.load(v_base + (blk * stride_vb + tok * stride_vt)[:, None] + offs_d[None, :],
+                        mask=valid[:, None], other=0.0)                                     # [BLOCK_N, HEAD_DIM]
+            if DOT_F32:
+                kT = kT.to(tl.float32)
+            if IS_FP32:
+                s = tl.dot(q, kT, input_precision="ieee")
+            else:
+                s = tl.dot(q, kT)
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))                      # log2 units
+            # every tile holds at least one valid key (start < hi), so m_new is finite
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if IS_FP32:
+                acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+            elif DOT_F32:
+                # the GPU path's rounding of P to the cache dtype, on fp32 operands
+                acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc * alpha[:, None])
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+        if SPLITS == 1 or active <= 1:
+            # context_len 0 (never scheduled) gives zeros rather than 0/0
+            o = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
         else:
-            s = tl.dot(q, kT)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))                      # log2 units
-        # every tile holds at least one valid key (start < ctx), so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IS_FP32:
-            acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
-        elif DOT_F32:
-            # the GPU path's rounding of P to the cache dtype, on fp32 operands
-            acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc * alpha[:, None])
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
-    # context_len 0 (never scheduled) gives zeros rather than 0/0
-    o = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * HEAD_DIM + offs_d[None, :]
+            ROW: tl.constexpr = HEAD_DIM + 2
+            head_part = part_ptr + (b * tl.num_programs(1) + kvh).to(tl.int64) * (SPLITS * GROUP_PAD * ROW)
+            rows = head_part + split * (GROUP_PAD * ROW) + offs_g * ROW
+            tl.store(rows[:, None] + offs_d[None, :], acc, mask=g_mask[:, None])
+            tl.store(rows + HEAD_DIM, m_i, mask=g_mask)
+            tl.store(rows + HEAD_DIM + 1, l_i, mask=g_mask)
+            # every thread's stores must precede the (single-thread) release
+            tl.debug_barrier()
+            counter = count_ptr + b * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == active - 1:
+                _merge_partials(head_part, active, o_ptrs, g_mask, offs_g, offs_d, out_ptr, GROUP_PAD, HEAD_DIM,
+                                SPLITS)
+                tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _merge_partials(head_part, active, o_ptrs, g_mask, offs_g, offs_d, out_ptr, GROUP_PAD: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    """Output rows from the ``active`` partials at ``head_part``: o = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s."""
+    ROW: tl.constexpr = HEAD_DIM + 2
+    offs_s = tl.arange(0, SPLITS)
+    s_mask = (offs_s[:, None] < active) & g_mask[None, :]
+    # .cg: read at L2, where the other programs' writes are
+    m_all = tl.load(head_part + offs_s[:, None] * (GROUP_PAD * ROW) + offs_g[None, :] * ROW + HEAD_DIM,
+                    mask=s_mask, other=float("-inf"), cache_modifier=".cg")                # [SPLITS, GROUP_PAD]
+    m_max = tl.max(m_all, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # padded rows
+    o = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+    l = tl.zeros((GROUP_PAD,), tl.float32)
+    CHUNK: tl.constexpr = 4  # partials in flight per round trip
+    for s0 in range(0, active, CHUNK):
+        for j in tl.static_range(CHUNK):
+            live = g_mask & ((offs_g * 0 + s0 + j) < active)
+            rows = head_part + (s0 + j) * (GROUP_PAD * ROW) + offs_g * ROW
+            w = tl.exp2(tl.load(rows + HEAD_DIM, mask=live, other=float("-inf"), cache_modifier=".cg") - m_max)
+            l += w * tl.load(rows + HEAD_DIM + 1, mask=live, other=0.0, cache_modifier=".cg")
+            o += w[:, None] * tl.load(rows[:, None] + offs_d[None, :], mask=live[:, None], other=0.0,
+                                      cache_modifier=".cg")
+    o = o / tl.maximum(l, 1e-30)[:, None]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
@@ -178,37 +240,75 @@ def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
         raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")
 
 
+TARGET_PROGRAMS = 256  # split the context until the grid has about this many programs
+MAX_SPLITS = 32
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the split merge, kept per device: the kernel leaves them
+    zero, so one buffer serves every call (and every captured graph) on that device's stream."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def split_config(batch: int, kv_heads: int, max_ctx: int, block_n: int) -> tuple[int, int]:
+    """(splits, keys per split) for a launch: a power of two of splits, at most MAX_SPLITS, until the
+    grid has about TARGET_PROGRAMS programs; each split a whole number of key tiles."""
+    tiles = triton.cdiv(max_ctx, block_n)
+    splits = 1
+    while splits * 2 <= min(tiles, MAX_SPLITS) and batch * kv_heads * splits * 2 <= TARGET_PROGRAMS:
+        splits *= 2
+    return splits, triton.cdiv(tiles, splits) * block_n
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           launch=None, block_n: int | None = None) -> torch.Tensor:
+                           launch=None, block_n: int | None = None, splits: int | None = None) -> torch.Tensor:
     """Attention of one query per sequence over its paged keys; (B, n_heads · head_dim) in q's dtype.
 
     Same contract as ``serve.layers.decode_attention_reference``: block table entries past a
     sequence's last block are never read, context lengths past the table's width are clamped
     to it. Fixed grid and no host synchronization: safe inside a CUDA graph. ``block_n`` (keys per
-    tile, a power of two >= 16) overrides the default tile, for tests.
+    tile, a power of two >= 16) and ``splits`` (context splits, a power of two) override the
+    defaults, for tests.
     """
     _check(q, k_cache, v_cache, block_tables, context_lens)
     if block_n is not None and not (_pow2(block_n) and block_n >= 16):
         raise ValueError(f"block_n must be a power of two >= 16; got {block_n}")
+    if splits is not None and not _pow2(splits):
+        raise ValueError(f"splits must be a power of two; got {splits}")
     b, n_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = n_heads // kv_heads
+    group_pad = max(16, triton.next_power_of_2(group))
     out = _common.alloc((b, n_heads * head_dim), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
     tile, num_warps = launch_config(q.dtype, head_dim)
     block_n = block_n or tile
+    max_ctx = block_tables.shape[1] * block_size
+    n_split, chunk = split_config(b, kv_heads, max_ctx, block_n)
+    if splits is not None:
+        n_split, chunk = splits, triton.cdiv(triton.cdiv(max_ctx, block_n), splits) * block_n
+    if n_split > 1:
+        part = _common.alloc((b, kv_heads, n_split, group_pad, head_dim + 2), dtype=torch.float32, device=q.device)
+        counters = _counters(q.device, b * kv_heads)
+    else:
+        part = counters = out  # never touched
     kernel = _paged_decode_kernel if launch is None else launch(_paged_decode_kernel)
-    kernel[(b, kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out,
-        float(scale) * LOG2E, block_tables.shape[1],
+    kernel[(b, kv_heads, n_split)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part, counters,
+        float(scale) * LOG2E, block_tables.shape[1], chunk,
         q.stride(0), q.stride(1), out.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), context_lens.stride(0),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, IS_FP32=q.dtype == torch.float32, DOT_F32=INTERPRET,
-        num_warps=num_warps, num_stages=2,
+        SPLITS=n_split, num_warps=num_warps, num_stages=2,
     )
     return out

@@ -97,6 +97,35 @@ def test_paged_decode_attention(poisoned, block_size, ratio, head_dim, dtype, bl
     _check(out.cpu(), _reference(q, k, v, tables, lens, scale), dtype, what)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 8])
+@pytest.mark.parametrize("ratio,dtype", [(1, torch.float16), (4, torch.float32)])
+def test_split_context_merges_exactly(poisoned, splits, ratio, dtype):
+    """One split (no merge), two (chunks of several tiles), eight (more splits than some contexts
+    have tiles: empty splits exit); the counters are left at zero for the next call."""
+    from spear.kernels import attention
+
+    q, kp, vp, k, v, tables, lens = make_batch(CONTEXT_LENS, 2 * ratio, 2, 32, 8, dtype, seed=splits + ratio)
+    ref = _reference(q, k, v, tables, lens, 32 ** -0.5)
+    for _ in range(2):  # a second call over the same counters
+        out = paged_decode_attention(q, kp, vp, tables, lens, 32 ** -0.5, block_n=16, splits=splits)
+        _check(out.cpu(), ref, dtype, f"splits={splits} gqa={ratio} {dtype}")
+        if splits > 1:
+            assert int(attention._COUNTERS[out.device].abs().sum()) == 0, "merge counters not reset"
+
+
+def test_split_config():
+    from spear.kernels.attention import MAX_SPLITS, split_config
+
+    assert split_config(1, 32, 4096, 64) == (8, 512)        # 32 kv heads x 8 splits = 256 programs
+    assert split_config(1, 8, 4096, 64) == (32, 128)        # GQA: more splits, capped
+    assert split_config(1, 8, 200, 64) == (4, 64)           # 4 tiles: one per split
+    assert split_config(64, 32, 4096, 64) == (1, 4096)      # enough programs without splitting
+    assert split_config(1, 1, 10 ** 6, 64)[0] == MAX_SPLITS
+    for b, h, ctx, n in ((3, 5, 1000, 32), (1, 8, 17, 16)):
+        splits, chunk = split_config(b, h, ctx, n)
+        assert chunk % n == 0 and splits * chunk >= ctx
+
+
 def test_int32_tables_and_clamped_context():
     """int32 block tables / lengths; a context length past the table's width is clamped to it."""
     q, kp, vp, k, v, tables, lens = make_batch((7, 16), 2, 2, 16, 8, torch.float32, seed=5, extra_blocks=0)
@@ -149,6 +178,11 @@ def test_launcher_errors():
         call(q=torch.zeros(2, 16, 4).transpose(1, 2))
     with pytest.raises(ValueError, match="q must be"):
         call(q=torch.zeros(2, 64))
+    q = torch.zeros(2, 4, 16, device=DEVICE)
+    k = torch.zeros(5, 8, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="splits must be a power of two"):
+        paged_decode_attention(q, k, k, torch.zeros(2, 3, dtype=torch.long, device=DEVICE),
+                               torch.ones(2, dtype=torch.long, device=DEVICE), 0.25, splits=3)
 
 
 # Real shapes on the GPU: Llama-2-7B (MHA, head_dim 128), Llama-3-8B (GQA 4), a head_dim 64 model
