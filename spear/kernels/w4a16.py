@@ -223,7 +223,10 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
     tl.debug_barrier()
     arrived = tl.atomic_add(u_lock, 1, sem="acq_rel")
     if arrived == U_SPLIT - 1:
-        uT = _sum_partials(upart_ptr + u_offs, M * R, m_mask[None, :], tl.zeros((R, BM), tl.float32), U_SPLIT)
+        # all partials in one round trip while that stays within 4096 fp32 values in flight
+        UCHUNK: tl.constexpr = max(1, min(U_SPLIT, 4096 // (R * BM)))
+        uT = _sum_partials(upart_ptr + u_offs, M * R, m_mask[None, :], tl.zeros((R, BM), tl.float32), U_SPLIT,
+                           UCHUNK)
         vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, R, H, BM, GATE, DOT_F32)
         tl.store(v_ptr + u_offs, vT.to(v_ptr.dtype.element_ty), mask=m_mask[None, :])
         tl.debug_barrier()
@@ -296,7 +299,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
         tl.debug_barrier()
         arrived = tl.atomic_add(locks_ptr + lock_base + wt, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
-            accT = _sum_partials(part_ptr + mn_offs, M * N, out_mask, tl.zeros((BN, BM), tl.float32), SPLIT_K)
+            accT = _sum_partials(part_ptr + mn_offs, M * N, out_mask, tl.zeros((BN, BM), tl.float32), SPLIT_K, 4)
             tl.atomic_xchg(locks_ptr + lock_base + wt, 0)
             _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
                       b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, U_SPLIT, M,
@@ -308,11 +311,11 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
 
 
 @triton.jit
-def _sum_partials(ptrs, part_stride, mask, acc, N_PARTS: tl.constexpr):
+def _sum_partials(ptrs, part_stride, mask, acc, N_PARTS: tl.constexpr, CHUNK: tl.constexpr):
     """acc + the sum of N_PARTS fp32 partial tiles at ptrs + i * part_stride, in index order.
-    Four loads are in flight at a time: one L2 round trip per four partials, and registers
-    for four tiles only (a full unroll of 16 raised the kernel to ~190 registers)."""
-    CHUNK: tl.constexpr = 4
+    CHUNK loads are in flight at a time: one L2 round trip per CHUNK partials, and registers for
+    CHUNK tiles only (for the [BN, BM] output tiles a full unroll of 16 raised the kernel to ~190
+    registers, so they take 4; u's [R, BM] partials take up to 4096 values per round trip: all 16 at rank 16)."""
     for s0 in range(0, N_PARTS, CHUNK):
         for j in tl.static_range(CHUNK):
             if j < N_PARTS:
@@ -402,9 +405,12 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     r = ec.a.shape[0] if ec is not None else 16
     u_split = 0
     if ec_mode == 1:
-        # a u program streams R x K_range fp16, a W program BN x K_range x 4 bit: balance the two
-        # (at most U_SPLIT_MAX: the epilogue's unrolled sum loads one partial per u program)
-        u_split = cfg.u_split or min(k // cfg.BK, cfg.split_k * triton.cdiv(4 * r, cfg.BN), U_SPLIT_MAX)
+        # as many u programs as K steps allow, up to U_SPLIT_MAX: each is a single program walking
+        # its K range step by step, so u (and then v) is on the W tiles' critical path unless the
+        # u programs' ranges are much shorter than the W programs' (which many programs per SM
+        # and the register prefetch keep streaming); the last u program sums all partials in one
+        # round trip
+        u_split = cfg.u_split or min(k // cfg.BK, U_SPLIT_MAX)
     needs_locks = cfg.split_k > 1 or ec_mode == 1
     if needs_locks and m_tiles * (n_wt + 2) > w.locks.numel():
         raise ValueError(f"split-K/fused EC needs {m_tiles * (n_wt + 2)} lock slots for M={m}, N={n}; "
