@@ -260,6 +260,9 @@ def main(argv=None) -> int:
     p.add_argument("--layout", choices=("nmajor", "kmajor"), default="kmajor",
                    help="packed W4 weight layout of the engine (spear.kernels.layout)")
     p.add_argument("--out", help="folder for results.json and table.md")
+    p.add_argument("--u-split-max", type=int,
+                   help="fused EC: at most this many u = A x programs per call (default: "
+                        "spear.kernels.w4a16.U_SPLIT_MAX)")
     p.add_argument("--attn-max-splits", type=int,
                    help="decode attention: at most this many context splits (1: one program per sequence and "
                         "kv head; default: spear.kernels.attention.MAX_SPLITS)")
@@ -287,6 +290,10 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown model shape(s) {unknown}; known: {sorted(SHAPES)}")
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
+    if args.u_split_max is not None:
+        from spear.kernels import w4a16
+
+        w4a16.U_SPLIT_MAX = args.u_split_max
     if args.attn_max_splits is not None:
         from spear.kernels import attention
 
@@ -300,7 +307,8 @@ def main(argv=None) -> int:
               + (f", {args.layers} layers" if args.layers else "")
               + f", W4 layout {args.layout}, projections {'separate' if args.no_fuse else 'fused'}"
               + (f", fused EC up to rank {args.fused_max_rank}" if args.fused_max_rank is not None else "")
-              + (f", attention splits <= {args.attn_max_splits}" if args.attn_max_splits is not None else ""))
+              + (f", attention splits <= {args.attn_max_splits}" if args.attn_max_splits is not None else "")
+              + (f", u programs <= {args.u_split_max}" if args.u_split_max is not None else ""))
     print(header, flush=True)
     max_len = args.prompt_len + args.warmup + args.gen + 1
     results = []
