@@ -87,7 +87,7 @@ LAUNCH = {
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
 }
 DECODE_MAX_M = 64      # split-K tensor-core tiles up to here, prefill tiles above
-U_SPLIT_MAX = 16       # fused EC: u = A x programs per m-tile
+U_SPLIT_MAX = 8        # fused EC: u = A x programs per m-tile (2, 4, 6, 8, 16 timed in the engine: 8 best)
 
 
 def _split_for(tiles: int, k: int, bk: int, programs: int) -> int:
