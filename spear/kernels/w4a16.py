@@ -165,19 +165,15 @@ def _w4a16_kernel(
                        locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local, M, K, stride_xm,
                        U_SPLIT, GATE, R, H, BM, BK, MV, DOT_F32)
         else:
-            _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
-                       b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, SPLIT_K, U_SPLIT,
-                       (local - n_u) // SPLIT_K, n_wt, lock_base, offs_m, m_mask, (local - n_u) % SPLIT_K,
-                       M, N, K, stride_xm, stride_om,
-                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
-                       PREFETCH)
+            _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
+                       alpha, SPLIT_K, U_SPLIT, (local - n_u) // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
+                       (local - n_u) % SPLIT_K, M, N, K, stride_xm, stride_om,
+                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH)
     else:
-        _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
-                   b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, SPLIT_K, U_SPLIT,
-                   local // SPLIT_K, n_wt, lock_base, offs_m, m_mask, local % SPLIT_K,
+        _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
+                   alpha, SPLIT_K, U_SPLIT, local // SPLIT_K, n_wt, lock_base, offs_m, m_mask, local % SPLIT_K,
                    M, N, K, stride_xm, stride_om,
-                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
-                       PREFETCH)
+                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH)
 
 
 @triton.jit
@@ -234,12 +230,11 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
 
 
 @triton.jit
-def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr,
-               b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound,
+def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr, alpha,
                SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr, wt, n_wt, lock_base, offs_m, m_mask, split, M, N, K,
                stride_xm, stride_om,
                GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, IS_BF16: tl.constexpr,
-               EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
+               EC_MODE: tl.constexpr, R: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
                PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
@@ -302,12 +297,10 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
             accT = _sum_partials(part_ptr + mn_offs, M * N, out_mask, tl.zeros((BN, BM), tl.float32), SPLIT_K, 4)
             tl.atomic_xchg(locks_ptr + lock_base + wt, 0)
             _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-                      b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, U_SPLIT, M,
-                      stride_om, HAS_BIAS, EC_MODE, GATE, R, H, BM, BN, DOT_F32)
+                      b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32)
     else:
         _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-                  b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, U_SPLIT, M,
-                  stride_om, HAS_BIAS, EC_MODE, GATE, R, H, BM, BN, DOT_F32)
+                  b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32)
 
 
 @triton.jit
@@ -327,9 +320,8 @@ def _sum_partials(ptrs, part_stride, mask, acc, N_PARTS: tl.constexpr, CHUNK: tl
 
 @triton.jit
 def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-              b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, alpha, bound, U_SPLIT: tl.constexpr, M,
-              stride_om, HAS_BIAS: tl.constexpr, EC_MODE: tl.constexpr, GATE: tl.constexpr,
-              R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr):
+              b_ptr, v_ptr, alpha, U_SPLIT: tl.constexpr, stride_om, HAS_BIAS: tl.constexpr, EC_MODE: tl.constexpr,
+              R: tl.constexpr, DOT_F32: tl.constexpr):
     offs_r = tl.arange(0, R)
     if EC_MODE == 1:
         # B's tile does not depend on v: issue its load before the wait, so it overlaps the wait
@@ -343,7 +335,7 @@ def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_
         # .cg: read at L2, where the u program wrote v
         vT = tl.load(v_ptr + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :], other=0.0,
                      cache_modifier=".cg")
-        accT += alpha * _dot(bt, vT.to(bt.dtype), tl.zeros((BN, BM), tl.float32), DOT_F32)
+        accT += alpha * _dot(bt, vT.to(bt.dtype), tl.zeros_like(accT), DOT_F32)
         # the last W tile of this m-tile to get here re-arms the counters for the next call
         done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="acq_rel")
         if done == n_wt - 1:
@@ -352,7 +344,7 @@ def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_
     if EC_MODE == 2:
         vT = tl.load(v_ptr + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :], other=0.0)
         bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
-        accT += alpha * _dot(bt, vT, tl.zeros((BN, BM), tl.float32), DOT_F32)
+        accT += alpha * _dot(bt, vT, tl.zeros_like(accT), DOT_F32)
     if HAS_BIAS:
         accT += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], accT.to(out_ptr.dtype.element_ty),
