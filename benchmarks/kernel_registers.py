@@ -5,7 +5,8 @@
 Compiles ``_w4a16_kernel`` for sm_90 (Triton's bundled ptxas) and reads the register count
 with cuobjdump. The variants are the decode ones BENCHMARKS.md discusses: no EC, fused EC
 (EC_MODE 1) and the v-epilogue (EC_MODE 2), CUDA-core (MV = 1) and tensor-core (MV = 0)
-loops, K-major and N-major, at EC ranks 16 and 64 (4 warps, split-K 16, group 128, fp16).
+loops, K-major and N-major, at EC ranks 16 and 64 (4 warps, split-K 16, the default cap on u
+programs, group 128, fp16).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from spear.kernels.w4a16 import _w4a16_kernel  # noqa: E402
+from spear.kernels.w4a16 import U_SPLIT_MAX, _w4a16_kernel  # noqa: E402
 from tests.kernels._compile_check import TARGET, sig  # noqa: E402
 
 
@@ -34,7 +35,7 @@ def registers(ec_mode: int, mv: int, kmajor: bool, r: int = 16, bm: int = 16, pr
     ptrs = {k: "*" + v for k, v in ptrs.items()}
     consts = dict(GROUP=128, SYMMETRIC=False, HAS_BIAS=False, IS_BF16=False, EC_MODE=ec_mode, GATE=False, R=r, H=32,
                   BM=bm, BN=64, BK=128, MV=mv, DOT_F32=False, PTX=bool(mv), KMAJOR=kmajor, PREFETCH=prefetch, SPLIT_K=16,
-                  U_SPLIT=16 if ec_mode == 1 else 0)
+                  U_SPLIT=U_SPLIT_MAX if ec_mode == 1 else 0)
     src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts), consts)
     kernel = triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=1))
     cuobjdump = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))[0]

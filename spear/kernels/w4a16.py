@@ -207,10 +207,14 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
                                   other=0.0).to(tl.float32)[None, :]
         uT = _tokens_to_accT(c0, c1, c2, c3, BM, MV, 1)
     else:
-        x_base = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
+        # tensor cores over K tiles of at most 1024 / R (the dot's operand tiles set the register
+        # count of the whole kernel, W programs included)
+        DK: tl.constexpr = max(16, min(BK, 1024 // R))
+        offs_dk = tl.arange(0, DK)
+        x_base = x_ptr + offs_m[None, :] * stride_xm + offs_dk[:, None]
         uT = tl.zeros((R, BM), tl.float32)
-        for k in range(k_lo, k_hi, BK):
-            a = tl.load(a_ptr + offs_r[:, None] * K + (k + offs_k)[None, :])
+        for k in range(k_lo, k_hi, DK):
+            a = tl.load(a_ptr + offs_r[:, None] * K + (k + offs_dk)[None, :])
             xt = tl.load(x_base + k, mask=m_mask[None, :], other=0.0)
             uT = _dot(a, xt, uT, DOT_F32)
     u_offs = offs_m[None, :] * R + offs_r[:, None]
