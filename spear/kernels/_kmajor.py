@@ -40,6 +40,21 @@ def _x_words(x_ptr, t, stride_xm, k, offs_j, k_hi, M):
 
 
 @triton.jit
+def _x_tokens(x_ptr, stride_xm, k, offs_j, k_hi, M, MV: tl.constexpr):
+    """``_x_words`` of step k for tokens 0 .. MV - 1, 4 per token (token 0's stand in for absent ones)."""
+    x00, x01, x02, x03 = _x_words(x_ptr, 0, stride_xm, k, offs_j, k_hi, M)
+    x10, x11, x12, x13 = x00, x01, x02, x03
+    x20, x21, x22, x23 = x00, x01, x02, x03
+    x30, x31, x32, x33 = x00, x01, x02, x03
+    if MV > 1:
+        x10, x11, x12, x13 = _x_words(x_ptr, 1, stride_xm, k, offs_j, k_hi, M)
+    if MV > 2:
+        x20, x21, x22, x23 = _x_words(x_ptr, 2, stride_xm, k, offs_j, k_hi, M)
+        x30, x31, x32, x33 = _x_words(x_ptr, 3, stride_xm, k, offs_j, k_hi, M)
+    return x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33
+
+
+@triton.jit
 def _token_ptx(acc, p, zneg, x0, x1, x2, x3):
     shape: tl.constexpr = p.shape
     return acc + _word_dot(p, zneg, tl.broadcast_to(x0[:, None], shape), tl.broadcast_to(x1[:, None], shape),
@@ -83,15 +98,8 @@ def _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs
         p, s, z = _w_step(w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, N, s, z,
                           GROUP, SYMMETRIC)
         if PTX:
-            x00, x01, x02, x03 = _x_words(x_ptr, 0, stride_xm, k_lo, offs_j, k_hi, M)
-            x10, x11, x12, x13 = x00, x01, x02, x03
-            x20, x21, x22, x23 = x00, x01, x02, x03
-            x30, x31, x32, x33 = x00, x01, x02, x03
-            if MV > 1:
-                x10, x11, x12, x13 = _x_words(x_ptr, 1, stride_xm, k_lo, offs_j, k_hi, M)
-            if MV > 2:
-                x20, x21, x22, x23 = _x_words(x_ptr, 2, stride_xm, k_lo, offs_j, k_hi, M)
-                x30, x31, x32, x33 = _x_words(x_ptr, 3, stride_xm, k_lo, offs_j, k_hi, M)
+            (x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33) = \
+                _x_tokens(x_ptr, stride_xm, k_lo, offs_j, k_hi, M, MV)
     for k in range(k_lo, k_hi, BK):
         if PREFETCH:
             kn = k + BK
@@ -103,25 +111,11 @@ def _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs
         s0, s1, s2, s3 = _step_sums(a0, a1, a2, a3, GROUP > 0)
         if PTX:
             if PREFETCH:
-                y00, y01, y02, y03 = _x_words(x_ptr, 0, stride_xm, kn, offs_j, k_hi, M)
-                y10, y11, y12, y13 = y00, y01, y02, y03
-                y20, y21, y22, y23 = y00, y01, y02, y03
-                y30, y31, y32, y33 = y00, y01, y02, y03
-                if MV > 1:
-                    y10, y11, y12, y13 = _x_words(x_ptr, 1, stride_xm, kn, offs_j, k_hi, M)
-                if MV > 2:
-                    y20, y21, y22, y23 = _x_words(x_ptr, 2, stride_xm, kn, offs_j, k_hi, M)
-                    y30, y31, y32, y33 = _x_words(x_ptr, 3, stride_xm, kn, offs_j, k_hi, M)
+                (y00, y01, y02, y03, y10, y11, y12, y13, y20, y21, y22, y23, y30, y31, y32, y33) = \
+                    _x_tokens(x_ptr, stride_xm, kn, offs_j, k_hi, M, MV)
             else:
-                x00, x01, x02, x03 = _x_words(x_ptr, 0, stride_xm, k, offs_j, k_hi, M)
-                x10, x11, x12, x13 = x00, x01, x02, x03
-                x20, x21, x22, x23 = x00, x01, x02, x03
-                x30, x31, x32, x33 = x00, x01, x02, x03
-                if MV > 1:
-                    x10, x11, x12, x13 = _x_words(x_ptr, 1, stride_xm, k, offs_j, k_hi, M)
-                if MV > 2:
-                    x20, x21, x22, x23 = _x_words(x_ptr, 2, stride_xm, k, offs_j, k_hi, M)
-                    x30, x31, x32, x33 = _x_words(x_ptr, 3, stride_xm, k, offs_j, k_hi, M)
+                (x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33) = \
+                    _x_tokens(x_ptr, stride_xm, k, offs_j, k_hi, M, MV)
             zneg = tl.broadcast_to(_neg_zero_pair(z)[None, :], (BK // 8, BN))
             s0 = _token_ptx(s0, p, zneg, x00, x01, x02, x03)
             if MV > 1:
@@ -130,10 +124,8 @@ def _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs
                 s2 = _token_ptx(s2, p, zneg, x20, x21, x22, x23)
                 s3 = _token_ptx(s3, p, zneg, x30, x31, x32, x33)
             if PREFETCH:
-                x00, x01, x02, x03 = y00, y01, y02, y03
-                x10, x11, x12, x13 = y10, y11, y12, y13
-                x20, x21, x22, x23 = y20, y21, y22, y23
-                x30, x31, x32, x33 = y30, y31, y32, y33
+                x00, x01, x02, x03, x10, x11, x12, x13, x20, x21, x22, x23, x30, x31, x32, x33 = \
+                    y00, y01, y02, y03, y10, y11, y12, y13, y20, y21, y22, y23, y30, y31, y32, y33
         else:
             hi = p >> 20
             for i in tl.static_range(8):

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import spear.compensate.calibrate as calibrate_mod
-from spear.cli import main
 from spear.compensate.calibrate import CalibrationConfig, train_ecs
 from spear.compensate.scales import norm_modules, tunable_norms
 from spear.compensate.static import remove_compensators
@@ -16,6 +15,7 @@ from spear.config import QuantConfig
 from spear.errors import SpearError
 from spear.models.loading import load_model
 from spear.quant import quantize_model_rtn
+from tests.compensate._tuning import cli_calibrate, cli_refuses_blockwise, fail_kl_on_call
 
 CFG = CalibrationConfig(n_samples=32, val_samples=4, sample_len=24, steps=16, batch_size=4, eval_every=4,
                         patience=5, lr=5e-3, norm_lr=1e-2)
@@ -83,15 +83,7 @@ def test_an_exception_restores_the_norms(quantized, prepared, monkeypatch):
     model, mods = quantized
     attach_ecs(mods, prepared.fp_weights, uniform_plan(mods, 2), CFG, prepared.stats)
     before = _norms(model)
-    real, calls = calibrate_mod.kl_loss, []
-
-    def failing(*a, **k):  # the initial validation KL and two training steps run, then the loss fails
-        calls.append(1)
-        if len(calls) == 4:
-            raise RuntimeError("boom")
-        return real(*a, **k)
-
-    monkeypatch.setattr(calibrate_mod, "kl_loss", failing)
+    calls = fail_kl_on_call(monkeypatch, 4)  # the initial validation KL and two training steps run, then it fails
     with pytest.raises(RuntimeError, match="boom"):
         train_ecs(model, prepared.train_ids, prepared.train_teacher, prepared.val_ids, prepared.val_teacher,
                   replace(CFG, tune_norms=True, tune_scales=True), progress=False)
@@ -120,9 +112,7 @@ def test_blockwise_refuses(quantized, prepared):
 def test_cli_tune_norms_checkpoint_keeps_the_tuned_norms(sharp_tiny_llama_path, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPEAR_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "ck"
-    rc = main(["-q", "calibrate", "--model", str(sharp_tiny_llama_path), "--out", str(out), "--bits", "3",
-               "--rank", "0", "--tune-norms", "--norm-lr", "1e-2", "--steps", "4", "--samples", "4",
-               "--val-samples", "2", "--sample-len", "16"])
+    rc = cli_calibrate(sharp_tiny_llama_path, out, "--tune-norms", "--norm-lr", "1e-2")
     assert rc == 0
     assert "KL-tuned norms" in capsys.readouterr().out
     cal = json.loads((out / "spear_config.json").read_text())["meta"]["calibration"]
@@ -131,6 +121,4 @@ def test_cli_tune_norms_checkpoint_keeps_the_tuned_norms(sharp_tiny_llama_path, 
     tuned, _ = load_model(out)
     diff = [not torch.equal(_norms(fp)[n], w) for n, w in _norms(tuned).items()]
     assert any(diff)
-    rc = main(["-q", "calibrate", "--model", str(sharp_tiny_llama_path), "--out", str(tmp_path / "bw"),
-               "--rank", "1", "--blockwise", "--tune-norms"])
-    assert rc == 2 and "--tune-norms" in capsys.readouterr().err
+    cli_refuses_blockwise(sharp_tiny_llama_path, tmp_path / "bw", "--tune-norms", capsys)

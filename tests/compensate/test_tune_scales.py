@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import spear.compensate.calibrate as calibrate_mod
-from spear.cli import main
 from spear.compensate.calibrate import CalibrationConfig, train_ecs
 from spear.compensate.scales import tunable_scales
 from spear.compensate.static import remove_compensators
@@ -18,6 +17,7 @@ from spear.models.loading import load_model
 from spear.quant import quantize_model_rtn
 from spear.quant.linear import QuantLinear
 from spear.quant.primitives import dequantize
+from tests.compensate._tuning import cli_calibrate, cli_refuses_blockwise, fail_kl_on_call
 
 CFG = CalibrationConfig(n_samples=32, val_samples=4, sample_len=24, steps=16, batch_size=4, eval_every=4,
                         patience=5, lr=5e-3, scale_lr=1e-2)
@@ -129,15 +129,7 @@ def test_an_exception_in_training_leaves_the_model_untouched(quantized, prepared
     attach_ecs(mods, prepared.fp_weights, uniform_plan(mods, 2), CFG, prepared.stats)
     before = _scales(mods)
     keys = set(model.state_dict())
-    real, calls = calibrate_mod.kl_loss, []
-
-    def failing(*a, **k):  # the initial validation KL and two training steps run, then the loss fails
-        calls.append(1)
-        if len(calls) == 4:
-            raise RuntimeError("boom")
-        return real(*a, **k)
-
-    monkeypatch.setattr(calibrate_mod, "kl_loss", failing)
+    calls = fail_kl_on_call(monkeypatch, 4)  # the initial validation KL and two training steps run, then it fails
     with pytest.raises(RuntimeError, match="boom"):
         train_ecs(model, prepared.train_ids, prepared.train_teacher, prepared.val_ids, prepared.val_teacher,
                   replace(CFG, tune_scales=True), progress=False)
@@ -171,15 +163,11 @@ def test_config_and_blockwise_refusal(quantized, prepared):
 def test_cli_tune_scales_writes_a_plain_checkpoint(sharp_tiny_llama_path, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPEAR_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "ck"
-    rc = main(["-q", "calibrate", "--model", str(sharp_tiny_llama_path), "--out", str(out), "--bits", "3",
-               "--rank", "0", "--tune-scales", "--scale-lr", "1e-2", "--steps", "4", "--samples", "4",
-               "--val-samples", "2", "--sample-len", "16"])
+    rc = cli_calibrate(sharp_tiny_llama_path, out, "--tune-scales", "--scale-lr", "1e-2")
     assert rc == 0
     assert "0 ECs" in capsys.readouterr().out
     cal = json.loads((out / "spear_config.json").read_text())["meta"]["calibration"]
     assert cal["tune_scales"] is True and cal["scale_lr"] == 1e-2
     model, _ = load_model(out)
     assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
-    rc = main(["-q", "calibrate", "--model", str(sharp_tiny_llama_path), "--out", str(tmp_path / "bw"),
-               "--rank", "1", "--blockwise", "--tune-scales"])
-    assert rc == 2 and "--tune-scales" in capsys.readouterr().err
+    cli_refuses_blockwise(sharp_tiny_llama_path, tmp_path / "bw", "--tune-scales", capsys)
