@@ -122,3 +122,29 @@ def test_cli_tune_norms_checkpoint_keeps_the_tuned_norms(sharp_tiny_llama_path, 
     diff = [not torch.equal(_norms(fp)[n], w) for n, w in _norms(tuned).items()]
     assert any(diff)
     cli_refuses_blockwise(sharp_tiny_llama_path, tmp_path / "bw", "--tune-norms", capsys)
+
+
+def test_pipeline_variants_start_from_the_same_norms(sharp_tiny_llama_path, article_text, tmp_path, monkeypatch):
+    """run_job trains one variant after another on the same model: each must start from the
+    original norm weights (and scales), not from the previous variant's tuned ones."""
+    import spear.pipeline as pipeline
+    from spear.config import EvalConfig
+
+    monkeypatch.setenv("SPEAR_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "wiki.test.raw"
+    text.write_text(article_text)
+    seen, real = [], pipeline.calibrate
+
+    def recording(model, data, cfg, progress=True):
+        seen.append(_norms(model))
+        return real(model, data, cfg, progress=progress)
+
+    monkeypatch.setattr(pipeline, "calibrate", recording)
+    cfg = replace(CFG, n_samples=8, val_samples=2, sample_len=16, steps=4, tune_norms=True)
+    result = pipeline.run_job(str(sharp_tiny_llama_path), QuantConfig(bits=3, group_size=32),
+                              EvalConfig(text=str(text), seq_len=32, eval_windows=2, calib_windows=2), [], rank=1,
+                              progress=False, log=lambda *_: None, spear_variants=("nogate", "gate"),
+                              calib_cfg=cfg)
+    assert len(seen) == 2 and all(torch.equal(seen[0][n], w) for n, w in seen[1].items())
+    assert [r.details.get("tune_norms") for r in result.rows[2:]] == [True, True]
+    assert all("tuned norms" in r.method for r in result.rows[2:])
