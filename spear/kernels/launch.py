@@ -1,0 +1,77 @@
+"""Launch shapes of the W4A16 GEMM (``w4a16.py``): the ``Config`` of one launch and the table
+``pick_config`` reads by token count.
+
+Runtime autotuning cannot run inside CUDA-graph capture (it times launches), so the choice is
+a fixed table, picked from sweeps on one H200 (``benchmarks/bench_kernels.py --tune`` and
+``benchmarks/bench_gemv.py`` write the same structure as ``launch_table.json``; the
+benchmarks' ``--table`` loads one into ``LAUNCH``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch shape. split_k (and the fused EC's u_split) are constexpr in the kernel: one
+    compilation per value, so the reductions over their partials unroll."""
+    BM: int
+    BN: int
+    BK: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    mv: int = 0       # 1, 2 or 4: CUDA-core main loop for M <= mv tokens (no tensor cores)
+    u_split: int = 0  # K ranges of the fused u = A x programs; 0: one per K step, at most w4a16.U_SPLIT_MAX
+    ptx: bool = True  # CUDA-core loop with fp16 activations: the fp16x2 PTX word product
+    prefetch: bool = False  # K-major CUDA-core loop: issue step k + 1's loads before step k's math
+
+
+# Launch shapes by token count. Values from the sweep on one H200, 2026-11-29 (BENCHMARKS.md "Kernels"): geometric mean over
+# 4096x4096, 28672x4096 and 4096x14336 of the best candidate per token class.
+LAUNCH = {
+    "fma_max_m": 1,                                       # CUDA-core main loop up to here
+    "fma": dict(BN=64, BK=128, num_warps=2, num_stages=2, programs=1024),
+    # K-major layout: from the GEMV sweeps (BENCHMARKS.md "Decode GEMV study" and "Register
+    # prefetch"): with the next K step's loads issued before the current step's math, fewer and
+    # longer programs win. BN 64, 2 warps, ~528 programs: best geometric mean over the five 7B/8B
+    # shapes at M = 1 in the first sweep; ~396 was as good standalone in the second, but slower in
+    # the engine (same run, Llama-2-7B / Llama-3-8B W4 batch 1: 2.62 / 2.80 ms against 2.68 / 3.04).
+    # Ahead of the tensor-core tiles at M = 1, 2.
+    "fma_kmajor_max_m": 2,
+    "fma_kmajor": dict(BN=64, BK=128, num_warps=2, num_stages=1, programs=528, prefetch=True),
+    "tc": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=512),    # split-K tensor-core decode
+    "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
+}
+DECODE_MAX_M = 64      # split-K tensor-core tiles up to here, prefill tiles above
+
+
+def _split_for(tiles: int, k: int, bk: int, programs: int) -> int:
+    """Smallest power-of-two split-K giving ``programs`` programs, keeping >= 2 K steps each."""
+    split = 1
+    while tiles * split < programs and k // (bk * split * 2) >= 2:
+        split *= 2
+    return split
+
+
+def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -> Config:
+    kmax = group_size if group_size else k  # BK must divide a group (one scale per step)
+    fma = "fma_kmajor" if kmajor else "fma"
+    if m <= LAUNCH[fma + "_max_m"]:
+        c = LAUNCH[fma]
+        bk = min(c["BK"], kmax)
+        mv = 1 if m == 1 else (2 if m == 2 else 4)
+        split = _split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
+        return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=mv,
+                      prefetch=bool(kmajor and c.get("prefetch", False)))
+    if m <= DECODE_MAX_M:
+        c = LAUNCH["tc"]
+        bk = min(c["BK"], kmax)
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        split = _split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])
+        return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"])
+    c = LAUNCH["prefill"]
+    return Config(c["BM"], c["BN"], min(c["BK"], kmax), 1, c["num_warps"], c["num_stages"])
