@@ -25,7 +25,7 @@ import triton  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from spear.kernels.w4a16 import U_SPLIT_MAX, _w4a16_kernel  # noqa: E402
-from tests.kernels._compile_check import TARGET, sig  # noqa: E402
+from tests.kernels._compile_check import TARGET, divisible, sig  # noqa: E402
 
 
 def registers(ec_mode: int, mv: int, kmajor: bool, r: int = 16, bm: int = 16, prefetch: bool = False) -> int:
@@ -36,7 +36,8 @@ def registers(ec_mode: int, mv: int, kmajor: bool, r: int = 16, bm: int = 16, pr
     consts = dict(GROUP=128, SYMMETRIC=False, HAS_BIAS=False, IS_BF16=False, EC_MODE=ec_mode, GATE=False, R=r, H=32,
                   BM=bm, BN=64, BK=128, MV=mv, DOT_F32=False, PTX=bool(mv), KMAJOR=kmajor, PREFETCH=prefetch, SPLIT_K=16,
                   U_SPLIT=U_SPLIT_MAX if ec_mode == 1 else 0)
-    src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts), consts)
+    src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts), consts,
+                    divisible(_w4a16_kernel))
     kernel = triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=1))
     cuobjdump = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"))[0]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

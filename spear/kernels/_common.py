@@ -137,45 +137,99 @@ def _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound,
         return uT
 
 
-# One packed word against its 8 activations, in PTX: Triton cannot view a 32-bit register as
-# two fp16 lanes, which is what the conversion needs to cost one LOP3 per two codes.
-# $1 word, $2 fp16x2 (-(1024 + zero) / 16), $3..$6 fp16x2 activation pairs matching the code pairs
-# (nibbles i, i + 4) that the mask 0x000F000F takes from the word shifted by 4i;
-# $0 = sum over the 8 codes of (code - zero) / 16 * x, products and partial sums in fp16x2.
+# Packed words against their activations, in PTX: Triton cannot view a 32-bit register as two
+# fp16 lanes, which is what the conversion needs to cost one LOP3 per two codes.
+# Per word: the mask 0x000F000F OR-ed with fp16x2 1024 takes nibbles (0, 4) as 1024 + code, the
+# mask 0x00F000F0 takes nibbles (1, 5) as 1024 + 16 code without a shift, and the same two
+# masks take (2, 6) and (3, 7) from the word shifted by 8. One FMA each turns them into
+# (code - zero) / 16 exactly: (1024 + c) / 16 - (1024 + z) / 16 and (1024 + 16 c) / 256 -
+# (64 + z) / 16. The four fp16x2 activation pairs match the four code pairs; products and
+# partial sums are fp16x2, converted to fp32 once per call.
 # Only for fp16 activations on CUDA; the interpreter cannot run PTX.
 @triton.jit
-def _word_dot(p, zneg, x0, x1, x2, x3):
-    """The PTX above, elementwise over int32 tensors of one shape; fp32 result.
+def _word_dot(p, zn, zn16, x0, x1, x2, x3):
+    """Sum over one word's 8 codes of (code - zero)/16 * x, elementwise over int32 tensors; fp32.
 
-    The assembly is a literal here rather than a module-level constant: torch.compile copies
-    user Triton kernels with the jit functions they call, not with their global constants.
+    zn, zn16: ``_neg_zero_pairs`` of the zero points. The assembly is a literal here rather than a
+    module-level constant: torch.compile copies user Triton kernels with the jit functions they
+    call, not with their global constants.
     """
     return tl.inline_asm_elementwise("""{
-.reg .b32 t0, t1, t2, t3, q, acc, c16;
+.reg .b32 t0, t1, t2, t3, q, acc, c16, c256;
 .reg .f16 lo, hi;
 .reg .f32 flo, fhi;
 mov.b32 c16, 0x2c002c00;
-lop3.b32 t0, $1, 0x000f000f, 0x64006400, 0xea;
-shr.u32 q, $1, 4;
-lop3.b32 t1, q, 0x000f000f, 0x64006400, 0xea;
+mov.b32 c256, 0x1c001c00;
 shr.u32 q, $1, 8;
+lop3.b32 t0, $1, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 t1, $1, 0x00f000f0, 0x64006400, 0xea;
 lop3.b32 t2, q, 0x000f000f, 0x64006400, 0xea;
-shr.u32 q, $1, 12;
-lop3.b32 t3, q, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 t3, q, 0x00f000f0, 0x64006400, 0xea;
 fma.rn.f16x2 t0, t0, c16, $2;
-fma.rn.f16x2 t1, t1, c16, $2;
+fma.rn.f16x2 t1, t1, c256, $3;
 fma.rn.f16x2 t2, t2, c16, $2;
-fma.rn.f16x2 t3, t3, c16, $2;
-mul.rn.f16x2 acc, t0, $3;
-fma.rn.f16x2 acc, t1, $4, acc;
-fma.rn.f16x2 acc, t2, $5, acc;
-fma.rn.f16x2 acc, t3, $6, acc;
+fma.rn.f16x2 t3, t3, c256, $3;
+mul.rn.f16x2 acc, t0, $4;
+fma.rn.f16x2 acc, t1, $5, acc;
+fma.rn.f16x2 acc, t2, $6, acc;
+fma.rn.f16x2 acc, t3, $7, acc;
 mov.b32 {lo, hi}, acc;
 cvt.f32.f16 flo, lo;
 cvt.f32.f16 fhi, hi;
 add.f32 $0, flo, fhi;
-}""", "=f,r,r,r,r,r,r", [p, zneg, x0, x1, x2, x3],
+}""", "=f,r,r,r,r,r,r,r", [p, zn, zn16, x0, x1, x2, x3], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _word2_dot(p, q, zn, zn16, x0, x1, x2, x3, y0, y1, y2, y3):
+    """``_word_dot`` of two words (p against x0..x3, q against y0..y3) summed in one fp16x2
+    accumulator: 8 products per lane before the single conversion to fp32."""
+    return tl.inline_asm_elementwise("""{
+.reg .b32 t0, t1, t2, t3, s, acc, c16, c256;
+.reg .f16 lo, hi;
+.reg .f32 flo, fhi;
+mov.b32 c16, 0x2c002c00;
+mov.b32 c256, 0x1c001c00;
+shr.u32 s, $1, 8;
+lop3.b32 t0, $1, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 t1, $1, 0x00f000f0, 0x64006400, 0xea;
+lop3.b32 t2, s, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 t3, s, 0x00f000f0, 0x64006400, 0xea;
+fma.rn.f16x2 t0, t0, c16, $3;
+fma.rn.f16x2 t1, t1, c256, $4;
+fma.rn.f16x2 t2, t2, c16, $3;
+fma.rn.f16x2 t3, t3, c256, $4;
+mul.rn.f16x2 acc, t0, $5;
+fma.rn.f16x2 acc, t1, $6, acc;
+fma.rn.f16x2 acc, t2, $7, acc;
+fma.rn.f16x2 acc, t3, $8, acc;
+shr.u32 s, $2, 8;
+lop3.b32 t0, $2, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 t1, $2, 0x00f000f0, 0x64006400, 0xea;
+lop3.b32 t2, s, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 t3, s, 0x00f000f0, 0x64006400, 0xea;
+fma.rn.f16x2 t0, t0, c16, $3;
+fma.rn.f16x2 t1, t1, c256, $4;
+fma.rn.f16x2 t2, t2, c16, $3;
+fma.rn.f16x2 t3, t3, c256, $4;
+fma.rn.f16x2 acc, t0, $9, acc;
+fma.rn.f16x2 acc, t1, $10, acc;
+fma.rn.f16x2 acc, t2, $11, acc;
+fma.rn.f16x2 acc, t3, $12, acc;
+mov.b32 {lo, hi}, acc;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}""", "=f,r,r,r,r,r,r,r,r,r,r,r,r", [p, q, zn, zn16, x0, x1, x2, x3, y0, y1, y2, y3],
                                      dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _ld_v4(ptr):
+    """Four int32 words at each 16-byte-aligned address of ``ptr`` (int32 pointers), one
+    vector load each: Triton splits loads of 1-D tensors broadcast across a tile into words."""
+    return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -187,7 +241,7 @@ def _x_pair(base, lo: tl.constexpr, hi: tl.constexpr, m):
 
 
 @triton.jit
-def _ptx_token(acc, x_ptr, i, stride_xm, k, offs_w, p, zneg, M):
+def _ptx_token(acc, x_ptr, i, stride_xm, k, offs_w, p, zn, zn16, M):
     """acc [BN, BK/8] += (W - zero)/16 · x for token i, one PTX word product per word."""
     m = (offs_w * 0 + i) < M
     base = x_ptr + i * stride_xm + k + 8 * offs_w
@@ -197,7 +251,7 @@ def _ptx_token(acc, x_ptr, i, stride_xm, k, offs_w, p, zneg, M):
     x1 = tl.broadcast_to(_x_pair(base, 2, 6, m)[None, :], shape)
     x2 = tl.broadcast_to(_x_pair(base, 1, 5, m)[None, :], shape)
     x3 = tl.broadcast_to(_x_pair(base, 3, 7, m)[None, :], shape)
-    return acc + _word_dot(p, zneg, x0, x1, x2, x3)
+    return acc + _word_dot(p, zn, zn16, x0, x1, x2, x3)
 
 
 @triton.jit
@@ -222,7 +276,7 @@ def _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, 
     (code - zero)·16^i exactly, and the matching x is pre-scaled by 16^-i (exact). Per weight:
     one LOP3, one FADD, one FFMA per token; the group scale is applied once per K step.
     PTX (fp16 activations on CUDA): each word against its 8 activations in fp16x2 instead
-    (``_word_dot``: about 2.4 instructions per weight instead of ~4.7), accumulated in
+    (``_word_dot``: about 2.1 instructions per weight instead of ~4.7), accumulated in
     fp32 per word, in units of 1/16 that the scale takes back.
     """
     if PTX:
@@ -249,13 +303,15 @@ def _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, 
         s0, s1, s2, s3 = _step_sums(a0, a1, a2, a3, GROUP > 0)
         if PTX:
             # fp16 activations on CUDA: (code - zero)/16 · x per word in fp16x2 (_word_dot)
-            zneg = tl.broadcast_to(_neg_zero_pair(z)[:, None], (BN, BK // 8))
-            s0 = _ptx_token(s0, x_ptr, 0, stride_xm, k, offs_w, p, zneg, M)
+            zn, zn16 = _neg_zero_pairs(z)
+            zn = tl.broadcast_to(zn[:, None], (BN, BK // 8))
+            zn16 = tl.broadcast_to(zn16[:, None], (BN, BK // 8))
+            s0 = _ptx_token(s0, x_ptr, 0, stride_xm, k, offs_w, p, zn, zn16, M)
             if MV > 1:
-                s1 = _ptx_token(s1, x_ptr, 1, stride_xm, k, offs_w, p, zneg, M)
+                s1 = _ptx_token(s1, x_ptr, 1, stride_xm, k, offs_w, p, zn, zn16, M)
             if MV > 2:
-                s2 = _ptx_token(s2, x_ptr, 2, stride_xm, k, offs_w, p, zneg, M)
-                s3 = _ptx_token(s3, x_ptr, 3, stride_xm, k, offs_w, p, zneg, M)
+                s2 = _ptx_token(s2, x_ptr, 2, stride_xm, k, offs_w, p, zn, zn16, M)
+                s3 = _ptx_token(s3, x_ptr, 3, stride_xm, k, offs_w, p, zn, zn16, M)
         else:
             for j in tl.static_range(8):
                 # nibble j holds k-offset NIBBLE_K[j] = (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1)
@@ -302,10 +358,16 @@ def _step_sums(a0, a1, a2, a3, GROUPED: tl.constexpr):
 
 
 @triton.jit
-def _neg_zero_pair(z):
-    """int32 fp16x2 words holding -(1024 + z) / 16 twice: ``_word_dot``'s offset for zero points z."""
-    zq = (-(1024.0 + z) * 0.0625).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return zq | (zq << 16)
+def _half_pair(v):
+    """int32 words holding fp16(v) in both halves."""
+    h = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return h | (h << 16)
+
+
+@triton.jit
+def _neg_zero_pairs(z):
+    """``_word_dot``'s offsets for zero points z: fp16x2 -(1024 + z) / 16 and -(64 + z) / 16 (exact)."""
+    return _half_pair(-(1024.0 + z) * 0.0625), _half_pair(-(64.0 + z) * 0.0625)
 
 
 @triton.jit

@@ -353,6 +353,9 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         v = _common.alloc((m, r), dtype=x.dtype, device=x.device)
     dummy = w.scales  # never read when its feature flag is off
     e = ec
+    # the PTX loop reads each row's 8 activations as one 16-byte vector (storage offset and row
+    # stride in fp16 elements; the allocator aligns the storage itself)
+    aligned = x.storage_offset() % 8 == 0 and (m == 1 or x.stride(0) % 8 == 0)
     grid = (m_tiles * (u_split + n_wt * cfg.split_k),)
     kernel = _w4a16_kernel if launch is None else launch(_w4a16_kernel)
     kernel[grid](
@@ -366,7 +369,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         GROUP=w.group_size, SYMMETRIC=w.symmetric, HAS_BIAS=bias is not None, IS_BF16=x.dtype == torch.bfloat16,
         EC_MODE=ec_mode, GATE=bool(e and e.gated), R=r, H=h,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
-        PTX=bool(cfg.mv and cfg.ptx and x.dtype == torch.float16 and not INTERPRET), KMAJOR=w.kmajor,
+        PTX=bool(cfg.mv and cfg.ptx and aligned and x.dtype == torch.float16 and not INTERPRET), KMAJOR=w.kmajor,
         SPLIT_K=cfg.split_k, U_SPLIT=u_split, PREFETCH=bool(cfg.prefetch and w.kmajor and cfg.mv),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

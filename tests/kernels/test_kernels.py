@@ -267,6 +267,11 @@ def test_gpu_ptx_decode_loop(poisoned, n, k, gs, sym, m, mv, kmajor):
         assert_close(w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg), expect, torch.float16,
                      f"PTX fused {n}x{k} M={m} {cfg}")
         assert int(w.locks.abs().sum()) == 0
+    # activations not 16-byte aligned (a column slice): the loop falls back to its fp32 form
+    x_off = torch.zeros(m, k + 1, dtype=x_.dtype, device=x_.device)[:, 1:]
+    x_off.copy_(x_)
+    assert_close(w4a16_matmul(x_off, w_, b_, config=Config(16, 64, min(128, gs or 128), 8, 4, 1, mv=mv)),
+                 expect_w4, torch.float16, "unaligned activations")
     # large activations: fp16 products must not overflow
     x_big = x_.clone()
     x_big[:, :16] = 3000.0
