@@ -266,6 +266,8 @@ def main(argv=None) -> int:
     p.add_argument("--attn-max-splits", type=int,
                    help="decode attention: at most this many context splits (1: one program per sequence and "
                         "kv head; default: spear.kernels.attention.MAX_SPLITS)")
+    p.add_argument("--no-fp16", action="store_true",
+                   help="skip the FP16 baseline (A/B runs of the W4 kernels; no ratio to FP16)")
     p.add_argument("--profile", action="store_true",
                    help="also print and store the GPU time per kernel of a batch-1 step (torch.profiler)")
     p.add_argument("--table", help="launch_table.json (bench_kernels.py --tune / bench_gemv.py) for the W4 kernel")
@@ -317,10 +319,12 @@ def main(argv=None) -> int:
         model = build_model(shape, args.layers, device, dtype)
         vocab = model.config.vocab_size
         # the engine fuses projections in place: the FP16 run gets its own copy of the weights
-        fp_model = copy.deepcopy(model)
-        rows = [dict(run_variant(fp_model, "fp16" if dtype == torch.float16 else "fp32", args, device, batches, vocab,
-                                 max_len), extra_pct=0.0)]
-        del fp_model
+        rows = []
+        if not args.no_fp16:
+            fp_model = copy.deepcopy(model)
+            rows.append(dict(run_variant(fp_model, "fp16" if dtype == torch.float16 else "fp32", args, device, batches,
+                                         vocab, max_len), extra_pct=0.0))
+            del fp_model
         modules = quantize_model_rtn(model, QuantConfig(bits=4, group_size=GROUP), progress=False)
         rows.append(dict(run_variant(model, "w4", args, device, batches, vocab, max_len), extra_pct=0.0))
         restore_quantlinears(model, modules)
@@ -331,10 +335,12 @@ def main(argv=None) -> int:
             row = run_variant(model, name, args, device, batches, vocab, max_len)
             rows.append(dict(row, extra_pct=pct, ec_modules=f"{n}/{len(modules)} r{args.ec_rank}"))
             remove_ecs(modules)
-        fp, w4 = rows[0], rows[1]
+        fp = None if args.no_fp16 else rows[0]
+        w4 = next(r for r in rows if r["variant"] == "w4")
         for r in rows:
             r["model"] = shape + (f" ({args.layers}L)" if args.layers else "")
-            r["speedup_vs_fp16"] = r["tok_s@1"] / fp["tok_s@1"]
+            if fp is not None:
+                r["speedup_vs_fp16"] = r["tok_s@1"] / fp["tok_s@1"]
             r["latency_vs_w4"] = w4["tok_s@1"] / r["tok_s@1"]
         results += rows
         del model, modules
@@ -346,7 +352,7 @@ def main(argv=None) -> int:
     print()
     print(table)
     for r in results:  # the floors
-        if r["variant"] == "w4":
+        if r["variant"] == "w4" and "speedup_vs_fp16" in r:
             print(f"{r['model']}: W4 / FP16 batch-1 tokens/s = {r['speedup_vs_fp16']:.2f}x (floor 2.5x)")
         if r["variant"] == "w4+ec":
             print(f"{r['model']}: W4+EC / W4 batch-1 latency = {r['latency_vs_w4']:.3f} (ceiling 1.10)")

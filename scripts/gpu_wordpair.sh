@@ -3,15 +3,19 @@
 # loads) against the previous build in build/ab (a `git archive` of the earlier commit's spear,
 # benchmarks and tests): GPU tests, the dispatched GEMV at M = 1, 2 on the five 7B/8B shapes,
 # and the engine's batch-1 decode, both builds on the same machine.
-#   usage: scripts/gpu_wordpair.sh OUT_DIR
+#   usage: scripts/gpu_wordpair.sh OUT_DIR [tests|bench|all]
 set -uo pipefail
-out=${1:?usage: scripts/gpu_wordpair.sh OUT_DIR}
+out=${1:?usage: scripts/gpu_wordpair.sh OUT_DIR [tests|bench|all]}
+what=${2:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-{ timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernels.py \
-    -k "ptx_decode_loop or real_shapes_kmajor" 2>&1 | tail -8
-  timeout 60 python -m pytest -q -p no:cacheprovider -m gpu tests/serve/test_gpu.py 2>&1 | tail -3; } > "$out/tests.txt"
-tail -4 "$out/tests.txt"
+if [ "$what" != bench ]; then
+  timeout 240 python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_kernels.py \
+    -k "ptx_decode_loop or real_shapes_kmajor" > "$out/tests.txt" 2>&1
+  timeout 60 python -m pytest -q -p no:cacheprovider -m gpu tests/serve/test_gpu.py >> "$out/tests.txt" 2>&1
+  grep -E "passed|failed|Error" "$out/tests.txt" | tail -6
+fi
+[ "$what" = tests ] && exit 0
 for build in new old; do
   root=.
   [ $build = old ] && root=build/ab

@@ -183,15 +183,18 @@ def _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, 
     a1 = tl.zeros((H, BN), tl.float32)
     a2 = tl.zeros((H, BN), tl.float32)
     a3 = tl.zeros((H, BN), tl.float32)
+    # the last step of the range, in bounds even when the range is empty (k_lo >= K for the
+    # last splits of a K that the split does not divide; k_hi >= BK always)
     k_last = k_hi - BK
     if PREFETCH:
-        p, q, sz = _ptx_step(w_lo, w_hi, n_mask2, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, N, sz,
+        k0 = tl.minimum(k_lo, k_last)
+        p, q, sz = _ptx_step(w_lo, w_hi, n_mask2, scales_ptr, zeros_ptr, offs_n, n_mask, k0, N, sz,
                              GROUP, SYMMETRIC)
-        x0, x1, x2, x3 = _x_rows(x_ptr, 0, stride_xm, k_lo, rows, M)
-        y0, y1, y2, y3 = _x_rows(x_ptr, 0, stride_xm, k_lo, rows + H, M)
+        x0, x1, x2, x3 = _x_rows(x_ptr, 0, stride_xm, k0, rows, M)
+        y0, y1, y2, y3 = _x_rows(x_ptr, 0, stride_xm, k0, rows + H, M)
         if MV > 1:
-            u0, u1, u2, u3 = _x_rows(x_ptr, 1, stride_xm, k_lo, rows, M)
-            v0, v1, v2, v3 = _x_rows(x_ptr, 1, stride_xm, k_lo, rows + H, M)
+            u0, u1, u2, u3 = _x_rows(x_ptr, 1, stride_xm, k0, rows, M)
+            v0, v1, v2, v3 = _x_rows(x_ptr, 1, stride_xm, k0, rows + H, M)
     for k in range(k_lo, k_hi, BK):
         if PREFETCH:
             kn = tl.minimum(k + BK, k_last)

@@ -111,6 +111,22 @@ def _w4a16_kernel(
 
 
 @triton.jit
+def _u_x(x_ptr, stride_xm, k, offs_u, M, MV: tl.constexpr):
+    """Tokens 0 .. MV - 1 of x at k .. k + UK as fp32 (tokens >= M read as zeros; token 0 stands
+    in for the absent ones)."""
+    x0 = tl.load(x_ptr + k + offs_u).to(tl.float32)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if MV > 1:
+        x1 = tl.load(x_ptr + stride_xm + k + offs_u, mask=offs_u * 0 + 1 < M, other=0.0).to(tl.float32)
+    if MV > 2:
+        x2 = tl.load(x_ptr + 2 * stride_xm + k + offs_u, mask=offs_u * 0 + 2 < M, other=0.0).to(tl.float32)
+        x3 = tl.load(x_ptr + 3 * stride_xm + k + offs_u, mask=offs_u * 0 + 3 < M, other=0.0).to(tl.float32)
+    return x0, x1, x2, x3
+
+
+@triton.jit
 def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, bound, u_lock, offs_m, m_mask,
                k_lo, k_hi, split, M, K, stride_xm, U_SPLIT: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr,
                H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr):
@@ -124,21 +140,30 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
         # keeps each tile at 2048 elements (16 fp32 registers per thread at 4 warps) for any rank
         UK: tl.constexpr = min(BK, 2048 // R)
         offs_u = tl.arange(0, UK)
+        a_base = a_ptr + offs_r[:, None] * K + offs_u[None, :]
         c0 = tl.zeros((R, UK), tl.float32)
         c1 = tl.zeros((R, UK), tl.float32)
         c2 = tl.zeros((R, UK), tl.float32)
         c3 = tl.zeros((R, UK), tl.float32)
+        # register prefetch: tile k + UK is loaded before tile k's FMAs, so a u program has two
+        # tiles in flight instead of one round trip per tile; clamped to the range's last tile
+        # (in bounds even for an empty range: k_hi >= BK >= UK)
+        k_last = k_hi - UK
+        kk = tl.minimum(k_lo, k_last)
+        a = tl.load(a_base + kk)
+        x0, x1, x2, x3 = _u_x(x_ptr, stride_xm, kk, offs_u, M, MV)
         for k in range(k_lo, k_hi, UK):
-            a = tl.load(a_ptr + offs_r[:, None] * K + (k + offs_u)[None, :]).to(tl.float32)
-            c0 += a * tl.load(x_ptr + k + offs_u).to(tl.float32)[None, :]
+            kn = tl.minimum(k + UK, k_last)
+            a_next = tl.load(a_base + kn)
+            y0, y1, y2, y3 = _u_x(x_ptr, stride_xm, kn, offs_u, M, MV)
+            af = a.to(tl.float32)
+            c0 += af * x0[None, :]
             if MV > 1:
-                c1 += a * tl.load(x_ptr + stride_xm + k + offs_u, mask=offs_u * 0 + 1 < M,
-                                  other=0.0).to(tl.float32)[None, :]
+                c1 += af * x1[None, :]
             if MV > 2:
-                c2 += a * tl.load(x_ptr + 2 * stride_xm + k + offs_u, mask=offs_u * 0 + 2 < M,
-                                  other=0.0).to(tl.float32)[None, :]
-                c3 += a * tl.load(x_ptr + 3 * stride_xm + k + offs_u, mask=offs_u * 0 + 3 < M,
-                                  other=0.0).to(tl.float32)[None, :]
+                c2 += af * x2[None, :]
+                c3 += af * x3[None, :]
+            a, x0, x1, x2, x3 = a_next, y0, y1, y2, y3
         uT = _tokens_to_accT(c0, c1, c2, c3, BM, MV, 1)
     else:
         # tensor cores over K tiles of at most 1024 / R (the dot's operand tiles set the register
