@@ -49,7 +49,7 @@ from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
 # the launch shapes (launch.py), re-exported where the kernel's callers look for them
 from spear.kernels.launch import DECODE_MAX_M, LAUNCH, Config, _split_for, pick_config  # noqa: F401
 
-U_SPLIT_MAX = 8        # fused EC: u = A x programs per m-tile (2, 4, 6, 8, 16 timed in the engine: 8 best)
+U_SPLIT_MAX = 32       # fused EC: u = A x programs per m-tile (engine A/B in BENCHMARKS.md: 32 best of 8, 16, 32)
 
 
 @triton.jit(do_not_specialize=["M"])
