@@ -260,10 +260,10 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
             accT = _sum_partials(part_ptr + mn_offs, M * N, out_mask, tl.zeros((BN, BM), tl.float32), SPLIT_K, 4)
             tl.atomic_xchg(locks_ptr + lock_base + wt, 0)
             _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-                      b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32)
+                      b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32, MV)
     else:
         _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-                  b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32)
+                  b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32, MV)
 
 
 @triton.jit
@@ -282,9 +282,38 @@ def _sum_partials(ptrs, part_stride, mask, acc, N_PARTS: tl.constexpr, CHUNK: tl
 
 
 @triton.jit
+def _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
+               AT_L2: tl.constexpr):
+    """B_tile [BN, R] . v [R, tokens] as an [BN, BM] tile. At decode (MV tokens): one FMA row sum per
+    token on B's tile as loaded (the tensor-core dot's operand layouts would cost a round trip
+    through shared memory for a product of a few thousand FMAs); else a dot. AT_L2: read v with
+    .cg, at L2, where another program of this launch wrote it."""
+    if MV > 0:
+        cols = tl.arange(0, accT.shape[1])[None, :]
+        bv = tl.zeros_like(accT)
+        bf = bt.to(tl.float32)
+        m = tl.sum(m_mask.to(tl.int32))  # the decode loop has one m-tile: tokens 0 .. M - 1
+        for t in tl.static_range(MV):
+            live = (offs_r * 0 + t) < m
+            if AT_L2:
+                vt = tl.load(v_ptr + t * R + offs_r, mask=live, other=0.0, cache_modifier=".cg")
+            else:
+                vt = tl.load(v_ptr + t * R + offs_r, mask=live, other=0.0)
+            bv += tl.where(cols == t, tl.sum(bf * vt.to(tl.float32)[None, :], axis=1)[:, None], 0.0)
+        return bv
+    else:
+        if AT_L2:
+            vT = tl.load(v_ptr + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :], other=0.0,
+                         cache_modifier=".cg")
+        else:
+            vT = tl.load(v_ptr + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :], other=0.0)
+        return _dot(bt, vT.to(bt.dtype), tl.zeros_like(accT), DOT_F32)
+
+
+@triton.jit
 def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
               b_ptr, v_ptr, alpha, U_SPLIT: tl.constexpr, stride_om, HAS_BIAS: tl.constexpr, EC_MODE: tl.constexpr,
-              R: tl.constexpr, DOT_F32: tl.constexpr):
+              R: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr):
     offs_r = tl.arange(0, R)
     if EC_MODE == 1:
         # B's tile does not depend on v: issue its load before the wait, so it overlaps the wait
@@ -296,18 +325,17 @@ def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_
             pass
         tl.atomic_add(u_lock, 0, sem="acquire")
         # .cg: read at L2, where the u program wrote v
-        vT = tl.load(v_ptr + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :], other=0.0,
-                     cache_modifier=".cg")
-        accT += alpha * _dot(bt, vT.to(bt.dtype), tl.zeros_like(accT), DOT_F32)
-        # the last W tile of this m-tile to get here re-arms the counters for the next call
-        done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="acq_rel")
+        accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, True)
+        # the last W tile of this m-tile to get here re-arms the counters for the next call. Relaxed:
+        # every tile counts itself only after its wait, so the last count follows every wait, and
+        # v is not reset (the next call's u programs rewrite it after this kernel has ended)
+        done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="relaxed")
         if done == n_wt - 1:
             tl.atomic_xchg(u_lock, 0)
             tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)
     if EC_MODE == 2:
-        vT = tl.load(v_ptr + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :], other=0.0)
         bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
-        accT += alpha * _dot(bt, vT, tl.zeros_like(accT), DOT_F32)
+        accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, False)
     if HAS_BIAS:
         accT += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], accT.to(out_ptr.dtype.element_ty),
