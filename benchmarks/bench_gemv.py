@@ -66,17 +66,18 @@ def tc_config(m, n, k, kmajor):
         w4a16.LAUNCH[key] = saved
 
 
-GRID = dict(BN=[32, 64, 128, 256], num_warps=[2, 4, 8], programs=[528, 1056, 2112], prefetch=[0])
+GRID = dict(BN=[32, 64, 128, 256], num_warps=[2, 4, 8], programs=[528, 1056, 2112], prefetch=[0], num_stages=[1])
 
 
 def fma_configs(m, n, k, kmajor, grid=GRID):
     """The CUDA-core launches of the sweep (register prefetch only exists in the K-major loop)."""
     mv = 1 if m == 1 else (2 if m == 2 else 4)
-    for bn, nw, prog, pf in itertools.product(grid["BN"], grid["num_warps"], grid["programs"], grid["prefetch"]):
+    for bn, nw, prog, pf, ns in itertools.product(grid["BN"], grid["num_warps"], grid["programs"], grid["prefetch"],
+                                                  grid["num_stages"]):
         if pf and not kmajor:
             continue
-        yield (dict(BN=bn, num_warps=nw, programs=prog, prefetch=bool(pf)),
-               Config(16, bn, 128, _split_for(-(-n // bn), k, 128, prog), nw, 1, mv=mv, prefetch=bool(pf)))
+        yield (dict(BN=bn, num_warps=nw, programs=prog, prefetch=bool(pf), num_stages=ns),
+               Config(16, bn, 128, _split_for(-(-n // bn), k, 128, prog), nw, ns, mv=mv, prefetch=bool(pf)))
 
 
 def launch_table(rows, layouts=LAYOUTS) -> dict:
@@ -92,7 +93,8 @@ def launch_table(rows, layouts=LAYOUTS) -> dict:
             continue
         best = min(keys, key=lambda kk: geomean(r[layout]["sweep"][kk]["us"] for r in ones))
         c = ones[0][layout]["sweep"][best]["launch"]
-        table[prefix] = dict(BN=c["BN"], BK=128, num_warps=c["num_warps"], num_stages=1, programs=c["programs"])
+        table[prefix] = dict(BN=c["BN"], BK=128, num_warps=c["num_warps"], num_stages=c.get("num_stages", 1),
+                             programs=c["programs"])
         if c.get("prefetch"):
             table[prefix]["prefetch"] = True
         table[prefix + "_max_m"] = 0
@@ -159,7 +161,8 @@ def main(argv=None) -> int:
                         if time.time() - t_start > args.budget_s:
                             break
                         key = f"BN{launch['BN']}_w{launch['num_warps']}_p{launch['programs']}" + \
-                            ("_pf" if launch["prefetch"] else "")
+                            ("_pf" if launch["prefetch"] else "") + \
+                            (f"_s{launch['num_stages']}" if launch["num_stages"] != 1 else "")
                         try:
                             r["sweep"][key] = dict(launch=launch, **timed(c))
                         except Exception as e:  # out of resources for a tile shape: record and go on
