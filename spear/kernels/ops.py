@@ -1,10 +1,12 @@
 """The registered op ``spear::w4a16_ec`` and its phase-aware dispatch.
 
     torch.ops.spear.w4a16_ec(x, qweight, scales, zeros, locks, group_size, symmetric, kmajor, bias,
-                             ec_a, ec_b, gate_w1, gate_b1, gate_w2, gate_b2, alpha, bound) -> Tensor
+                             ec_a, ec_b, gate_w1, gate_b1, gate_w2, gate_b2, alpha, bound, act=0) -> Tensor
 
 x (..., K) fp16/bf16; the weight and EC tensors in the layouts of layout.py; ec_a None means
-no compensator, gate_w1 None means gamma = 1 (static low-rank term). Use
+no compensator, gate_w1 None means gamma = 1 (static low-rank term). act 1: the output
+features are interleaved (gate, up) pairs and the op returns silu(gate) * up (N / 2
+features), in the GEMM's epilogue wherever the Triton GEMM writes the output. Use
 :func:`w4a16_linear` rather than spelling the arguments out.
 
 Dispatch on CUDA, by M = number of tokens:
@@ -66,20 +68,27 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[idx]
 
 
-def _plain_w4(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _silu_mul_pairs(y: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of an output with interleaved (gate, up) features, where no GEMM epilogue does it."""
+    return reference.silu_mul_pairs(y).to(y.dtype)
+
+
+def _plain_w4(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], act: int = 0) -> torch.Tensor:
     if x.shape[0] >= DEQUANT_MM_MIN_M:
-        return torch.nn.functional.linear(x, dequantize(w, x.dtype, launch=wrap_triton), bias)
-    return w4a16_matmul(x, w, bias, launch=wrap_triton)
+        y = torch.nn.functional.linear(x, dequantize(w, x.dtype, launch=wrap_triton), bias)
+        return _silu_mul_pairs(y) if act else y
+    return w4a16_matmul(x, w, bias, launch=wrap_triton, act=act)
 
 
 def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC,
-                overlap: bool) -> torch.Tensor:
+                overlap: bool, act: int = 0) -> torch.Tensor:
     v = _common.alloc((x.shape[0], e.a.shape[0]), dtype=x.dtype, device=x.device)
     if not overlap:
         ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton)
         if x.shape[0] >= DEQUANT_MM_MIN_M:
-            return ec_kernels.ec_up(_plain_w4(x, w, bias), v, e, launch=wrap_triton)
-        return w4a16_matmul(x, w, bias, e, ec_mode=2, v=v, launch=wrap_triton)
+            y = ec_kernels.ec_up(_plain_w4(x, w, bias), v, e, launch=wrap_triton)
+            return _silu_mul_pairs(y) if act else y
+        return w4a16_matmul(x, w, bias, e, ec_mode=2, v=v, launch=wrap_triton, act=act)
     main = torch.cuda.current_stream(x.device)
     side = _side_stream(x.device)
     side.wait_stream(main)          # x and v are ready on the main stream
@@ -87,7 +96,8 @@ def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: P
         ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton)
     out = _plain_w4(x, w, bias)
     main.wait_stream(side)          # join before v is read; x and v are freed on main after this
-    return ec_kernels.ec_up(out, v, e, launch=wrap_triton)
+    y = ec_kernels.ec_up(out, v, e, launch=wrap_triton)
+    return _silu_mul_pairs(y) if act else y
 
 
 @triton_op("spear::w4a16_ec", mutates_args=())
@@ -95,7 +105,7 @@ def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
              locks: torch.Tensor, group_size: int, symmetric: bool, kmajor: bool, bias: Optional[torch.Tensor],
              ec_a: Optional[torch.Tensor], ec_b: Optional[torch.Tensor], gate_w1: Optional[torch.Tensor],
              gate_b1: Optional[torch.Tensor], gate_w2: Optional[torch.Tensor], gate_b2: Optional[torch.Tensor],
-             alpha: float, bound: float) -> torch.Tensor:
+             alpha: float, bound: float, act: int = 0) -> torch.Tensor:
     w = PackedW4(qweight, scales, zeros, locks, group_size, symmetric, kmajor)
     e = None
     if ec_a is not None:
@@ -105,33 +115,39 @@ def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the packed weight expects in_features={k}")
+    if act not in (0, 1) or (act and n % 2):
+        raise ValueError(f"act must be 0 or 1 (SiLU·mul over interleaved (gate, up) pairs, even out_features); "
+                         f"got act={act}, out_features={n}")
+    n_out = n // 2 if act else n
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     if m == 0:
-        return x.new_empty((*lead, n))
+        return x.new_empty((*lead, n_out))
     if x.device.type != "cuda":
-        y = reference.w4a16_ec_packed(x2, w, bias, e).to(x.dtype)
+        y = reference.w4a16_ec_packed(x2, w, bias, e)
+        y = (reference.silu_mul_pairs(y) if act else y).to(x.dtype)
     elif e is None:
-        y = _plain_w4(x2, w, bias)
+        y = _plain_w4(x2, w, bias, act)
     elif m <= FUSED_MAX_M and e.a.shape[0] <= FUSED_MAX_RANK:
-        y = w4a16_matmul(x2, w, bias, e, ec_mode=1, launch=wrap_triton)
+        y = w4a16_matmul(x2, w, bias, e, ec_mode=1, launch=wrap_triton, act=act)
     elif m <= FUSED_MAX_M:
-        y = _semi_fused(x2, w, bias, e, overlap=False)
+        y = _semi_fused(x2, w, bias, e, overlap=False, act=act)
     else:
         eager = type(x) is torch.Tensor and not torch.compiler.is_compiling()
-        y = _semi_fused(x2, w, bias, e, overlap=SEMI_FUSED_OVERLAP and eager)
-    return y.reshape(*lead, n)
+        y = _semi_fused(x2, w, bias, e, overlap=SEMI_FUSED_OVERLAP and eager, act=act)
+    return y.reshape(*lead, n_out)
 
 
 def w4a16_linear(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
-                 ec: PackedEC | None = None) -> torch.Tensor:
-    """``x W_hatᵀ (+ bias) (+ alpha · B (gamma(A x) ⊙ A x))`` through ``spear::w4a16_ec``."""
+                 ec: PackedEC | None = None, act: int = 0) -> torch.Tensor:
+    """``x W_hatᵀ (+ bias) (+ alpha · B (gamma(A x) ⊙ A x))`` through ``spear::w4a16_ec``; with
+    ``act`` 1, silu(gate) * up of that output's interleaved (gate, up) features."""
     g = ec is not None and ec.gated
     return torch.ops.spear.w4a16_ec(
         x, w.qweight, w.scales, w.zeros, w.locks, w.group_size, w.symmetric, w.kmajor, bias,
         ec.a if ec is not None else None, ec.b if ec is not None else None,
         ec.w1 if g else None, ec.b1 if g else None, ec.w2 if g else None, ec.b2 if g else None,
-        float(ec.alpha) if ec is not None else 0.0, float(ec.bound) if ec is not None else 0.0)
+        float(ec.alpha) if ec is not None else 0.0, float(ec.bound) if ec is not None else 0.0, act)

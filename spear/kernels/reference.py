@@ -49,6 +49,12 @@ def w4a16_ec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: 
     return y
 
 
+def silu_mul_pairs(y: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in fp32 for outputs whose features are interleaved (gate, up) pairs."""
+    y = y.float()
+    return torch.nn.functional.silu(y[..., 0::2]) * y[..., 1::2]
+
+
 def w4a16_ec_packed(x: torch.Tensor, packed: PackedW4, bias: torch.Tensor | None = None,
                     ec: PackedEC | None = None) -> torch.Tensor:
     """The same reference from the packed layouts (zero padding of the EC contributes exactly 0)."""

@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import INTERPRET, _dequant, _dot, _ec_gate, _fma_mainloop, _tokens_to_accT, _unpack_w4
+from spear.kernels._common import (INTERPRET, _dequant, _dot, _ec_gate, _fma_mainloop, _sigmoid, _tokens_to_accT,
+                                  _unpack_w4)
 from spear.kernels._kmajor import _kmajor_mainloop
 from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
 # the launch shapes (launch.py), re-exported where the kernel's callers look for them
@@ -75,6 +76,8 @@ def _w4a16_kernel(
     # split-K and the fused EC's u programs: constexpr so that the reductions over their partials
     # unroll (all loads in flight at once instead of one round trip per partial)
     SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr,
+    # 1: the output features are (gate, up) pairs, features 2i and 2i + 1; store silu(gate) * up
+    ACT: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     n_wt = tl.cdiv(N, BN)
@@ -102,12 +105,14 @@ def _w4a16_kernel(
             _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
                        alpha, SPLIT_K, U_SPLIT, (local - n_u) // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
                        (local - n_u) % SPLIT_K, M, N, K, stride_xm, stride_om,
-                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH)
+                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH,
+                       ACT)
     else:
         _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
                    alpha, SPLIT_K, U_SPLIT, local // SPLIT_K, n_wt, lock_base, offs_m, m_mask, local % SPLIT_K,
                    M, N, K, stride_xm, stride_om,
-                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH)
+                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH,
+                   ACT)
 
 
 @triton.jit
@@ -199,7 +204,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
                GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, IS_BF16: tl.constexpr,
                EC_MODE: tl.constexpr, R: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
-               PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr):
+               PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr, ACT: tl.constexpr):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
     iters = tl.cdiv(K // BK, SPLIT_K)
     k_lo = split * iters * BK
@@ -260,10 +265,10 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
             accT = _sum_partials(part_ptr + mn_offs, M * N, out_mask, tl.zeros((BN, BM), tl.float32), SPLIT_K, 4)
             tl.atomic_xchg(locks_ptr + lock_base + wt, 0)
             _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-                      b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32, MV)
+                      b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32, MV, ACT, wt, N)
     else:
         _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-                  b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32, MV)
+                  b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32, MV, ACT, wt, N)
 
 
 @triton.jit
@@ -313,7 +318,7 @@ def _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R: tl.constexpr, MV: tl.
 @triton.jit
 def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
               b_ptr, v_ptr, alpha, U_SPLIT: tl.constexpr, stride_om, HAS_BIAS: tl.constexpr, EC_MODE: tl.constexpr,
-              R: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr):
+              R: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr, ACT: tl.constexpr, wt, N):
     offs_r = tl.arange(0, R)
     if EC_MODE == 1:
         # B's tile does not depend on v: issue its load before the wait, so it overlaps the wait
@@ -338,8 +343,18 @@ def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_
         accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, False)
     if HAS_BIAS:
         accT += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
-    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], accT.to(out_ptr.dtype.element_ty),
-             mask=n_mask[:, None] & m_mask[None, :])
+    if ACT == 1:
+        # rows 2i, 2i + 1 of the tile are gate and up of output feature wt * BN/2 + i: SiLU·mul
+        # on the fp32 sums, so the (gate, up) intermediate never reaches memory
+        BN: tl.constexpr = accT.shape[0]
+        BM: tl.constexpr = accT.shape[1]
+        g, u = tl.split(tl.permute(tl.reshape(accT, (BN // 2, 2, BM)), (0, 2, 1)))
+        offs_h = wt * (BN // 2) + tl.arange(0, BN // 2)
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_h[:, None],
+                 (g * _sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=(2 * offs_h < N)[:, None] & m_mask[None, :])
+    else:
+        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], accT.to(out_ptr.dtype.element_ty),
+                 mask=n_mask[:, None] & m_mask[None, :])
 
 
 def _check(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, ec: PackedEC | None) -> None:
@@ -363,12 +378,13 @@ def _check(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, ec: PackedEC
 
 def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None, ec: PackedEC | None = None,
                  ec_mode: int | None = None, v: torch.Tensor | None = None, config: Config | None = None,
-                 launch=None) -> torch.Tensor:
+                 launch=None, act: int = 0) -> torch.Tensor:
     """``out = x W_hatᵀ (+ bias) (+ EC)`` for 2-D ``x``; see the module docstring.
 
     ``ec_mode``: 0 no EC, 1 fused (needs ``ec``), 2 epilogue from ``v`` = gamma(u) ⊙ u (M, R)
     (needs ``ec`` for B). Defaults to 1 when ``ec`` is given. ``launch`` wraps the kernel
-    (``torch.library.wrap_triton`` inside the registered op).
+    (``torch.library.wrap_triton`` inside the registered op). ``act`` 1: the output features
+    are interleaved (gate, up) pairs and the result is silu(gate) * up, (M, N / 2).
     """
     _check(x, w, bias, ec)
     if ec_mode is None:
@@ -377,6 +393,9 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         raise ValueError(f"ec_mode must be 0, 1 (with ec) or 2 (with ec and v); got {ec_mode}")
     m, k = x.shape
     n = w.out_features
+    if act not in (0, 1) or (act and n % 2):
+        raise ValueError(f"act must be 0 or 1 (SiLU·mul over interleaved (gate, up) pairs, even out_features); "
+                         f"got act={act}, out_features={n}")
     cfg = config or pick_config(m, n, k, w.group_size, w.kmajor)
     # one scale per K step
     if k % cfg.BK or (w.group_size and w.group_size % cfg.BK):
@@ -398,7 +417,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     if needs_locks and m_tiles * (n_wt + 2) > w.locks.numel():
         raise ValueError(f"split-K/fused EC needs {m_tiles * (n_wt + 2)} lock slots for M={m}, N={n}; "
                          f"the layer has {w.locks.numel()} (LOCK_SLOTS={LOCK_SLOTS}); use a smaller M per call")
-    out = _common.alloc((m, n), dtype=x.dtype, device=x.device)
+    out = _common.alloc((m, n // 2 if act else n), dtype=x.dtype, device=x.device)
     part = _common.alloc((cfg.split_k, m, n) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
     h = ec.w1.shape[0] if ec is not None and ec.gated else 16
     upart = _common.alloc((u_split, m, r) if ec_mode == 1 else (1,), dtype=torch.float32, device=x.device)
@@ -423,7 +442,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         EC_MODE=ec_mode, GATE=bool(e and e.gated), R=r, H=h,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
         PTX=bool(cfg.mv and cfg.ptx and aligned and x.dtype == torch.float16 and not INTERPRET), KMAJOR=w.kmajor,
-        SPLIT_K=cfg.split_k, U_SPLIT=u_split, PREFETCH=bool(cfg.prefetch and w.kmajor and cfg.mv),
+        SPLIT_K=cfg.split_k, U_SPLIT=u_split, PREFETCH=bool(cfg.prefetch and w.kmajor and cfg.mv), ACT=act,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

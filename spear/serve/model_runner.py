@@ -153,6 +153,8 @@ class ModelRunner:
         norm = layer.post_attention_layernorm
         h, x = self.fused.add_rms_norm(o, h, norm.weight, norm.variance_epsilon)
         gate_up = getattr(mlp, "gate_up_proj", None)
+        if gate_up is not None and gate_up.interleaved and self.fused_silu:
+            return h, mlp.down_proj(gate_up.silu_mul(x))  # SiLU·mul in the W4 GEMM's epilogue
         gate, up = gate_up(x).split(gate_up.splits, dim=-1) if gate_up is not None else (mlp.gate_proj(x),
                                                                                         mlp.up_proj(x))
         act = self.fused.silu_mul(gate, up) if self.fused_silu else mlp.act_fn(gate) * up

@@ -68,8 +68,11 @@ class W4KernelLinear(nn.Module):
         self.weight, self.bias, self.ec, self.compensator = weight, bias, ec, None
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = w4a16_linear(x, self.weight, self.bias, self.ec)
+    def forward(self, x: torch.Tensor, act: int = 0) -> torch.Tensor:
+        """``act`` 1: silu(gate) * up of interleaved (gate, up) output features (spear/serve/fusion.py)."""
+        if act and self.compensator is not None:
+            raise ValueError("act needs the compensator inside the kernel")
+        y = w4a16_linear(x, self.weight, self.bias, self.ec, act)
         if self.compensator is not None:
             y = y + self.compensator(x)
         return y

@@ -69,6 +69,31 @@ def test_w4a16_gemm(poisoned, m, gs, sym, dtype, bias, cfg):
     assert int(w.locks.abs().sum()) == 0, "split-K counters not re-armed"
 
 
+# SiLU·mul epilogue over interleaved (gate, up) pairs: (M, K-major, EC mode, config); N = 96
+# leaves the last tile's pairs half masked
+ACT_CASES = [
+    (1, True, 1, Config(16, 64, 64, 2, 4, 2, mv=1, prefetch=True)),
+    (2, False, 0, Config(16, 64, 64, 1, 4, 2, mv=2)),
+    (3, True, 2, Config(16, 64, 32, 3, 4, 2, mv=4)),
+    (17, True, 0, Config(16, 64, 64, 2, 4, 2)),
+    (33, False, 2, Config(32, 64, 64, 1, 4, 2)),
+    (5, True, 1, None),
+]
+
+
+@pytest.mark.parametrize("m,kmajor,ec_mode,cfg", ACT_CASES)
+def test_silu_mul_epilogue(poisoned, m, kmajor, ec_mode, cfg):
+    gs = 32 if m == 3 else 64
+    ec = make_ec(N_SMALL, K_SMALL, 16, 16, torch.float16, seed=m) if ec_mode else None
+    x, w, b, e, expect = _setup(m, K_SMALL, N_SMALL, gs, False, torch.float16, seed=m, ec=ec, kmajor=kmajor)
+    v = ec_gate(x, e) if ec_mode == 2 else None
+    out = w4a16_matmul(x, w, b, e, ec_mode=ec_mode, v=v, config=cfg, act=1)
+    assert_close(out, ref.silu_mul_pairs(expect), torch.float16, f"SiLU·mul M={m} ec_mode={ec_mode} cfg={cfg}")
+    assert int(w.locks.abs().sum()) == 0
+    with pytest.raises(ValueError, match="even out_features"):
+        w4a16_matmul(x[:, :], pack(*make_layer(95, K_SMALL, gs, False, 0), gs), act=1)
+
+
 # The K-major layout: CUDA-core loop (mv), tensor-core tiles (K-major join order of the nibbles), dispatch
 KMAJOR_CASES = [
     (1, 0, True, torch.float16, False, Config(16, 64, 128, 1, 4, 2, mv=1)),
@@ -293,4 +318,19 @@ def test_gpu_real_shapes_kmajor(poisoned, n, k, gs, sym, dtype, m):
     x_, w_, b_, _, expect_w4 = _setup(m, k, n, gs, sym, dtype, seed=m, kmajor=True)
     assert_close(w4a16_linear(x_, w_, b_), expect_w4, dtype, f"K-major W4 {n}x{k} M={m}")
     assert_close(w4a16_linear(x, w, b, e), expect, dtype, f"K-major W4+EC {n}x{k} M={m}")
+    assert int(w.locks.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 7, 33, 257])
+@pytest.mark.parametrize("with_ec", [False, True])
+def test_gpu_silu_mul_epilogue(poisoned, m, with_ec):
+    """The op with act = 1 at a gate/up shape (interleaved 2 x 11008 features) through every dispatch path."""
+    if DEVICE != "cuda":
+        pytest.skip("needs CUDA")
+    n, k, gs = 22016, 4096, 128
+    ec = make_ec(n, k, 32, 32, torch.float16, seed=3) if with_ec else None
+    x, w, b, e, expect = _setup(m, k, n, gs, False, torch.float16, seed=m, ec=ec, kmajor=True)
+    assert_close(w4a16_linear(x, w, b, e, act=1), ref.silu_mul_pairs(expect), torch.float16,
+                 f"SiLU·mul {n}x{k} M={m} EC={with_ec}")
     assert int(w.locks.abs().sum()) == 0

@@ -57,6 +57,34 @@ def test_fused_w4_equals_members(kmajor, comps, bias):
     assert sqnr_db(torch.cat([q(x.float()) for q in qs], dim=-1), out.float()) > 40
 
 
+@pytest.mark.parametrize("kmajor", [False, True])
+@pytest.mark.parametrize("comps,bias", [((None, None), False), (("gated", "lowrank"), True), ((None, "ungated"), False)])
+def test_interleaved_gate_up_and_silu_mul(kmajor, comps, bias):
+    """gate/up fused with alternating features: forward still gives [gate | up]; silu_mul gives
+    silu(gate) * up from the op's act (the reference here; the GEMM epilogue on CUDA)."""
+    qs = [member(64, c, bias=bias and i == 0, seed=10 + i) for i, c in enumerate(comps)]
+    mods = [W4KernelLinear(q, torch.float16, kmajor=kmajor) for q in qs]
+    fused = fuse_group(mods, interleave=True)
+    assert isinstance(fused, FusedLinear) and fused.interleaved and fused.splits == [64, 64]
+    x = torch.randn(5, K).half()
+    gate, up = mods[0](x).float(), mods[1](x).float()
+    out = fused(x)
+    assert out.shape == (5, 128)
+    assert sqnr_db(torch.cat([gate, up], dim=-1), out.float()) > 45
+    # the interleaved inner output itself: features 2i, 2i + 1 are gate_i, up_i
+    inner = fused.inner(x).float()
+    assert sqnr_db(gate, inner[:, 0::2]) > 45 and sqnr_db(up, inner[:, 1::2]) > 45
+    act = fused.silu_mul(x)
+    assert act.shape == (5, 64) and act.dtype == torch.float16
+    assert sqnr_db(torch.nn.functional.silu(gate) * up, act.float()) > 40
+    # unequal widths or three members: plain side-by-side fusion, no silu_mul
+    plain = fuse_group([W4KernelLinear(member(64, seed=1), torch.float16),
+                        W4KernelLinear(member(32, seed=2), torch.float16)], interleave=True)
+    assert not plain.interleaved
+    with pytest.raises(ValueError, match="interleaved"):
+        plain.silu_mul(x)
+
+
 def test_members_that_cannot_share_a_kernel_stay_apart():
     # gated members with different bounds (a scalar of the kernel)
     mods = [W4KernelLinear(member(32, "gated", seed=i, bound=b), torch.float16) for i, b in enumerate((0.5, 1.0))]
