@@ -139,51 +139,23 @@ def _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound,
 
 # Packed words against their activations, in PTX: Triton cannot view a 32-bit register as two
 # fp16 lanes, which is what the conversion needs to cost one LOP3 per two codes.
-# Per word: the mask 0x000F000F OR-ed with fp16x2 1024 takes nibbles (0, 4) as 1024 + code, the
+# Per word (two per call, so the fp32 conversion is paid once per pair): the mask 0x000F000F OR-ed with fp16x2 1024 takes nibbles (0, 4) as 1024 + code, the
 # mask 0x00F000F0 takes nibbles (1, 5) as 1024 + 16 code without a shift, and the same two
 # masks take (2, 6) and (3, 7) from the word shifted by 8. One FMA each turns them into
 # (code - zero) / 16 exactly: (1024 + c) / 16 - (1024 + z) / 16 and (1024 + 16 c) / 256 -
 # (64 + z) / 16. The four fp16x2 activation pairs match the four code pairs; products and
-# partial sums are fp16x2, converted to fp32 once per call.
+# partial sums are fp16x2.
 # Only for fp16 activations on CUDA; the interpreter cannot run PTX.
 @triton.jit
-def _word_dot(p, zn, zn16, x0, x1, x2, x3):
-    """Sum over one word's 8 codes of (code - zero)/16 * x, elementwise over int32 tensors; fp32.
-
-    zn, zn16: ``_neg_zero_pairs`` of the zero points. The assembly is a literal here rather than a
-    module-level constant: torch.compile copies user Triton kernels with the jit functions they
-    call, not with their global constants.
-    """
-    return tl.inline_asm_elementwise("""{
-.reg .b32 t0, t1, t2, t3, q, acc, c16, c256;
-.reg .f16 lo, hi;
-.reg .f32 flo, fhi;
-mov.b32 c16, 0x2c002c00;
-mov.b32 c256, 0x1c001c00;
-shr.u32 q, $1, 8;
-lop3.b32 t0, $1, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 t1, $1, 0x00f000f0, 0x64006400, 0xea;
-lop3.b32 t2, q, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 t3, q, 0x00f000f0, 0x64006400, 0xea;
-fma.rn.f16x2 t0, t0, c16, $2;
-fma.rn.f16x2 t1, t1, c256, $3;
-fma.rn.f16x2 t2, t2, c16, $2;
-fma.rn.f16x2 t3, t3, c256, $3;
-mul.rn.f16x2 acc, t0, $4;
-fma.rn.f16x2 acc, t1, $5, acc;
-fma.rn.f16x2 acc, t2, $6, acc;
-fma.rn.f16x2 acc, t3, $7, acc;
-mov.b32 {lo, hi}, acc;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-add.f32 $0, flo, fhi;
-}""", "=f,r,r,r,r,r,r,r", [p, zn, zn16, x0, x1, x2, x3], dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
 def _word2_dot(p, q, zn, zn16, x0, x1, x2, x3, y0, y1, y2, y3):
-    """``_word_dot`` of two words (p against x0..x3, q against y0..y3) summed in one fp16x2
-    accumulator: 8 products per lane before the single conversion to fp32."""
+    """Sum over two words' 16 codes of (code - zero)/16 * x, elementwise over int32 tensors; fp32.
+
+    p against the activation pairs x0..x3, q against y0..y3, in one fp16x2 accumulator (8
+    products per lane before the single conversion to fp32). zn, zn16: ``_neg_zero_pairs`` of
+    the zero points. The assembly is a literal here rather than a module-level constant:
+    torch.compile copies user Triton kernels with the jit functions they call, not with their
+    global constants.
+    """
     return tl.inline_asm_elementwise("""{
 .reg .b32 t0, t1, t2, t3, s, acc, c16, c256;
 .reg .f16 lo, hi;
@@ -241,8 +213,9 @@ def _x_pair(base, lo: tl.constexpr, hi: tl.constexpr, m):
 
 
 @triton.jit
-def _ptx_token(acc, x_ptr, i, stride_xm, k, offs_w, p, zn, zn16, M):
-    """acc [BN, BK/8] += (W - zero)/16 · x for token i, one PTX word product per word."""
+def _ptx_token(acc, x_ptr, i, stride_xm, k, offs_w, p, q, zn, zn16, M, HALF: tl.constexpr):
+    """acc [BN, BK/16] += (W - zero)/16 · x for token i: word columns w (p) and w + HALF (q) per
+    ``_word2_dot``."""
     m = (offs_w * 0 + i) < M
     base = x_ptr + i * stride_xm + k + 8 * offs_w
     shape: tl.constexpr = p.shape
@@ -251,7 +224,12 @@ def _ptx_token(acc, x_ptr, i, stride_xm, k, offs_w, p, zn, zn16, M):
     x1 = tl.broadcast_to(_x_pair(base, 2, 6, m)[None, :], shape)
     x2 = tl.broadcast_to(_x_pair(base, 1, 5, m)[None, :], shape)
     x3 = tl.broadcast_to(_x_pair(base, 3, 7, m)[None, :], shape)
-    return acc + _word_dot(p, zn, zn16, x0, x1, x2, x3)
+    base = base + 8 * HALF
+    y0 = tl.broadcast_to(_x_pair(base, 0, 4, m)[None, :], shape)
+    y1 = tl.broadcast_to(_x_pair(base, 2, 6, m)[None, :], shape)
+    y2 = tl.broadcast_to(_x_pair(base, 1, 5, m)[None, :], shape)
+    y3 = tl.broadcast_to(_x_pair(base, 3, 7, m)[None, :], shape)
+    return acc + _word2_dot(p, q, zn, zn16, x0, x1, x2, x3, y0, y1, y2, y3)
 
 
 @triton.jit
@@ -262,7 +240,7 @@ def _fma_token(acc, x_ptr, i, stride_xm, k, koff, offs_w, wj, xs, M):
 
 
 @triton.jit
-def _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, stride_xm,
+def _fma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, K, stride_xm,
                   GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   BM: tl.constexpr, MV: tl.constexpr, PTX: tl.constexpr):
     """CUDA-core main loop for M <= MV <= 4 tokens; returns accT [BN, BM] (columns >= MV zero).
@@ -275,26 +253,31 @@ def _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, 
     so nibbles 5..7 are shifted down once per word). Subtracting 2^23 + zero·16^i leaves
     (code - zero)·16^i exactly, and the matching x is pre-scaled by 16^-i (exact). Per weight:
     one LOP3, one FADD, one FFMA per token; the group scale is applied once per K step.
-    PTX (fp16 activations on CUDA): each word against its 8 activations in fp16x2 instead
-    (``_word_dot``: about 2.1 instructions per weight instead of ~4.7), accumulated in
-    fp32 per word, in units of 1/16 that the scale takes back.
+    PTX (fp16 activations on CUDA): word columns w and w + BK/16 against their activations in
+    fp16x2 instead (``_word2_dot``: about 2 instructions per weight instead of ~4.7), in fp32
+    per word pair, in units of 1/16 that the scale takes back.
     """
     if PTX:
         UNIT: tl.constexpr = 16.0
+        W: tl.constexpr = BK // 16  # the step's word columns in two halves
     else:
         UNIT: tl.constexpr = 1.0
-    offs_w = tl.arange(0, BK // 8)
+        W: tl.constexpr = BK // 8
+    offs_w = tl.arange(0, W)
+    w_base = qw_ptr + n_ld[:, None] * (K // 8) + offs_w[None, :]
     if SYMMETRIC:
         z = tl.full((BN,), 8.0, tl.float32)
     else:
         z = tl.load(zeros_ptr + n_ld).to(tl.float32)
-    a0 = tl.zeros((BN, BK // 8), tl.float32)
-    a1 = tl.zeros((BN, BK // 8), tl.float32)
-    a2 = tl.zeros((BN, BK // 8), tl.float32)
-    a3 = tl.zeros((BN, BK // 8), tl.float32)
+    a0 = tl.zeros((BN, W), tl.float32)
+    a1 = tl.zeros((BN, W), tl.float32)
+    a2 = tl.zeros((BN, W), tl.float32)
+    a3 = tl.zeros((BN, W), tl.float32)
     for k in range(k_lo, k_hi, BK):
         p = tl.load(w_base + k // 8)
-        if not PTX:
+        if PTX:
+            q = tl.load(w_base + k // 8 + W)
+        else:
             hi = p >> 20
         if GROUP > 0:
             g = k // GROUP
@@ -302,16 +285,16 @@ def _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, 
                 z = tl.load(zeros_ptr + g * N + n_ld).to(tl.float32)
         s0, s1, s2, s3 = _step_sums(a0, a1, a2, a3, GROUP > 0)
         if PTX:
-            # fp16 activations on CUDA: (code - zero)/16 · x per word in fp16x2 (_word_dot)
+            # fp16 activations on CUDA: (code - zero)/16 · x per word pair in fp16x2 (_word2_dot)
             zn, zn16 = _neg_zero_pairs(z)
-            zn = tl.broadcast_to(zn[:, None], (BN, BK // 8))
-            zn16 = tl.broadcast_to(zn16[:, None], (BN, BK // 8))
-            s0 = _ptx_token(s0, x_ptr, 0, stride_xm, k, offs_w, p, zn, zn16, M)
+            zn = tl.broadcast_to(zn[:, None], (BN, W))
+            zn16 = tl.broadcast_to(zn16[:, None], (BN, W))
+            s0 = _ptx_token(s0, x_ptr, 0, stride_xm, k, offs_w, p, q, zn, zn16, M, W)
             if MV > 1:
-                s1 = _ptx_token(s1, x_ptr, 1, stride_xm, k, offs_w, p, zn, zn16, M)
+                s1 = _ptx_token(s1, x_ptr, 1, stride_xm, k, offs_w, p, q, zn, zn16, M, W)
             if MV > 2:
-                s2 = _ptx_token(s2, x_ptr, 2, stride_xm, k, offs_w, p, zn, zn16, M)
-                s3 = _ptx_token(s3, x_ptr, 3, stride_xm, k, offs_w, p, zn, zn16, M)
+                s2 = _ptx_token(s2, x_ptr, 2, stride_xm, k, offs_w, p, q, zn, zn16, M, W)
+                s3 = _ptx_token(s3, x_ptr, 3, stride_xm, k, offs_w, p, q, zn, zn16, M, W)
         else:
             for j in tl.static_range(8):
                 # nibble j holds k-offset NIBBLE_K[j] = (j & 4) | ((j & 1) << 1) | ((j >> 1) & 1)
@@ -366,7 +349,7 @@ def _half_pair(v):
 
 @triton.jit
 def _neg_zero_pairs(z):
-    """``_word_dot``'s offsets for zero points z: fp16x2 -(1024 + z) / 16 and -(64 + z) / 16 (exact)."""
+    """``_word2_dot``'s offsets for zero points z: fp16x2 -(1024 + z) / 16 and -(64 + z) / 16 (exact)."""
     return _half_pair(-(1024.0 + z) * 0.0625), _half_pair(-(64.0 + z) * 0.0625)
 
 

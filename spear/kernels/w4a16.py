@@ -11,7 +11,7 @@ column tiles x split_k. Each W program streams BN rows of packed codes over its 
     (weights on the left) so that decode's few tokens sit on the small MMA dimension.
   * CUDA cores (MV = 1, 2, 4 tokens; ``_fma_mainloop`` in _common.py): exact fp32 codes,
     one FMA per weight and token, no change of register layout; with fp16 activations on
-    CUDA, each word's 8 products run in fp16x2 PTX instead (``_common._word_dot``).
+    CUDA, each word's 8 products run in fp16x2 PTX instead (``_common._word2_dot``, two words a call).
 Per-channel scales are applied once after the loop.
 
 Split-K (decode: N/BN tiles alone cannot fill 132 SMs). Every split writes its fp32
@@ -229,7 +229,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
         accT = _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt * BN, k_lo, k_hi, M, N, stride_xm,
                                 GROUP, SYMMETRIC, BN, BK, BM, MV, PTX, PREFETCH)
     elif MV > 0:
-        accT = _fma_mainloop(x_ptr, w_base, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, stride_xm,
+        accT = _fma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, K, stride_xm,
                              GROUP, SYMMETRIC, BN, BK, BM, MV, PTX)
     else:
         if KMAJOR:
