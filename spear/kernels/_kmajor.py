@@ -122,6 +122,14 @@ def _x_rows(x_ptr, t: tl.constexpr, stride_xm, k, rows, M):
 
 
 @triton.jit
+def _token_rows(x_ptr, t: tl.constexpr, stride_xm, k, rows, H: tl.constexpr, M):
+    """``_x_rows`` of token t for both half tiles of step k (rows and rows + H)."""
+    x0, x1, x2, x3 = _x_rows(x_ptr, t, stride_xm, k, rows, M)
+    y0, y1, y2, y3 = _x_rows(x_ptr, t, stride_xm, k, rows + H, M)
+    return x0, x1, x2, x3, y0, y1, y2, y3
+
+
+@triton.jit
 def _pair_dot(acc, p, q, zn, zn16, x0, x1, x2, x3, y0, y1, y2, y3, s, GROUPED: tl.constexpr):
     """acc [BK/16, BN] += s * (word pairs (p, q) against their rows' activations x, y)."""
     shape: tl.constexpr = p.shape
@@ -190,29 +198,23 @@ def _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, 
         k0 = tl.minimum(k_lo, k_last)
         p, q, sz = _ptx_step(w_lo, w_hi, n_mask2, scales_ptr, zeros_ptr, offs_n, n_mask, k0, N, sz,
                              GROUP, SYMMETRIC)
-        x0, x1, x2, x3 = _x_rows(x_ptr, 0, stride_xm, k0, rows, M)
-        y0, y1, y2, y3 = _x_rows(x_ptr, 0, stride_xm, k0, rows + H, M)
+        x0, x1, x2, x3, y0, y1, y2, y3 = _token_rows(x_ptr, 0, stride_xm, k0, rows, H, M)
         if MV > 1:
-            u0, u1, u2, u3 = _x_rows(x_ptr, 1, stride_xm, k0, rows, M)
-            v0, v1, v2, v3 = _x_rows(x_ptr, 1, stride_xm, k0, rows + H, M)
+            u0, u1, u2, u3, v0, v1, v2, v3 = _token_rows(x_ptr, 1, stride_xm, k0, rows, H, M)
     for k in range(k_lo, k_hi, BK):
         if PREFETCH:
             kn = tl.minimum(k + BK, k_last)
             pn, qn, szn = _ptx_step(w_lo, w_hi, n_mask2, scales_ptr, zeros_ptr, offs_n, n_mask, kn, N, sz,
                                     GROUP, SYMMETRIC)
-            nx0, nx1, nx2, nx3 = _x_rows(x_ptr, 0, stride_xm, kn, rows, M)
-            ny0, ny1, ny2, ny3 = _x_rows(x_ptr, 0, stride_xm, kn, rows + H, M)
+            nx0, nx1, nx2, nx3, ny0, ny1, ny2, ny3 = _token_rows(x_ptr, 0, stride_xm, kn, rows, H, M)
             if MV > 1:
-                nu0, nu1, nu2, nu3 = _x_rows(x_ptr, 1, stride_xm, kn, rows, M)
-                nv0, nv1, nv2, nv3 = _x_rows(x_ptr, 1, stride_xm, kn, rows + H, M)
+                nu0, nu1, nu2, nu3, nv0, nv1, nv2, nv3 = _token_rows(x_ptr, 1, stride_xm, kn, rows, H, M)
         else:
             p, q, sz = _ptx_step(w_lo, w_hi, n_mask2, scales_ptr, zeros_ptr, offs_n, n_mask, k, N, sz,
                                  GROUP, SYMMETRIC)
-            x0, x1, x2, x3 = _x_rows(x_ptr, 0, stride_xm, k, rows, M)
-            y0, y1, y2, y3 = _x_rows(x_ptr, 0, stride_xm, k, rows + H, M)
+            x0, x1, x2, x3, y0, y1, y2, y3 = _token_rows(x_ptr, 0, stride_xm, k, rows, H, M)
             if MV > 1:
-                u0, u1, u2, u3 = _x_rows(x_ptr, 1, stride_xm, k, rows, M)
-                v0, v1, v2, v3 = _x_rows(x_ptr, 1, stride_xm, k, rows + H, M)
+                u0, u1, u2, u3, v0, v1, v2, v3 = _token_rows(x_ptr, 1, stride_xm, k, rows, H, M)
         if GROUP > 0:
             s16, zn, zn16 = _scale_zero(sz, H, BN)
         a0 = _pair_dot(a0, p, q, zn, zn16, x0, x1, x2, x3, y0, y1, y2, y3, s16, GROUP > 0)
@@ -220,11 +222,9 @@ def _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, 
             a1 = _pair_dot(a1, p, q, zn, zn16, u0, u1, u2, u3, v0, v1, v2, v3, s16, GROUP > 0)
         if MV > 2:
             # tokens 2 and 3 (M = 3, 4 only): activations loaded at the step that uses them
-            c0, c1, c2, c3 = _x_rows(x_ptr, 2, stride_xm, k, rows, M)
-            d0, d1, d2, d3 = _x_rows(x_ptr, 2, stride_xm, k, rows + H, M)
+            c0, c1, c2, c3, d0, d1, d2, d3 = _token_rows(x_ptr, 2, stride_xm, k, rows, H, M)
             a2 = _pair_dot(a2, p, q, zn, zn16, c0, c1, c2, c3, d0, d1, d2, d3, s16, GROUP > 0)
-            c0, c1, c2, c3 = _x_rows(x_ptr, 3, stride_xm, k, rows, M)
-            d0, d1, d2, d3 = _x_rows(x_ptr, 3, stride_xm, k, rows + H, M)
+            c0, c1, c2, c3, d0, d1, d2, d3 = _token_rows(x_ptr, 3, stride_xm, k, rows, H, M)
             a3 = _pair_dot(a3, p, q, zn, zn16, c0, c1, c2, c3, d0, d1, d2, d3, s16, GROUP > 0)
         if PREFETCH:
             p, q, sz = pn, qn, szn
