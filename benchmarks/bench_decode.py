@@ -233,7 +233,8 @@ def markdown(results: list[dict], batches: list[int], header: str) -> str:
         lines.append(f"| {r['model']} | {r['variant']} | {r.get('ec_modules', '—')} | "
                      f"{r['extra_pct']:.2f}% | {model_ms} | {r['engine_ms@1']:.3f} | {r['tok_s@1']:.1f} | "
                      + " | ".join(f"{r[f'tok_s@{b}']:.1f}" for b in batches[1:])
-                     + f" | {r.get('speedup_vs_fp16', float('nan')):.2f}x | {r.get('latency_vs_w4', float('nan')):.3f} |")
+                     + (f" | {r['speedup_vs_fp16']:.2f}x" if "speedup_vs_fp16" in r else " | —")
+                     + f" | {r.get('latency_vs_w4', float('nan')):.3f} |")
     return "\n".join(lines)
 
 
