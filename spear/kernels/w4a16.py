@@ -25,8 +25,9 @@ they write fp32 partials of u and bump a per-m-tile counter. The u program that 
 last sums the partials, evaluates the gate MLP, writes v = gamma(u) ⊙ u (M, R) and bumps
 the counter once more. The program finishing each W tile waits for that, loads v (one L2
 round trip) and adds alpha · B_tile v: the W programs carry neither the gate's code nor
-its registers, and their tail is one load and one small dot (the gate runs while the W
-programs stream their weights). The wait cannot deadlock: the u programs have the lowest
+its registers, and their tail is one load and, at decode, one FMA row sum per token on B's
+tile (a small dot on the tensor-core tiles); the gate runs while the W programs stream
+their weights. The wait cannot deadlock: the u programs have the lowest
 program ids of their m-tile and the hardware dispatches blocks in id order, so they are
 resident or finished before any program that waits on them; they wait on nothing. The last
 W tile to finish resets the counters. Chosen over a second launch because at decode a
@@ -34,6 +35,9 @@ launch costs about as much as the whole W4 GEMV.
 
 EC_MODE 2 (prefill, serial variant): v = gamma(u) ⊙ u was computed by ``ec.ec_gate``;
 the epilogue only adds alpha · B_tile v.
+
+ACT 1 (gate/up fused with interleaved features, spear/serve/fusion.py): after bias and EC the
+epilogue stores silu(gate) * up for each pair of rows, N / 2 output features.
 """
 
 from __future__ import annotations
