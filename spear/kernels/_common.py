@@ -25,6 +25,46 @@ def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+# Programmatic dependent launch (Hopper): a kernel launched with it may start while the kernel
+# before it in the stream still runs, once every program of that one has started; it must wait
+# (griddepcontrol.wait) before it reads or writes anything the earlier kernel touches. The decode
+# kernels use the time to load their weights. Off by default; ``set_pdl`` turns it on for the
+# kernels of the decode step (W4 GEMM, RMSNorm, rotary + KV write, SiLU·mul, paged attention).
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    PDL_AVAILABLE = True
+except ImportError:  # a Triton without griddepcontrol
+    PDL_AVAILABLE = False
+_PDL = [False]
+
+
+def set_pdl(on: bool) -> None:
+    """Launch the decode kernels with programmatic dependent launch (CUDA, Hopper or newer)."""
+    if on and (INTERPRET or not PDL_AVAILABLE):
+        raise ValueError("programmatic dependent launch needs Triton's griddepcontrol and a GPU "
+                         "(not the interpreter)")
+    _PDL[0] = bool(on)
+
+
+def pdl() -> dict:
+    """The ``PDL`` constexpr and launch option of a decode kernel's launch."""
+    return dict(PDL=True, launch_pdl=True) if _PDL[0] else dict(PDL=False)
+
+
+@triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    """Let the next kernel's programs start (they wait for this kernel before touching its data)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """Wait until the kernel before this one has finished and its writes are visible."""
+    if PDL:
+        gdc_wait()
+
+
 @triton.jit
 def _dot(a, b, acc, DOT_F32: tl.constexpr):
     if DOT_F32:

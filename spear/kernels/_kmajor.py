@@ -24,7 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spear.kernels._common import _add_scaled, _ld_v4, _neg_zero_pairs, _step_sums, _tokens_to_accT, _word2_dot
+from spear.kernels._common import (_add_scaled, _ld_v4, _neg_zero_pairs, _pdl_wait, _step_sums, _tokens_to_accT,
+                                  _word2_dot)
 
 
 @triton.jit
@@ -173,9 +174,10 @@ def _scale_zero(sz, H: tl.constexpr, BN: tl.constexpr):
 @triton.jit
 def _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, M, N, stride_xm,
               GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              BM: tl.constexpr, MV: tl.constexpr, PREFETCH: tl.constexpr):
+              BM: tl.constexpr, MV: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
     """The fp16 CUDA loop (module docstring). With PREFETCH, the loads of step k + BK (clamped
-    to the last step, so no load is masked by K) are issued before the math of step k."""
+    to the last step, so no load is masked by K) are issued before the math of step k; with PDL
+    the first step's weights are loaded before waiting for the kernel that wrote x."""
     H: tl.constexpr = BK // 16
     rows = tl.arange(0, H)
     w_lo = qw_ptr + rows[:, None] * N + offs_n[None, :]
@@ -198,6 +200,7 @@ def _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, 
         k0 = tl.minimum(k_lo, k_last)
         p, q, sz = _ptx_step(w_lo, w_hi, n_mask2, scales_ptr, zeros_ptr, offs_n, n_mask, k0, N, sz,
                              GROUP, SYMMETRIC)
+        _pdl_wait(PDL)
         x0, x1, x2, x3, y0, y1, y2, y3 = _token_rows(x_ptr, 0, stride_xm, k0, rows, H, M)
         if MV > 1:
             u0, u1, u2, u3, v0, v1, v2, v3 = _token_rows(x_ptr, 1, stride_xm, k0, rows, H, M)
@@ -240,7 +243,8 @@ def _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, 
 @triton.jit
 def _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n0, k_lo, k_hi, M, N, stride_xm,
                      GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     BM: tl.constexpr, MV: tl.constexpr, PTX: tl.constexpr, PREFETCH: tl.constexpr):
+                     BM: tl.constexpr, MV: tl.constexpr, PTX: tl.constexpr, PREFETCH: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """accT [BN, BM] for output features n0 .. n0 + BN over K range [k_lo, k_hi), scales applied."""
     # Output features are contiguous here: the hints (and no modulo on the offsets) give each
     # thread 16-byte loads; columns past N are masked (only a layer's last tile has any).
@@ -248,7 +252,7 @@ def _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n0, k_lo, k_hi, M, N,
     n_mask = offs_n < N
     if PTX:
         return _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, M, N, stride_xm,
-                         GROUP, SYMMETRIC, BN, BK, BM, MV, PREFETCH)
+                         GROUP, SYMMETRIC, BN, BK, BM, MV, PREFETCH, PDL)
     offs_j = tl.arange(0, BK // 8)
     w_ptrs = qw_ptr + offs_j[:, None] * N + offs_n[None, :]
     w_mask = (offs_j[:, None] >= 0) & n_mask[None, :]

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import INTERPRET
+from spear.kernels._common import INTERPRET, _pdl_start, _pdl_wait
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
@@ -77,8 +77,10 @@ def _paged_decode_kernel(
     stride_bt, stride_len,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr, DOT_F32: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLITS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    _pdl_start(PDL)
+    _pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -309,6 +311,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), context_lens.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, IS_FP32=q.dtype == torch.float32, DOT_F32=INTERPRET,
-        SPLITS=n_split, num_warps=num_warps, num_stages=2,
+        SPLITS=n_split, num_warps=num_warps, num_stages=2, **_common.pdl(),
     )
     return out

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
+from spear.kernels._common import _pdl_start, _pdl_wait
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -75,10 +76,13 @@ def _to(x, dt: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, eps,
-                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr = False):
+    _pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a parameter: before the wait
+    _pdl_wait(PDL)
     x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         x += tl.load(r_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)
@@ -87,7 +91,6 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, eps,
         x = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     xn = _to(x * rstd, x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + offs, _to(w * xn, out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -124,7 +127,8 @@ def _launch_norm(x, residual, weight, eps, launch):
         block = triton.next_power_of_2(n)
         kernel = _rms_norm_kernel if launch is None else launch(_rms_norm_kernel)
         kernel[(rows,)](x, residual if residual is not None else x, weight, s, out, float(eps),
-                        N=n, BLOCK=block, HAS_RES=residual is not None, num_warps=_norm_warps(block))
+                        N=n, BLOCK=block, HAS_RES=residual is not None, num_warps=_norm_warps(block),
+                        **_common.pdl())
     return s, out
 
 
@@ -167,9 +171,11 @@ def _rotate(base_ptr, offs, mask, c1, c2, s1, s2, HALF: tl.constexpr, dt: tl.con
 @triton.jit
 def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qo_ptr, kc_ptr, vc_ptr,
                     stride_q, stride_k, stride_v, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
-                    HAS_POS: tl.constexpr):
+                    HAS_POS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (t, j): token t; j < cdiv(H, BH) rotates BH query heads, the others rotate BH
     key heads into the cache and copy the matching value heads."""
+    _pdl_start(PDL)
+    _pdl_wait(PDL)
     HALF: tl.constexpr = D // 2
     NQB: tl.constexpr = (H + BH - 1) // BH
     t = tl.program_id(0).to(tl.int64)
@@ -282,7 +288,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     kernel = _rope_kv_kernel if launch is None else launch(_rope_kv_kernel)
     kernel[grid](q, k, v, cos, sin, positions if positions is not None else slots, slots, q_out, k_cache, v_cache,
                  q.stride(0), k.stride(0), v.stride(0), H=h, HKV=hkv, D=d, BH=bh, BD=bd, HAS_POS=positions is not None, num_warps=4,
-                 enable_fp_fusion=False)  # fp32: no FMA contraction, the products round as torch's do
+                 enable_fp_fusion=False,  # fp32: no FMA contraction, the products round as torch's do
+                 **_common.pdl())
     return q_out
 
 
@@ -290,7 +297,10 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 
 
 @triton.jit(do_not_specialize=["n", "cols", "stride_g", "stride_u"])
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, cols, stride_g, stride_u, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, cols, stride_g, stride_u, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    _pdl_start(PDL)
+    _pdl_wait(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     row, col = offs // cols, offs % cols
@@ -320,5 +330,5 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, launch=None) -> torch.Tensor:
     if n:
         kernel = _silu_mul_kernel if launch is None else launch(_silu_mul_kernel)
         kernel[(triton.cdiv(n, SILU_BLOCK),)](gate, up, out, n, gate.shape[1], gate.stride(0), up.stride(0),
-                                              BLOCK=SILU_BLOCK, num_warps=4)
+                                              BLOCK=SILU_BLOCK, num_warps=4, **_common.pdl())
     return out

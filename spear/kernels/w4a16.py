@@ -47,8 +47,8 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import (INTERPRET, _dequant, _dot, _ec_gate, _fma_mainloop, _sigmoid, _tokens_to_accT,
-                                  _unpack_w4)
+from spear.kernels._common import (INTERPRET, _dequant, _dot, _ec_gate, _fma_mainloop, _pdl_start, _pdl_wait,
+                                  _sigmoid, _tokens_to_accT, _unpack_w4)
 from spear.kernels._kmajor import _kmajor_mainloop
 from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
 # the launch shapes (launch.py), re-exported where the kernel's callers look for them
@@ -82,7 +82,11 @@ def _w4a16_kernel(
     SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr,
     # 1: the output features are (gate, up) pairs, features 2i and 2i + 1; store silu(gate) * up
     ACT: tl.constexpr = 0,
+    # programmatic dependent launch (_common.set_pdl): start loading weights before the kernel
+    # before this one has finished; everything that reads x or writes waits for it
+    PDL: tl.constexpr = False,
 ):
+    _pdl_start(PDL)
     pid = tl.program_id(0)
     n_wt = tl.cdiv(N, BN)
     if EC_MODE == 1:
@@ -104,19 +108,19 @@ def _w4a16_kernel(
             k_hi = tl.minimum(k_lo + iters * BK, K)
             _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, bound,
                        locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local, M, K, stride_xm,
-                       U_SPLIT, GATE, R, H, BM, BK, MV, DOT_F32)
+                       U_SPLIT, GATE, R, H, BM, BK, MV, DOT_F32, PDL)
         else:
             _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
                        alpha, SPLIT_K, U_SPLIT, (local - n_u) // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
                        (local - n_u) % SPLIT_K, M, N, K, stride_xm, stride_om,
                        GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH,
-                       ACT)
+                       ACT, PDL)
     else:
         _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
                    alpha, SPLIT_K, U_SPLIT, local // SPLIT_K, n_wt, lock_base, offs_m, m_mask, local % SPLIT_K,
                    M, N, K, stride_xm, stride_om,
                    GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH,
-                   ACT)
+                   ACT, PDL)
 
 
 @triton.jit
@@ -138,7 +142,8 @@ def _u_x(x_ptr, stride_xm, k, offs_u, M, MV: tl.constexpr):
 @triton.jit
 def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, bound, u_lock, offs_m, m_mask,
                k_lo, k_hi, split, M, K, stride_xm, U_SPLIT: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr,
-               H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr):
+               H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
+               PDL: tl.constexpr):
     """Partial u for one K range: uT [R, BM] = A[R, BK] . xT[BK, BM], then signal. The last u program
     of the m-tile to finish sums the partials, writes v = gamma(u) ⊙ u and signals once more."""
     offs_r = tl.arange(0, R)
@@ -160,6 +165,7 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
         k_last = k_hi - UK
         kk = tl.minimum(k_lo, k_last)
         a = tl.load(a_base + kk)
+        _pdl_wait(PDL)
         x0, x1, x2, x3 = _u_x(x_ptr, stride_xm, kk, offs_u, M, MV)
         for k in range(k_lo, k_hi, UK):
             kn = tl.minimum(k + UK, k_last)
@@ -177,6 +183,7 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
     else:
         # tensor cores over K tiles of at most 1024 / R (the dot's operand tiles set the register
         # count of the whole kernel, W programs included)
+        _pdl_wait(PDL)
         DK: tl.constexpr = max(16, min(BK, 1024 // R))
         offs_dk = tl.arange(0, DK)
         x_base = x_ptr + offs_m[None, :] * stride_xm + offs_dk[:, None]
@@ -208,8 +215,11 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
                GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, IS_BF16: tl.constexpr,
                EC_MODE: tl.constexpr, R: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
-               PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr, ACT: tl.constexpr):
+               PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr, ACT: tl.constexpr,
+               PDL: tl.constexpr):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
+    if not (KMAJOR and MV > 0 and PTX and PREFETCH):
+        _pdl_wait(PDL)  # the K-major PTX loop waits after loading its first weights
     iters = tl.cdiv(K // BK, SPLIT_K)
     k_lo = split * iters * BK
     k_hi = tl.minimum(k_lo + iters * BK, K)
@@ -231,7 +241,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
         zc = zbase + tl.load(zeros_ptr + n_ld).to(tl.float32)
     if KMAJOR and MV > 0:  # scales applied inside
         accT = _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt * BN, k_lo, k_hi, M, N, stride_xm,
-                                GROUP, SYMMETRIC, BN, BK, BM, MV, PTX, PREFETCH)
+                                GROUP, SYMMETRIC, BN, BK, BM, MV, PTX, PREFETCH, PDL)
     elif MV > 0:
         accT = _fma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, K, stride_xm,
                              GROUP, SYMMETRIC, BN, BK, BM, MV, PTX)
@@ -447,6 +457,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
         PTX=bool(cfg.mv and cfg.ptx and aligned and x.dtype == torch.float16 and not INTERPRET), KMAJOR=w.kmajor,
         SPLIT_K=cfg.split_k, U_SPLIT=u_split, PREFETCH=bool(cfg.prefetch and w.kmajor and cfg.mv), ACT=act,
+        **_common.pdl(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

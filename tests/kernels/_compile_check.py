@@ -35,7 +35,7 @@ def divisible(fn):
             if n.endswith("_ptr") or n in ("N", "K", "stride_xm", "stride_om")}
 
 
-def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, act=0):
+def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, act=0, pdl=False):
     dt = "bf16" if bf16 else "fp16"
     ptrs = dict(x_ptr=dt, qw_ptr="i32", scales_ptr="fp16", zeros_ptr="u8", bias_ptr=dt, out_ptr=dt, part_ptr="fp32",
                 locks_ptr="i32", a_ptr=dt, b_ptr=dt, w1_ptr=dt, b1_ptr=dt, w2_ptr=dt, b2_ptr=dt, upart_ptr="fp32",
@@ -48,7 +48,7 @@ def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, a
     consts = dict(GROUP=128, SYMMETRIC=False, HAS_BIAS=True, IS_BF16=bf16, EC_MODE=ec_mode, GATE=gate, R=32, H=32,
                   BM=bm, BN=64, BK=64, MV=mv, DOT_F32=False,
                   PTX=bool(mv) and not bf16, KMAJOR=kmajor, PREFETCH=prefetch, SPLIT_K=4, U_SPLIT=8 if ec_mode == 1 else 0,
-                  ACT=act)
+                  ACT=act, PDL=pdl)
     src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts), consts,
                     divisible(_w4a16_kernel))
     triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=2))
@@ -70,7 +70,7 @@ def compile_small(bf16):
     triton.compile(ASTSource(_ec_up_kernel, sig(_ec_up_kernel, p, ("alpha",), c), c), target=TARGET)
 
 
-def compile_attention(dtype, head_dim, block_size, group, splits=8):
+def compile_attention(dtype, head_dim, block_size, group, splits=8, pdl=False):
     """The paged decode kernel as the launcher specializes it: pointers 16-byte aligned (torch's
     allocations), strides multiples of head_dim >= 16, context_lens contiguous."""
     fn = _paged_decode_kernel
@@ -80,7 +80,7 @@ def compile_attention(dtype, head_dim, block_size, group, splits=8):
     block_n, num_warps = launch_config(getattr(torch, dict(fp16="float16", bf16="bfloat16", fp32="float32")[dtype]),
                                        head_dim)
     c = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-             BLOCK_N=block_n, IS_FP32=dtype == "fp32", DOT_F32=False, stride_len=1, SPLITS=splits)
+             BLOCK_N=block_n, IS_FP32=dtype == "fp32", DOT_F32=False, stride_len=1, SPLITS=splits, PDL=pdl)
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
     src = ASTSource(fn, sig(fn, ptrs, ("qk_scale",), c), c, attrs)
     triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=2))
@@ -96,10 +96,13 @@ if __name__ == "__main__":
         compile_w4(bf16, ec_mode, mv, 16, kmajor=True, prefetch=True)
     for ec_mode, mv, bm in ((1, 1, 16), (0, 0, 64), (2, 0, 128)):  # the SiLU·mul epilogue
         compile_w4(bf16, ec_mode, mv, bm, kmajor=True, prefetch=bool(mv), act=1)
+    for ec_mode, mv, prefetch in ((1, 1, True), (0, 1, False), (1, 0, False)):  # programmatic dependent launch
+        compile_w4(bf16, ec_mode, mv, 16, kmajor=True, prefetch=prefetch, pdl=True)
     compile_small(bf16)
     for head_dim, block_size, group in ((128, 16, 4), (128, 8, 1), (64, 32, 8), (256, 16, 4)):
         compile_attention("bf16" if bf16 else "fp16", head_dim, block_size, group)
     if not bf16:
         compile_attention("fp32", 128, 16, 4)
         compile_attention("fp16", 128, 16, 1, splits=1)
+        compile_attention("fp16", 128, 16, 4, pdl=True)
     print("ok")

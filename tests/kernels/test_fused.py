@@ -276,6 +276,7 @@ from triton.compiler import ASTSource
 from spear.kernels.fused import _rms_norm_kernel, _rope_kv_kernel, _silu_mul_kernel
 
 def compile(fn, ptrs, consts, scalars=None, **opts):
+    consts = {"PDL": False, **consts}  # the launchers pass it (programmatic dependent launch off)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in ptrs:
@@ -287,18 +288,20 @@ def compile(fn, ptrs, consts, scalars=None, **opts):
 
 for dt in ("fp16", "bf16", "fp32"):
     p = "*" + dt
-    for res in (False, True):
+    for res, pdl in ((False, False), (True, False), (True, True)):
         compile(_rms_norm_kernel, dict(x_ptr=p, r_ptr=p, w_ptr=p, sum_ptr=p, out_ptr=p),
-                dict(N=4096, BLOCK=4096, HAS_RES=res), dict(eps="fp32"), num_warps=8)
+                dict(N=4096, BLOCK=4096, HAS_RES=res, PDL=pdl), dict(eps="fp32"), num_warps=8)
     compile(_rms_norm_kernel, dict(x_ptr=p, r_ptr=p, w_ptr="*fp32", sum_ptr=p, out_ptr="*fp32"),
             dict(N=5120, BLOCK=8192, HAS_RES=True), dict(eps="fp32"), num_warps=8)
     for has_pos in (False, True):
         ptrs = {n: p for n in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "kc_ptr", "vc_ptr")}
         compile(_rope_kv_kernel, dict(ptrs, pos_ptr="*i64", slot_ptr="*i64"),
-                dict(H=32, HKV=8, D=128, BH=8, BD=64, HAS_POS=has_pos),
+                dict(H=32, HKV=8, D=128, BH=8, BD=64, HAS_POS=has_pos, PDL=has_pos),
                 dict(stride_q="i32", stride_k="i32", stride_v="i32"), num_warps=4, enable_fp_fusion=False)
     k = compile(_silu_mul_kernel, dict(g_ptr=p, u_ptr=p, out_ptr=p), dict(BLOCK=1024),
                 dict(n="i32", cols="i32", stride_g="i32", stride_u="i32"), num_warps=4)
+    compile(_silu_mul_kernel, dict(g_ptr=p, u_ptr=p, out_ptr=p), dict(BLOCK=1024, PDL=True),
+            dict(n="i32", cols="i32", stride_g="i32", stride_u="i32"), num_warps=4)
     if dt == "bf16":
         assert "cvt.rn.bf16.f32" in k.asm["ptx"]
 print("ok")

@@ -105,3 +105,16 @@ def test_gpu_torch_compile():
     for m in (3, 200):
         x = torch.randn(m, 2048, device="cuda").to(dtype)
         assert_close(f(x), 2.0 * _expect(x, codes, scales, zeros, 128, None, e), dtype, f"compiled M={m}")
+
+
+def test_programmatic_dependent_launch_is_refused_off_the_gpu():
+    """set_pdl needs Triton's griddepcontrol on a GPU; the interpreter (CI) refuses it and stays off."""
+    from spear.kernels import _common
+
+    if not _common.INTERPRET:
+        pytest.skip("the interpreter's refusal")
+    with pytest.raises(ValueError, match="programmatic dependent launch"):
+        _common.set_pdl(True)
+    assert _common.pdl() == dict(PDL=False)
+    _common.set_pdl(False)
+    assert _common.pdl() == dict(PDL=False)

@@ -59,9 +59,21 @@ def test_fp32_graph_decode_equals_hf():
     assert [o.output_token_ids for o in outs] == [_hf_greedy(model, p, 24) for p in PROMPTS]
 
 
+@pytest.fixture
+def pdl(request):
+    """Programmatic dependent launch for the decode kernels during one test (param True/False)."""
+    from spear.kernels import _common
+
+    _common.set_pdl(request.param)
+    yield request.param
+    _common.set_pdl(False)
+
+
+@pytest.mark.parametrize("pdl", [False, True], indirect=True)
 @pytest.mark.parametrize("with_ec", [False, True])
-def test_w4_kernels_with_graphs_equal_the_reference_math(with_ec):
-    """fp16 engine on the Triton kernels (graphs on) vs HF generate on the same W4(+EC) model in fp32."""
+def test_w4_kernels_with_graphs_equal_the_reference_math(with_ec, pdl):
+    """fp16 engine on the Triton kernels (graphs on) vs HF generate on the same W4(+EC) model in fp32;
+    with and without programmatic dependent launch of the decode kernels."""
     model = _model(1)
     modules = quantize_model_rtn(model, QuantConfig(bits=4, group_size=128), progress=False)
     if with_ec:
