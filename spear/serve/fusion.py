@@ -77,9 +77,9 @@ class FusedLinear(nn.Module):
 
 
 def _interleave(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Two equal halves of ``t`` along ``dim`` (member 0, member 1) with their entries alternating."""
+    """Two equal halves of ``t`` along ``dim`` >= 0 (member 0, member 1) with their entries alternating."""
     a, b = t.chunk(2, dim=dim)
-    return torch.stack([a, b], dim=dim + 1 if dim >= 0 else dim).flatten(dim, dim + 1 if dim >= 0 else dim)
+    return torch.stack([a, b], dim=dim + 1).flatten(dim, dim + 1)
 
 
 def _cat_bias(mods: list[nn.Module], dtype: torch.dtype, device: torch.device,
