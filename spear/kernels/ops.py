@@ -37,7 +37,7 @@ from spear.kernels import ec as ec_kernels
 from spear.kernels import reference
 from spear.kernels.layout import PackedEC, PackedW4
 from spear.kernels.dequant import dequantize
-from spear.kernels.w4a16 import w4a16_matmul
+from spear.kernels.w4a16 import check_act, w4a16_matmul
 
 # Largest M that takes the fused kernel. Measured on one H200, 2026-11-29
 # (benchmarks/bench_kernels.py, BENCHMARKS.md "Kernels"; r = 32, h = 32, median over the
@@ -115,9 +115,7 @@ def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the packed weight expects in_features={k}")
-    if act not in (0, 1) or (act and n % 2):
-        raise ValueError(f"act must be 0 or 1 (SiLU·mul over interleaved (gate, up) pairs, even out_features); "
-                         f"got act={act}, out_features={n}")
+    check_act(act, n)
     n_out = n // 2 if act else n
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)

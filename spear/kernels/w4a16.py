@@ -9,9 +9,9 @@ column tiles x split_k. Each W program streams BN rows of packed codes over its 
     the zero point (and per group the scale) is applied in the activation dtype, and
     accT [BN, BM] += W[BN, BK] · xT[BK, BM] accumulates in fp32. Tiles are transposed
     (weights on the left) so that decode's few tokens sit on the small MMA dimension.
-  * CUDA cores (MV = 1, 2, 4 tokens; ``_fma_mainloop`` in _common.py): exact fp32 codes,
-    one FMA per weight and token, no change of register layout; with fp16 activations on
-    CUDA, each word's 8 products run in fp16x2 PTX instead (``_common._word2_dot``, two words a call).
+  * CUDA cores (MV = 1, 2, 4 tokens; _nmajor.py and _kmajor.py): exact fp32 codes, one
+    FMA per weight and token, no change of register layout; with fp16 activations on CUDA,
+    two words' 16 products at a time run in fp16x2 PTX instead (``_common._word2_dot``).
 Per-channel scales are applied once after the loop.
 
 Split-K (decode: N/BN tiles alone cannot fill 132 SMs). Every split writes its fp32
@@ -19,8 +19,8 @@ partial to a workspace and bumps the tile's counter in ``locks``; the split that
 last sums the partials, runs the epilogue and zeroes the counter again, so the kernel
 needs no second launch and ``locks`` stays reusable across calls and CUDA-graph replays.
 
-Fused compensator (EC_MODE 1, decode). ``u_split`` extra programs per m-tile compute
-u = A x over their own K ranges in the same launch (so the W programs' loop is untouched);
+Fused compensator (EC_MODE 1, decode; _ec_programs.py). ``u_split`` extra programs per m-tile
+compute u = A x over their own K ranges in the same launch (so the W programs' loop is untouched);
 they write fp32 partials of u and bump a per-m-tile counter. The u program that arrives
 last sums the partials, evaluates the gate MLP, writes v = gamma(u) ⊙ u (M, R) and bumps
 the counter once more. The program finishing each W tile waits for that, loads v (one L2
@@ -47,9 +47,11 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import (INTERPRET, _dequant, _dot, _ec_gate, _fma_mainloop, _pdl_start, _pdl_wait,
-                                  _sigmoid, _tokens_to_accT, _unpack_w4)
+from spear.kernels._common import (INTERPRET, _dequant, _dot, _pdl_start, _pdl_wait, _sigmoid, _sum_partials,
+                                  _unpack_w4)
+from spear.kernels._ec_programs import _b_times_v, _u_program
 from spear.kernels._kmajor import _kmajor_mainloop
+from spear.kernels._nmajor import _fma_mainloop
 from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
 # the launch shapes (launch.py), re-exported where the kernel's callers look for them
 from spear.kernels.launch import DECODE_MAX_M, LAUNCH, Config, _split_for, pick_config  # noqa: F401
@@ -121,91 +123,6 @@ def _w4a16_kernel(
                    M, N, K, stride_xm, stride_om,
                    GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH,
                    ACT, PDL)
-
-
-@triton.jit
-def _u_x(x_ptr, stride_xm, k, offs_u, M, MV: tl.constexpr):
-    """Tokens 0 .. MV - 1 of x at k .. k + UK as fp32 (tokens >= M read as zeros; token 0 stands
-    in for the absent ones)."""
-    x0 = tl.load(x_ptr + k + offs_u).to(tl.float32)
-    x1 = x0
-    x2 = x0
-    x3 = x0
-    if MV > 1:
-        x1 = tl.load(x_ptr + stride_xm + k + offs_u, mask=offs_u * 0 + 1 < M, other=0.0).to(tl.float32)
-    if MV > 2:
-        x2 = tl.load(x_ptr + 2 * stride_xm + k + offs_u, mask=offs_u * 0 + 2 < M, other=0.0).to(tl.float32)
-        x3 = tl.load(x_ptr + 3 * stride_xm + k + offs_u, mask=offs_u * 0 + 3 < M, other=0.0).to(tl.float32)
-    return x0, x1, x2, x3
-
-
-@triton.jit
-def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, bound, u_lock, offs_m, m_mask,
-               k_lo, k_hi, split, M, K, stride_xm, U_SPLIT: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr,
-               H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
-               PDL: tl.constexpr):
-    """Partial u for one K range: uT [R, BM] = A[R, BK] . xT[BK, BM], then signal. The last u program
-    of the m-tile to finish sums the partials, writes v = gamma(u) ⊙ u and signals once more."""
-    offs_r = tl.arange(0, R)
-    offs_k = tl.arange(0, BK)
-    if MV > 0:
-        # decode's few tokens: fp32 FMAs on [R, BK] tiles, one accumulator per token (a tensor-core
-        # dot here would set the register count of the whole kernel, W programs included); UK
-        # keeps each tile at 2048 elements (16 fp32 registers per thread at 4 warps) for any rank
-        UK: tl.constexpr = min(BK, 2048 // R)
-        offs_u = tl.arange(0, UK)
-        a_base = a_ptr + offs_r[:, None] * K + offs_u[None, :]
-        c0 = tl.zeros((R, UK), tl.float32)
-        c1 = tl.zeros((R, UK), tl.float32)
-        c2 = tl.zeros((R, UK), tl.float32)
-        c3 = tl.zeros((R, UK), tl.float32)
-        # register prefetch: tile k + UK is loaded before tile k's FMAs, so a u program has two
-        # tiles in flight instead of one round trip per tile; clamped to the range's last tile
-        # (in bounds even for an empty range: k_hi >= BK >= UK)
-        k_last = k_hi - UK
-        kk = tl.minimum(k_lo, k_last)
-        a = tl.load(a_base + kk)
-        _pdl_wait(PDL)
-        x0, x1, x2, x3 = _u_x(x_ptr, stride_xm, kk, offs_u, M, MV)
-        for k in range(k_lo, k_hi, UK):
-            kn = tl.minimum(k + UK, k_last)
-            a_next = tl.load(a_base + kn)
-            y0, y1, y2, y3 = _u_x(x_ptr, stride_xm, kn, offs_u, M, MV)
-            af = a.to(tl.float32)
-            c0 += af * x0[None, :]
-            if MV > 1:
-                c1 += af * x1[None, :]
-            if MV > 2:
-                c2 += af * x2[None, :]
-                c3 += af * x3[None, :]
-            a, x0, x1, x2, x3 = a_next, y0, y1, y2, y3
-        uT = _tokens_to_accT(c0, c1, c2, c3, BM, MV, 1)
-    else:
-        # tensor cores over K tiles of at most 1024 / R (the dot's operand tiles set the register
-        # count of the whole kernel, W programs included)
-        _pdl_wait(PDL)
-        DK: tl.constexpr = max(16, min(BK, 1024 // R))
-        offs_dk = tl.arange(0, DK)
-        x_base = x_ptr + offs_m[None, :] * stride_xm + offs_dk[:, None]
-        uT = tl.zeros((R, BM), tl.float32)
-        for k in range(k_lo, k_hi, DK):
-            a = tl.load(a_ptr + offs_r[:, None] * K + (k + offs_dk)[None, :])
-            xt = tl.load(x_base + k, mask=m_mask[None, :], other=0.0)
-            uT = _dot(a, xt, uT, DOT_F32)
-    u_offs = offs_m[None, :] * R + offs_r[:, None]
-    tl.store(upart_ptr + split * M * R + u_offs, uT, mask=m_mask[None, :])
-    # every thread's stores must precede the (single-thread) release
-    tl.debug_barrier()
-    arrived = tl.atomic_add(u_lock, 1, sem="acq_rel")
-    if arrived == U_SPLIT - 1:
-        # all partials in one round trip while that stays within 4096 fp32 values in flight
-        UCHUNK: tl.constexpr = max(1, min(U_SPLIT, 4096 // (R * BM)))
-        uT = _sum_partials(upart_ptr + u_offs, M * R, m_mask[None, :], tl.zeros((R, BM), tl.float32), U_SPLIT,
-                           UCHUNK)
-        vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, R, H, BM, GATE, DOT_F32)
-        tl.store(v_ptr + u_offs, vT.to(v_ptr.dtype.element_ty), mask=m_mask[None, :])
-        tl.debug_barrier()
-        tl.atomic_add(u_lock, 1, sem="release")  # U_SPLIT + 1: v is ready
 
 
 @triton.jit
@@ -286,50 +203,6 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
 
 
 @triton.jit
-def _sum_partials(ptrs, part_stride, mask, acc, N_PARTS: tl.constexpr, CHUNK: tl.constexpr):
-    """acc + the sum of N_PARTS fp32 partial tiles at ptrs + i * part_stride, in index order.
-    CHUNK loads are in flight at a time: one L2 round trip per CHUNK partials, and registers for
-    CHUNK tiles only (for the [BN, BM] output tiles a full unroll of 16 raised the kernel to ~190
-    registers, so they take 4; u's [R, BM] partials take up to 4096 values per round trip: all 16 at rank 16)."""
-    for s0 in range(0, N_PARTS, CHUNK):
-        for j in tl.static_range(CHUNK):
-            if j < N_PARTS:
-                # .cg: read at L2, where the other programs' writes are
-                acc += tl.load(ptrs + (s0 + j) * part_stride, mask=mask & (s0 + j < N_PARTS), other=0.0,
-                               cache_modifier=".cg")
-    return acc
-
-
-@triton.jit
-def _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
-               AT_L2: tl.constexpr):
-    """B_tile [BN, R] . v [R, tokens] as an [BN, BM] tile. At decode (MV tokens): one FMA row sum per
-    token on B's tile as loaded (the tensor-core dot's operand layouts would cost a round trip
-    through shared memory for a product of a few thousand FMAs); else a dot. AT_L2: read v with
-    .cg, at L2, where another program of this launch wrote it."""
-    if MV > 0:
-        cols = tl.arange(0, accT.shape[1])[None, :]
-        bv = tl.zeros_like(accT)
-        bf = bt.to(tl.float32)
-        m = tl.sum(m_mask.to(tl.int32))  # the decode loop has one m-tile: tokens 0 .. M - 1
-        for t in tl.static_range(MV):
-            live = (offs_r * 0 + t) < m
-            if AT_L2:
-                vt = tl.load(v_ptr + t * R + offs_r, mask=live, other=0.0, cache_modifier=".cg")
-            else:
-                vt = tl.load(v_ptr + t * R + offs_r, mask=live, other=0.0)
-            bv += tl.where(cols == t, tl.sum(bf * vt.to(tl.float32)[None, :], axis=1)[:, None], 0.0)
-        return bv
-    else:
-        if AT_L2:
-            vT = tl.load(v_ptr + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :], other=0.0,
-                         cache_modifier=".cg")
-        else:
-            vT = tl.load(v_ptr + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :], other=0.0)
-        return _dot(bt, vT.to(bt.dtype), tl.zeros_like(accT), DOT_F32)
-
-
-@triton.jit
 def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
               b_ptr, v_ptr, alpha, U_SPLIT: tl.constexpr, stride_om, HAS_BIAS: tl.constexpr, EC_MODE: tl.constexpr,
               R: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr, ACT: tl.constexpr, wt, N):
@@ -344,7 +217,7 @@ def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_
             pass
         tl.atomic_add(u_lock, 0, sem="acquire")
         # .cg: read at L2, where the u program wrote v
-        accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, True)
+        accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, ".cg")
         # the last W tile of this m-tile to get here re-arms the counters for the next call. Relaxed:
         # every tile counts itself only after its wait, so the last count follows every wait, and
         # v is not reset (the next call's u programs rewrite it after this kernel has ended)
@@ -354,7 +227,7 @@ def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_
             tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)
     if EC_MODE == 2:
         bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
-        accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, False)
+        accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, "")
     if HAS_BIAS:
         accT += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
     if ACT == 1:
@@ -390,6 +263,13 @@ def _check(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, ec: PackedEC
             raise ValueError(f"EC parameters must be in the activation dtype {x.dtype}; got {ec.a.dtype}")
 
 
+def check_act(act: int, n: int) -> None:
+    """``act`` is 0, or 1 with an even number of output features (interleaved (gate, up) pairs)."""
+    if act not in (0, 1) or (act and n % 2):
+        raise ValueError(f"act must be 0 or 1 (SiLU·mul over interleaved (gate, up) pairs, even out_features); "
+                         f"got act={act}, out_features={n}")
+
+
 def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None, ec: PackedEC | None = None,
                  ec_mode: int | None = None, v: torch.Tensor | None = None, config: Config | None = None,
                  launch=None, act: int = 0) -> torch.Tensor:
@@ -407,9 +287,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         raise ValueError(f"ec_mode must be 0, 1 (with ec) or 2 (with ec and v); got {ec_mode}")
     m, k = x.shape
     n = w.out_features
-    if act not in (0, 1) or (act and n % 2):
-        raise ValueError(f"act must be 0 or 1 (SiLU·mul over interleaved (gate, up) pairs, even out_features); "
-                         f"got act={act}, out_features={n}")
+    check_act(act, n)
     cfg = config or pick_config(m, n, k, w.group_size, w.kmajor)
     # one scale per K step
     if k % cfg.BK or (w.group_size and w.group_size % cfg.BK):

@@ -1,0 +1,120 @@
+"""The compensator's parts of the W4A16 kernel (w4a16.py, EC_MODE 1 and 2).
+
+``_u_program``: the u = A x programs of the fused EC, one per K range; the last to finish
+sums the partials and writes v = gamma(u) ⊙ u. ``_b_times_v``: alpha · B_tile v in the W
+tiles' epilogue.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from spear.kernels._common import _dot, _ec_gate, _pdl_wait, _sum_partials, _tokens_to_accT
+
+
+@triton.jit
+def _u_x(x_ptr, stride_xm, k, offs_u, M, MV: tl.constexpr):
+    """Tokens 0 .. MV - 1 of x at k .. k + UK as fp32 (tokens >= M read as zeros; token 0 stands
+    in for the absent ones)."""
+    x0 = tl.load(x_ptr + k + offs_u).to(tl.float32)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if MV > 1:
+        x1 = tl.load(x_ptr + stride_xm + k + offs_u, mask=offs_u * 0 + 1 < M, other=0.0).to(tl.float32)
+    if MV > 2:
+        x2 = tl.load(x_ptr + 2 * stride_xm + k + offs_u, mask=offs_u * 0 + 2 < M, other=0.0).to(tl.float32)
+        x3 = tl.load(x_ptr + 3 * stride_xm + k + offs_u, mask=offs_u * 0 + 3 < M, other=0.0).to(tl.float32)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, bound, u_lock, offs_m, m_mask,
+               k_lo, k_hi, split, M, K, stride_xm, U_SPLIT: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr,
+               H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
+               PDL: tl.constexpr):
+    """Partial u for one K range: uT [R, BM] = A[R, BK] . xT[BK, BM], then signal. The last u program
+    of the m-tile to finish sums the partials, writes v = gamma(u) ⊙ u and signals once more."""
+    offs_r = tl.arange(0, R)
+    offs_k = tl.arange(0, BK)
+    if MV > 0:
+        # decode's few tokens: fp32 FMAs on [R, BK] tiles, one accumulator per token (a tensor-core
+        # dot here would set the register count of the whole kernel, W programs included); UK
+        # keeps each tile at 2048 elements (16 fp32 registers per thread at 4 warps) for any rank
+        UK: tl.constexpr = min(BK, 2048 // R)
+        offs_u = tl.arange(0, UK)
+        a_base = a_ptr + offs_r[:, None] * K + offs_u[None, :]
+        c0 = tl.zeros((R, UK), tl.float32)
+        c1 = tl.zeros((R, UK), tl.float32)
+        c2 = tl.zeros((R, UK), tl.float32)
+        c3 = tl.zeros((R, UK), tl.float32)
+        # register prefetch: tile k + UK is loaded before tile k's FMAs, so a u program has two
+        # tiles in flight instead of one round trip per tile; clamped to the range's last tile
+        # (in bounds even for an empty range: k_hi >= BK >= UK)
+        k_last = k_hi - UK
+        kk = tl.minimum(k_lo, k_last)
+        a = tl.load(a_base + kk)
+        _pdl_wait(PDL)
+        x0, x1, x2, x3 = _u_x(x_ptr, stride_xm, kk, offs_u, M, MV)
+        for k in range(k_lo, k_hi, UK):
+            kn = tl.minimum(k + UK, k_last)
+            a_next = tl.load(a_base + kn)
+            y0, y1, y2, y3 = _u_x(x_ptr, stride_xm, kn, offs_u, M, MV)
+            af = a.to(tl.float32)
+            c0 += af * x0[None, :]
+            if MV > 1:
+                c1 += af * x1[None, :]
+            if MV > 2:
+                c2 += af * x2[None, :]
+                c3 += af * x3[None, :]
+            a, x0, x1, x2, x3 = a_next, y0, y1, y2, y3
+        uT = _tokens_to_accT(c0, c1, c2, c3, BM, MV, 1)
+    else:
+        # tensor cores over K tiles of at most 1024 / R (the dot's operand tiles set the register
+        # count of the whole kernel, W programs included)
+        _pdl_wait(PDL)
+        DK: tl.constexpr = max(16, min(BK, 1024 // R))
+        offs_dk = tl.arange(0, DK)
+        x_base = x_ptr + offs_m[None, :] * stride_xm + offs_dk[:, None]
+        uT = tl.zeros((R, BM), tl.float32)
+        for k in range(k_lo, k_hi, DK):
+            a = tl.load(a_ptr + offs_r[:, None] * K + (k + offs_dk)[None, :])
+            xt = tl.load(x_base + k, mask=m_mask[None, :], other=0.0)
+            uT = _dot(a, xt, uT, DOT_F32)
+    u_offs = offs_m[None, :] * R + offs_r[:, None]
+    tl.store(upart_ptr + split * M * R + u_offs, uT, mask=m_mask[None, :])
+    # every thread's stores must precede the (single-thread) release
+    tl.debug_barrier()
+    arrived = tl.atomic_add(u_lock, 1, sem="acq_rel")
+    if arrived == U_SPLIT - 1:
+        # all partials in one round trip while that stays within 4096 fp32 values in flight
+        UCHUNK: tl.constexpr = max(1, min(U_SPLIT, 4096 // (R * BM)))
+        uT = _sum_partials(upart_ptr + u_offs, M * R, m_mask[None, :], tl.zeros((R, BM), tl.float32), U_SPLIT,
+                           UCHUNK)
+        vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, R, H, BM, GATE, DOT_F32)
+        tl.store(v_ptr + u_offs, vT.to(v_ptr.dtype.element_ty), mask=m_mask[None, :])
+        tl.debug_barrier()
+        tl.atomic_add(u_lock, 1, sem="release")  # U_SPLIT + 1: v is ready
+
+
+@triton.jit
+def _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
+               CACHE: tl.constexpr):
+    """B_tile [BN, R] . v [R, tokens] as an [BN, BM] tile. At decode (MV tokens): one FMA row sum per
+    token on B's tile as loaded (the tensor-core dot's operand layouts would cost a round trip
+    through shared memory for a product of a few thousand FMAs); else a dot. CACHE ".cg" reads v
+    at L2, where another program of this launch wrote it ("" for the default)."""
+    if MV > 0:
+        cols = tl.arange(0, accT.shape[1])[None, :]
+        bv = tl.zeros_like(accT)
+        bf = bt.to(tl.float32)
+        m = tl.sum(m_mask.to(tl.int32))  # the decode loop has one m-tile: tokens 0 .. M - 1
+        for t in tl.static_range(MV):
+            vt = tl.load(v_ptr + t * R + offs_r, mask=(offs_r * 0 + t) < m, other=0.0, cache_modifier=CACHE)
+            bv += tl.where(cols == t, tl.sum(bf * vt.to(tl.float32)[None, :], axis=1)[:, None], 0.0)
+        return bv
+    else:
+        vT = tl.load(v_ptr + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :], other=0.0,
+                     cache_modifier=CACHE)
+        return _dot(bt, vT.to(bt.dtype), tl.zeros_like(accT), DOT_F32)
