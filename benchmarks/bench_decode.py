@@ -267,9 +267,10 @@ def main(argv=None) -> int:
     p.add_argument("--attn-max-splits", type=int,
                    help="decode attention: at most this many context splits (1: one program per sequence and "
                         "kv head; default: spear.kernels.attention.MAX_SPLITS)")
-    p.add_argument("--pdl", action="store_true",
+    p.add_argument("--pdl", nargs="?", const="trigger", default="off", choices=["off", "wait", "trigger"],
                    help="launch the decode kernels with programmatic dependent launch (Hopper; "
-                        "spear.kernels._common.set_pdl)")
+                        "spear.kernels._common.set_pdl): 'wait' lets a kernel start as the one before "
+                        "it exits, 'trigger' (the bare flag) as soon as that one's programs have started")
     p.add_argument("--no-fp16", action="store_true",
                    help="skip the FP16 baseline (A/B runs of the W4 kernels; no ratio to FP16)")
     p.add_argument("--profile", action="store_true",
@@ -296,12 +297,12 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown model shape(s) {unknown}; known: {sorted(SHAPES)}")
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
-    if args.pdl:
+    if args.pdl != "off":
         if device != "cuda":
             p.error("--pdl needs a CUDA GPU")
         from spear.kernels import _common
 
-        _common.set_pdl(True)
+        _common.set_pdl(args.pdl)
     if args.u_split_max is not None:
         from spear.kernels import w4a16
 
@@ -321,7 +322,7 @@ def main(argv=None) -> int:
               + (f", fused EC up to rank {args.fused_max_rank}" if args.fused_max_rank is not None else "")
               + (f", attention splits <= {args.attn_max_splits}" if args.attn_max_splits is not None else "")
               + (f", u programs <= {args.u_split_max}" if args.u_split_max is not None else "")
-              + (", programmatic dependent launch" if args.pdl else ""))
+              + (f", programmatic dependent launch ({args.pdl})" if args.pdl != "off" else ""))
     print(header, flush=True)
     max_len = args.prompt_len + args.warmup + args.gen + 1
     results = []

@@ -26,35 +26,42 @@ def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 # Programmatic dependent launch (Hopper): a kernel launched with it may start while the kernel
-# before it in the stream still runs, once every program of that one has started; it must wait
-# (griddepcontrol.wait) before it reads or writes anything the earlier kernel touches. The decode
-# kernels use the time to load their weights. Off by default; ``set_pdl`` turns it on for the
-# kernels of the decode step (W4 GEMM, RMSNorm, rotary + KV write, SiLU·mul, paged attention).
+# before it in the stream still runs; it must wait (griddepcontrol.wait) before it reads or
+# writes anything the earlier kernel touches. The decode kernels use the time to load their
+# weights. Off by default; ``set_pdl`` turns it on for the kernels of the decode step (W4 GEMM,
+# RMSNorm, rotary + KV write, SiLU·mul, paged attention). Two levels (the ``PDL`` constexpr):
+#   1 "wait": the next kernel may start as the programs of this one exit;
+#   2 "trigger": as soon as every program of this one has started (griddepcontrol.launch_dependents).
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     PDL_AVAILABLE = True
 except ImportError:  # a Triton without griddepcontrol
     PDL_AVAILABLE = False
-_PDL = [False]
+PDL_MODES = {"off": 0, "wait": 1, "trigger": 2}
+_PDL = [0]
 
 
-def set_pdl(on: bool) -> None:
-    """Launch the decode kernels with programmatic dependent launch (CUDA, Hopper or newer)."""
-    if on and (INTERPRET or not PDL_AVAILABLE):
+def set_pdl(mode) -> None:
+    """Launch the decode kernels with programmatic dependent launch (CUDA, Hopper or newer):
+    ``mode`` one of PDL_MODES ("off", "wait", "trigger"; True means "trigger", False "off")."""
+    level = {True: 2, False: 0}.get(mode) if isinstance(mode, bool) else PDL_MODES.get(mode)
+    if level is None:
+        raise ValueError(f"PDL mode must be one of {sorted(PDL_MODES)}; got {mode!r}")
+    if level and (INTERPRET or not PDL_AVAILABLE):
         raise ValueError("programmatic dependent launch needs Triton's griddepcontrol and a GPU "
                          "(not the interpreter)")
-    _PDL[0] = bool(on)
+    _PDL[0] = level
 
 
 def pdl() -> dict:
     """The ``PDL`` constexpr and launch option of a decode kernel's launch."""
-    return dict(PDL=True, launch_pdl=True) if _PDL[0] else dict(PDL=False)
+    return dict(PDL=_PDL[0], launch_pdl=True) if _PDL[0] else dict(PDL=0)
 
 
 @triton.jit
 def _pdl_start(PDL: tl.constexpr):
-    """Let the next kernel's programs start (they wait for this kernel before touching its data)."""
-    if PDL:
+    """At PDL 2: let the next kernel's programs start (they wait for this kernel before touching its data)."""
+    if PDL == 2:
         gdc_launch_dependents()
 
 

@@ -97,12 +97,12 @@ if __name__ == "__main__":
     for ec_mode, mv, bm in ((1, 1, 16), (0, 0, 64), (2, 0, 128)):  # the SiLU·mul epilogue
         compile_w4(bf16, ec_mode, mv, bm, kmajor=True, prefetch=bool(mv), act=1)
     for ec_mode, mv, prefetch in ((1, 1, True), (0, 1, False), (1, 0, False)):  # programmatic dependent launch
-        compile_w4(bf16, ec_mode, mv, 16, kmajor=True, prefetch=prefetch, pdl=True)
+        compile_w4(bf16, ec_mode, mv, 16, kmajor=True, prefetch=prefetch, pdl=2)
     compile_small(bf16)
     for head_dim, block_size, group in ((128, 16, 4), (128, 8, 1), (64, 32, 8), (256, 16, 4)):
         compile_attention("bf16" if bf16 else "fp16", head_dim, block_size, group)
     if not bf16:
         compile_attention("fp32", 128, 16, 4)
         compile_attention("fp16", 128, 16, 1, splits=1)
-        compile_attention("fp16", 128, 16, 4, pdl=True)
+        compile_attention("fp16", 128, 16, 4, pdl=2)
     print("ok")

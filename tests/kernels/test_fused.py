@@ -288,7 +288,7 @@ def compile(fn, ptrs, consts, scalars=None, **opts):
 
 for dt in ("fp16", "bf16", "fp32"):
     p = "*" + dt
-    for res, pdl in ((False, False), (True, False), (True, True)):
+    for res, pdl in ((False, False), (True, False), (True, 2)):
         compile(_rms_norm_kernel, dict(x_ptr=p, r_ptr=p, w_ptr=p, sum_ptr=p, out_ptr=p),
                 dict(N=4096, BLOCK=4096, HAS_RES=res, PDL=pdl), dict(eps="fp32"), num_warps=8)
     compile(_rms_norm_kernel, dict(x_ptr=p, r_ptr=p, w_ptr="*fp32", sum_ptr=p, out_ptr="*fp32"),
@@ -296,11 +296,11 @@ for dt in ("fp16", "bf16", "fp32"):
     for has_pos in (False, True):
         ptrs = {n: p for n in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "kc_ptr", "vc_ptr")}
         compile(_rope_kv_kernel, dict(ptrs, pos_ptr="*i64", slot_ptr="*i64"),
-                dict(H=32, HKV=8, D=128, BH=8, BD=64, HAS_POS=has_pos, PDL=has_pos),
+                dict(H=32, HKV=8, D=128, BH=8, BD=64, HAS_POS=has_pos, PDL=2 if has_pos else 0),
                 dict(stride_q="i32", stride_k="i32", stride_v="i32"), num_warps=4, enable_fp_fusion=False)
     k = compile(_silu_mul_kernel, dict(g_ptr=p, u_ptr=p, out_ptr=p), dict(BLOCK=1024),
                 dict(n="i32", cols="i32", stride_g="i32", stride_u="i32"), num_warps=4)
-    compile(_silu_mul_kernel, dict(g_ptr=p, u_ptr=p, out_ptr=p), dict(BLOCK=1024, PDL=True),
+    compile(_silu_mul_kernel, dict(g_ptr=p, u_ptr=p, out_ptr=p), dict(BLOCK=1024, PDL=2),
             dict(n="i32", cols="i32", stride_g="i32", stride_u="i32"), num_warps=4)
     if dt == "bf16":
         assert "cvt.rn.bf16.f32" in k.asm["ptx"]

@@ -113,8 +113,11 @@ def test_programmatic_dependent_launch_is_refused_off_the_gpu():
 
     if not _common.INTERPRET:
         pytest.skip("the interpreter's refusal")
-    with pytest.raises(ValueError, match="programmatic dependent launch"):
-        _common.set_pdl(True)
-    assert _common.pdl() == dict(PDL=False)
-    _common.set_pdl(False)
-    assert _common.pdl() == dict(PDL=False)
+    for mode in (True, "wait", "trigger"):
+        with pytest.raises(ValueError, match="programmatic dependent launch"):
+            _common.set_pdl(mode)
+    assert _common.pdl() == dict(PDL=0)
+    with pytest.raises(ValueError, match="PDL mode"):
+        _common.set_pdl("sometimes")
+    _common.set_pdl("off")
+    assert _common.pdl() == dict(PDL=0)

@@ -1,5 +1,7 @@
 """The engine on a CUDA GPU: CUDA-graph decode, the W4 kernels and fused compensators, against HF."""
 
+import copy
+
 import pytest
 import torch
 
@@ -61,15 +63,18 @@ def test_fp32_graph_decode_equals_hf():
 
 @pytest.fixture
 def pdl(request):
-    """Programmatic dependent launch for the decode kernels during one test (param True/False)."""
+    """Programmatic dependent launch of the decode kernels during one test (a mode of set_pdl)."""
     from spear.kernels import _common
 
     _common.set_pdl(request.param)
     yield request.param
-    _common.set_pdl(False)
+    _common.set_pdl("off")
 
 
-@pytest.mark.parametrize("pdl", [False, True], indirect=True)
+# "trigger" is left out: with it the last tokens of the last sequences come out wrong (logit gaps of
+# 2.5 to 7 against the reference; BENCHMARKS.md "Programmatic dependent launch"), so it is not offered
+# as a working mode
+@pytest.mark.parametrize("pdl", ["off", "wait"], indirect=True)
 @pytest.mark.parametrize("with_ec", [False, True])
 def test_w4_kernels_with_graphs_equal_the_reference_math(with_ec, pdl):
     """fp16 engine on the Triton kernels (graphs on) vs HF generate on the same W4(+EC) model in fp32;
@@ -84,9 +89,9 @@ def test_w4_kernels_with_graphs_equal_the_reference_math(with_ec, pdl):
             with torch.no_grad():
                 ec.w2.copy_(torch.randn(ec.w2.shape, generator=g) * 0.5)
             q.compensator = ec
-    ref_model = model.cuda()
+    ref_model = copy.deepcopy(model).cuda()  # fp32; the engine converts and re-wires `model` in place
     refs = [_hf_greedy(ref_model, p, 24) for p in PROMPTS]
-    eng = _engine(model.half())
+    eng = _engine(model.cuda().half())
     from spear.serve.w4_kernels import W4KernelLinear
 
     from spear.serve.fusion import FusedPart
@@ -99,7 +104,14 @@ def test_w4_kernels_with_graphs_equal_the_reference_math(with_ec, pdl):
     assert (with_ecs > 0) == with_ec
     outs = eng.generate(PROMPTS, GREEDY)
     got = [o.output_token_ids for o in outs]
-    # fp16 vs fp32 math: allow a late divergence on a near-tie, but the first 8 tokens must agree
-    for g_ids, r_ids in zip(got, refs):
-        assert g_ids[:8] == r_ids[:8], (g_ids, r_ids)
-    assert sum(a == b for g_ids, r_ids in zip(got, refs) for a, b in zip(g_ids, r_ids)) >= 0.9 * 24 * len(refs)
+    # fp16 vs fp32 math can flip a near-tie (prompt 3 has one at its 2nd token: margin 0.0017), after
+    # which the sequences part ways. So score every engine token against the fp32 model teacher-forced
+    # on the engine's own prefix: each must be the reference's argmax or within 0.05 of its logit.
+    exact = 0
+    for prompt, g_ids, r_ids in zip(PROMPTS, got, refs):
+        with torch.no_grad():
+            logits = ref_model(torch.tensor([prompt + g_ids], device="cuda")).logits[0, len(prompt) - 1:-1].float()
+        gap = logits.max(-1).values - logits[torch.arange(len(g_ids), device="cuda"), torch.tensor(g_ids, device="cuda")]
+        assert float(gap.max()) <= 0.05, (float(gap.max()), int(gap.argmax()), g_ids, r_ids)
+        exact += int((gap == 0).sum())
+    assert exact >= 0.9 * 24 * len(refs)
