@@ -9,10 +9,10 @@ and, without ``--quick``, the CUDA-core loop (M <= 4) over a sweep of BN, warps 
 against the tensor-core tiles. Same protocol as bench_kernels.py: RTN 4-bit, group 128,
 asymmetric, random non-zero weights; every launch checked against the fp32 reference at the
 real shape first (SQNR > 40 dB); CUDA graphs cycling through weight copies beyond 2x L2;
-median of replays. Writes gemv.json (every timing) and ``launch_table.json``: per layout,
-the CUDA-core launch with the best geometric mean at M = 1 and the largest M in (1, 2, 4)
-up to which it beats the tensor-core tiles (``bench_kernels.py --table`` and
-``bench_decode.py --table`` read it).
+median of replays. Writes gemv.json (every timing) and ``launch_table.json``: per layout and
+token class M = 1, 2, 4, the CUDA-core launch with the best geometric mean, and the largest M
+up to which it beats the tensor-core tiles (``--table`` here, in ``bench_kernels.py`` and in
+``bench_decode.py`` reads it).
 """
 
 from __future__ import annotations
@@ -80,29 +80,44 @@ def fma_configs(m, n, k, kmajor, grid=GRID):
                Config(16, bn, 128, _split_for(-(-n // bn), k, 128, prog), nw, ns, mv=mv, prefetch=bool(pf)))
 
 
+def _launch_entry(c: dict) -> dict:
+    e = dict(BN=c["BN"], BK=128, num_warps=c["num_warps"], num_stages=c.get("num_stages", 1), programs=c["programs"])
+    if c.get("prefetch"):
+        e["prefetch"] = True
+    return e
+
+
+def _best(rows, layout, m):
+    """(key, geomean us) of the CUDA-core launch with the best geometric mean over the shapes at M = m."""
+    rs = [r for r in rows if r["m"] == m and r[layout].get("sweep")]
+    if not rs:
+        return None, None, []
+    keys = set.intersection(*(set(k for k, v in r[layout]["sweep"].items() if "us" in v) for r in rs))
+    if not keys:
+        return None, None, rs
+    best = min(keys, key=lambda kk: geomean(r[layout]["sweep"][kk]["us"] for r in rs))
+    return best, geomean(r[layout]["sweep"][best]["us"] for r in rs), rs
+
+
 def launch_table(rows, layouts=LAYOUTS) -> dict:
-    """Per layout: the CUDA-core launch with the best geometric mean at M = 1, and how far up it wins."""
+    """Per layout: the CUDA-core launch with the best geometric mean at M = 1; for M = 2 and 4 the
+    best launch of that token class (kept when it differs from M = 1's); and the largest M up to
+    which the class's launch beats the tensor-core tiles."""
     table = {}
     for layout, kmajor in layouts.items():
         prefix = "fma_kmajor" if kmajor else "fma"
-        ones = [r for r in rows if r["m"] == 1 and r[layout].get("sweep")]
-        if not ones:
+        best1, _, ones = _best(rows, layout, 1)
+        if best1 is None:
             continue
-        keys = set.intersection(*(set(k for k, v in r[layout]["sweep"].items() if "us" in v) for r in ones))
-        if not keys:
-            continue
-        best = min(keys, key=lambda kk: geomean(r[layout]["sweep"][kk]["us"] for r in ones))
-        c = ones[0][layout]["sweep"][best]["launch"]
-        table[prefix] = dict(BN=c["BN"], BK=128, num_warps=c["num_warps"], num_stages=c.get("num_stages", 1),
-                             programs=c["programs"])
-        if c.get("prefetch"):
-            table[prefix]["prefetch"] = True
+        table[prefix] = _launch_entry(ones[0][layout]["sweep"][best1]["launch"])
+        table[prefix + "_by_mv"] = {}
         table[prefix + "_max_m"] = 0
         for m in (1, 2, 4):
-            rs = [r for r in rows if r["m"] == m and best in r[layout].get("sweep", {})
-                  and "us" in r[layout]["sweep"][best]]
-            if not rs or geomean(r[layout]["sweep"][best]["us"] for r in rs) >= geomean(r[layout]["tc_us"] for r in rs):
+            best, us, rs = _best(rows, layout, m)
+            if best is None or us >= geomean(r[layout]["tc_us"] for r in rs):
                 break
+            if best != best1:
+                table[prefix + "_by_mv"][str(m)] = _launch_entry(rs[0][layout]["sweep"][best]["launch"])
             table[prefix + "_max_m"] = m
     return table
 
@@ -115,12 +130,15 @@ def main(argv=None) -> int:
     p.add_argument("--all-shapes", action="store_true", help="with --quick: the five shapes of the sweep")
     p.add_argument("--budget-s", type=float, default=300, help="stop sweeping after this many seconds")
     p.add_argument("--layouts", default="nmajor,kmajor", help="comma-separated: nmajor, kmajor")
+    p.add_argument("--table", help="launch_table.json to dispatch with (e.g. from an earlier sweep)")
     for key, vals in GRID.items():
         p.add_argument("--" + key.replace("_", "-"), default=",".join(map(str, vals)),
                        help=f"sweep values of {key} (default: %(default)s)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
+    if args.table:
+        w4a16.LAUNCH.update(json.loads(Path(args.table).read_text()))
     ms = [int(v) for v in (args.ms or ("1,16,512" if args.quick else "1,2,4,16")).split(",")]
     layouts = {name: LAYOUTS[name] for name in args.layouts.split(",")}
     grid = {key: [int(v) for v in getattr(args, key).split(",")] for key in GRID}

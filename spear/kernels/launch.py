@@ -40,9 +40,13 @@ LAUNCH = {
     # longer programs win. BN 64, 2 warps, ~528 programs: best geometric mean over the five 7B/8B
     # shapes at M = 1 in the first sweep; ~396 was as good standalone in the second, but slower in
     # the engine (same run, Llama-2-7B / Llama-3-8B W4 batch 1: 2.62 / 2.80 ms against 2.68 / 3.04).
-    # Ahead of the tensor-core tiles at M = 1, 2.
-    "fma_kmajor_max_m": 2,
     "fma_kmajor": dict(BN=64, BK=128, num_warps=2, num_stages=1, programs=528, prefetch=True),
+    # per token class (MV "2", "4"; JSON keys), the launch with the best geometric mean over the
+    # five shapes in the sweep of 2026-11-30 (BENCHMARKS.md "Launches per token class"); classes
+    # not listed use the M = 1 launch above. With them the loop beats the tensor-core tiles up to M = 4.
+    "fma_kmajor_by_mv": {"2": dict(BN=64, BK=128, num_warps=2, num_stages=3, programs=528),
+                         "4": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=264, prefetch=True)},
+    "fma_kmajor_max_m": 4,
     "tc": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=512),    # split-K tensor-core decode
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
 }
@@ -61,9 +65,9 @@ def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -
     kmax = group_size if group_size else k  # BK must divide a group (one scale per step)
     fma = "fma_kmajor" if kmajor else "fma"
     if m <= LAUNCH[fma + "_max_m"]:
-        c = LAUNCH[fma]
-        bk = min(c["BK"], kmax)
         mv = 1 if m == 1 else (2 if m == 2 else 4)
+        c = LAUNCH.get(fma + "_by_mv", {}).get(str(mv), LAUNCH[fma])
+        bk = min(c["BK"], kmax)
         split = _split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=mv,
                       prefetch=bool(kmajor and c.get("prefetch", False)))

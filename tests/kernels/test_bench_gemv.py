@@ -39,3 +39,22 @@ def test_launch_table_takes_the_best_geomean_and_its_stages():
     table = g.launch_table(rows, {"kmajor": True})
     assert table["fma_kmajor"] == dict(BN=64, BK=128, num_warps=2, num_stages=3, programs=528, prefetch=True)
     assert table["fma_kmajor_max_m"] == 2
+    assert table["fma_kmajor_by_mv"] == {}  # M = 2's best is M = 1's launch
+
+
+def test_launch_table_keeps_a_token_class_launch_of_its_own():
+    g = _load()
+
+    def row(m, us_by_key, tc_us):
+        launches = {"A": dict(BN=64, num_warps=2, programs=528, prefetch=True, num_stages=1),
+                    "B": dict(BN=64, num_warps=4, programs=264, prefetch=False, num_stages=2)}
+        return {"m": m, "kmajor": {"sweep": {k: dict(launch=launches[k], us=us) for k, us in us_by_key.items()},
+                                   "tc_us": tc_us}}
+
+    # M = 1: A best; M = 2: B best and ahead of the tiles; M = 4: B best but behind the tiles
+    rows = [row(1, dict(A=8.0, B=9.0), 12.0), row(2, dict(A=12.0, B=10.0), 11.0),
+            row(4, dict(A=16.0, B=13.0), 12.5)]
+    table = g.launch_table(rows, {"kmajor": True})
+    assert table["fma_kmajor"]["num_warps"] == 2 and table["fma_kmajor"]["prefetch"]
+    assert table["fma_kmajor_by_mv"] == {"2": dict(BN=64, BK=128, num_warps=4, num_stages=2, programs=264)}
+    assert table["fma_kmajor_max_m"] == 2

@@ -248,6 +248,22 @@ def test_pick_config_fills_the_gpu_at_decode():
     assert pick_config(2048, 4096, 4096, 128).split_k == 1
 
 
+def test_pick_config_reads_a_token_class_launch(monkeypatch):
+    from spear.kernels import launch
+
+    table = dict(launch.LAUNCH, fma_kmajor_max_m=4,
+                 fma_kmajor=dict(BN=64, BK=128, num_warps=2, num_stages=1, programs=528, prefetch=True),
+                 fma_kmajor_by_mv={"4": dict(BN=64, BK=128, num_warps=4, num_stages=2, programs=264)})
+    monkeypatch.setattr(launch, "LAUNCH", table)
+    one, two, four = (launch.pick_config(m, 4096, 4096, 128, kmajor=True) for m in (1, 2, 3))
+    assert (one.mv, one.num_warps, one.prefetch) == (1, 2, True)
+    assert (two.mv, two.num_warps, two.num_stages) == (2, 2, 1)  # no class launch: M = 1's
+    assert (four.mv, four.num_warps, four.num_stages, four.prefetch) == (4, 4, 2, False)
+    # smallest power-of-two split reaching the programs: 64 column tiles x 8 >= 264; x 16 >= 528
+    assert (four.split_k, one.split_k) == (8, 16)
+    assert launch.pick_config(5, 4096, 4096, 128, kmajor=True).mv == 0  # above max_m: tensor-core tiles
+
+
 # Real shapes (q/o and down of Llama-2-7B / Llama-3-8B) on the GPU, same checks.
 GPU_SHAPES = [(4096, 4096, 128, False, torch.float16), (4096, 14336, 0, True, torch.bfloat16),
               (11008, 4096, 64, False, torch.bfloat16)]
