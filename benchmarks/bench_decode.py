@@ -267,6 +267,9 @@ def main(argv=None) -> int:
     p.add_argument("--attn-max-splits", type=int,
                    help="decode attention: at most this many context splits (1: one program per sequence and "
                         "kv head; default: spear.kernels.attention.MAX_SPLITS)")
+    p.add_argument("--attn-min-split-tiles", type=int,
+                   help="decode attention: key tiles per context split at the least (default: "
+                        "spear.kernels.attention.MIN_SPLIT_TILES)")
     p.add_argument("--pdl", nargs="?", const="trigger", default="off", choices=["off", "wait", "trigger"],
                    help="launch the decode kernels with programmatic dependent launch (Hopper; "
                         "spear.kernels._common.set_pdl): 'wait' lets a kernel start as the one before "
@@ -311,6 +314,12 @@ def main(argv=None) -> int:
         from spear.kernels import attention
 
         attention.MAX_SPLITS = args.attn_max_splits
+    if args.attn_min_split_tiles is not None:
+        if args.attn_min_split_tiles < 1:
+            p.error("--attn-min-split-tiles must be >= 1")
+        from spear.kernels import attention
+
+        attention.MIN_SPLIT_TILES = args.attn_min_split_tiles
     if args.fused_max_rank is not None:
         from spear.kernels import ops
 

@@ -33,9 +33,12 @@ Under the interpreter (DOT_F32) the dots run on fp32 copies of the same rounded 
 Split context (flash-decoding, one launch). B × n_kv_heads programs leave most of the GPU
 idle at small batch (Llama-2-7B at batch 1: 32 programs, each walking its context tile by
 tile, two dependent memory round trips per tile). So the grid is (B, n_kv_heads, splits):
-split s walks keys [s·chunk, (s+1)·chunk) of the context. The number of splits and the chunk
-are fixed per launch from the block table's width (so a CUDA graph captures them) and the
-batch (about 256 programs); splits past a sequence's context exit at once. A sequence whose
+split s walks keys [s·chunk, (s+1)·chunk) of the context. The number of splits is fixed per
+launch from the block table's width and the batch (about 256 programs), so a CUDA graph
+captures it; each program computes its sequence's chunk from the context length it reads on
+the device (the sequence's key tiles spread over the splits, at least MIN_SPLIT_TILES each),
+so a short context is split as finely as a long one; splits past a sequence's context exit
+at once. A sequence whose
 context fits one chunk is finished by its one active split as before. Otherwise every
 active split writes its fp32 partial (running max m, sum l, unnormalised output) to a
 workspace and bumps a counter of its (sequence, kv head); the split that arrives last
@@ -70,14 +73,14 @@ def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr,
     part_ptr,      # fp32 (B, n_kv_heads, SPLITS, GROUP_PAD, HEAD_DIM + 2): o, then m and l per row
     count_ptr,     # int32 (B * n_kv_heads,) arrival counters, zero on entry and on exit
-    qk_scale, max_blocks, chunk,
+    qk_scale, max_blocks,
     stride_qb, stride_qh, stride_ob,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_bt, stride_len,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr, DOT_F32: tl.constexpr,
-    SPLITS: tl.constexpr, PDL: tl.constexpr = False,
+    SPLITS: tl.constexpr, MIN_TILES: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     _pdl_start(PDL)
     _pdl_wait(PDL)
@@ -93,7 +96,9 @@ def _paged_decode_kernel(
 
     # keys past the block table do not exist (the reference's mask is over the table's length)
     ctx = tl.minimum(tl.load(lens_ptr + b * stride_len).to(tl.int32), max_blocks * BLOCK_SIZE)
-    active = tl.cdiv(ctx, chunk)  # splits holding at least one key
+    # this sequence's chunk: its key tiles spread over the splits, at least MIN_TILES each
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS), MIN_TILES) * BLOCK_N
+    active = tl.cdiv(ctx, chunk)  # splits holding at least one key (<= SPLITS)
     if split == 0 or split < active:
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
                     other=0.0)
@@ -244,6 +249,7 @@ def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
 
 TARGET_PROGRAMS = 256  # split the context until the grid has about this many programs
 MAX_SPLITS = 32
+MIN_SPLIT_TILES = 1  # key tiles per split at the least: a split costs a partial write and the merge
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -257,14 +263,20 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def split_config(batch: int, kv_heads: int, max_ctx: int, block_n: int) -> tuple[int, int]:
-    """(splits, keys per split) for a launch: a power of two of splits, at most MAX_SPLITS, until the
-    grid has about TARGET_PROGRAMS programs; each split a whole number of key tiles."""
+def split_config(batch: int, kv_heads: int, max_ctx: int, block_n: int) -> int:
+    """Context splits of a launch: a power of two, at most MAX_SPLITS and at most the key tiles of
+    the block table's width, until the grid has about TARGET_PROGRAMS programs."""
     tiles = triton.cdiv(max_ctx, block_n)
     splits = 1
     while splits * 2 <= min(tiles, MAX_SPLITS) and batch * kv_heads * splits * 2 <= TARGET_PROGRAMS:
         splits *= 2
-    return splits, triton.cdiv(tiles, splits) * block_n
+    return splits
+
+
+def split_chunk(ctx: int, splits: int, block_n: int, min_tiles: int | None = None) -> int:
+    """Keys per split for a sequence of ``ctx`` keys (the kernel's rule, for tests and planning)."""
+    min_tiles = MIN_SPLIT_TILES if min_tiles is None else min_tiles
+    return max(triton.cdiv(triton.cdiv(ctx, block_n), splits), min_tiles) * block_n
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -293,9 +305,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tile, num_warps = launch_config(q.dtype, head_dim)
     block_n = block_n or tile
     max_ctx = block_tables.shape[1] * block_size
-    n_split, chunk = split_config(b, kv_heads, max_ctx, block_n)
-    if splits is not None:
-        n_split, chunk = splits, triton.cdiv(triton.cdiv(max_ctx, block_n), splits) * block_n
+    n_split = splits or split_config(b, kv_heads, max_ctx, block_n)
+    if MIN_SPLIT_TILES < 1:
+        raise ValueError(f"attention.MIN_SPLIT_TILES must be >= 1; got {MIN_SPLIT_TILES}")
     if n_split > 1:
         part = _common.alloc((b, kv_heads, n_split, group_pad, head_dim + 2), dtype=torch.float32, device=q.device)
         counters = _counters(q.device, b * kv_heads)
@@ -304,13 +316,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kernel = _paged_decode_kernel if launch is None else launch(_paged_decode_kernel)
     kernel[(b, kv_heads, n_split)](
         q, k_cache, v_cache, block_tables, context_lens, out, part, counters,
-        float(scale) * LOG2E, block_tables.shape[1], chunk,
+        float(scale) * LOG2E, block_tables.shape[1],
         q.stride(0), q.stride(1), out.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), context_lens.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, IS_FP32=q.dtype == torch.float32, DOT_F32=INTERPRET,
-        SPLITS=n_split, num_warps=num_warps, num_stages=2, **_common.pdl(),
+        SPLITS=n_split, MIN_TILES=MIN_SPLIT_TILES, num_warps=num_warps, num_stages=2, **_common.pdl(),
     )
     return out

@@ -97,13 +97,15 @@ def test_paged_decode_attention(poisoned, block_size, ratio, head_dim, dtype, bl
     _check(out.cpu(), _reference(q, k, v, tables, lens, scale), dtype, what)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 8])
+@pytest.mark.parametrize("splits,min_tiles", [(1, 1), (2, 1), (8, 1), (8, 2)])
 @pytest.mark.parametrize("ratio,dtype", [(1, torch.float16), (4, torch.float32)])
-def test_split_context_merges_exactly(poisoned, splits, ratio, dtype):
+def test_split_context_merges_exactly(poisoned, monkeypatch, splits, min_tiles, ratio, dtype):
     """One split (no merge), two (chunks of several tiles), eight (more splits than some contexts
-    have tiles: empty splits exit); the counters are left at zero for the next call."""
+    have tiles: empty splits exit), eight with two tiles per split at the least; the counters are
+    left at zero for the next call."""
     from spear.kernels import attention
 
+    monkeypatch.setattr(attention, "MIN_SPLIT_TILES", min_tiles)
     q, kp, vp, k, v, tables, lens = make_batch(CONTEXT_LENS, 2 * ratio, 2, 32, 8, dtype, seed=splits + ratio)
     ref = _reference(q, k, v, tables, lens, 32 ** -0.5)
     for _ in range(2):  # a second call over the same counters
@@ -113,17 +115,23 @@ def test_split_context_merges_exactly(poisoned, splits, ratio, dtype):
             assert int(attention._COUNTERS[out.device].abs().sum()) == 0, "merge counters not reset"
 
 
-def test_split_config():
-    from spear.kernels.attention import MAX_SPLITS, split_config
+def test_split_config_and_chunks():
+    from spear.kernels.attention import MAX_SPLITS, split_chunk, split_config
 
-    assert split_config(1, 32, 4096, 64) == (8, 512)        # 32 kv heads x 8 splits = 256 programs
-    assert split_config(1, 8, 4096, 64) == (32, 128)        # GQA: more splits, capped
-    assert split_config(1, 8, 200, 64) == (4, 64)           # 4 tiles: one per split
-    assert split_config(64, 32, 4096, 64) == (1, 4096)      # enough programs without splitting
-    assert split_config(1, 1, 10 ** 6, 64)[0] == MAX_SPLITS
-    for b, h, ctx, n in ((3, 5, 1000, 32), (1, 8, 17, 16)):
-        splits, chunk = split_config(b, h, ctx, n)
-        assert chunk % n == 0 and splits * chunk >= ctx
+    assert split_config(1, 32, 4096, 64) == 8        # 32 kv heads x 8 splits = 256 programs
+    assert split_config(1, 8, 4096, 64) == 32        # GQA: more splits, capped
+    assert split_config(1, 8, 200, 64) == 4          # the table's 4 tiles: one per split
+    assert split_config(64, 32, 4096, 64) == 1       # enough programs without splitting
+    assert split_config(1, 1, 10 ** 6, 64) == MAX_SPLITS
+    # a sequence's chunk follows its own context, not the table's width: 192 keys over 8 splits
+    # are 3 splits of one 64-key tile (the table-wide chunk would have been 512 keys, one split)
+    assert split_chunk(192, 8, 64, min_tiles=1) == 64
+    assert split_chunk(192, 8, 64, min_tiles=2) == 128   # 2 splits: 128 + 64 keys
+    assert split_chunk(4096, 8, 64, min_tiles=1) == 512
+    assert split_chunk(0, 8, 64, min_tiles=1) == 64      # no keys: split 0 writes zeros
+    for ctx, splits, n in ((1000, 4, 32), (17, 8, 16), (5000, 32, 64)):
+        chunk = split_chunk(ctx, splits, n, min_tiles=1)
+        assert chunk % n == 0 and splits * chunk >= ctx and -(-ctx // chunk) <= splits
 
 
 def test_int32_tables_and_clamped_context():
