@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# Two device calls (each under the 10-minute limit) for what the last CPU work left to time.
+# Device calls (each under the 10-minute limit) for what the last CPU work left to time.
 #   scripts/gpu_next.sh 1 OUT_DIR: GPU tests of the kernels and the engine, then the full decode
 #     benchmark (FP16, W4, W4+EC at 1/8/32/64 sequences) for the README table (~8 min);
-#   scripts/gpu_next.sh 2 OUT_DIR: batch 1 with the attention's context splits off at short
-#     contexts (the A/B against part 1), bench_kernels.py --quick (the kernel-floor rows), the W4 op as
-#     dispatched at M = 1..16, and which pair of decode kernels breaks the engine's output under
-#     programmatic dependent launch at the "trigger" level (~9 min).
+#   scripts/gpu_next.sh 2 OUT_DIR: Llama-2-7B batch 1 with the attention's context splits off at
+#     short contexts (the A/B against part 1), then programmatic dependent launch off / "wait"
+#     alternated twice, then bench_kernels.py --quick (the kernel-floor rows) (~9 min);
+#   scripts/gpu_next.sh 3 OUT_DIR: the W4 op as dispatched at M = 1..16, and which pair of decode
+#     kernels breaks the engine's output under PDL at the "trigger" level (~3 min).
 set -uo pipefail
-part=${1:?usage: scripts/gpu_next.sh 1|2 OUT_DIR}
-out=${2:?usage: scripts/gpu_next.sh 1|2 OUT_DIR}
+part=${1:?usage: scripts/gpu_next.sh 1|2|3 OUT_DIR}
+out=${2:?usage: scripts/gpu_next.sh 1|2|3 OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-if [ "$part" = 1 ]; then
+b1() {  # name extra-args...: Llama-2-7B, batch 1, W4 and W4+EC in one process
+  local name=$1; shift
+  timeout 100 python benchmarks/bench_decode.py --models Llama-2-7B --batches 1 --no-fp16 \
+    --out "$out/decode-$name" "$@" > "$out/decode-$name.txt" 2>&1
+  echo "== $name"; grep -E "^\| Llama" "$out/decode-$name.txt"
+}
+case "$part" in
+1)
   { timeout 150 python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_kernels.py \
       tests/kernels/test_attention.py -k "real_shapes_kmajor or silu_mul or attention" 2>&1 | tail -2
     timeout 90 python -m pytest -q -p no:cacheprovider -m gpu tests/serve/test_gpu.py 2>&1 \
@@ -20,20 +28,20 @@ if [ "$part" = 1 ]; then
   grep -q failed "$out/tests.txt" && exit 1
   timeout 330 python benchmarks/bench_decode.py --out "$out/decode" > "$out/decode.txt" 2>&1
   grep -E "^\| Llama" "$out/decode.txt"
-  tar -C "$out" -czf "$out/decode.tgz" decode
-else
-  # attention split by each sequence's own context (default) against no split at short contexts;
-  # compare with part 1's batch-1 rows
-  timeout 110 python benchmarks/bench_decode.py --batches 1 --no-fp16 --attn-min-split-tiles 1000 \
-    --out "$out/decode-nosplit" > "$out/decode-nosplit.txt" 2>&1
-  echo "== one split per short context"; grep -E "^\| Llama" "$out/decode-nosplit.txt"
+  tar -C "$out" -czf "$out/decode.tgz" decode ;;
+2)
+  b1 nosplit --attn-min-split-tiles 1000
+  b1 pdl-off-1; b1 pdl-wait-1 --pdl wait; b1 pdl-off-2; b1 pdl-wait-2 --pdl wait
   timeout 200 python benchmarks/bench_kernels.py --quick --budget-s 170 --out "$out/kernels" > "$out/kernels.txt" 2>&1
   tail -30 "$out/kernels.txt"
+  tar -C "$out" -czf "$out/part2.tgz" kernels decode-* ;;
+3)
   timeout 60 python benchmarks/bench_gemv.py --out "$out/gemv" --layouts kmajor --quick --all-shapes \
     --ms 1,2,3,4,8,16 > "$out/gemv.txt" 2>&1
   grep -E "median" "$out/gemv.txt"
   for only in w4a16.py,_launch_norm w4a16.py,rope_write_kv _launch_norm,rope_write_kv; do
     timeout 40 python benchmarks/check_pdl.py trigger --only "$only" 2>&1 | grep -E "^trigger"
   done
-  tar -C "$out" -czf "$out/kernels.tgz" kernels gemv decode-nosplit
-fi
+  tar -C "$out" -czf "$out/part3.tgz" gemv ;;
+*) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
+esac
