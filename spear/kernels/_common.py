@@ -245,11 +245,19 @@ add.f32 $0, flo, fhi;
 
 
 @triton.jit
-def _ld_v4(ptr):
+def _ld_v4(ptr, NC: tl.constexpr = True):
     """Four int32 words at each 16-byte-aligned address of ``ptr`` (int32 pointers), one
-    vector load each: Triton splits loads of 1-D tensors broadcast across a tile into words."""
-    return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
-                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    vector load each: Triton splits loads of 1-D tensors broadcast across a tile into words.
+    ``NC``: through the non-coherent read-only cache, valid only for data no other kernel writes
+    during this kernel's lifetime. A kernel launched at PDL level 2 ("trigger") is resident while
+    the kernels before it still run (and while the memory it will read is still being reused and
+    rewritten), so it must load coherently (NC False)."""
+    if NC:
+        return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
 
 @triton.jit

@@ -105,14 +105,14 @@ def _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs
 
 
 @triton.jit
-def _x_rows(x_ptr, t: tl.constexpr, stride_xm, k, rows, M):
+def _x_rows(x_ptr, t: tl.constexpr, stride_xm, k, rows, M, NC: tl.constexpr):
     """Token t's activations of each row at step k: 4 int32 words (fp16 pairs at k-offsets 2i,
     2i + 1), one 16-byte load per row. A token t >= M reads token 0's words and returns zeros."""
     if t > 0:
         tt = tl.where(t < M, t, 0)
     else:
         tt = 0
-    w0, w1, w2, w3 = _ld_v4(x_ptr.to(tl.pointer_type(tl.int32)) + (tt * stride_xm + k) // 2 + 4 * rows)
+    w0, w1, w2, w3 = _ld_v4(x_ptr.to(tl.pointer_type(tl.int32)) + (tt * stride_xm + k) // 2 + 4 * rows, NC)
     if t > 0:
         live = (rows * 0 + t) < M
         w0 = tl.where(live, w0, 0)
@@ -123,10 +123,10 @@ def _x_rows(x_ptr, t: tl.constexpr, stride_xm, k, rows, M):
 
 
 @triton.jit
-def _token_rows(x_ptr, t: tl.constexpr, stride_xm, k, rows, H: tl.constexpr, M):
+def _token_rows(x_ptr, t: tl.constexpr, stride_xm, k, rows, H: tl.constexpr, M, NC: tl.constexpr = True):
     """``_x_rows`` of token t for both half tiles of step k (rows and rows + H)."""
-    x0, x1, x2, x3 = _x_rows(x_ptr, t, stride_xm, k, rows, M)
-    y0, y1, y2, y3 = _x_rows(x_ptr, t, stride_xm, k, rows + H, M)
+    x0, x1, x2, x3 = _x_rows(x_ptr, t, stride_xm, k, rows, M, NC)
+    y0, y1, y2, y3 = _x_rows(x_ptr, t, stride_xm, k, rows + H, M, NC)
     return x0, x1, x2, x3, y0, y1, y2, y3
 
 
@@ -179,6 +179,7 @@ def _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, 
     to the last step, so no load is masked by K) are issued before the math of step k; with PDL
     the first step's weights are loaded before waiting for the kernel that wrote x."""
     H: tl.constexpr = BK // 16
+    NC: tl.constexpr = PDL != 2  # activations through the read-only cache unless launched early (_ld_v4)
     rows = tl.arange(0, H)
     w_lo = qw_ptr + rows[:, None] * N + offs_n[None, :]
     w_hi = w_lo + H * N
@@ -201,23 +202,23 @@ def _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, 
         p, q, sz = _ptx_step(w_lo, w_hi, n_mask2, scales_ptr, zeros_ptr, offs_n, n_mask, k0, N, sz,
                              GROUP, SYMMETRIC)
         _pdl_wait(PDL)
-        x0, x1, x2, x3, y0, y1, y2, y3 = _token_rows(x_ptr, 0, stride_xm, k0, rows, H, M)
+        x0, x1, x2, x3, y0, y1, y2, y3 = _token_rows(x_ptr, 0, stride_xm, k0, rows, H, M, NC)
         if MV > 1:
-            u0, u1, u2, u3, v0, v1, v2, v3 = _token_rows(x_ptr, 1, stride_xm, k0, rows, H, M)
+            u0, u1, u2, u3, v0, v1, v2, v3 = _token_rows(x_ptr, 1, stride_xm, k0, rows, H, M, NC)
     for k in range(k_lo, k_hi, BK):
         if PREFETCH:
             kn = tl.minimum(k + BK, k_last)
             pn, qn, szn = _ptx_step(w_lo, w_hi, n_mask2, scales_ptr, zeros_ptr, offs_n, n_mask, kn, N, sz,
                                     GROUP, SYMMETRIC)
-            nx0, nx1, nx2, nx3, ny0, ny1, ny2, ny3 = _token_rows(x_ptr, 0, stride_xm, kn, rows, H, M)
+            nx0, nx1, nx2, nx3, ny0, ny1, ny2, ny3 = _token_rows(x_ptr, 0, stride_xm, kn, rows, H, M, NC)
             if MV > 1:
-                nu0, nu1, nu2, nu3, nv0, nv1, nv2, nv3 = _token_rows(x_ptr, 1, stride_xm, kn, rows, H, M)
+                nu0, nu1, nu2, nu3, nv0, nv1, nv2, nv3 = _token_rows(x_ptr, 1, stride_xm, kn, rows, H, M, NC)
         else:
             p, q, sz = _ptx_step(w_lo, w_hi, n_mask2, scales_ptr, zeros_ptr, offs_n, n_mask, k, N, sz,
                                  GROUP, SYMMETRIC)
-            x0, x1, x2, x3, y0, y1, y2, y3 = _token_rows(x_ptr, 0, stride_xm, k, rows, H, M)
+            x0, x1, x2, x3, y0, y1, y2, y3 = _token_rows(x_ptr, 0, stride_xm, k, rows, H, M, NC)
             if MV > 1:
-                u0, u1, u2, u3, v0, v1, v2, v3 = _token_rows(x_ptr, 1, stride_xm, k, rows, H, M)
+                u0, u1, u2, u3, v0, v1, v2, v3 = _token_rows(x_ptr, 1, stride_xm, k, rows, H, M, NC)
         if GROUP > 0:
             s16, zn, zn16 = _scale_zero(sz, H, BN)
         a0 = _pair_dot(a0, p, q, zn, zn16, x0, x1, x2, x3, y0, y1, y2, y3, s16, GROUP > 0)
@@ -225,9 +226,9 @@ def _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, 
             a1 = _pair_dot(a1, p, q, zn, zn16, u0, u1, u2, u3, v0, v1, v2, v3, s16, GROUP > 0)
         if MV > 2:
             # tokens 2 and 3 (M = 3, 4 only): activations loaded at the step that uses them
-            c0, c1, c2, c3, d0, d1, d2, d3 = _token_rows(x_ptr, 2, stride_xm, k, rows, H, M)
+            c0, c1, c2, c3, d0, d1, d2, d3 = _token_rows(x_ptr, 2, stride_xm, k, rows, H, M, NC)
             a2 = _pair_dot(a2, p, q, zn, zn16, c0, c1, c2, c3, d0, d1, d2, d3, s16, GROUP > 0)
-            c0, c1, c2, c3, d0, d1, d2, d3 = _token_rows(x_ptr, 3, stride_xm, k, rows, H, M)
+            c0, c1, c2, c3, d0, d1, d2, d3 = _token_rows(x_ptr, 3, stride_xm, k, rows, H, M, NC)
             a3 = _pair_dot(a3, p, q, zn, zn16, c0, c1, c2, c3, d0, d1, d2, d3, s16, GROUP > 0)
         if PREFETCH:
             p, q, sz = pn, qn, szn
