@@ -270,10 +270,11 @@ def main(argv=None) -> int:
     p.add_argument("--attn-min-split-tiles", type=int,
                    help="decode attention: key tiles per context split at the least (default: "
                         "spear.kernels.attention.MIN_SPLIT_TILES)")
-    p.add_argument("--pdl", nargs="?", const="trigger", default="off", choices=["off", "wait", "trigger"],
+    p.add_argument("--pdl", nargs="?", const="wait", default="off", choices=["off", "wait", "trigger"],
                    help="launch the decode kernels with programmatic dependent launch (Hopper; "
-                        "spear.kernels._common.set_pdl): 'wait' lets a kernel start as the one before "
-                        "it exits, 'trigger' (the bare flag) as soon as that one's programs have started")
+                        "spear.kernels._common.set_pdl): 'wait' (the bare flag) lets a kernel start as the "
+                        "one before it exits, 'trigger' as soon as that one's programs have started (for "
+                        "study: its output is not yet shown right, see benchmarks/check_pdl.py)")
     p.add_argument("--no-fp16", action="store_true",
                    help="skip the FP16 baseline (A/B runs of the W4 kernels; no ratio to FP16)")
     p.add_argument("--profile", action="store_true",
