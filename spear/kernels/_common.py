@@ -164,24 +164,38 @@ def _tanh(z):
 
 
 @triton.jit
+def _gate_params(w1_ptr, b1_ptr, w2_ptr, b2_ptr, R: tl.constexpr, H: tl.constexpr):
+    """The gate MLP's weights (w1 [H, R], b1 [H], w2 [R, H], b2 [R]), loaded for ``_gate_apply``."""
+    offs_r = tl.arange(0, R)
+    offs_h = tl.arange(0, H)
+    w1 = tl.load(w1_ptr + offs_h[:, None] * R + offs_r[None, :])
+    b1 = tl.load(b1_ptr + offs_h)
+    w2 = tl.load(w2_ptr + offs_r[:, None] * H + offs_h[None, :])
+    b2 = tl.load(b2_ptr + offs_r)
+    return w1, b1, w2, b2
+
+
+@triton.jit
+def _gate_apply(uT, w1, b1, w2, b2, bound, H: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
+                DOT_F32: tl.constexpr):
+    """v = gamma(u) ⊙ u on a transposed tile uT [R, BM] fp32 (ranks x tokens), the gate's weights
+    given (``_gate_params``). The two small dots take the gate input in the parameter dtype
+    (tensor cores); the nonlinearities and the product with u stay in fp32."""
+    hT = _dot(w1, uT.to(w1.dtype), tl.zeros((H, BM), tl.float32), DOT_F32)
+    hT = hT + b1.to(tl.float32)[:, None]
+    hT = hT * _sigmoid(hT)
+    gT = _dot(w2, hT.to(w2.dtype), tl.zeros((R, BM), tl.float32), DOT_F32)
+    gT = gT + b2.to(tl.float32)[:, None]
+    return (1.0 + bound * _tanh(gT)) * uT
+
+
+@triton.jit
 def _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound,
              R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, GATE: tl.constexpr, DOT_F32: tl.constexpr):
-    """v = gamma(u) ⊙ u on a transposed tile uT [R, BM] fp32 (ranks x tokens).
-
-    The two small dots take the gate input in the parameter dtype (tensor cores); the
-    nonlinearities and the product with u stay in fp32.
-    """
+    """v = gamma(u) ⊙ u on a transposed tile uT [R, BM] fp32 (ranks x tokens); GATE False: v = u."""
     if GATE:
-        offs_r = tl.arange(0, R)
-        offs_h = tl.arange(0, H)
-        w1 = tl.load(w1_ptr + offs_h[:, None] * R + offs_r[None, :])
-        hT = _dot(w1, uT.to(w1.dtype), tl.zeros((H, BM), tl.float32), DOT_F32)
-        hT = hT + tl.load(b1_ptr + offs_h).to(tl.float32)[:, None]
-        hT = hT * _sigmoid(hT)
-        w2 = tl.load(w2_ptr + offs_r[:, None] * H + offs_h[None, :])
-        gT = _dot(w2, hT.to(w2.dtype), tl.zeros((R, BM), tl.float32), DOT_F32)
-        gT = gT + tl.load(b2_ptr + offs_r).to(tl.float32)[:, None]
-        return (1.0 + bound * _tanh(gT)) * uT
+        w1, b1, w2, b2 = _gate_params(w1_ptr, b1_ptr, w2_ptr, b2_ptr, R, H)
+        return _gate_apply(uT, w1, b1, w2, b2, bound, H, BM, R, DOT_F32)
     else:
         return uT
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spear.kernels._common import _dot, _ec_gate, _pdl_wait, _sum_partials, _tokens_to_accT
+from spear.kernels._common import _dot, _gate_apply, _gate_params, _pdl_wait, _sum_partials, _tokens_to_accT
 
 
 @triton.jit
@@ -83,6 +83,10 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
             xt = tl.load(x_base + k, mask=m_mask[None, :], other=0.0)
             uT = _dot(a, xt, uT, DOT_F32)
     u_offs = offs_m[None, :] * R + offs_r[:, None]
+    if GATE:
+        # the gate's weights before the arrival: whichever program arrives last has them in
+        # registers instead of a dependent round trip after its acquire (they are parameters)
+        w1, b1, w2, b2 = _gate_params(w1_ptr, b1_ptr, w2_ptr, b2_ptr, R, H)
     tl.store(upart_ptr + split * M * R + u_offs, uT, mask=m_mask[None, :])
     # every thread's stores must precede the (single-thread) release
     tl.debug_barrier()
@@ -92,7 +96,10 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
         UCHUNK: tl.constexpr = max(1, min(U_SPLIT, 4096 // (R * BM)))
         uT = _sum_partials(upart_ptr + u_offs, M * R, m_mask[None, :], tl.zeros((R, BM), tl.float32), U_SPLIT,
                            UCHUNK)
-        vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, R, H, BM, GATE, DOT_F32)
+        if GATE:
+            vT = _gate_apply(uT, w1, b1, w2, b2, bound, H, BM, R, DOT_F32)
+        else:
+            vT = uT
         tl.store(v_ptr + u_offs, vT.to(v_ptr.dtype.element_ty), mask=m_mask[None, :])
         tl.debug_barrier()
         tl.atomic_add(u_lock, 1, sem="release")  # U_SPLIT + 1: v is ready
