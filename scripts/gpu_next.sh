@@ -5,11 +5,13 @@
 #   scripts/gpu_next.sh 2 OUT_DIR: Llama-2-7B batch 1 with the attention's context splits off at
 #     short contexts (the A/B against part 1), then programmatic dependent launch off / "wait"
 #     alternated twice, then bench_kernels.py --quick (the kernel-floor rows) (~9 min);
-#   scripts/gpu_next.sh 3 OUT_DIR: the W4 op as dispatched at M = 1..16; whether the engine's
-#     output is right under PDL at the "trigger" level now that the W4 loop loads activations
-#     coherently there, and Llama-2-7B batch 1 with PDL off / trigger / wait (~6 min).
+#   scripts/gpu_next.sh 3 OUT_DIR [OLD_BUILD]: the W4 op as dispatched at M = 1..16; whether the
+#     engine's output is right under PDL at the "trigger" level now that the W4 loop loads
+#     activations coherently there; Llama-2-7B batch 1 with PDL off / trigger / wait; with
+#     OLD_BUILD (mkdir -p build/ab && git archive c536587 spear benchmarks tests | tar -x -C build/ab,
+#     run with carry build/ab), batch 1 before / after the gate-weight prefetch (~9 min).
 set -uo pipefail
-part=${1:?usage: scripts/gpu_next.sh 1|2|3 OUT_DIR}
+part=${1:?usage: scripts/gpu_next.sh 1|2|3 OUT_DIR [OLD_BUILD]}
 out=${2:?usage: scripts/gpu_next.sh 1|2|3 OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -44,6 +46,14 @@ case "$part" in
   # within 0.05 of the reference now? Then time it against off and wait
   timeout 60 python benchmarks/check_pdl.py trigger wait 2>&1 | grep -E "^(trigger|wait)"
   b1 pdl-off-3; b1 pdl-trigger --pdl trigger; b1 pdl-wait-3 --pdl wait
+  # the gate's weights loaded before the u programs' arrival: A/B against the build before it
+  if [ -n "${3:-}" ]; then
+    timeout 100 python "$3/benchmarks/bench_decode.py" --models Llama-2-7B,Llama-3-8B --batches 1 --no-fp16 \
+      --out "$out/decode-gate-before" > "$out/decode-gate-before.txt" 2>&1
+    timeout 100 python benchmarks/bench_decode.py --models Llama-2-7B,Llama-3-8B --batches 1 --no-fp16 \
+      --out "$out/decode-gate-after" > "$out/decode-gate-after.txt" 2>&1
+    for v in before after; do echo "== gate weights $v"; grep -E "^\| Llama" "$out/decode-gate-$v.txt"; done
+  fi
   tar -C "$out" -czf "$out/part3.tgz" gemv decode-* ;;
 *) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
 esac
