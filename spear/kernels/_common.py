@@ -277,6 +277,23 @@ def _ld_v4(ptr, NC: tl.constexpr = True):
 
 
 @triton.jit
+def _wait_above(ptr, level, PORTABLE: tl.constexpr):
+    """Spin until the int32 at ``ptr`` exceeds ``level``; the load that sees it has acquire
+    semantics, so what the releasing program wrote before is visible after. On the GPU each
+    thread polls with ``ld.acquire.gpu`` (one round trip for the last poll); PORTABLE (the
+    interpreter, which has no inline PTX): volatile polls, then one acquiring atomic, a second
+    round trip."""
+    if PORTABLE:
+        while tl.load(ptr, volatile=True) <= level:
+            pass
+        tl.atomic_add(ptr, 0, sem="acquire")
+    else:
+        while tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                        is_pure=False, pack=1) <= level:
+            pass
+
+
+@triton.jit
 def _step_sums(a0, a1, a2, a3, GROUPED: tl.constexpr):
     """The sums one K step adds to: fresh zeros when the step has its own group scale (applied
     by _add_scaled after the step), else the running accumulators themselves."""

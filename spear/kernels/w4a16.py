@@ -48,7 +48,7 @@ import triton.language as tl
 
 from spear.kernels import _common
 from spear.kernels._common import (INTERPRET, _dequant, _dot, _pdl_start, _pdl_wait, _sigmoid, _sum_partials,
-                                  _unpack_w4)
+                                   _unpack_w4, _wait_above)
 from spear.kernels._ec_programs import _b_times_v, _u_program
 from spear.kernels._kmajor import _kmajor_mainloop
 from spear.kernels._nmajor import _fma_mainloop
@@ -211,11 +211,10 @@ def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_
         # B's tile does not depend on v: issue its load before the wait, so it overlaps the wait
         bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
         u_lock = locks_ptr + lock_base + n_wt
-        # poll with plain loads (an atomic per poll from every waiting program would contend on
-        # one L2 line), then one acquire to order the read of v after the last u program's release
-        while tl.load(u_lock, volatile=True) <= U_SPLIT:
-            pass
-        tl.atomic_add(u_lock, 0, sem="acquire")
+        # poll with loads (an atomic per poll from every waiting program would contend on one L2
+        # line); the acquiring load orders the read of v after the last u program's release.
+        # DOT_F32 is the interpreter's mode (w4a16_matmul), which has no inline PTX
+        _wait_above(u_lock, U_SPLIT, DOT_F32)
         # .cg: read at L2, where the u program wrote v
         accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, ".cg")
         # the last W tile of this m-tile to get here re-arms the counters for the next call. Relaxed:
