@@ -3,8 +3,9 @@
 #   scripts/gpu_next.sh 1 OUT_DIR: GPU tests of the kernels and the engine, then the full decode
 #     benchmark (FP16, W4, W4+EC at 1/8/32/64 sequences) for the README table (~8 min);
 #   scripts/gpu_next.sh 2 OUT_DIR: Llama-2-7B batch 1 with the attention's context splits off at
-#     short contexts (the A/B against part 1), then programmatic dependent launch off / "wait"
-#     alternated twice, then bench_kernels.py --quick (the kernel-floor rows) (~9 min);
+#     short contexts, and without the narrow-layer one-token launch (A/Bs against part 1), then
+#     programmatic dependent launch off / "wait" alternated twice, then bench_kernels.py --quick
+#     (the kernel-floor rows) (~9 min);
 #   scripts/gpu_next.sh 3 OUT_DIR [OLD_BUILD]: the W4 op as dispatched at M = 1..16; whether the
 #     engine's output is right under PDL at the "trigger" level now that the W4 loop loads
 #     activations coherently there; Llama-2-7B batch 1 with PDL off / trigger / wait; with
@@ -34,6 +35,8 @@ case "$part" in
   tar -C "$out" -czf "$out/decode.tgz" decode ;;
 2)
   b1 nosplit --attn-min-split-tiles 1000
+  echo '{"fma_kmajor_narrow": null}' > "$out/narrow-off.json"
+  b1 narrow-off --table "$out/narrow-off.json"
   b1 pdl-off-1; b1 pdl-wait-1 --pdl wait; b1 pdl-off-2; b1 pdl-wait-2 --pdl wait
   timeout 200 python benchmarks/bench_kernels.py --quick --budget-s 170 --out "$out/kernels" > "$out/kernels.txt" 2>&1
   tail -30 "$out/kernels.txt"

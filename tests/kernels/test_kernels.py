@@ -251,7 +251,7 @@ def test_pick_config_fills_the_gpu_at_decode():
 def test_pick_config_reads_a_token_class_launch(monkeypatch):
     from spear.kernels import launch
 
-    table = dict(launch.LAUNCH, fma_kmajor_max_m=4,
+    table = dict(launch.LAUNCH, fma_kmajor_max_m=4, fma_kmajor_narrow=None,
                  fma_kmajor=dict(BN=64, BK=128, num_warps=2, num_stages=1, programs=528, prefetch=True),
                  fma_kmajor_by_mv={"4": dict(BN=64, BK=128, num_warps=4, num_stages=2, programs=264)})
     monkeypatch.setattr(launch, "LAUNCH", table)
@@ -262,6 +262,16 @@ def test_pick_config_reads_a_token_class_launch(monkeypatch):
     # smallest power-of-two split reaching the programs: 64 column tiles x 8 >= 264; x 16 >= 528
     assert (four.split_k, one.split_k) == (8, 16)
     assert launch.pick_config(5, 4096, 4096, 128, kmajor=True).mv == 0  # above max_m: tensor-core tiles
+    # one token on a narrow layer: the narrow launch (not for 2+ tokens, wider layers, N-major)
+    table["fma_kmajor_narrow"] = dict(max_n=4096, BN=64, BK=128, num_warps=4, num_stages=2, programs=264,
+                                      prefetch=True)
+    narrow = launch.pick_config(1, 4096, 4096, 128, kmajor=True)
+    assert (narrow.num_warps, narrow.num_stages, narrow.split_k, narrow.prefetch) == (4, 2, 8, True)
+    assert launch.pick_config(1, 4096, 4096, 128, kmajor=False).num_warps == launch.LAUNCH["fma"]["num_warps"]
+    assert launch.pick_config(1, 11008, 4096, 128, kmajor=True).num_warps == 2
+    assert launch.pick_config(2, 4096, 4096, 128, kmajor=True).num_warps == 2
+    table["fma_kmajor_narrow"] = dict(table["fma_kmajor_narrow"], max_n=0)  # off
+    assert launch.pick_config(1, 4096, 4096, 128, kmajor=True).split_k == 16
 
 
 # Real shapes (q/o and down of Llama-2-7B / Llama-3-8B) on the GPU, same checks.
