@@ -88,7 +88,8 @@ def _launch_entry(c: dict) -> dict:
 
 
 def _best(rows, layout, m):
-    """(key, geomean us) of the CUDA-core launch with the best geometric mean over the shapes at M = m."""
+    """(key, geomean µs, rows at M = m) of the CUDA-core launch with the best geometric mean over
+    the shapes at M = m; key and µs None when no launch was timed on every shape."""
     rs = [r for r in rows if r["m"] == m and r[layout].get("sweep")]
     if not rs:
         return None, None, []

@@ -33,10 +33,7 @@ def bad_tokens(ref, base, graphs=True):
     outs = [o.output_token_ids for o in eng.generate(engine_case.PROMPTS, engine_case.GREEDY)]
     res = []
     for prompt, got in zip(engine_case.PROMPTS, outs):
-        with torch.no_grad():
-            lg = ref(torch.tensor([prompt + got], device="cuda")).logits[0, len(prompt) - 1:-1].float()
-        idx = torch.arange(len(got), device="cuda")
-        gap = lg.max(-1).values - lg[idx, torch.tensor(got, device="cuda")]
+        gap = engine_case.logit_gaps(ref, prompt, got)
         res.append([(i, round(float(v), 3)) for i, v in enumerate(gap.tolist()) if v > 0.05])
     return res
 

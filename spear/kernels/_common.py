@@ -268,12 +268,9 @@ def _ld_v4(ptr, NC: tl.constexpr = True):
     during this kernel's lifetime. A kernel launched at PDL level 2 ("trigger") is resident while
     the kernels before it still run (and while the memory it will read is still being reused and
     rewritten), so it must load coherently (NC False)."""
-    if NC:
-        return tl.inline_asm_elementwise("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
-                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    else:
-        return tl.inline_asm_elementwise("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
-                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    OP: tl.constexpr = "ld.global.nc.v4.b32" if NC else "ld.global.v4.b32"
+    return tl.inline_asm_elementwise(OP + " {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
 
 @triton.jit

@@ -40,6 +40,14 @@ def _hf_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+def logit_gaps(ref_model, prompt, got):
+    """Per generated token: how far the fp32 reference's logit of that token falls below its best,
+    the reference teacher-forced on the engine's own prefix (0 where the token is the argmax)."""
+    with torch.no_grad():
+        logits = ref_model(torch.tensor([prompt + got], device="cuda")).logits[0, len(prompt) - 1:-1].float()
+    return logits.max(-1).values - logits[torch.arange(len(got), device="cuda"), torch.tensor(got, device="cuda")]
+
+
 def _engine(model, graphs=True):
     return LLMEngine(model, _IdsTokenizer(), EngineConfig(num_blocks=128, block_size=16, max_num_seqs=8,
                                                           max_num_batched_tokens=64, cuda_graphs=graphs))
@@ -109,9 +117,7 @@ def test_w4_kernels_with_graphs_equal_the_reference_math(with_ec, pdl):
     # on the engine's own prefix: each must be the reference's argmax or within 0.05 of its logit.
     exact = 0
     for prompt, g_ids, r_ids in zip(PROMPTS, got, refs):
-        with torch.no_grad():
-            logits = ref_model(torch.tensor([prompt + g_ids], device="cuda")).logits[0, len(prompt) - 1:-1].float()
-        gap = logits.max(-1).values - logits[torch.arange(len(g_ids), device="cuda"), torch.tensor(g_ids, device="cuda")]
+        gap = logit_gaps(ref_model, prompt, g_ids)
         assert float(gap.max()) <= 0.05, (float(gap.max()), int(gap.argmax()), g_ids, r_ids)
         exact += int((gap == 0).sum())
     assert exact >= 0.9 * 24 * len(refs)
