@@ -164,6 +164,8 @@ FUSED_CASES = [
     (1, 32, True, torch.bfloat16, 8, None, 4, 1, 3),
     (33, 0, False, torch.float16, 32, 32, 2, 0, 0),
     (2, 64, False, torch.float16, 16, 8, 2, 2, 0),
+    (1, 64, True, torch.float16, 16, 16, 2, 1, 0),
+    (3, 0, False, torch.bfloat16, 8, 8, 2, 4, 3),
 ]
 
 
