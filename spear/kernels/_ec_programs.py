@@ -1,9 +1,8 @@
 """The compensator's parts of the W4A16 kernel (w4a16.py, EC_MODE 1 and 2).
 
-``_u_program``: the u = A x programs of the fused EC, one per K range: each writes its
-partial and counts itself. ``_ec_from_partials``: in the epilogue of every W tile, the sum of
-those partials, the gate and B_tile v (EC_MODE 1). ``_b_times_v``: B_tile v from a given v
-(EC_MODE 2).
+``_u_program``: the u = A x programs of the fused EC, one per K range; the last to finish
+sums the partials and writes v = gamma(u) ⊙ u. ``_b_times_v``: alpha · B_tile v in the W
+tiles' epilogue.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spear.kernels._common import _dot, _gate_apply, _pdl_wait, _sigmoid, _sum_partials, _tanh, _tokens_to_accT
+from spear.kernels._common import _dot, _gate_apply, _gate_params, _pdl_wait, _sum_partials, _tokens_to_accT
 
 
 @triton.jit
@@ -31,11 +30,12 @@ def _u_x(x_ptr, stride_xm, k, offs_u, M, MV: tl.constexpr):
 
 
 @triton.jit
-def _u_program(x_ptr, a_ptr, upart_ptr, u_lock, offs_m, m_mask, k_lo, k_hi, split, M, K, stride_xm,
-               R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
+def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, bound, u_lock, offs_m, m_mask,
+               k_lo, k_hi, split, M, K, stride_xm, U_SPLIT: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr,
+               H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
                PDL: tl.constexpr):
-    """Partial u for one K range: uT [R, BM] = A[R, BK] . xT[BK, BM], stored, then counted with a
-    release (nothing waits for the count's return: the program ends there)."""
+    """Partial u for one K range: uT [R, BM] = A[R, BK] . xT[BK, BM], then signal. The last u program
+    of the m-tile to finish sums the partials, writes v = gamma(u) ⊙ u and signals once more."""
     offs_r = tl.arange(0, R)
     offs_k = tl.arange(0, BK)
     if MV > 0:
@@ -83,70 +83,45 @@ def _u_program(x_ptr, a_ptr, upart_ptr, u_lock, offs_m, m_mask, k_lo, k_hi, spli
             xt = tl.load(x_base + k, mask=m_mask[None, :], other=0.0)
             uT = _dot(a, xt, uT, DOT_F32)
     u_offs = offs_m[None, :] * R + offs_r[:, None]
+    if GATE:
+        # the gate's weights before the arrival: whichever program arrives last has them in
+        # registers instead of a dependent round trip after its acquire (they are parameters)
+        w1, b1, w2, b2 = _gate_params(w1_ptr, b1_ptr, w2_ptr, b2_ptr, R, H)
     tl.store(upart_ptr + split * M * R + u_offs, uT, mask=m_mask[None, :])
     # every thread's stores must precede the (single-thread) release
     tl.debug_barrier()
-    tl.atomic_add(u_lock, 1, sem="release")
-
-
-@triton.jit
-def _gate_vec(u, w1, b1, w2, b2, bound):
-    """gamma(u) ⊙ u for one token's u [R] (fp32) in FMA row sums, rounding as ``_gate_apply``
-    (each small product takes its input in the parameter dtype and sums in fp32)."""
-    uh = u.to(w1.dtype).to(tl.float32)
-    h = tl.sum(w1.to(tl.float32) * uh[None, :], axis=1) + b1.to(tl.float32)
-    h = h * _sigmoid(h)
-    hh = h.to(w2.dtype).to(tl.float32)
-    g = tl.sum(w2.to(tl.float32) * hh[None, :], axis=1) + b2.to(tl.float32)
-    return (1.0 + bound * _tanh(g)) * u
-
-
-@triton.jit
-def _ec_from_partials(bt, upart_ptr, w1, b1, w2, b2, bound, offs_m, m_mask, offs_r, accT, M,
-                      U_SPLIT: tl.constexpr, GATE: tl.constexpr, H: tl.constexpr, R: tl.constexpr,
-                      MV: tl.constexpr, DOT_F32: tl.constexpr):
-    """B_tile [BN, R] . v as an [BN, BM] tile, v = gamma(u) ⊙ u with u the sum of the u programs'
-    U_SPLIT partials (their counter already seen). Every W tile sums and gates for itself."""
-    if MV > 0:
-        cols = tl.arange(0, accT.shape[1])[None, :]
-        bv = tl.zeros_like(accT)
-        bf = bt.to(tl.float32)
-        offs_c = tl.arange(0, 8)
-        for t in tl.static_range(MV):
-            acc = tl.zeros((8, R), tl.float32)
-            for s0 in tl.static_range(0, U_SPLIT, 8):
-                live = ((s0 + offs_c) < U_SPLIT)[:, None] & ((offs_r * 0 + t) < M)[None, :]
-                acc += tl.load(upart_ptr + (s0 + offs_c)[:, None] * (M * R) + t * R + offs_r[None, :], mask=live,
-                               other=0.0, cache_modifier=".cg")
-            u = tl.sum(acc, axis=0)
-            if GATE:
-                u = _gate_vec(u, w1, b1, w2, b2, bound)
-            bv += tl.where(cols == t, tl.sum(bf * u[None, :], axis=1)[:, None], 0.0)
-        return bv
-    else:
-        BM: tl.constexpr = accT.shape[1]
+    arrived = tl.atomic_add(u_lock, 1, sem="acq_rel")
+    if arrived == U_SPLIT - 1:
+        # all partials in one round trip while that stays within 4096 fp32 values in flight
         UCHUNK: tl.constexpr = max(1, min(U_SPLIT, 4096 // (R * BM)))
-        uT = _sum_partials(upart_ptr + offs_m[None, :] * R + offs_r[:, None], M * R, m_mask[None, :],
-                           tl.zeros((R, BM), tl.float32), U_SPLIT, UCHUNK)
+        uT = _sum_partials(upart_ptr + u_offs, M * R, m_mask[None, :], tl.zeros((R, BM), tl.float32), U_SPLIT,
+                           UCHUNK)
         if GATE:
-            uT = _gate_apply(uT, w1, b1, w2, b2, bound, H, BM, R, DOT_F32)
-        return _dot(bt, uT.to(bt.dtype), tl.zeros_like(accT), DOT_F32)
+            vT = _gate_apply(uT, w1, b1, w2, b2, bound, H, BM, R, DOT_F32)
+        else:
+            vT = uT
+        tl.store(v_ptr + u_offs, vT.to(v_ptr.dtype.element_ty), mask=m_mask[None, :])
+        tl.debug_barrier()
+        tl.atomic_add(u_lock, 1, sem="release")  # U_SPLIT + 1: v is ready
 
 
 @triton.jit
-def _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr):
+def _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
+               CACHE: tl.constexpr):
     """B_tile [BN, R] . v [R, tokens] as an [BN, BM] tile. At decode (MV tokens): one FMA row sum per
     token on B's tile as loaded (the tensor-core dot's operand layouts would cost a round trip
-    through shared memory for a product of a few thousand FMAs); else a dot."""
+    through shared memory for a product of a few thousand FMAs); else a dot. CACHE ".cg" reads v
+    at L2, where another program of this launch wrote it ("" for the default)."""
     if MV > 0:
         cols = tl.arange(0, accT.shape[1])[None, :]
         bv = tl.zeros_like(accT)
         bf = bt.to(tl.float32)
         m = tl.sum(m_mask.to(tl.int32))  # the decode loop has one m-tile: tokens 0 .. M - 1
         for t in tl.static_range(MV):
-            vt = tl.load(v_ptr + t * R + offs_r, mask=(offs_r * 0 + t) < m, other=0.0)
+            vt = tl.load(v_ptr + t * R + offs_r, mask=(offs_r * 0 + t) < m, other=0.0, cache_modifier=CACHE)
             bv += tl.where(cols == t, tl.sum(bf * vt.to(tl.float32)[None, :], axis=1)[:, None], 0.0)
         return bv
     else:
-        vT = tl.load(v_ptr + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :], other=0.0)
+        vT = tl.load(v_ptr + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :], other=0.0,
+                     cache_modifier=CACHE)
         return _dot(bt, vT.to(bt.dtype), tl.zeros_like(accT), DOT_F32)

@@ -47,9 +47,9 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import (INTERPRET, _dequant, _dot, _gate_params, _pdl_start, _pdl_wait, _sigmoid,
-                                   _sum_partials, _unpack_w4, _wait_above)
-from spear.kernels._ec_programs import _b_times_v, _ec_from_partials, _u_program
+from spear.kernels._common import (INTERPRET, _dequant, _dot, _pdl_start, _pdl_wait, _sigmoid, _sum_partials,
+                                   _unpack_w4, _wait_above)
+from spear.kernels._ec_programs import _b_times_v, _u_program
 from spear.kernels._kmajor import _kmajor_mainloop
 from spear.kernels._nmajor import _fma_mainloop
 from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
@@ -108,28 +108,29 @@ def _w4a16_kernel(
             iters = tl.cdiv(K // BK, U_SPLIT)
             k_lo = local * iters * BK
             k_hi = tl.minimum(k_lo + iters * BK, K)
-            _u_program(x_ptr, a_ptr, upart_ptr, locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local,
-                       M, K, stride_xm, R, BM, BK, MV, DOT_F32, PDL)
+            _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, bound,
+                       locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local, M, K, stride_xm,
+                       U_SPLIT, GATE, R, H, BM, BK, MV, DOT_F32, PDL)
         else:
             _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
-                       upart_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, alpha, SPLIT_K, U_SPLIT, (local - n_u) // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
+                       alpha, SPLIT_K, U_SPLIT, (local - n_u) // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
                        (local - n_u) % SPLIT_K, M, N, K, stride_xm, stride_om,
-                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
-                       PREFETCH, ACT, PDL)
+                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH,
+                       ACT, PDL)
     else:
         _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
-                   upart_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, alpha, SPLIT_K, U_SPLIT, local // SPLIT_K, n_wt, lock_base, offs_m, m_mask, local % SPLIT_K,
+                   alpha, SPLIT_K, U_SPLIT, local // SPLIT_K, n_wt, lock_base, offs_m, m_mask, local % SPLIT_K,
                    M, N, K, stride_xm, stride_om,
-                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, GATE, R, H, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
-                   PREFETCH, ACT, PDL)
+                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH,
+                   ACT, PDL)
 
 
 @triton.jit
-def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
-               upart_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, alpha, SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr, wt, n_wt, lock_base, offs_m, m_mask, split, M, N, K,
+def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr, alpha,
+               SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr, wt, n_wt, lock_base, offs_m, m_mask, split, M, N, K,
                stride_xm, stride_om,
                GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, IS_BF16: tl.constexpr,
-               EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
+               EC_MODE: tl.constexpr, R: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
                PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr, ACT: tl.constexpr,
                PDL: tl.constexpr):
@@ -195,34 +196,27 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
             accT = _sum_partials(part_ptr + mn_offs, M * N, out_mask, tl.zeros((BN, BM), tl.float32), SPLIT_K, 4)
             tl.atomic_xchg(locks_ptr + lock_base + wt, 0)
             _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-                      b_ptr, v_ptr, upart_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, alpha, U_SPLIT, stride_om,
-                      HAS_BIAS, EC_MODE, GATE, R, H, DOT_F32, MV, ACT, wt, N, M)
+                      b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32, MV, ACT, wt, N)
     else:
         _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-                  b_ptr, v_ptr, upart_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, alpha, U_SPLIT, stride_om,
-                  HAS_BIAS, EC_MODE, GATE, R, H, DOT_F32, MV, ACT, wt, N, M)
+                  b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32, MV, ACT, wt, N)
 
 
 @triton.jit
 def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-              b_ptr, v_ptr, upart_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, alpha, U_SPLIT: tl.constexpr,
-              stride_om, HAS_BIAS: tl.constexpr, EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr,
-              H: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr, ACT: tl.constexpr, wt, N, M):
+              b_ptr, v_ptr, alpha, U_SPLIT: tl.constexpr, stride_om, HAS_BIAS: tl.constexpr, EC_MODE: tl.constexpr,
+              R: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr, ACT: tl.constexpr, wt, N):
     offs_r = tl.arange(0, R)
     if EC_MODE == 1:
         # B's tile does not depend on v: issue its load before the wait, so it overlaps the wait
         bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
-        if GATE:
-            w1, b1, w2, b2 = _gate_params(w1_ptr, b1_ptr, w2_ptr, b2_ptr, R, H)
-        else:
-            w1, b1, w2, b2 = bt, bt, bt, bt  # unused
         u_lock = locks_ptr + lock_base + n_wt
         # poll with loads (an atomic per poll from every waiting program would contend on one L2
         # line); the acquiring load orders the read of v after the last u program's release.
         # DOT_F32 is the interpreter's mode (w4a16_matmul), which has no inline PTX
-        _wait_above(u_lock, U_SPLIT - 1, DOT_F32)
-        accT += alpha * _ec_from_partials(bt, upart_ptr, w1, b1, w2, b2, bound, offs_m, m_mask, offs_r, accT, M,
-                                          U_SPLIT, GATE, H, R, MV, DOT_F32)
+        _wait_above(u_lock, U_SPLIT, DOT_F32)
+        # .cg: read at L2, where the u program wrote v
+        accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, ".cg")
         # the last W tile of this m-tile to get here re-arms the counters for the next call. Relaxed:
         # every tile counts itself only after its wait, so the last count follows every wait, and
         # v is not reset (the next call's u programs rewrite it after this kernel has ended)
@@ -232,7 +226,7 @@ def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_
             tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)
     if EC_MODE == 2:
         bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
-        accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32)
+        accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, "")
     if HAS_BIAS:
         accT += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
     if ACT == 1:
@@ -318,6 +312,8 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     part = _common.alloc((cfg.split_k, m, n) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
     h = ec.w1.shape[0] if ec is not None and ec.gated else 16
     upart = _common.alloc((u_split, m, r) if ec_mode == 1 else (1,), dtype=torch.float32, device=x.device)
+    if ec_mode == 1:  # v = gamma(u) ⊙ u, written by the last u program of each m-tile
+        v = _common.alloc((m, r), dtype=x.dtype, device=x.device)
     dummy = w.scales  # never read when its feature flag is off
     e = ec
     # the PTX loop reads each row's 8 activations as one 16-byte vector (storage offset and row
