@@ -23,14 +23,18 @@ Fused compensator (EC_MODE 1, decode; _ec_programs.py). ``u_split`` extra progra
 compute u = A x over their own K ranges in the same launch (so the W programs' loop is untouched);
 they write fp32 partials of u and bump a per-m-tile counter. The u program that arrives
 last sums the partials, evaluates the gate MLP, writes v = gamma(u) ⊙ u (M, R) and bumps
-the counter once more. The program finishing each W tile waits for that, loads v (one L2
-round trip) and adds alpha · B_tile v: the W programs carry neither the gate's code nor
-its registers, and their tail is one load and, at decode, one FMA row sum per token on B's
-tile (a small dot on the tensor-core tiles); the gate runs while the W programs stream
-their weights. The wait cannot deadlock: the u programs have the lowest
+the counter once more. The program of each W tile's last split (the shortest K range, so
+usually the first to finish) waits for that after its loop, loads v (one L2 round trip) and
+adds alpha · B_tile v to its partial before storing it: the EC's round trips stay off the
+split-K reduction's tail (with them in the epilogue, after the reduction, a batch-1 decode
+step of Llama-2-7B / Llama-3-8B with ECs took 0.036 / 0.023 ms longer; BENCHMARKS.md,
+"Serving: decode", seventh run). The W programs carry neither the gate's code nor its
+registers, and their EC work is one load and, at decode, one FMA row sum per token on B's
+tile (a small dot on the tensor-core tiles); the gate runs while the W programs stream their
+weights. The wait cannot deadlock: the u programs have the lowest
 program ids of their m-tile and the hardware dispatches blocks in id order, so they are
 resident or finished before any program that waits on them; they wait on nothing. The last
-W tile to finish resets the counters. Chosen over a second launch because at decode a
+W tile to count itself resets the counters. Chosen over a second launch because at decode a
 launch costs about as much as the whole W4 GEMV.
 
 EC_MODE 2 (prefill, serial variant): v = gamma(u) ⊙ u was computed by ``ec.ec_gate``;
@@ -185,6 +189,12 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
             accT = _dot(w, xt, accT, DOT_F32)
     if GROUP == 0 and not (KMAJOR and MV > 0):
         accT = accT * s[:, None]
+    if EC_MODE == 1:
+        # the fused EC rides on the tile's last split (the shortest K range, so the first to
+        # finish) before its partial is stored, off the split-K reduction's tail
+        if split == SPLIT_K - 1:
+            accT = _fused_ec(accT, offs_m, m_mask, n_ld, n_wt, lock_base, locks_ptr, b_ptr, v_ptr, alpha, U_SPLIT,
+                             R, DOT_F32, MV)
 
     out_mask = n_mask[:, None] & m_mask[None, :]
     mn_offs = offs_m[None, :] * N + offs_n[:, None]
@@ -203,27 +213,35 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
 
 
 @triton.jit
+def _fused_ec(accT, offs_m, m_mask, n_ld, n_wt, lock_base, locks_ptr, b_ptr, v_ptr, alpha, U_SPLIT: tl.constexpr,
+              R: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr):
+    """accT + alpha · B_tile v once the u programs have published v (EC_MODE 1)."""
+    offs_r = tl.arange(0, R)
+    # B's tile does not depend on v: issue its load before the wait, so it overlaps the wait
+    bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
+    u_lock = locks_ptr + lock_base + n_wt
+    # poll with loads (an atomic per poll from every waiting program would contend on one L2
+    # line); the acquiring load orders the read of v after the last u program's release.
+    # DOT_F32 is the interpreter's mode (w4a16_matmul), which has no inline PTX
+    _wait_above(u_lock, U_SPLIT, DOT_F32)
+    # .cg: read at L2, where the u program wrote v
+    accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, ".cg")
+    # the last W tile of this m-tile to get here re-arms the counters for the next call. Relaxed:
+    # every tile counts itself (once, from its last split) only after its wait, so the last count
+    # follows every wait, and v is not reset (the next call's u programs rewrite it after this
+    # kernel has ended)
+    done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="relaxed")
+    if done == n_wt - 1:
+        tl.atomic_xchg(u_lock, 0)
+        tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)
+    return accT
+
+
+@triton.jit
 def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
               b_ptr, v_ptr, alpha, U_SPLIT: tl.constexpr, stride_om, HAS_BIAS: tl.constexpr, EC_MODE: tl.constexpr,
               R: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr, ACT: tl.constexpr, wt, N):
     offs_r = tl.arange(0, R)
-    if EC_MODE == 1:
-        # B's tile does not depend on v: issue its load before the wait, so it overlaps the wait
-        bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
-        u_lock = locks_ptr + lock_base + n_wt
-        # poll with loads (an atomic per poll from every waiting program would contend on one L2
-        # line); the acquiring load orders the read of v after the last u program's release.
-        # DOT_F32 is the interpreter's mode (w4a16_matmul), which has no inline PTX
-        _wait_above(u_lock, U_SPLIT, DOT_F32)
-        # .cg: read at L2, where the u program wrote v
-        accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, ".cg")
-        # the last W tile of this m-tile to get here re-arms the counters for the next call. Relaxed:
-        # every tile counts itself only after its wait, so the last count follows every wait, and
-        # v is not reset (the next call's u programs rewrite it after this kernel has ended)
-        done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="relaxed")
-        if done == n_wt - 1:
-            tl.atomic_xchg(u_lock, 0)
-            tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)
     if EC_MODE == 2:
         bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
         accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, "")
