@@ -5,7 +5,9 @@
 #     engine against fp32 HF), then whether the engine's tokens are right with programmatic
 #     dependent launch at "wait" and "trigger" in eager decode as well as with CUDA graphs (~7 min);
 #   scripts/gpu_next.sh 2 OUT_DIR: the full decode benchmark (FP16, W4, W4+EC at 1/8/32/64
-#     sequences) for the README table, then W4 / W4+EC at batch 1 with PDL "wait" (~7 min).
+#     sequences) for the README table, then W4 / W4+EC at batch 1 with PDL "wait", then with the
+#     fused EC in programs of its own (LAUNCH["ec_tiles"] 1, 2, 4; 0, the default, runs it on
+#     each tile's last split) (~8 min).
 set -uo pipefail
 part=${1:?usage: scripts/gpu_next.sh 1|2 OUT_DIR}
 out=${2:?usage: scripts/gpu_next.sh 1|2 OUT_DIR}
@@ -25,6 +27,12 @@ case "$part" in
   timeout 100 python benchmarks/bench_decode.py --models Llama-2-7B,Llama-3-8B --batches 1 --no-fp16 --pdl wait \
     --out "$out/decode-wait" > "$out/decode-wait.txt" 2>&1
   grep -E "^\| Llama" "$out/decode-wait.txt"
-  tar -C "$out" -czf "$out/decode.tgz" decode decode-wait ;;
+  for t in 1 2 4 0; do
+    echo "{\"ec_tiles\": $t}" > "$out/ec$t.json"
+    timeout 100 python benchmarks/bench_decode.py --models Llama-2-7B,Llama-3-8B --batches 1 --no-fp16 \
+      --table "$out/ec$t.json" --out "$out/decode-ec$t" > "$out/decode-ec$t.txt" 2>&1
+    echo "== ec_tiles $t"; grep -E "^\| Llama" "$out/decode-ec$t.txt"
+  done
+  tar -C "$out" -czf "$out/decode.tgz" decode decode-wait decode-ec1 decode-ec2 decode-ec4 decode-ec0 ;;
 *) echo "part must be 1 or 2" >&2; exit 2 ;;
 esac

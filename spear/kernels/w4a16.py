@@ -91,6 +91,10 @@ def _w4a16_kernel(
     # programmatic dependent launch (_common.set_pdl): start loading weights before the kernel
     # before this one has finished; everything that reads x or writes waits for it
     PDL: tl.constexpr = False,
+    # fused EC (EC_MODE 1) > 0: alpha · B v runs in programs of its own, EC_TILES column tiles each,
+    # as one more split-K partial (_ec_program) instead of on each tile's last split; EC_AT_END
+    # puts those programs after the W programs instead of before them
+    EC_TILES: tl.constexpr = 0, EC_AT_END: tl.constexpr = False,
 ):
     _pdl_start(PDL)
     pid = tl.program_id(0)
@@ -99,7 +103,11 @@ def _w4a16_kernel(
         n_u = U_SPLIT
     else:
         n_u = 0
-    per_m = n_u + n_wt * SPLIT_K
+    if EC_MODE == 1 and EC_TILES > 0:
+        n_e = tl.cdiv(n_wt, EC_TILES)
+    else:
+        n_e = 0
+    per_m = n_u + n_e + n_wt * SPLIT_K
     pid_m = pid // per_m
     local = pid % per_m
     lock_base = pid_m * (n_wt + 2)   # n_wt tile counters, u counter, done counter
@@ -116,17 +124,36 @@ def _w4a16_kernel(
                        locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local, M, K, stride_xm,
                        U_SPLIT, GATE, R, H, BM, BK, MV, DOT_F32, PDL)
         else:
-            _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
-                       alpha, SPLIT_K, U_SPLIT, (local - n_u) // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
-                       (local - n_u) % SPLIT_K, M, N, K, stride_xm, stride_om,
-                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH,
-                       ACT, PDL)
+            w_local = local - n_u
+            if EC_TILES > 0:
+                # the EC programs wait only for the u programs (lower ids), so either place is safe
+                if EC_AT_END:
+                    e_local = w_local - n_wt * SPLIT_K
+                else:
+                    e_local = w_local
+                    w_local = w_local - n_e
+                if (e_local >= 0) & (e_local < n_e):
+                    _ec_program(e_local, n_e, n_wt, lock_base, offs_m, m_mask, bias_ptr, out_ptr, part_ptr,
+                                locks_ptr, b_ptr, v_ptr, alpha, M, N, stride_om, SPLIT_K, U_SPLIT, EC_TILES,
+                                HAS_BIAS, R, BN, DOT_F32, MV, ACT)
+                else:
+                    _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr,
+                               v_ptr, alpha, SPLIT_K, U_SPLIT, w_local // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
+                               w_local % SPLIT_K, M, N, K, stride_xm, stride_om,
+                               GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
+                               PREFETCH, ACT, PDL, EC_TILES)
+            else:
+                _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr,
+                           v_ptr, alpha, SPLIT_K, U_SPLIT, w_local // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
+                           w_local % SPLIT_K, M, N, K, stride_xm, stride_om,
+                           GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
+                           PREFETCH, ACT, PDL, 0)
     else:
         _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
                    alpha, SPLIT_K, U_SPLIT, local // SPLIT_K, n_wt, lock_base, offs_m, m_mask, local % SPLIT_K,
                    M, N, K, stride_xm, stride_om,
                    GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH,
-                   ACT, PDL)
+                   ACT, PDL, 0)
 
 
 @triton.jit
@@ -137,7 +164,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
                EC_MODE: tl.constexpr, R: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
                PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr, ACT: tl.constexpr,
-               PDL: tl.constexpr):
+               PDL: tl.constexpr, EC_TILES: tl.constexpr):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
     if not (KMAJOR and MV > 0 and PTX and PREFETCH):
         _pdl_wait(PDL)  # the K-major PTX loop waits after loading its first weights
@@ -189,27 +216,83 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
             accT = _dot(w, xt, accT, DOT_F32)
     if GROUP == 0 and not (KMAJOR and MV > 0):
         accT = accT * s[:, None]
-    if EC_MODE == 1:
+    if EC_MODE == 1 and EC_TILES == 0:
         # the fused EC rides on the tile's last split (the shortest K range, so the first to
         # finish) before its partial is stored, off the split-K reduction's tail
         if split == SPLIT_K - 1:
             accT = _fused_ec(accT, offs_m, m_mask, n_ld, n_wt, lock_base, locks_ptr, b_ptr, v_ptr, alpha, U_SPLIT,
                              R, DOT_F32, MV)
+    # the EC programs' partial is one more (index SPLIT_K)
+    N_PARTS: tl.constexpr = SPLIT_K + (EC_MODE == 1 and EC_TILES > 0)
 
     out_mask = n_mask[:, None] & m_mask[None, :]
     mn_offs = offs_m[None, :] * N + offs_n[:, None]
-    if SPLIT_K > 1:
+    if N_PARTS > 1:
         tl.store(part_ptr + split * M * N + mn_offs, accT, mask=out_mask)
         tl.debug_barrier()
         arrived = tl.atomic_add(locks_ptr + lock_base + wt, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            accT = _sum_partials(part_ptr + mn_offs, M * N, out_mask, tl.zeros((BN, BM), tl.float32), SPLIT_K, 4)
-            tl.atomic_xchg(locks_ptr + lock_base + wt, 0)
-            _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-                      b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32, MV, ACT, wt, N)
+        if arrived == N_PARTS - 1:
+            _finish_tile(wt, offs_m, m_mask, n_wt, lock_base, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
+                         alpha, M, N, stride_om, N_PARTS, U_SPLIT, HAS_BIAS, EC_MODE, R, BN, DOT_F32, MV, ACT)
     else:
         _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
                   b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32, MV, ACT, wt, N)
+
+
+@triton.jit
+def _finish_tile(wt, offs_m, m_mask, n_wt, lock_base, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr, alpha,
+                 M, N, stride_om, N_PARTS: tl.constexpr, U_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 EC_MODE: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr,
+                 ACT: tl.constexpr):
+    """Column tile ``wt`` once its N_PARTS partials are in the workspace and this program counted
+    last: their sum, the counter re-armed, the epilogue."""
+    BM: tl.constexpr = offs_m.shape[0]
+    offs_n = wt * BN + tl.arange(0, BN)
+    n_mask = offs_n < N
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    mn_offs = offs_m[None, :] * N + offs_n[:, None]
+    accT = _sum_partials(part_ptr + mn_offs, M * N, out_mask, tl.zeros((BN, BM), tl.float32), N_PARTS, 4)
+    tl.atomic_xchg(locks_ptr + lock_base + wt, 0)
+    _epilogue(accT, offs_m, m_mask, offs_n, n_mask, offs_n % N, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
+              b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32, MV, ACT, wt, N)
+
+
+@triton.jit
+def _ec_program(e, n_e, n_wt, lock_base, offs_m, m_mask, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr, alpha,
+                M, N, stride_om, SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr, EC_TILES: tl.constexpr,
+                HAS_BIAS: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr,
+                ACT: tl.constexpr):
+    """alpha · B v for column tiles e·EC_TILES .. (e + 1)·EC_TILES - 1 as their partial SPLIT_K, in
+    one pass: B's rows are loaded before the wait for v, the tiles' counters bumped by one
+    vector atomic; a tile whose W splits all counted before is finished here."""
+    BM: tl.constexpr = offs_m.shape[0]
+    ROWS: tl.constexpr = EC_TILES * BN
+    offs_r = tl.arange(0, R)
+    rows = e * ROWS + tl.arange(0, ROWS)
+    r_mask = rows < N
+    bt = tl.load(b_ptr + (rows % N)[:, None] * R + offs_r[None, :])
+    u_lock = locks_ptr + lock_base + n_wt
+    # v follows the u programs' wait for the kernel before (programmatic dependent launch), so
+    # everything this program writes after seeing it does too
+    _wait_above(u_lock, U_SPLIT, DOT_F32)
+    accT = alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, tl.zeros((ROWS, BM), tl.float32), R, MV, DOT_F32,
+                              ".cg")
+    tl.store(part_ptr + SPLIT_K * M * N + offs_m[None, :] * N + rows[:, None], accT,
+             mask=r_mask[:, None] & m_mask[None, :])
+    tl.debug_barrier()
+    offs_t = tl.arange(0, EC_TILES)
+    tiles = e * EC_TILES + offs_t
+    arrived = tl.atomic_add(locks_ptr + lock_base + tiles, 1, mask=tiles < n_wt, sem="acq_rel")
+    for t in tl.static_range(EC_TILES):
+        wt = e * EC_TILES + t
+        if (tl.sum(tl.where(offs_t == t, arrived, 0)) == SPLIT_K) & (wt < n_wt):
+            _finish_tile(wt, offs_m, m_mask, n_wt, lock_base, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
+                         alpha, M, N, stride_om, SPLIT_K + 1, U_SPLIT, HAS_BIAS, 1, R, BN, DOT_F32, MV, ACT)
+    # the last EC program to get here re-arms the u counters (every EC program counts after its wait)
+    done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="relaxed")
+    if done == n_e - 1:
+        tl.atomic_xchg(u_lock, 0)
+        tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)
 
 
 @triton.jit
@@ -326,8 +409,13 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     if needs_locks and m_tiles * (n_wt + 2) > w.locks.numel():
         raise ValueError(f"split-K/fused EC needs {m_tiles * (n_wt + 2)} lock slots for M={m}, N={n}; "
                          f"the layer has {w.locks.numel()} (LOCK_SLOTS={LOCK_SLOTS}); use a smaller M per call")
+    ec_tiles = cfg.ec_tiles if ec_mode == 1 else 0
+    if ec_tiles & (ec_tiles - 1) or ec_tiles < 0:
+        raise ValueError(f"ec_tiles (column tiles per EC program) must be 0 or a power of two; got {ec_tiles}")
+    n_e = triton.cdiv(n_wt, ec_tiles) if ec_tiles else 0
+    n_parts = cfg.split_k + (1 if ec_tiles else 0)  # the EC programs' partial is one more
     out = _common.alloc((m, n // 2 if act else n), dtype=x.dtype, device=x.device)
-    part = _common.alloc((cfg.split_k, m, n) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
+    part = _common.alloc((n_parts, m, n) if n_parts > 1 else (1,), dtype=torch.float32, device=x.device)
     h = ec.w1.shape[0] if ec is not None and ec.gated else 16
     upart = _common.alloc((u_split, m, r) if ec_mode == 1 else (1,), dtype=torch.float32, device=x.device)
     if ec_mode == 1:  # v = gamma(u) ⊙ u, written by the last u program of each m-tile
@@ -337,7 +425,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     # the PTX loop reads each row's 8 activations as one 16-byte vector (storage offset and row
     # stride in fp16 elements; the allocator aligns the storage itself)
     aligned = x.storage_offset() % 8 == 0 and (m == 1 or x.stride(0) % 8 == 0)
-    grid = (m_tiles * (u_split + n_wt * cfg.split_k),)
+    grid = (m_tiles * (u_split + n_e + n_wt * cfg.split_k),)
     kernel = _w4a16_kernel if launch is None else launch(_w4a16_kernel)
     kernel[grid](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else dummy, out, part, w.locks,
@@ -352,7 +440,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
         PTX=bool(cfg.mv and cfg.ptx and aligned and x.dtype == torch.float16 and not INTERPRET), KMAJOR=w.kmajor,
         SPLIT_K=cfg.split_k, U_SPLIT=u_split, PREFETCH=bool(cfg.prefetch and w.kmajor and cfg.mv), ACT=act,
-        **_common.pdl(),
+        EC_TILES=ec_tiles, EC_AT_END=cfg.ec_at_end, **_common.pdl(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -35,7 +35,7 @@ def divisible(fn):
             if n.endswith("_ptr") or n in ("N", "K", "stride_xm", "stride_om")}
 
 
-def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, act=0, pdl=False):
+def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, act=0, pdl=False, ec_tiles=0):
     dt = "bf16" if bf16 else "fp16"
     ptrs = dict(x_ptr=dt, qw_ptr="i32", scales_ptr="fp16", zeros_ptr="u8", bias_ptr=dt, out_ptr=dt, part_ptr="fp32",
                 locks_ptr="i32", a_ptr=dt, b_ptr=dt, w1_ptr=dt, b1_ptr=dt, w2_ptr=dt, b2_ptr=dt, upart_ptr="fp32",
@@ -48,7 +48,7 @@ def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, a
     consts = dict(GROUP=128, SYMMETRIC=False, HAS_BIAS=True, IS_BF16=bf16, EC_MODE=ec_mode, GATE=gate, R=32, H=32,
                   BM=bm, BN=64, BK=64, MV=mv, DOT_F32=False,
                   PTX=bool(mv) and not bf16, KMAJOR=kmajor, PREFETCH=prefetch, SPLIT_K=4, U_SPLIT=8 if ec_mode == 1 else 0,
-                  ACT=act, PDL=pdl)
+                  ACT=act, PDL=pdl, EC_TILES=ec_tiles if ec_mode == 1 else 0, EC_AT_END=False)
     src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts), consts,
                     divisible(_w4a16_kernel))
     triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=2))
@@ -98,6 +98,8 @@ if __name__ == "__main__":
         compile_w4(bf16, ec_mode, mv, bm, kmajor=True, prefetch=bool(mv), act=1)
     for ec_mode, mv, prefetch in ((1, 1, True), (0, 1, False), (1, 0, False)):  # programmatic dependent launch
         compile_w4(bf16, ec_mode, mv, 16, kmajor=True, prefetch=prefetch, pdl=2)
+    for mv, bm, ec_tiles, act in ((1, 16, 4, 0), (1, 16, 2, 1), (0, 16, 2, 0)):  # the EC in programs of its own
+        compile_w4(bf16, 1, mv, bm, kmajor=True, prefetch=bool(mv), act=act, ec_tiles=ec_tiles)
     compile_small(bf16)
     for head_dim, block_size, group in ((128, 16, 4), (128, 8, 1), (64, 32, 8), (256, 16, 4)):
         compile_attention("bf16" if bf16 else "fp16", head_dim, block_size, group)
