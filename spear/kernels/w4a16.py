@@ -35,7 +35,10 @@ weights. The wait cannot deadlock: the u programs have the lowest
 program ids of their m-tile and the hardware dispatches blocks in id order, so they are
 resident or finished before any program that waits on them; they wait on nothing. The last
 W tile to count itself resets the counters. Chosen over a second launch because at decode a
-launch costs about as much as the whole W4 GEMV.
+launch costs about as much as the whole W4 GEMV. Alternative form (EC_TILES > 0,
+``Config.ec_tiles``; not the default until timed): ``_ec_program``s of their own, after the u
+programs or after the W programs (EC_AT_END), each add alpha · B v for EC_TILES column tiles
+as one more split-K partial, so the W programs are the plain W4 ones.
 
 EC_MODE 2 (prefill, serial variant): v = gamma(u) ⊙ u was computed by ``ec.ec_gate``;
 the epilogue only adds alpha · B_tile v.
@@ -124,30 +127,23 @@ def _w4a16_kernel(
                        locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local, M, K, stride_xm,
                        U_SPLIT, GATE, R, H, BM, BK, MV, DOT_F32, PDL)
         else:
+            # the EC programs (EC_TILES > 0) wait only for the u programs (lower ids), so either
+            # place is safe; with EC_TILES 0 there are none (n_e = 0)
             w_local = local - n_u
-            if EC_TILES > 0:
-                # the EC programs wait only for the u programs (lower ids), so either place is safe
-                if EC_AT_END:
-                    e_local = w_local - n_wt * SPLIT_K
-                else:
-                    e_local = w_local
-                    w_local = w_local - n_e
-                if (e_local >= 0) & (e_local < n_e):
-                    _ec_program(e_local, n_e, n_wt, lock_base, offs_m, m_mask, bias_ptr, out_ptr, part_ptr,
-                                locks_ptr, b_ptr, v_ptr, alpha, M, N, stride_om, SPLIT_K, U_SPLIT, EC_TILES,
-                                HAS_BIAS, R, BN, DOT_F32, MV, ACT)
-                else:
-                    _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr,
-                               v_ptr, alpha, SPLIT_K, U_SPLIT, w_local // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
-                               w_local % SPLIT_K, M, N, K, stride_xm, stride_om,
-                               GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
-                               PREFETCH, ACT, PDL, EC_TILES)
+            e_local = w_local - n_wt * SPLIT_K
+            if not EC_AT_END:
+                e_local = w_local
+                w_local = w_local - n_e
+            if (e_local >= 0) & (e_local < n_e):
+                _ec_program(e_local, n_e, n_wt, lock_base, offs_m, m_mask, bias_ptr, out_ptr, part_ptr,
+                            locks_ptr, b_ptr, v_ptr, alpha, M, N, stride_om, SPLIT_K, U_SPLIT, EC_TILES,
+                            HAS_BIAS, R, BN, DOT_F32, MV, ACT)
             else:
                 _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr,
                            v_ptr, alpha, SPLIT_K, U_SPLIT, w_local // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
                            w_local % SPLIT_K, M, N, K, stride_xm, stride_om,
                            GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
-                           PREFETCH, ACT, PDL, 0)
+                           PREFETCH, ACT, PDL, EC_TILES)
     else:
         _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
                    alpha, SPLIT_K, U_SPLIT, local // SPLIT_K, n_wt, lock_base, offs_m, m_mask, local % SPLIT_K,
@@ -264,7 +260,18 @@ def _ec_program(e, n_e, n_wt, lock_base, offs_m, m_mask, bias_ptr, out_ptr, part
                 ACT: tl.constexpr):
     """alpha · B v for column tiles e·EC_TILES .. (e + 1)·EC_TILES - 1 as their partial SPLIT_K, in
     one pass: B's rows are loaded before the wait for v, the tiles' counters bumped by one
-    vector atomic; a tile whose W splits all counted before is finished here."""
+    vector atomic; a tile whose W splits all counted before is finished here. Compiled empty
+    at EC_TILES 0 (no EC programs are launched then)."""
+    if EC_TILES > 0:
+        _ec_tiles(e, n_e, n_wt, lock_base, offs_m, m_mask, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
+                  alpha, M, N, stride_om, SPLIT_K, U_SPLIT, EC_TILES, HAS_BIAS, R, BN, DOT_F32, MV, ACT)
+
+
+@triton.jit
+def _ec_tiles(e, n_e, n_wt, lock_base, offs_m, m_mask, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr, alpha,
+              M, N, stride_om, SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr, EC_TILES: tl.constexpr,
+              HAS_BIAS: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr,
+              ACT: tl.constexpr):
     BM: tl.constexpr = offs_m.shape[0]
     ROWS: tl.constexpr = EC_TILES * BN
     offs_r = tl.arange(0, R)
