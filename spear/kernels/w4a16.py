@@ -263,43 +263,35 @@ def _ec_program(e, n_e, n_wt, lock_base, offs_m, m_mask, bias_ptr, out_ptr, part
     vector atomic; a tile whose W splits all counted before is finished here. Compiled empty
     at EC_TILES 0 (no EC programs are launched then)."""
     if EC_TILES > 0:
-        _ec_tiles(e, n_e, n_wt, lock_base, offs_m, m_mask, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
-                  alpha, M, N, stride_om, SPLIT_K, U_SPLIT, EC_TILES, HAS_BIAS, R, BN, DOT_F32, MV, ACT)
-
-
-@triton.jit
-def _ec_tiles(e, n_e, n_wt, lock_base, offs_m, m_mask, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr, alpha,
-              M, N, stride_om, SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr, EC_TILES: tl.constexpr,
-              HAS_BIAS: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr,
-              ACT: tl.constexpr):
-    BM: tl.constexpr = offs_m.shape[0]
-    ROWS: tl.constexpr = EC_TILES * BN
-    offs_r = tl.arange(0, R)
-    rows = e * ROWS + tl.arange(0, ROWS)
-    r_mask = rows < N
-    bt = tl.load(b_ptr + (rows % N)[:, None] * R + offs_r[None, :])
-    u_lock = locks_ptr + lock_base + n_wt
-    # v follows the u programs' wait for the kernel before (programmatic dependent launch), so
-    # everything this program writes after seeing it does too
-    _wait_above(u_lock, U_SPLIT, DOT_F32)
-    accT = alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, tl.zeros((ROWS, BM), tl.float32), R, MV, DOT_F32,
-                              ".cg")
-    tl.store(part_ptr + SPLIT_K * M * N + offs_m[None, :] * N + rows[:, None], accT,
-             mask=r_mask[:, None] & m_mask[None, :])
-    tl.debug_barrier()
-    offs_t = tl.arange(0, EC_TILES)
-    tiles = e * EC_TILES + offs_t
-    arrived = tl.atomic_add(locks_ptr + lock_base + tiles, 1, mask=tiles < n_wt, sem="acq_rel")
-    for t in tl.static_range(EC_TILES):
-        wt = e * EC_TILES + t
-        if (tl.sum(tl.where(offs_t == t, arrived, 0)) == SPLIT_K) & (wt < n_wt):
-            _finish_tile(wt, offs_m, m_mask, n_wt, lock_base, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
-                         alpha, M, N, stride_om, SPLIT_K + 1, U_SPLIT, HAS_BIAS, 1, R, BN, DOT_F32, MV, ACT)
-    # the last EC program to get here re-arms the u counters (every EC program counts after its wait)
-    done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="relaxed")
-    if done == n_e - 1:
-        tl.atomic_xchg(u_lock, 0)
-        tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)
+        BM: tl.constexpr = offs_m.shape[0]
+        ROWS: tl.constexpr = EC_TILES * BN
+        offs_r = tl.arange(0, R)
+        rows = e * ROWS + tl.arange(0, ROWS)
+        r_mask = rows < N
+        bt = tl.load(b_ptr + (rows % N)[:, None] * R + offs_r[None, :])
+        u_lock = locks_ptr + lock_base + n_wt
+        # v follows the u programs' wait for the kernel before (programmatic dependent launch), so
+        # everything this program writes after seeing it does too
+        _wait_above(u_lock, U_SPLIT, DOT_F32)
+        accT = alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, tl.zeros((ROWS, BM), tl.float32), R, MV,
+                                  DOT_F32, ".cg")
+        tl.store(part_ptr + SPLIT_K * M * N + offs_m[None, :] * N + rows[:, None], accT,
+                 mask=r_mask[:, None] & m_mask[None, :])
+        tl.debug_barrier()
+        offs_t = tl.arange(0, EC_TILES)
+        tiles = e * EC_TILES + offs_t
+        arrived = tl.atomic_add(locks_ptr + lock_base + tiles, 1, mask=tiles < n_wt, sem="acq_rel")
+        for t in tl.static_range(EC_TILES):
+            wt = e * EC_TILES + t
+            if (tl.sum(tl.where(offs_t == t, arrived, 0)) == SPLIT_K) & (wt < n_wt):
+                _finish_tile(wt, offs_m, m_mask, n_wt, lock_base, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr,
+                             v_ptr, alpha, M, N, stride_om, SPLIT_K + 1, U_SPLIT, HAS_BIAS, 1, R, BN, DOT_F32, MV,
+                             ACT)
+        # the last EC program to get here re-arms the u counters (each counts after its wait)
+        done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="relaxed")
+        if done == n_e - 1:
+            tl.atomic_xchg(u_lock, 0)
+            tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)
 
 
 @triton.jit
