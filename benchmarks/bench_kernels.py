@@ -3,6 +3,7 @@
     python benchmarks/bench_kernels.py --out results/kernels            # full sweep (H200: ~8 min)
     python benchmarks/bench_kernels.py --out results/kernels --quick    # 7B/8B shapes, fewer M and ranks
     python benchmarks/bench_kernels.py --out results/kernels --tune     # launch-shape sweep for w4a16.py
+    ... --layout nmajor     # the N-major packed layout instead of the K-major one the engine serves
 
 Protocol (SPEAR.md §4): random non-zero weights quantized with RTN (4 bit, group 128, asym),
 fp16 activations; every variant is first checked against the fp32 reference at real shapes;
@@ -72,16 +73,16 @@ def layer_shapes(models):
 class Layer:
     """One quantized random layer and the copies each variant rotates through."""
 
-    def __init__(self, n, k, l2, with_int4, seed=0):
+    def __init__(self, n, k, l2, with_int4, seed=0, kmajor=True):
         g = torch.Generator(device=DEVICE).manual_seed(seed)
         w = torch.randn(n, k, device=DEVICE, generator=g) * 0.02
         self.codes, self.scales, self.zeros = rtn(w, 4, GROUP, symmetric=False)
         self.scales = self.scales.half()
         del w
         self.n, self.k = n, k
-        base = pack(self.codes, self.scales, self.zeros, GROUP)
+        base = pack(self.codes, self.scales, self.zeros, GROUP, kmajor=kmajor)
         w4_bytes = sum(t.numel() * t.element_size() for t in (base.qweight, base.scales, base.zeros))
-        self.w4 = [base] + [pack(self.codes, self.scales, self.zeros, GROUP)
+        self.w4 = [base] + [pack(self.codes, self.scales, self.zeros, GROUP, kmajor=kmajor)
                             for _ in range(copies_for(w4_bytes, l2) - 1)]
         w16 = dequantize(base, torch.float16)
         self.fp16 = [w16] + [w16.clone() for _ in range(copies_for(w16.numel() * 2, l2) - 1)]
@@ -246,11 +247,11 @@ def tune(out_dir):
     print("launch table:", json.dumps(table), flush=True)
 
 
-def _warm_one(m, ranks, n, k, table):
+def _warm_one(m, ranks, n, k, table, kmajor):
     """Compile every kernel variant that the sweep will launch at this M (into Triton's disk cache)."""
     from spear.kernels import w4a16
     w4a16.LAUNCH.update(table)
-    layer = Layer(n, k, 0, with_int4=False)
+    layer = Layer(n, k, 0, with_int4=False, kmajor=kmajor)
     ecs = {r: make_ec(n, k, r) for r in ranks}
     _, v = variants(layer, m, ranks, ecs)
     for fns in v.values():
@@ -259,7 +260,7 @@ def _warm_one(m, ranks, n, k, table):
     return m
 
 
-def warm_cache(ms, ranks):
+def warm_cache(ms, ranks, kmajor):
     """Triton compiles on one CPU thread per process; compile the sweep's kernels in parallel first."""
     import concurrent.futures as cf
     import multiprocessing as mp
@@ -268,7 +269,7 @@ def warm_cache(ms, ranks):
         with cf.ProcessPoolExecutor(max_workers=min(12, len(ms)), mp_context=mp.get_context("spawn")) as pool:
             from spear.kernels import w4a16
             list(pool.map(_warm_one, ms, [ranks] * len(ms), [512] * len(ms), [1024] * len(ms),
-                          [w4a16.LAUNCH] * len(ms)))
+                          [w4a16.LAUNCH] * len(ms), [kmajor] * len(ms)))
     except Exception as exc:  # only a speed-up: the sweep compiles on first use anyway
         print(f"parallel compile pass failed ({type(exc).__name__}: {exc}); compiling on first use", flush=True)
     print(f"compile pass for M in {ms}: {time.time() - t:.0f} s", flush=True)
@@ -282,7 +283,7 @@ def sweep(args, out_dir):
     ms = [1, 4, 16, 64, 512, 2048] if args.quick else M_ALL
     ranks = [16, 32] if args.quick else RANKS
     if not args.no_warm:
-        warm_cache(ms, ranks)
+        warm_cache(ms, ranks, args.layout == "kmajor")
     bw, peak = ceilings()
     print(f"device {props.name}, L2 {l2 >> 20} MB; measured copy {bw / 1e12:.2f} TB/s, fp16 mm {peak / 1e12:.0f} TFLOP/s",
           flush=True)
@@ -292,7 +293,7 @@ def sweep(args, out_dir):
     for model, proj, n, k in layer_shapes(models):
         if time.time() - t_start > args.budget_s:
             break
-        layer = Layer(n, k, l2, with_int4=has_int4)
+        layer = Layer(n, k, l2, with_int4=has_int4, kmajor=args.layout == "kmajor")
         ecs = {r: make_ec(n, k, r) for r in ranks}
         for m in (1, 512):
             check(layer, m, ranks, ecs, checks)
@@ -318,7 +319,8 @@ def sweep(args, out_dir):
         torch.cuda.empty_cache()
     meta = dict(device=props.name, l2_bytes=l2, copy_bw=bw, fp16_peak=peak, torch=torch.__version__,
                 group_size=GROUP, gate_hidden=HIDDEN, fused_max_m=ops.FUSED_MAX_M,
-                dequant_mm_min_m=ops.DEQUANT_MM_MIN_M, quick=args.quick, date=time.strftime("%Y-%m-%d"))
+                dequant_mm_min_m=ops.DEQUANT_MM_MIN_M, quick=args.quick, layout=args.layout,
+                date=time.strftime("%Y-%m-%d"))
     (out_dir / "results.json").write_text(json.dumps(dict(meta=meta, results=results, checks=checks), indent=1))
     (out_dir / "table.md").write_text(report(meta, results, checks, ranks))
     print(report(meta, results, checks, ranks))
@@ -331,7 +333,8 @@ def _median(vals):
 
 def report(meta, results, checks, ranks):
     lines = [f"device {meta['device']}, {meta['date']}; copy {meta['copy_bw'] / 1e12:.2f} TB/s, "
-             f"fp16 mm {meta['fp16_peak'] / 1e12:.0f} TFLOP/s; g{meta['group_size']} asym, h={meta['gate_hidden']}; "
+             f"fp16 mm {meta['fp16_peak'] / 1e12:.0f} TFLOP/s; g{meta['group_size']} asym, h={meta['gate_hidden']}, "
+             f"{meta.get('layout', 'nmajor')} weights; "
              f"checks: {sum(c['ok'] for c in checks)}/{len(checks)} pass (int4mm excluded from the gate)", ""]
     base = ["fp16", "int4mm", "w4", "w4_triton", "w4_dqmm"]
     per_rank = ["fused", "semi", "serial", "ec", "naive"]
@@ -370,6 +373,9 @@ def main():
     p.add_argument("--table", type=Path, help="launch_table.json from --tune to use instead of the built-in one")
     p.add_argument("--no-warm", action="store_true", help="skip the parallel compile pass")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
+    p.add_argument("--layout", choices=["kmajor", "nmajor"], default="kmajor",
+                   help="packed weight layout of the W4 variants (the engine serves K-major; the sweeps of "
+                        "2026-11-29 and the quick run of 2026-11-30 used N-major; --tune always packs N-major)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
