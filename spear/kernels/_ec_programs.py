@@ -1,8 +1,10 @@
 """The compensator's parts of the W4A16 kernel (w4a16.py, EC_MODE 1 and 2).
 
 ``_u_program``: the u = A x programs of the fused EC, one per K range; the last to finish
-sums the partials and writes v = gamma(u) ⊙ u. ``_b_times_v``: alpha · B_tile v in the W
-tiles' epilogue.
+sums the partials and writes v = gamma(u) ⊙ u. ``_fused_ec``: alpha · B_tile v added on a W
+tile's last split (the default form). ``_ec_program``: the alternative form, programs of
+their own that add it as one more split-K partial (``Config.ec_tiles``). The B_tile v product
+itself, ``_b_times_v``, is in _epilogue.py, which the v-epilogue (EC_MODE 2) shares.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spear.kernels._common import _dot, _gate_apply, _gate_params, _pdl_wait, _sum_partials, _tokens_to_accT
+from spear.kernels._common import (_dot, _gate_apply, _gate_params, _pdl_wait, _sum_partials, _tokens_to_accT,
+                                   _wait_above)
+from spear.kernels._epilogue import _b_times_v, _finish_tile
 
 
 @triton.jit
@@ -106,22 +110,66 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
 
 
 @triton.jit
-def _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
-               CACHE: tl.constexpr):
-    """B_tile [BN, R] . v [R, tokens] as an [BN, BM] tile. At decode (MV tokens): one FMA row sum per
-    token on B's tile as loaded (the tensor-core dot's operand layouts would cost a round trip
-    through shared memory for a product of a few thousand FMAs); else a dot. CACHE ".cg" reads v
-    at L2, where another program of this launch wrote it ("" for the default)."""
-    if MV > 0:
-        cols = tl.arange(0, accT.shape[1])[None, :]
-        bv = tl.zeros_like(accT)
-        bf = bt.to(tl.float32)
-        m = tl.sum(m_mask.to(tl.int32))  # the decode loop has one m-tile: tokens 0 .. M - 1
-        for t in tl.static_range(MV):
-            vt = tl.load(v_ptr + t * R + offs_r, mask=(offs_r * 0 + t) < m, other=0.0, cache_modifier=CACHE)
-            bv += tl.where(cols == t, tl.sum(bf * vt.to(tl.float32)[None, :], axis=1)[:, None], 0.0)
-        return bv
-    else:
-        vT = tl.load(v_ptr + offs_m[None, :] * R + offs_r[:, None], mask=m_mask[None, :], other=0.0,
-                     cache_modifier=CACHE)
-        return _dot(bt, vT.to(bt.dtype), tl.zeros_like(accT), DOT_F32)
+def _fused_ec(accT, offs_m, m_mask, n_ld, n_wt, lock_base, locks_ptr, b_ptr, v_ptr, alpha, U_SPLIT: tl.constexpr,
+              R: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr):
+    """accT + alpha · B_tile v once the u programs have published v (EC_MODE 1)."""
+    offs_r = tl.arange(0, R)
+    # B's tile does not depend on v: issue its load before the wait, so it overlaps the wait
+    bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
+    u_lock = locks_ptr + lock_base + n_wt
+    # poll with loads (an atomic per poll from every waiting program would contend on one L2
+    # line); the acquiring load orders the read of v after the last u program's release.
+    # DOT_F32 is the interpreter's mode (w4a16_matmul), which has no inline PTX
+    _wait_above(u_lock, U_SPLIT, DOT_F32)
+    # .cg: read at L2, where the u program wrote v
+    accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, ".cg")
+    _count_and_rearm(locks_ptr, lock_base, n_wt, n_wt)  # each tile counts once, from its last split
+    return accT
+
+
+@triton.jit
+def _ec_program(e, n_e, n_wt, lock_base, offs_m, m_mask, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr, alpha,
+                M, N, stride_om, SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr, EC_TILES: tl.constexpr,
+                HAS_BIAS: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr,
+                ACT: tl.constexpr):
+    """alpha · B v for column tiles e·EC_TILES .. (e + 1)·EC_TILES - 1 as their partial SPLIT_K, in
+    one pass: B's rows are loaded before the wait for v, the tiles' counters bumped by one
+    vector atomic; a tile whose W splits all counted before is finished here. Compiled empty
+    at EC_TILES 0 (no EC programs are launched then)."""
+    if EC_TILES > 0:
+        BM: tl.constexpr = offs_m.shape[0]
+        ROWS: tl.constexpr = EC_TILES * BN
+        offs_r = tl.arange(0, R)
+        rows = e * ROWS + tl.arange(0, ROWS)
+        r_mask = rows < N
+        bt = tl.load(b_ptr + (rows % N)[:, None] * R + offs_r[None, :])
+        u_lock = locks_ptr + lock_base + n_wt
+        # v follows the u programs' wait for the kernel before (programmatic dependent launch), so
+        # everything this program writes after seeing it does too
+        _wait_above(u_lock, U_SPLIT, DOT_F32)
+        accT = alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, tl.zeros((ROWS, BM), tl.float32), R, MV,
+                                  DOT_F32, ".cg")
+        tl.store(part_ptr + SPLIT_K * M * N + offs_m[None, :] * N + rows[:, None], accT,
+                 mask=r_mask[:, None] & m_mask[None, :])
+        tl.debug_barrier()
+        offs_t = tl.arange(0, EC_TILES)
+        tiles = e * EC_TILES + offs_t
+        arrived = tl.atomic_add(locks_ptr + lock_base + tiles, 1, mask=tiles < n_wt, sem="acq_rel")
+        for t in tl.static_range(EC_TILES):
+            wt = e * EC_TILES + t
+            if (tl.sum(tl.where(offs_t == t, arrived, 0)) == SPLIT_K) & (wt < n_wt):
+                _finish_tile(wt, offs_m, m_mask, lock_base, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
+                             alpha, M, N, stride_om, SPLIT_K + 1, HAS_BIAS, 1, R, BN, DOT_F32, MV, ACT)
+        _count_and_rearm(locks_ptr, lock_base, n_wt, n_e)
+
+
+@triton.jit
+def _count_and_rearm(locks_ptr, lock_base, n_wt, n_counting):
+    """Count this program on the m-tile's done counter; the last of the n_counting programs that
+    wait for v re-arms the u counter and the done counter for the next call. Relaxed: each
+    counts only after its wait, so the last count follows every wait; v is not reset (the next
+    call's u programs rewrite it after this kernel has ended)."""
+    done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="relaxed")
+    if done == n_counting - 1:
+        tl.atomic_xchg(locks_ptr + lock_base + n_wt, 0)
+        tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)

@@ -29,7 +29,7 @@ class Config:
     ptx: bool = True  # CUDA-core loop with fp16 activations: the fp16x2 PTX word product
     prefetch: bool = False  # K-major CUDA-core loop: issue step k + 1's loads before step k's math
     # fused EC: 0 adds alpha·B v on each column tile's last split; a power of two runs it in programs
-    # of their own, ec_tiles column tiles each, as one more split-K partial (w4a16._ec_program);
+    # of their own, ec_tiles column tiles each, as one more split-K partial (_ec_programs._ec_program);
     # ec_at_end places those programs after the W programs (ids) instead of before
     ec_tiles: int = 0
     ec_at_end: bool = False
@@ -77,6 +77,7 @@ def _split_for(tiles: int, k: int, bk: int, programs: int) -> int:
 def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -> Config:
     kmax = group_size if group_size else k  # BK must divide a group (one scale per step)
     fma = "fma_kmajor" if kmajor else "fma"
+    ec_tiles = LAUNCH.get("ec_tiles", 0)
     if m <= LAUNCH[fma + "_max_m"]:
         mv = 1 if m == 1 else (2 if m == 2 else 4)
         c = LAUNCH.get(fma + "_by_mv", {}).get(str(mv), LAUNCH[fma])
@@ -86,12 +87,12 @@ def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -
         bk = min(c["BK"], kmax)
         split = _split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=mv,
-                      prefetch=bool(kmajor and c.get("prefetch", False)), ec_tiles=LAUNCH.get("ec_tiles", 0))
+                      prefetch=bool(kmajor and c.get("prefetch", False)), ec_tiles=ec_tiles)
     if m <= DECODE_MAX_M:
         c = LAUNCH["tc"]
         bk = min(c["BK"], kmax)
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         split = _split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])
-        return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"], ec_tiles=LAUNCH.get("ec_tiles", 0))
+        return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"], ec_tiles=ec_tiles)
     c = LAUNCH["prefill"]
     return Config(c["BM"], c["BN"], min(c["BK"], kmax), 1, c["num_warps"], c["num_stages"])

@@ -54,9 +54,9 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import (INTERPRET, _dequant, _dot, _pdl_start, _pdl_wait, _sigmoid, _sum_partials,
-                                   _unpack_w4, _wait_above)
-from spear.kernels._ec_programs import _b_times_v, _u_program
+from spear.kernels._common import INTERPRET, _dequant, _dot, _pdl_start, _pdl_wait, _unpack_w4
+from spear.kernels._ec_programs import _ec_program, _fused_ec, _u_program
+from spear.kernels._epilogue import _epilogue, _finish_tile
 from spear.kernels._kmajor import _kmajor_mainloop
 from spear.kernels._nmajor import _fma_mainloop
 from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
@@ -228,119 +228,11 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
         tl.debug_barrier()
         arrived = tl.atomic_add(locks_ptr + lock_base + wt, 1, sem="acq_rel")
         if arrived == N_PARTS - 1:
-            _finish_tile(wt, offs_m, m_mask, n_wt, lock_base, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
-                         alpha, M, N, stride_om, N_PARTS, U_SPLIT, HAS_BIAS, EC_MODE, R, BN, DOT_F32, MV, ACT)
+            _finish_tile(wt, offs_m, m_mask, lock_base, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr, alpha,
+                         M, N, stride_om, N_PARTS, HAS_BIAS, EC_MODE, R, BN, DOT_F32, MV, ACT)
     else:
-        _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-                  b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32, MV, ACT, wt, N)
-
-
-@triton.jit
-def _finish_tile(wt, offs_m, m_mask, n_wt, lock_base, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr, alpha,
-                 M, N, stride_om, N_PARTS: tl.constexpr, U_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 EC_MODE: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr,
-                 ACT: tl.constexpr):
-    """Column tile ``wt`` once its N_PARTS partials are in the workspace and this program counted
-    last: their sum, the counter re-armed, the epilogue."""
-    BM: tl.constexpr = offs_m.shape[0]
-    offs_n = wt * BN + tl.arange(0, BN)
-    n_mask = offs_n < N
-    out_mask = n_mask[:, None] & m_mask[None, :]
-    mn_offs = offs_m[None, :] * N + offs_n[:, None]
-    accT = _sum_partials(part_ptr + mn_offs, M * N, out_mask, tl.zeros((BN, BM), tl.float32), N_PARTS, 4)
-    tl.atomic_xchg(locks_ptr + lock_base + wt, 0)
-    _epilogue(accT, offs_m, m_mask, offs_n, n_mask, offs_n % N, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-              b_ptr, v_ptr, alpha, U_SPLIT, stride_om, HAS_BIAS, EC_MODE, R, DOT_F32, MV, ACT, wt, N)
-
-
-@triton.jit
-def _ec_program(e, n_e, n_wt, lock_base, offs_m, m_mask, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr, alpha,
-                M, N, stride_om, SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr, EC_TILES: tl.constexpr,
-                HAS_BIAS: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr,
-                ACT: tl.constexpr):
-    """alpha · B v for column tiles e·EC_TILES .. (e + 1)·EC_TILES - 1 as their partial SPLIT_K, in
-    one pass: B's rows are loaded before the wait for v, the tiles' counters bumped by one
-    vector atomic; a tile whose W splits all counted before is finished here. Compiled empty
-    at EC_TILES 0 (no EC programs are launched then)."""
-    if EC_TILES > 0:
-        BM: tl.constexpr = offs_m.shape[0]
-        ROWS: tl.constexpr = EC_TILES * BN
-        offs_r = tl.arange(0, R)
-        rows = e * ROWS + tl.arange(0, ROWS)
-        r_mask = rows < N
-        bt = tl.load(b_ptr + (rows % N)[:, None] * R + offs_r[None, :])
-        u_lock = locks_ptr + lock_base + n_wt
-        # v follows the u programs' wait for the kernel before (programmatic dependent launch), so
-        # everything this program writes after seeing it does too
-        _wait_above(u_lock, U_SPLIT, DOT_F32)
-        accT = alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, tl.zeros((ROWS, BM), tl.float32), R, MV,
-                                  DOT_F32, ".cg")
-        tl.store(part_ptr + SPLIT_K * M * N + offs_m[None, :] * N + rows[:, None], accT,
-                 mask=r_mask[:, None] & m_mask[None, :])
-        tl.debug_barrier()
-        offs_t = tl.arange(0, EC_TILES)
-        tiles = e * EC_TILES + offs_t
-        arrived = tl.atomic_add(locks_ptr + lock_base + tiles, 1, mask=tiles < n_wt, sem="acq_rel")
-        for t in tl.static_range(EC_TILES):
-            wt = e * EC_TILES + t
-            if (tl.sum(tl.where(offs_t == t, arrived, 0)) == SPLIT_K) & (wt < n_wt):
-                _finish_tile(wt, offs_m, m_mask, n_wt, lock_base, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr,
-                             v_ptr, alpha, M, N, stride_om, SPLIT_K + 1, U_SPLIT, HAS_BIAS, 1, R, BN, DOT_F32, MV,
-                             ACT)
-        # the last EC program to get here re-arms the u counters (each counts after its wait)
-        done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="relaxed")
-        if done == n_e - 1:
-            tl.atomic_xchg(u_lock, 0)
-            tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)
-
-
-@triton.jit
-def _fused_ec(accT, offs_m, m_mask, n_ld, n_wt, lock_base, locks_ptr, b_ptr, v_ptr, alpha, U_SPLIT: tl.constexpr,
-              R: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr):
-    """accT + alpha · B_tile v once the u programs have published v (EC_MODE 1)."""
-    offs_r = tl.arange(0, R)
-    # B's tile does not depend on v: issue its load before the wait, so it overlaps the wait
-    bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
-    u_lock = locks_ptr + lock_base + n_wt
-    # poll with loads (an atomic per poll from every waiting program would contend on one L2
-    # line); the acquiring load orders the read of v after the last u program's release.
-    # DOT_F32 is the interpreter's mode (w4a16_matmul), which has no inline PTX
-    _wait_above(u_lock, U_SPLIT, DOT_F32)
-    # .cg: read at L2, where the u program wrote v
-    accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, ".cg")
-    # the last W tile of this m-tile to get here re-arms the counters for the next call. Relaxed:
-    # every tile counts itself (once, from its last split) only after its wait, so the last count
-    # follows every wait, and v is not reset (the next call's u programs rewrite it after this
-    # kernel has ended)
-    done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="relaxed")
-    if done == n_wt - 1:
-        tl.atomic_xchg(u_lock, 0)
-        tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)
-    return accT
-
-
-@triton.jit
-def _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, n_wt, lock_base, bias_ptr, out_ptr, locks_ptr,
-              b_ptr, v_ptr, alpha, U_SPLIT: tl.constexpr, stride_om, HAS_BIAS: tl.constexpr, EC_MODE: tl.constexpr,
-              R: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr, ACT: tl.constexpr, wt, N):
-    offs_r = tl.arange(0, R)
-    if EC_MODE == 2:
-        bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
-        accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, "")
-    if HAS_BIAS:
-        accT += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
-    if ACT == 1:
-        # rows 2i, 2i + 1 of the tile are gate and up of output feature wt * BN/2 + i: SiLU·mul
-        # on the fp32 sums, so the (gate, up) intermediate never reaches memory
-        BN: tl.constexpr = accT.shape[0]
-        BM: tl.constexpr = accT.shape[1]
-        g, u = tl.split(tl.permute(tl.reshape(accT, (BN // 2, 2, BM)), (0, 2, 1)))
-        offs_h = wt * (BN // 2) + tl.arange(0, BN // 2)
-        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_h[:, None],
-                 (g * _sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=(2 * offs_h < N)[:, None] & m_mask[None, :])
-    else:
-        tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], accT.to(out_ptr.dtype.element_ty),
-                 mask=n_mask[:, None] & m_mask[None, :])
+        _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, bias_ptr, out_ptr, b_ptr, v_ptr, alpha, stride_om,
+                  HAS_BIAS, EC_MODE, R, DOT_F32, MV, ACT, wt, N)
 
 
 def _check(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, ec: PackedEC | None) -> None:
