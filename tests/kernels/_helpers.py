@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from spear.kernels import reference as ref
+from spear.kernels.layout import pack, pack_ec
 from spear.quant.primitives import rtn
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -47,3 +49,20 @@ def make_ec(n: int, k: int, r: int, h: int | None, dtype: torch.dtype, seed: int
         params.update(w1=torch.randn(h, r, generator=g) / r**0.5, b1=torch.randn(h, generator=g) * 0.1,
                       w2=torch.randn(r, h, generator=g) / h**0.5, b2=torch.randn(r, generator=g) * 0.1)
     return {key: (val.to(device) if torch.is_tensor(val) else val) for key, val in params.items()}
+
+
+N_SMALL, K_SMALL = 96, 256  # N not a multiple of the 64-wide tile: exercises the column mask
+
+
+def setup_case(m, k, n, gs, sym, dtype, seed, bias=True, ec=None, kmajor=False):
+    """A packed random layer, activations, bias, packed EC (``make_ec``'s dict) and the fp32 reference output."""
+    codes, scales, zeros = make_layer(n, k, gs, sym, seed)
+    w = pack(codes, scales, zeros, gs, sym, kmajor=kmajor)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
+    b = (torch.randn(n, generator=g) * 0.1).to(dtype).to(DEVICE) if bias else None
+    e = pack_ec(**ec) if ec is not None else None
+    # the reference reads the stored (fp16/bf16, zero-padded) EC parameters, as the kernels do
+    expect = ref.w4a16_ec(x, codes, scales, zeros, gs, b,
+                          *(() if e is None else (e.a, e.b, e.w1, e.b1, e.w2, e.b2, e.alpha, e.bound)))
+    return x, w, b, e, expect

@@ -1,5 +1,5 @@
 """Every kernel against the fp32 torch reference: odd M, group sizes, sym/asym, fp16/bf16,
-bias, split-K, compensator off / static / gated. Outputs and workspaces start as NaN.
+bias, split-K, SiLU·mul, the K-major layout (the compensator forms: test_ec_kernels.py). Outputs and workspaces start as NaN.
 
 On the CPU these run through TRITON_INTERPRET=1 at small shapes (conftest.py); the tests
 marked ``gpu`` repeat them at real Llama shapes.
@@ -16,23 +16,8 @@ from spear.kernels.layout import LOCK_SLOTS, pack, pack_ec, unpack
 from spear.kernels.dequant import dequantize
 from spear.kernels.ops import w4a16_linear
 from spear.kernels.w4a16 import Config, pick_config, w4a16_matmul
-from tests.kernels._helpers import DEVICE, INTERPRET, assert_close, make_ec, make_layer
-
-N_SMALL, K_SMALL = 96, 256  # N not a multiple of the 64-wide tile: exercises the column mask
-
-
-def _setup(m, k, n, gs, sym, dtype, seed, bias=True, ec=None, kmajor=False):
-    codes, scales, zeros = make_layer(n, k, gs, sym, seed)
-    w = pack(codes, scales, zeros, gs, sym, kmajor=kmajor)
-    g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
-    b = (torch.randn(n, generator=g) * 0.1).to(dtype).to(DEVICE) if bias else None
-    e = pack_ec(**ec) if ec is not None else None
-    # the reference reads the stored (fp16/bf16, zero-padded) EC parameters, as the kernels do
-    expect = ref.w4a16_ec(x, codes, scales, zeros, gs, b,
-                          *(() if e is None else (e.a, e.b, e.w1, e.b1, e.w2, e.b2, e.alpha, e.bound)))
-    return x, w, b, e, expect
-
+from tests.kernels._helpers import (DEVICE, INTERPRET, K_SMALL, N_SMALL, assert_close, make_ec, make_layer,
+                                   setup_case)
 
 def test_pack_roundtrip_and_footprint():
     codes, scales, zeros = make_layer(64, 256, 128, False, 0)
@@ -63,7 +48,7 @@ GEMM_CASES = [
 
 @pytest.mark.parametrize("m,gs,sym,dtype,bias,cfg", GEMM_CASES)
 def test_w4a16_gemm(poisoned, m, gs, sym, dtype, bias, cfg):
-    x, w, b, _, expect = _setup(m, K_SMALL, N_SMALL, gs, sym, dtype, seed=m + gs, bias=bias)
+    x, w, b, _, expect = setup_case(m, K_SMALL, N_SMALL, gs, sym, dtype, seed=m + gs, bias=bias)
     out = w4a16_matmul(x, w, b, config=cfg)
     assert_close(out, expect, dtype, f"W4 M={m} g={gs} sym={sym} {dtype} cfg={cfg}")
     assert int(w.locks.abs().sum()) == 0, "split-K counters not re-armed"
@@ -85,7 +70,7 @@ ACT_CASES = [
 def test_silu_mul_epilogue(poisoned, m, kmajor, ec_mode, cfg):
     gs = 32 if m == 3 else 64
     ec = make_ec(N_SMALL, K_SMALL, 16, 16, torch.float16, seed=m) if ec_mode else None
-    x, w, b, e, expect = _setup(m, K_SMALL, N_SMALL, gs, False, torch.float16, seed=m, ec=ec, kmajor=kmajor)
+    x, w, b, e, expect = setup_case(m, K_SMALL, N_SMALL, gs, False, torch.float16, seed=m, ec=ec, kmajor=kmajor)
     v = ec_gate(x, e) if ec_mode == 2 else None
     out = w4a16_matmul(x, w, b, e, ec_mode=ec_mode, v=v, config=cfg, act=1)
     assert_close(out, ref.silu_mul_pairs(expect), torch.float16, f"SiLU·mul M={m} ec_mode={ec_mode} cfg={cfg}")
@@ -113,24 +98,11 @@ KMAJOR_CASES = [
 
 @pytest.mark.parametrize("m,gs,sym,dtype,bias,cfg", KMAJOR_CASES)
 def test_w4a16_gemm_kmajor(poisoned, m, gs, sym, dtype, bias, cfg):
-    x, w, b, _, expect = _setup(m, K_SMALL, N_SMALL, gs, sym, dtype, seed=m + gs, bias=bias, kmajor=True)
+    x, w, b, _, expect = setup_case(m, K_SMALL, N_SMALL, gs, sym, dtype, seed=m + gs, bias=bias, kmajor=True)
     assert w.kmajor and w.qweight.shape == (K_SMALL // 8, N_SMALL)
     out = w4a16_matmul(x, w, b, config=cfg)
     assert_close(out, expect, dtype, f"K-major W4 M={m} g={gs} sym={sym} {dtype} cfg={cfg}")
     assert int(w.locks.abs().sum()) == 0, "split-K counters not re-armed"
-
-
-@pytest.mark.parametrize("m,gs,dtype,r,h,split,mv,prefetch", [(1, 64, torch.float16, 8, 12, 2, 1, False),
-                                                               (2, 32, torch.float16, 8, None, 3, 2, True),
-                                                               (5, 128, torch.bfloat16, 16, None, 2, 0, False)])
-def test_fused_ec_kmajor(poisoned, m, gs, dtype, r, h, split, mv, prefetch):
-    ec = make_ec(N_SMALL, K_SMALL, r, h, dtype, seed=r)
-    x, w, b, e, expect = _setup(m, K_SMALL, N_SMALL, gs, False, dtype, seed=m + r, ec=ec, kmajor=True)
-    cfg = Config(16, 64, min(128, gs), split, 4, 2, mv=mv, prefetch=prefetch)
-    for _ in range(2):
-        out = w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg)
-        assert_close(out, expect, dtype, f"K-major fused EC M={m} g={gs} r={r} h={h}")
-        assert int(w.locks.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("gs,dtype", [(0, torch.float16), (64, torch.bfloat16)])
@@ -154,73 +126,6 @@ def test_kmajor_pack_roundtrip_and_errors():
     bad = make_layer(16, 96, 32, False, 8)
     with pytest.raises(ValueError, match="multiple of 128"):
         pack(*bad, 32, kmajor=True)
-
-
-# (M, group, symmetric, dtype, rank, gate hidden or None, split_k, mv, u_split)
-FUSED_CASES = [
-    (1, 0, True, torch.float16, 8, 12, 1, 0, 0),
-    (3, 64, False, torch.bfloat16, 20, 16, 3, 0, 1),
-    (17, 128, False, torch.float16, 16, None, 2, 0, 0),
-    (1, 32, True, torch.bfloat16, 8, None, 4, 1, 3),
-    (33, 0, False, torch.float16, 32, 32, 2, 0, 0),
-    (2, 64, False, torch.float16, 16, 8, 2, 2, 0),
-    (1, 64, True, torch.float16, 16, 16, 2, 1, 0),
-    (3, 0, False, torch.bfloat16, 8, 8, 2, 4, 3),
-]
-
-
-@pytest.mark.parametrize("m,gs,sym,dtype,r,h,split,mv,u_split", FUSED_CASES)
-def test_fused_ec(poisoned, m, gs, sym, dtype, r, h, split, mv, u_split):
-    ec = make_ec(N_SMALL, K_SMALL, r, h, dtype, seed=r)
-    x, w, b, e, expect = _setup(m, K_SMALL, N_SMALL, gs, sym, dtype, seed=m + r, ec=ec)
-    bk = min(64, gs or 64)
-    cfg = Config(16, 64, bk, split, 4, 2, mv=mv, u_split=u_split)
-    for _ in range(2):  # the second call checks that the counters were re-armed
-        out = w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg)
-        assert_close(out, expect, dtype, f"fused EC M={m} g={gs} r={r} h={h} split={split}")
-        assert int(w.locks.abs().sum()) == 0, "fused-EC counters not re-armed"
-
-
-# (M, group, dtype, gate hidden or None, split_k, mv, K-major, act, EC tiles per program, EC programs last)
-EC_PROGRAM_CASES = [
-    (1, 64, torch.float16, 12, 2, 1, True, 0, 1, False),
-    (1, 32, torch.float16, None, 1, 1, False, 0, 2, True),   # no split-K: the EC partial is the second
-    (2, 64, torch.bfloat16, 8, 3, 2, True, 1, 2, True),      # SiLU·mul finished by an EC program
-    (3, 0, torch.float16, None, 2, 4, False, 0, 4, False),
-    (7, 128, torch.float16, 16, 2, 0, True, 0, 2, True),     # tensor-core tiles
-]
-
-
-@pytest.mark.parametrize("m,gs,dtype,h,split,mv,kmajor,act,ec_tiles,at_end", EC_PROGRAM_CASES)
-def test_fused_ec_programs(poisoned, m, gs, dtype, h, split, mv, kmajor, act, ec_tiles, at_end):
-    """The fused EC in programs of its own (Config.ec_tiles): with them last (at_end), the
-    interpreter runs them after every W split, so they finish the tiles (epilogue included)."""
-    ec = make_ec(N_SMALL, K_SMALL, 16, h, dtype, seed=m)
-    x, w, b, e, expect = _setup(m, K_SMALL, N_SMALL, gs, False, dtype, seed=m, ec=ec, kmajor=kmajor)
-    if act:
-        expect = ref.silu_mul_pairs(expect)
-    bk = min(64, gs or 64)
-    cfg = Config(16, 64, bk, split, 4, 2, mv=mv, ec_tiles=ec_tiles, ec_at_end=at_end)
-    for _ in range(2):  # the second call checks that the counters were re-armed
-        out = w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg, act=act)
-        assert_close(out, expect, dtype, f"EC programs M={m} g={gs} tiles={ec_tiles} end={at_end}")
-        assert int(w.locks.abs().sum()) == 0, "counters not re-armed"
-    with pytest.raises(ValueError, match="power of two"):
-        w4a16_matmul(x, w, b, e, ec_mode=1, config=Config(16, 64, bk, split, 4, 2, mv=mv, ec_tiles=3))
-
-
-@pytest.mark.parametrize("m,dtype,h", [(17, torch.float16, 12), (33, torch.bfloat16, None)])
-def test_semi_fused_ec(poisoned, m, dtype, h):
-    ec = make_ec(N_SMALL, K_SMALL, 8, h, dtype, seed=3)
-    x, w, b, e, expect = _setup(m, K_SMALL, N_SMALL, 64, False, dtype, seed=m, ec=ec)
-    v = ec_gate(x, e)
-    u = x.float() @ e.a.float().t()
-    assert_close(v, ref.ec_gate(u, e.w1, e.b1, e.w2, e.b2, e.bound), dtype, "ec_gate")
-    cfg = Config(32, 64, 64, 1, 4, 2)
-    out = ec_up(w4a16_matmul(x, w, b, config=cfg), v, e)
-    assert_close(out, expect, dtype, "W4 then ec_up")
-    out = w4a16_matmul(x, w, b, e, ec_mode=2, v=v, config=cfg)
-    assert_close(out, expect, dtype, "W4 with v epilogue")
 
 
 @pytest.mark.parametrize("gs,dtype", [(0, torch.bfloat16), (32, torch.float16)])
@@ -316,8 +221,8 @@ def test_gpu_real_shapes(poisoned, n, k, gs, sym, dtype, m):
     if DEVICE != "cuda":
         pytest.skip("needs CUDA")
     ec = make_ec(n, k, 32, 32, dtype, seed=1)
-    x, w, b, e, expect = _setup(m, k, n, gs, sym, dtype, seed=m, ec=ec)
-    x_, w_, b_, _, expect_w4 = _setup(m, k, n, gs, sym, dtype, seed=m)
+    x, w, b, e, expect = setup_case(m, k, n, gs, sym, dtype, seed=m, ec=ec)
+    x_, w_, b_, _, expect_w4 = setup_case(m, k, n, gs, sym, dtype, seed=m)
     assert_close(w4a16_matmul(x_, w_, b_), expect_w4, dtype, f"W4 {n}x{k} M={m}")
     if m <= 64:
         outs = [w4a16_matmul(x, w, b, e, ec_mode=1) for _ in range(3)]
@@ -338,8 +243,8 @@ def test_gpu_ptx_decode_loop(poisoned, n, k, gs, sym, m, mv, kmajor):
     if DEVICE != "cuda":
         pytest.skip("needs CUDA: the interpreter cannot run PTX")
     ec = make_ec(n, k, 32, 32, torch.float16, seed=2)
-    x, w, b, e, expect = _setup(m, k, n, gs, sym, torch.float16, seed=m, ec=ec, kmajor=kmajor)
-    x_, w_, b_, _, expect_w4 = _setup(m, k, n, gs, sym, torch.float16, seed=m, kmajor=kmajor)
+    x, w, b, e, expect = setup_case(m, k, n, gs, sym, torch.float16, seed=m, ec=ec, kmajor=kmajor)
+    x_, w_, b_, _, expect_w4 = setup_case(m, k, n, gs, sym, torch.float16, seed=m, kmajor=kmajor)
     # split 16 of K = 11008 (86 steps of 128) leaves the last split an empty K range
     for split, prefetch in ((1, False), (8, False), (1, True), (8, True), (16, True)):
         if prefetch and not kmajor:
@@ -370,30 +275,10 @@ def test_gpu_real_shapes_kmajor(poisoned, n, k, gs, sym, dtype, m):
     if DEVICE != "cuda":
         pytest.skip("needs CUDA")
     ec = make_ec(n, k, 32, 32, dtype, seed=1)
-    x, w, b, e, expect = _setup(m, k, n, gs, sym, dtype, seed=m, ec=ec, kmajor=True)
-    x_, w_, b_, _, expect_w4 = _setup(m, k, n, gs, sym, dtype, seed=m, kmajor=True)
+    x, w, b, e, expect = setup_case(m, k, n, gs, sym, dtype, seed=m, ec=ec, kmajor=True)
+    x_, w_, b_, _, expect_w4 = setup_case(m, k, n, gs, sym, dtype, seed=m, kmajor=True)
     assert_close(w4a16_linear(x_, w_, b_), expect_w4, dtype, f"K-major W4 {n}x{k} M={m}")
     assert_close(w4a16_linear(x, w, b, e), expect, dtype, f"K-major W4+EC {n}x{k} M={m}")
-    assert int(w.locks.abs().sum()) == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,k,gs", [(4096, 4096, 128), (22016, 4096, 128), (4096, 11008, 0)])
-@pytest.mark.parametrize("m", [1, 3, 7, 16])
-@pytest.mark.parametrize("ec_tiles,at_end", [(1, False), (2, False), (4, False), (2, True)])
-def test_gpu_fused_ec_programs(poisoned, n, k, gs, m, ec_tiles, at_end):
-    """The fused EC in programs of its own at real shapes, through the decode launches, K-major:
-    right, deterministic over repeats (a race would show), counters re-armed."""
-    if DEVICE != "cuda":
-        pytest.skip("needs CUDA")
-    ec = make_ec(n, k, 16, 16, torch.float16, seed=4)
-    x, w, b, e, expect = _setup(m, k, n, gs, True, torch.float16, seed=m, ec=ec, kmajor=True)
-    c = pick_config(m, n, k, gs, kmajor=True)
-    cfg = Config(c.BM, c.BN, c.BK, c.split_k, c.num_warps, c.num_stages, mv=c.mv, prefetch=c.prefetch,
-                 ec_tiles=ec_tiles, ec_at_end=at_end)
-    outs = [w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg) for _ in range(3)]
-    assert_close(outs[0], expect, torch.float16, f"EC programs {n}x{k} M={m} tiles={ec_tiles} end={at_end}")
-    assert all(torch.equal(outs[0], o) for o in outs[1:]), "EC programs not deterministic: race?"
     assert int(w.locks.abs().sum()) == 0
 
 
@@ -406,7 +291,7 @@ def test_gpu_silu_mul_epilogue(poisoned, m, with_ec):
         pytest.skip("needs CUDA")
     n, k, gs = 22016, 4096, 128
     ec = make_ec(n, k, 32, 32, torch.float16, seed=3) if with_ec else None
-    x, w, b, e, expect = _setup(m, k, n, gs, False, torch.float16, seed=m, ec=ec, kmajor=True)
+    x, w, b, e, expect = setup_case(m, k, n, gs, False, torch.float16, seed=m, ec=ec, kmajor=True)
     assert_close(w4a16_linear(x, w, b, e, act=1), ref.silu_mul_pairs(expect), torch.float16,
                  f"SiLU·mul {n}x{k} M={m} EC={with_ec}")
     assert int(w.locks.abs().sum()) == 0
