@@ -100,6 +100,9 @@ def _w4a16_kernel(
     EC_TILES: tl.constexpr = 0, EC_AT_END: tl.constexpr = False,
 ):
     _pdl_start(PDL)
+    # torch.compile passes Python floats as fp64 scalars; fp32 keeps the accumulators fp32
+    alpha = tl.cast(alpha, tl.float32)
+    bound = tl.cast(bound, tl.float32)
     pid = tl.program_id(0)
     n_wt = tl.cdiv(N, BN)
     if EC_MODE == 1:
