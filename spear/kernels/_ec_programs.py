@@ -2,8 +2,7 @@
 
 ``_u_program``: the u = A x programs of the fused EC, one per K range; the last to finish
 sums the partials and writes v = gamma(u) ⊙ u. ``_fused_ec``: alpha · B_tile v added on a W
-tile's last split (the default form). ``_ec_program``: the alternative form, programs of
-their own that add it as one more split-K partial (``Config.ec_tiles``). The B_tile v product
+tile's last split. The B_tile v product
 itself, ``_b_times_v``, is in _epilogue.py, which the v-epilogue (EC_MODE 2) shares.
 """
 
@@ -14,7 +13,7 @@ import triton.language as tl
 
 from spear.kernels._common import (_dot, _gate_apply, _gate_params, _pdl_wait, _sum_partials, _tokens_to_accT,
                                    _wait_above)
-from spear.kernels._epilogue import _b_times_v, _finish_tile
+from spear.kernels._epilogue import _b_times_v
 
 
 @triton.jit
@@ -125,42 +124,6 @@ def _fused_ec(accT, offs_m, m_mask, n_ld, n_wt, lock_base, locks_ptr, b_ptr, v_p
     accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, ".cg")
     _count_and_rearm(locks_ptr, lock_base, n_wt, n_wt)  # each tile counts once, from its last split
     return accT
-
-
-@triton.jit
-def _ec_program(e, n_e, n_wt, lock_base, offs_m, m_mask, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr, alpha,
-                M, N, stride_om, SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr, EC_TILES: tl.constexpr,
-                HAS_BIAS: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr, MV: tl.constexpr,
-                ACT: tl.constexpr):
-    """alpha · B v for column tiles e·EC_TILES .. (e + 1)·EC_TILES - 1 as their partial SPLIT_K, in
-    one pass: B's rows are loaded before the wait for v, the tiles' counters bumped by one
-    vector atomic; a tile whose W splits all counted before is finished here. Compiled empty
-    at EC_TILES 0 (no EC programs are launched then)."""
-    if EC_TILES > 0:
-        BM: tl.constexpr = offs_m.shape[0]
-        ROWS: tl.constexpr = EC_TILES * BN
-        offs_r = tl.arange(0, R)
-        rows = e * ROWS + tl.arange(0, ROWS)
-        r_mask = rows < N
-        bt = tl.load(b_ptr + (rows % N)[:, None] * R + offs_r[None, :])
-        u_lock = locks_ptr + lock_base + n_wt
-        # v follows the u programs' wait for the kernel before (programmatic dependent launch), so
-        # everything this program writes after seeing it does too
-        _wait_above(u_lock, U_SPLIT, DOT_F32)
-        accT = alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, tl.zeros((ROWS, BM), tl.float32), R, MV,
-                                  DOT_F32, ".cg")
-        tl.store(part_ptr + SPLIT_K * M * N + offs_m[None, :] * N + rows[:, None], accT,
-                 mask=r_mask[:, None] & m_mask[None, :])
-        tl.debug_barrier()
-        offs_t = tl.arange(0, EC_TILES)
-        tiles = e * EC_TILES + offs_t
-        arrived = tl.atomic_add(locks_ptr + lock_base + tiles, 1, mask=tiles < n_wt, sem="acq_rel")
-        for t in tl.static_range(EC_TILES):
-            wt = e * EC_TILES + t
-            if (tl.sum(tl.where(offs_t == t, arrived, 0)) == SPLIT_K) & (wt < n_wt):
-                _finish_tile(wt, offs_m, m_mask, lock_base, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
-                             alpha, M, N, stride_om, SPLIT_K + 1, HAS_BIAS, 1, R, BN, DOT_F32, MV, ACT)
-        _count_and_rearm(locks_ptr, lock_base, n_wt, n_e)
 
 
 @triton.jit

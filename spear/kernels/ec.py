@@ -48,7 +48,8 @@ def _ec_gate_kernel(
         a = tl.load(a_ptr + offs_r[:, None] * K + (k + offs_k)[None, :])
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k + offs_k)[:, None], mask=m_mask[None, :], other=0.0)
         uT = _dot(a, xt, uT, DOT_F32)
-    vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound, R, H, BM, GATE, DOT_F32)
+    # torch.compile passes Python floats as fp64 scalars: keep the gate's math fp32
+    vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, tl.cast(bound, tl.float32), R, H, BM, GATE, DOT_F32)
     tl.store(v_ptr + offs_m[None, :] * R + offs_r[:, None], vT.to(v_ptr.dtype.element_ty), mask=m_mask[None, :])
 
 
@@ -71,7 +72,7 @@ def _ec_up_kernel(
     corr = _dot(v, bt, tl.zeros((BM, BN), tl.float32), DOT_F32)
     o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
-    y = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32) + alpha * corr
+    y = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32) + tl.cast(alpha, tl.float32) * corr
     tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -28,11 +28,6 @@ class Config:
     u_split: int = 0  # K ranges of the fused u = A x programs; 0: one per K step, at most w4a16.U_SPLIT_MAX
     ptx: bool = True  # CUDA-core loop with fp16 activations: the fp16x2 PTX word product
     prefetch: bool = False  # K-major CUDA-core loop: issue step k + 1's loads before step k's math
-    # fused EC: 0 adds alpha·B v on each column tile's last split; a power of two runs it in programs
-    # of their own, ec_tiles column tiles each, as one more split-K partial (_ec_programs._ec_program);
-    # ec_at_end places those programs after the W programs (ids) instead of before
-    ec_tiles: int = 0
-    ec_at_end: bool = False
 
 
 # Launch shapes by token count. Values from the sweep on one H200, 2026-11-29 (BENCHMARKS.md "Kernels"): geometric mean over
@@ -59,9 +54,6 @@ LAUNCH = {
     "fma_kmajor_narrow": dict(max_n=4096, BN=64, BK=128, num_warps=4, num_stages=2, programs=264, prefetch=True),
     "tc": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=512),    # split-K tensor-core decode
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
-    # fused EC at decode: column tiles per EC program (Config.ec_tiles); 0, the EC on each tile's
-    # last split, until the EC programs are timed against it (BENCHMARKS.md, seventh decode run)
-    "ec_tiles": 0,
 }
 DECODE_MAX_M = 64      # split-K tensor-core tiles up to here, prefill tiles above
 
@@ -77,7 +69,6 @@ def _split_for(tiles: int, k: int, bk: int, programs: int) -> int:
 def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -> Config:
     kmax = group_size if group_size else k  # BK must divide a group (one scale per step)
     fma = "fma_kmajor" if kmajor else "fma"
-    ec_tiles = LAUNCH.get("ec_tiles", 0)
     if m <= LAUNCH[fma + "_max_m"]:
         mv = 1 if m == 1 else (2 if m == 2 else 4)
         c = LAUNCH.get(fma + "_by_mv", {}).get(str(mv), LAUNCH[fma])
@@ -87,12 +78,12 @@ def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -
         bk = min(c["BK"], kmax)
         split = _split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=mv,
-                      prefetch=bool(kmajor and c.get("prefetch", False)), ec_tiles=ec_tiles)
+                      prefetch=bool(kmajor and c.get("prefetch", False)))
     if m <= DECODE_MAX_M:
         c = LAUNCH["tc"]
         bk = min(c["BK"], kmax)
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         split = _split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])
-        return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"], ec_tiles=ec_tiles)
+        return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"])
     c = LAUNCH["prefill"]
     return Config(c["BM"], c["BN"], min(c["BK"], kmax), 1, c["num_warps"], c["num_stages"])

@@ -35,10 +35,9 @@ weights. The wait cannot deadlock: the u programs have the lowest
 program ids of their m-tile and the hardware dispatches blocks in id order, so they are
 resident or finished before any program that waits on them; they wait on nothing. The last
 W tile to count itself resets the counters. Chosen over a second launch because at decode a
-launch costs about as much as the whole W4 GEMV. Alternative form (EC_TILES > 0,
-``Config.ec_tiles``; not the default until timed): ``_ec_program``s of their own, after the u
-programs or after the W programs (EC_AT_END), each add alpha · B v for EC_TILES column tiles
-as one more split-K partial, so the W programs are the plain W4 ones.
+launch costs about as much as the whole W4 GEMV. (Programs of their own that add alpha · B v
+for 1-4 column tiles as one more split-K partial, so that the W programs are the plain W4 ones,
+were slower on Llama-3-8B: BENCHMARKS.md, eighth run.)
 
 EC_MODE 2 (prefill, serial variant): v = gamma(u) ⊙ u was computed by ``ec.ec_gate``;
 the epilogue only adds alpha · B_tile v.
@@ -55,7 +54,7 @@ import triton.language as tl
 
 from spear.kernels import _common
 from spear.kernels._common import INTERPRET, _dequant, _dot, _pdl_start, _pdl_wait, _unpack_w4
-from spear.kernels._ec_programs import _ec_program, _fused_ec, _u_program
+from spear.kernels._ec_programs import _fused_ec, _u_program
 from spear.kernels._epilogue import _epilogue, _finish_tile
 from spear.kernels._kmajor import _kmajor_mainloop
 from spear.kernels._nmajor import _fma_mainloop
@@ -94,10 +93,6 @@ def _w4a16_kernel(
     # programmatic dependent launch (_common.set_pdl): start loading weights before the kernel
     # before this one has finished; everything that reads x or writes waits for it
     PDL: tl.constexpr = False,
-    # fused EC (EC_MODE 1) > 0: alpha · B v runs in programs of its own, EC_TILES column tiles each,
-    # as one more split-K partial (_ec_program) instead of on each tile's last split; EC_AT_END
-    # puts those programs after the W programs instead of before them
-    EC_TILES: tl.constexpr = 0, EC_AT_END: tl.constexpr = False,
 ):
     _pdl_start(PDL)
     # torch.compile passes Python floats as fp64 scalars; fp32 keeps the accumulators fp32
@@ -109,11 +104,7 @@ def _w4a16_kernel(
         n_u = U_SPLIT
     else:
         n_u = 0
-    if EC_MODE == 1 and EC_TILES > 0:
-        n_e = tl.cdiv(n_wt, EC_TILES)
-    else:
-        n_e = 0
-    per_m = n_u + n_e + n_wt * SPLIT_K
+    per_m = n_u + n_wt * SPLIT_K
     pid_m = pid // per_m
     local = pid % per_m
     lock_base = pid_m * (n_wt + 2)   # n_wt tile counters, u counter, done counter
@@ -130,29 +121,18 @@ def _w4a16_kernel(
                        locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local, M, K, stride_xm,
                        U_SPLIT, GATE, R, H, BM, BK, MV, DOT_F32, PDL)
         else:
-            # the EC programs (EC_TILES > 0) wait only for the u programs (lower ids), so either
-            # place is safe; with EC_TILES 0 there are none (n_e = 0)
             w_local = local - n_u
-            e_local = w_local - n_wt * SPLIT_K
-            if not EC_AT_END:
-                e_local = w_local
-                w_local = w_local - n_e
-            if (e_local >= 0) & (e_local < n_e):
-                _ec_program(e_local, n_e, n_wt, lock_base, offs_m, m_mask, bias_ptr, out_ptr, part_ptr,
-                            locks_ptr, b_ptr, v_ptr, alpha, M, N, stride_om, SPLIT_K, U_SPLIT, EC_TILES,
-                            HAS_BIAS, R, BN, DOT_F32, MV, ACT)
-            else:
-                _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr,
-                           v_ptr, alpha, SPLIT_K, U_SPLIT, w_local // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
-                           w_local % SPLIT_K, M, N, K, stride_xm, stride_om,
-                           GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
-                           PREFETCH, ACT, PDL, EC_TILES)
+            _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr,
+                       v_ptr, alpha, SPLIT_K, U_SPLIT, w_local // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
+                       w_local % SPLIT_K, M, N, K, stride_xm, stride_om,
+                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
+                       PREFETCH, ACT, PDL)
     else:
         _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
                    alpha, SPLIT_K, U_SPLIT, local // SPLIT_K, n_wt, lock_base, offs_m, m_mask, local % SPLIT_K,
                    M, N, K, stride_xm, stride_om,
                    GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH,
-                   ACT, PDL, 0)
+                   ACT, PDL)
 
 
 @triton.jit
@@ -163,7 +143,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
                EC_MODE: tl.constexpr, R: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
                PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr, ACT: tl.constexpr,
-               PDL: tl.constexpr, EC_TILES: tl.constexpr):
+               PDL: tl.constexpr):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
     if not (KMAJOR and MV > 0 and PTX and PREFETCH):
         _pdl_wait(PDL)  # the K-major PTX loop waits after loading its first weights
@@ -215,24 +195,22 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
             accT = _dot(w, xt, accT, DOT_F32)
     if GROUP == 0 and not (KMAJOR and MV > 0):
         accT = accT * s[:, None]
-    if EC_MODE == 1 and EC_TILES == 0:
+    if EC_MODE == 1:
         # the fused EC rides on the tile's last split (the shortest K range, so the first to
         # finish) before its partial is stored, off the split-K reduction's tail
         if split == SPLIT_K - 1:
             accT = _fused_ec(accT, offs_m, m_mask, n_ld, n_wt, lock_base, locks_ptr, b_ptr, v_ptr, alpha, U_SPLIT,
                              R, DOT_F32, MV)
-    # the EC programs' partial is one more (index SPLIT_K)
-    N_PARTS: tl.constexpr = SPLIT_K + (EC_MODE == 1 and EC_TILES > 0)
 
     out_mask = n_mask[:, None] & m_mask[None, :]
     mn_offs = offs_m[None, :] * N + offs_n[:, None]
-    if N_PARTS > 1:
+    if SPLIT_K > 1:
         tl.store(part_ptr + split * M * N + mn_offs, accT, mask=out_mask)
         tl.debug_barrier()
         arrived = tl.atomic_add(locks_ptr + lock_base + wt, 1, sem="acq_rel")
-        if arrived == N_PARTS - 1:
+        if arrived == SPLIT_K - 1:
             _finish_tile(wt, offs_m, m_mask, lock_base, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr, alpha,
-                         M, N, stride_om, N_PARTS, HAS_BIAS, EC_MODE, R, BN, DOT_F32, MV, ACT)
+                         M, N, stride_om, SPLIT_K, HAS_BIAS, EC_MODE, R, BN, DOT_F32, MV, ACT)
     else:
         _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, bias_ptr, out_ptr, b_ptr, v_ptr, alpha, stride_om,
                   HAS_BIAS, EC_MODE, R, DOT_F32, MV, ACT, wt, N)
@@ -303,13 +281,8 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     if needs_locks and m_tiles * (n_wt + 2) > w.locks.numel():
         raise ValueError(f"split-K/fused EC needs {m_tiles * (n_wt + 2)} lock slots for M={m}, N={n}; "
                          f"the layer has {w.locks.numel()} (LOCK_SLOTS={LOCK_SLOTS}); use a smaller M per call")
-    ec_tiles = cfg.ec_tiles if ec_mode == 1 else 0
-    if ec_tiles & (ec_tiles - 1) or ec_tiles < 0:
-        raise ValueError(f"ec_tiles (column tiles per EC program) must be 0 or a power of two; got {ec_tiles}")
-    n_e = triton.cdiv(n_wt, ec_tiles) if ec_tiles else 0
-    n_parts = cfg.split_k + (1 if ec_tiles else 0)  # the EC programs' partial is one more
     out = _common.alloc((m, n // 2 if act else n), dtype=x.dtype, device=x.device)
-    part = _common.alloc((n_parts, m, n) if n_parts > 1 else (1,), dtype=torch.float32, device=x.device)
+    part = _common.alloc((cfg.split_k, m, n) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
     h = ec.w1.shape[0] if ec is not None and ec.gated else 16
     upart = _common.alloc((u_split, m, r) if ec_mode == 1 else (1,), dtype=torch.float32, device=x.device)
     if ec_mode == 1:  # v = gamma(u) ⊙ u, written by the last u program of each m-tile
@@ -319,7 +292,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     # the PTX loop reads each row's 8 activations as one 16-byte vector (storage offset and row
     # stride in fp16 elements; the allocator aligns the storage itself)
     aligned = x.storage_offset() % 8 == 0 and (m == 1 or x.stride(0) % 8 == 0)
-    grid = (m_tiles * (u_split + n_e + n_wt * cfg.split_k),)
+    grid = (m_tiles * (u_split + n_wt * cfg.split_k),)
     kernel = _w4a16_kernel if launch is None else launch(_w4a16_kernel)
     kernel[grid](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else dummy, out, part, w.locks,
@@ -334,7 +307,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
         PTX=bool(cfg.mv and cfg.ptx and aligned and x.dtype == torch.float16 and not INTERPRET), KMAJOR=w.kmajor,
         SPLIT_K=cfg.split_k, U_SPLIT=u_split, PREFETCH=bool(cfg.prefetch and w.kmajor and cfg.mv), ACT=act,
-        EC_TILES=ec_tiles, EC_AT_END=cfg.ec_at_end, **_common.pdl(),
+        **_common.pdl(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -19,10 +19,11 @@ from spear.kernels.w4a16 import _w4a16_kernel
 TARGET = GPUTarget("cuda", 90, 128)
 
 
-def sig(fn, ptrs, floats, consts):
+def sig(fn, ptrs, floats, consts, ftype="fp32"):
+    """ftype: the float scalars' type; torch.compile passes Python floats as fp64."""
     out = {}
     for name in fn.arg_names:
-        out[name] = ptrs.get(name) or ("fp32" if name in floats else ("constexpr" if name in consts else "i32"))
+        out[name] = ptrs.get(name) or (ftype if name in floats else ("constexpr" if name in consts else "i32"))
     return out
 
 
@@ -35,7 +36,7 @@ def divisible(fn):
             if n.endswith("_ptr") or n in ("N", "K", "stride_xm", "stride_om")}
 
 
-def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, act=0, pdl=False, ec_tiles=0):
+def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, act=0, pdl=False, ftype="fp32"):
     dt = "bf16" if bf16 else "fp16"
     ptrs = dict(x_ptr=dt, qw_ptr="i32", scales_ptr="fp16", zeros_ptr="u8", bias_ptr=dt, out_ptr=dt, part_ptr="fp32",
                 locks_ptr="i32", a_ptr=dt, b_ptr=dt, w1_ptr=dt, b1_ptr=dt, w2_ptr=dt, b2_ptr=dt, upart_ptr="fp32",
@@ -48,13 +49,13 @@ def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, a
     consts = dict(GROUP=128, SYMMETRIC=False, HAS_BIAS=True, IS_BF16=bf16, EC_MODE=ec_mode, GATE=gate, R=32, H=32,
                   BM=bm, BN=64, BK=64, MV=mv, DOT_F32=False,
                   PTX=bool(mv) and not bf16, KMAJOR=kmajor, PREFETCH=prefetch, SPLIT_K=4, U_SPLIT=8 if ec_mode == 1 else 0,
-                  ACT=act, PDL=pdl, EC_TILES=ec_tiles if ec_mode == 1 else 0, EC_AT_END=False)
-    src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts), consts,
+                  ACT=act, PDL=pdl)
+    src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts, ftype), consts,
                     divisible(_w4a16_kernel))
     triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=2))
 
 
-def compile_small(bf16):
+def compile_small(bf16, ftype="fp32"):
     dt = "*bf16" if bf16 else "*fp16"
     c = dict(GROUP=64, SYMMETRIC=True, IS_BF16=bf16, BN=64, BK=64)
     p = dict(qw_ptr="*i32", scales_ptr="*fp16", zeros_ptr="*u8", w_ptr=dt)
@@ -64,10 +65,10 @@ def compile_small(bf16):
     triton.compile(ASTSource(_dequant_kmajor_kernel, sig(_dequant_kmajor_kernel, p, (), c), c), target=TARGET)
     c = dict(GATE=True, R=16, H=16, BM=16, BK=64, DOT_F32=False)
     p = {k: dt for k in ("x_ptr", "a_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr", "v_ptr")}
-    triton.compile(ASTSource(_ec_gate_kernel, sig(_ec_gate_kernel, p, ("bound",), c), c), target=TARGET)
+    triton.compile(ASTSource(_ec_gate_kernel, sig(_ec_gate_kernel, p, ("bound",), c, ftype), c), target=TARGET)
     c = dict(R=16, BM=64, BN=64, DOT_F32=False)
     p = {k: dt for k in ("v_ptr", "b_ptr", "out_ptr")}
-    triton.compile(ASTSource(_ec_up_kernel, sig(_ec_up_kernel, p, ("alpha",), c), c), target=TARGET)
+    triton.compile(ASTSource(_ec_up_kernel, sig(_ec_up_kernel, p, ("alpha",), c, ftype), c), target=TARGET)
 
 
 def compile_attention(dtype, head_dim, block_size, group, splits=8, pdl=False):
@@ -98,9 +99,10 @@ if __name__ == "__main__":
         compile_w4(bf16, ec_mode, mv, bm, kmajor=True, prefetch=bool(mv), act=1)
     for ec_mode, mv, prefetch in ((1, 1, True), (0, 1, False), (1, 0, False)):  # programmatic dependent launch
         compile_w4(bf16, ec_mode, mv, 16, kmajor=True, prefetch=prefetch, pdl=2)
-    for mv, bm, ec_tiles, act in ((1, 16, 4, 0), (1, 16, 2, 1), (0, 16, 2, 0)):  # the EC in programs of its own
-        compile_w4(bf16, 1, mv, bm, kmajor=True, prefetch=bool(mv), act=act, ec_tiles=ec_tiles)
+    for ec_mode, mv, bm in ((1, 1, 16), (1, 0, 16), (2, 0, 128)):  # fp64 scalars, as torch.compile passes them
+        compile_w4(bf16, ec_mode, mv, bm, kmajor=True, prefetch=bool(mv), ftype="fp64")
     compile_small(bf16)
+    compile_small(bf16, "fp64")
     for head_dim, block_size, group in ((128, 16, 4), (128, 8, 1), (64, 32, 8), (256, 16, 4)):
         compile_attention("bf16" if bf16 else "fp16", head_dim, block_size, group)
     if not bf16:
