@@ -197,7 +197,7 @@ def run_variant(model, name: str, args, device: str, batches: list[int], vocab: 
     cfg = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(512, max(batches)),
                        max_model_len=max_len, block_size=16,
                        num_blocks=max(batches) * math.ceil(max_len / 16) + 8, cuda_graphs=not args.no_graphs,
-                       weight_layout=args.layout, fuse_projections=not args.no_fuse)
+                       weight_layout=args.layout, fuse_projections=not args.no_fuse, pdl=args.pdl)
     engine = LLMEngine(model, _IdsTokenizer(), cfg)
     row = {"variant": name}
     for b in batches:
@@ -272,9 +272,8 @@ def main(argv=None) -> int:
                         "spear.kernels.attention.MIN_SPLIT_TILES)")
     p.add_argument("--pdl", nargs="?", const="wait", default="off", choices=["off", "wait", "trigger"],
                    help="launch the decode kernels with programmatic dependent launch (Hopper; "
-                        "spear.kernels._common.set_pdl): 'wait' (the bare flag) lets a kernel start as the "
-                        "one before it exits, 'trigger' as soon as that one's programs have started (for "
-                        "study: its output is not yet shown right, see benchmarks/check_pdl.py)")
+                        "EngineConfig.pdl): 'wait' (the bare flag) lets a kernel start as the one before it "
+                        "exits, 'trigger' as soon as that one's programs have started")
     p.add_argument("--no-fp16", action="store_true",
                    help="skip the FP16 baseline (A/B runs of the W4 kernels; no ratio to FP16)")
     p.add_argument("--profile", action="store_true",
@@ -301,12 +300,8 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown model shape(s) {unknown}; known: {sorted(SHAPES)}")
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
-    if args.pdl != "off":
-        if device != "cuda":
-            p.error("--pdl needs a CUDA GPU")
-        from spear.kernels import _common
-
-        _common.set_pdl(args.pdl)
+    if args.pdl != "off" and device != "cuda":
+        p.error("--pdl needs a CUDA GPU")
     if args.u_split_max is not None:
         from spear.kernels import w4a16
 

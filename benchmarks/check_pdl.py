@@ -1,6 +1,6 @@
 """Programmatic dependent launch: does the engine still produce the reference's tokens?
 
-    python benchmarks/check_pdl.py wait trigger          # levels of spear.kernels._common.set_pdl
+    python benchmarks/check_pdl.py wait trigger          # EngineConfig.pdl modes, in order
     python benchmarks/check_pdl.py trigger --only w4a16.py,_launch_norm   # PDL for these launchers only
 
 The tiny Llama of tests/serve/test_gpu.py, W4 g128 RTN, fp16 on the Triton kernels with CUDA
@@ -28,8 +28,8 @@ from spear.quant import quantize_model_rtn  # noqa: E402
 from tests.serve import test_gpu as engine_case  # noqa: E402
 
 
-def bad_tokens(ref, base, graphs=True):
-    eng = engine_case._engine(copy.deepcopy(base), graphs=graphs)
+def bad_tokens(ref, base, graphs=True, pdl="off"):
+    eng = engine_case._engine(copy.deepcopy(base), graphs=graphs, pdl=pdl)
     outs = [o.output_token_ids for o in eng.generate(engine_case.PROMPTS, engine_case.GREEDY)]
     res = []
     for prompt, got in zip(engine_case.PROMPTS, outs):
@@ -61,10 +61,9 @@ def main(argv=None) -> int:
             return full() if {os.path.basename(caller.filename), caller.function} & only else dict(PDL=0)
 
         _common.pdl = pdl
-    for mode in args.modes:
-        _common.set_pdl(mode)
+    for mode in args.modes:  # the engine sets the mode (EngineConfig.pdl)
         print(f"{mode} graphs={not args.no_graphs} only={args.only or 'all'}:",
-              bad_tokens(ref, base, graphs=not args.no_graphs), flush=True)
+              bad_tokens(ref, base, graphs=not args.no_graphs, pdl=mode), flush=True)
     _common.set_pdl("off")
     return 0
 

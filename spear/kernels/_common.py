@@ -44,9 +44,9 @@ _PDL = [0]
 def set_pdl(mode) -> None:
     """Launch the decode kernels with programmatic dependent launch (CUDA, Hopper or newer):
     ``mode`` one of PDL_MODES ("off", "wait", "trigger"; True means "wait", False "off").
-    "trigger" is for study: with coherent activation loads its engine output is right on CUDA
-    graphs (``benchmarks/check_pdl.py``), but it was slower than "wait" (BENCHMARKS.md, "Serving:
-    decode", seventh run); eager decode under either level has not been checked on a GPU."""
+    The engine's output is right under both levels, eagerly and on CUDA graphs
+    (``benchmarks/check_pdl.py``, H200); "trigger" was slower than "wait" (BENCHMARKS.md,
+    "Serving: decode", seventh run). The serving engine sets it from ``EngineConfig.pdl``."""
     level = {True: 1, False: 0}.get(mode) if isinstance(mode, bool) else PDL_MODES.get(mode)
     if level is None:
         raise ValueError(f"PDL mode must be one of {sorted(PDL_MODES)}; got {mode!r}")

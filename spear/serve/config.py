@@ -19,6 +19,11 @@ class EngineConfig:
     cuda_graphs: bool = True             # capture decode steps on CUDA (ignored on CPU)
     weight_layout: str = "kmajor"        # packed W4 layout on CUDA: "kmajor" (faster decode) or "nmajor"
     fuse_projections: bool = True        # on CUDA: q/k/v and gate/up as one GEMM each (spear.serve.fusion)
+    # programmatic dependent launch of the decode kernels on CUDA (Hopper or newer): "off", "wait"
+    # or "trigger" (spear.kernels._common.set_pdl). Process-wide: the runner sets it for every
+    # kernel launched in this process. "wait" was faster at batch 1 on the H200 (BENCHMARKS.md,
+    # "Serving: decode", eighth run) but slower at 64 sequences with ECs, so it stays opt-in
+    pdl: str = "off"
     seed: int = 0                        # the generator of requests without a seed
 
     def __post_init__(self):
@@ -29,6 +34,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise SpearError(f"{name} must be >= 1 when given, got {v}")
+        if self.pdl not in ("off", "wait", "trigger"):
+            raise SpearError(f"pdl must be 'off', 'wait' or 'trigger', got {self.pdl!r}")
         if self.weight_layout not in ("nmajor", "kmajor"):
             raise SpearError(f"weight_layout must be 'nmajor' or 'kmajor', got {self.weight_layout!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -64,7 +64,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, cuda_graphs: bool = True, weight_layout: str = "kmajor",
-                 fuse_projections: bool = True):
+                 fuse_projections: bool = True, pdl: str = "off"):
         check_supported(model)
         cfg = model.config
         self.model = model
@@ -76,8 +76,17 @@ class ModelRunner:
         self.scale = self.head_dim ** -0.5
         self.block_size, self.num_blocks, self.max_model_len = block_size, num_blocks, max_model_len
         self.max_num_seqs = max_num_seqs
+        if pdl != "off" and self.device.type != "cuda":
+            raise SpearError(f"programmatic dependent launch (pdl={pdl!r}) needs a CUDA GPU; the model is on "
+                             f"{self.device}")
         if self.device.type == "cuda":
+            from spear.kernels import _common
             from spear.serve.w4_kernels import use_w4_kernels
+
+            try:
+                _common.set_pdl(pdl)  # before any launch or graph capture: the kernels take it as a constexpr
+            except ValueError as e:
+                raise SpearError(f"pdl={pdl!r}: {e}") from None
 
             n = use_w4_kernels(model, kmajor=weight_layout == "kmajor")
             if n:

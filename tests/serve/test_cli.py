@@ -33,6 +33,7 @@ def test_generate_chat_and_stop(default_model_path, capsys):
     (["generate", "--prompt", "x", "--kv-memory", "1GiB", "--num-blocks", "4"], "not allowed with argument"),
     (["generate", "--prompt", "x", "--max-num-seqs", "0"], "expected a number >= 1"),
     (["serve", "--dtype", "int3"], "invalid choice"),
+    (["serve", "--pdl", "sometimes"], "argument --pdl: invalid choice"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -48,6 +49,9 @@ def test_generate_without_prompt_and_impossible_settings(tiny_llama_path, capsys
     assert main(["generate", "--model", str(tiny_llama_path), "--prompt", "x", "--num-blocks", "2",
                  "--max-model-len", "100"]) == 2
     assert "exceeds the model's KV cache capacity (32)" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tiny_llama_path), "--prompt", "x", "--device", "cpu",
+                 "--pdl", "wait"]) == 2
+    assert "programmatic dependent launch (pdl='wait') needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_serve_subprocess_answers_and_stops(tiny_llama_path):

@@ -122,6 +122,17 @@ def test_requests_that_cannot_run_are_refused(default_model):
     assert not eng.has_unfinished()
 
 
+def test_bad_engine_settings_are_refused(default_model):
+    from spear.errors import SpearError
+
+    with pytest.raises(SpearError, match="pdl must be 'off', 'wait' or 'trigger'"):
+        EngineConfig(pdl="sometimes")
+    with pytest.raises(SpearError, match="weight_layout"):
+        EngineConfig(weight_layout="rowwise")
+    with pytest.raises(SpearError, match=r"programmatic dependent launch \(pdl='wait'\) needs a CUDA GPU"):
+        engine(default_model, pdl="wait")
+
+
 # ---------------------------------------------------------------------- quantized models
 @pytest.fixture(scope="module")
 def w4_model(default_model):

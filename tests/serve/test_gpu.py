@@ -48,9 +48,9 @@ def logit_gaps(ref_model, prompt, got):
     return logits.max(-1).values - logits[torch.arange(len(got), device="cuda"), torch.tensor(got, device="cuda")]
 
 
-def _engine(model, graphs=True):
+def _engine(model, graphs=True, pdl="off"):
     return LLMEngine(model, _IdsTokenizer(), EngineConfig(num_blocks=128, block_size=16, max_num_seqs=8,
-                                                          max_num_batched_tokens=64, cuda_graphs=graphs))
+                                                          max_num_batched_tokens=64, cuda_graphs=graphs, pdl=pdl))
 
 
 @pytest.fixture(autouse=True)
@@ -71,18 +71,17 @@ def test_fp32_graph_decode_equals_hf():
 
 @pytest.fixture
 def pdl(request):
-    """Programmatic dependent launch of the decode kernels during one test (a mode of set_pdl)."""
+    """The engine's programmatic dependent launch mode (EngineConfig.pdl) for one test; process-wide,
+    so it is switched off again after the test."""
     from spear.kernels import _common
 
-    _common.set_pdl(request.param)
     yield request.param
     _common.set_pdl("off")
 
 
-# "trigger" is left out until benchmarks/check_pdl.py passes on a GPU: with it the last tokens of the
-# last sequences came out wrong (logit gaps of 2.5 to 7; BENCHMARKS.md, "Serving: decode", sixth run)
-# while the W4 loop read activations through the non-coherent cache
-@pytest.mark.parametrize("pdl", ["off", "wait"], indirect=True)
+# "trigger" came out wrong (logit gaps of 2.5 to 7; BENCHMARKS.md, "Serving: decode", sixth run) while
+# the W4 loop read activations through the non-coherent cache; right since the loads are coherent
+@pytest.mark.parametrize("pdl", ["off", "wait", "trigger"], indirect=True)
 @pytest.mark.parametrize("with_ec", [False, True])
 def test_w4_kernels_with_graphs_equal_the_reference_math(with_ec, pdl):
     """fp16 engine on the Triton kernels (graphs on) vs HF generate on the same W4(+EC) model in fp32;
@@ -99,7 +98,7 @@ def test_w4_kernels_with_graphs_equal_the_reference_math(with_ec, pdl):
             q.compensator = ec
     ref_model = copy.deepcopy(model).cuda()  # fp32; the engine converts and re-wires `model` in place
     refs = [_hf_greedy(ref_model, p, 24) for p in PROMPTS]
-    eng = _engine(model.cuda().half())
+    eng = _engine(model.cuda().half(), pdl=pdl)
     from spear.serve.w4_kernels import W4KernelLinear
 
     from spear.serve.fusion import FusedPart
