@@ -88,9 +88,11 @@ def test_bad_sampling_params(kw, message):
 
 
 # ---------------------------------------------------------------------- text
-def stream_text(tokenizer, text: str, stop=()):
+def stream_text(tokenizer, text: str, stop=(), stream=True, prompt=(1, 2, 3)):
     ids = tokenizer(text, add_special_tokens=False).input_ids
-    d = IncrementalDetokenizer(tokenizer, [1, 2, 3], tuple(stop))
+    d = IncrementalDetokenizer(tokenizer, list(prompt), tuple(stop), stream=stream)
+    cut = tokenizer.decode(list(prompt)[-5:]).endswith("\ufffd")  # a prompt that ends inside a character
+    assert (d._stream is not None) == (stream and not cut)  # the default tokenizer is a fast one
     deltas, stopped = [], False
     for t in ids:
         stopped = d.add(t)
@@ -107,6 +109,15 @@ def test_incremental_text_equals_whole_decode(tokenizer, text):
     ids = tokenizer(text, add_special_tokens=False).input_ids
     full, deltas, _ = stream_text(tokenizer, text)
     assert full == "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=40),
+       st.lists(st.integers(0, 49151), max_size=8), st.sampled_from([(), ("e",), ("ab", "c d")]))
+def test_rust_stream_equals_the_python_scheme(tokenizer, text, prompt, stop):
+    """The tokenizers DecodeStream path hands out the same deltas, token by token, as the Python
+    prefix/read-offset scheme, after any prompt (special tokens included) and with stop strings."""
+    assert stream_text(tokenizer, text, stop, True, prompt) == stream_text(tokenizer, text, stop, False, prompt)
 
 
 def test_stop_string_cuts_the_output_and_is_never_streamed(tokenizer):
