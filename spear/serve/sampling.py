@@ -41,7 +41,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         raise ValueError(f"need one SamplingParams and one generator per row; got {logits.shape[0]} rows, "
                          f"{len(params)} params, {len(generators)} generators")
     logits = logits.float()
-    out = logits.argmax(dim=-1).tolist()
+    out = logits.max(dim=-1).indices.tolist()  # argmax, 3x slower on the CPU (torch 2.13); first index on ties too
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out

@@ -70,6 +70,15 @@ def test_greedy_rows_take_the_argmax_and_seeds_reproduce():
     assert solo == mixed and len(set(solo)) > 1
 
 
+def test_greedy_ties_take_the_first_index_as_argmax_does():
+    logits = torch.zeros(3, 50000)
+    logits[0, [7, 9000, 42000]] = 2.0      # ties far apart (across vectorized chunks)
+    logits[1, [49999, 3]] = 1.0
+    logits[2, 12345:12347] = float("inf")
+    greedy = [SamplingParams(temperature=0)] * 3
+    assert sample(logits, greedy, [None] * 3) == logits.argmax(dim=-1).tolist() == [7, 3, 12345]
+
+
 def test_sampling_respects_top_k():
     logits = torch.arange(50, dtype=torch.float32)[None]
     p = SamplingParams(temperature=5.0, top_k=3, seed=0)
