@@ -255,6 +255,9 @@ def main(argv=None) -> int:
     p.add_argument("--ec-all", action="store_true", help="also run ECs on every linear")
     p.add_argument("--no-graphs", action="store_true", help="eager decode on CUDA")
     p.add_argument("--no-fuse", action="store_true", help="q/k/v and gate/up as separate GEMMs")
+    p.add_argument("--w4-head", action="store_true",
+                   help="one more variant, 'w4 head': W4 with the output head quantized too (spear quantize "
+                        "--include-lm-head); the head is the largest single matrix of Llama-3-8B (1 GB in fp16)")
     p.add_argument("--fused-max-rank", type=int,
                    help="decode: ECs of a larger padded rank run ec_gate + the GEMM's v-epilogue instead "
                         "of the one-launch fused kernel (spear.kernels.ops.FUSED_MAX_RANK)")
@@ -352,6 +355,12 @@ def main(argv=None) -> int:
             row = run_variant(model, name, args, device, batches, vocab, max_len)
             rows.append(dict(row, extra_pct=pct, ec_modules=f"{n}/{len(modules)} r{args.ec_rank}"))
             remove_ecs(modules)
+        if args.w4_head:  # the output head in W4 too (QuantConfig.include_lm_head); the rest as in w4
+            restore_quantlinears(model, modules)
+            head = quantize_model_rtn(model, QuantConfig(bits=4, group_size=GROUP, include_lm_head=True),
+                                      progress=False)
+            rows.append(dict(run_variant(model, "w4 head", args, device, batches, vocab, max_len), extra_pct=0.0))
+            restore_quantlinears(model, {**modules, **head})
         fp = None if args.no_fp16 else rows[0]
         w4 = next(r for r in rows if r["variant"] == "w4")
         for r in rows:
@@ -371,6 +380,8 @@ def main(argv=None) -> int:
     for r in results:  # the floors
         if r["variant"] == "w4" and "speedup_vs_fp16" in r:
             print(f"{r['model']}: W4 / FP16 batch-1 tokens/s = {r['speedup_vs_fp16']:.2f}x (floor 2.5x)")
+        if r["variant"] == "w4 head" and "speedup_vs_fp16" in r:
+            print(f"{r['model']}: W4 with a W4 head / FP16 batch-1 tokens/s = {r['speedup_vs_fp16']:.2f}x")
         if r["variant"] == "w4+ec":
             print(f"{r['model']}: W4+EC / W4 batch-1 latency = {r['latency_vs_w4']:.3f} (ceiling 1.10)")
     if args.out:
