@@ -13,8 +13,9 @@ the Markdown table (mean ± std over seeds).
     python benchmarks/bench_calibration.py --plans uniform@0.5,random@0.5,cka@0.5 --static qera-approx
     python benchmarks/bench_calibration.py --merge benchmarks/data/calibration-h200-2026-11-30.jsonl
 
-Settings: ``[rtn-|gptq-|gptqact-|awq-]w<bits><pc|g<group>>`` (e.g. w4pc, w3g64, gptq-w4g64;
-gptqact is GPTQ with act-order).
+Settings: ``[rtn-|gptq-|gptqact-|awq-]w<bits><pc|g<group>>[+head]`` (e.g. w4pc, w3g64, gptq-w4g64;
+gptqact is GPTQ with act-order; ``+head`` quantizes the output head too, which the selection may
+then compensate like any other linear).
 Plans: ``r<k>`` (rank k on every linear) or ``<placement>@<percent>`` with placement
 uniform | random | cka | cka-full | cka-sqrt, the
 budget in % of the quantized model; cka is SPEAR's rule, cka-full covers every module and
@@ -57,14 +58,16 @@ from spear.select.plan import make_plan  # noqa: E402
 
 
 def parse_setting(spec: str) -> QuantConfig:
-    m = re.fullmatch(r"(?:(rtn|gptq|gptqact|awq)-)?w(\d)(pc|g\d+)", spec)
+    m = re.fullmatch(r"(?:(rtn|gptq|gptqact|awq)-)?w(\d)(pc|g\d+)(\+head)?", spec)
     if not m:
-        raise SystemExit(f"setting must look like w4pc, w3g64, gptq-w4g64 or gptqact-w4pc; got {spec!r}")
+        raise SystemExit(f"setting must look like w4pc, w3g64, gptq-w4g64, gptqact-w4pc or w4g64+head; got {spec!r}")
     group = 0 if m.group(3) == "pc" else int(m.group(3)[1:])
     method = m.group(1) or "rtn"
+    head = m.group(4) is not None
     if method == "gptqact":
-        return QuantConfig(bits=int(m.group(2)), group_size=group, method="gptq", gptq=GPTQConfig(act_order=True))
-    return QuantConfig(bits=int(m.group(2)), group_size=group, method=method)
+        return QuantConfig(bits=int(m.group(2)), group_size=group, method="gptq", gptq=GPTQConfig(act_order=True),
+                           include_lm_head=head)
+    return QuantConfig(bits=int(m.group(2)), group_size=group, method=method, include_lm_head=head)
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -182,14 +185,15 @@ def main() -> None:
     fp = ppl(model)
     emit({"kind": "header", "date": time.strftime("%Y-%m-%d"), "machine": machine_label(),
           "text": split.text_name, "fp_ppl": fp, "steps": args.steps, "seeds": seeds})
-    text_stats = collect_activation_stats(model, quantizable_linears(model), split.calib, progress=False)
+    head = any(parse_setting(sname).include_lm_head for sname in args.settings.split(","))
+    text_stats = collect_activation_stats(model, quantizable_linears(model, head), split.calib, progress=False)
     base_cfg = CalibrationConfig(steps=args.steps)
     data = {}  # (seed, sampling settings) -> CalibrationData, prepared while the model is FP
     for s in seeds:
         for _, over in variants:
             cfg = replace(base_cfg, seed=s, **over)
             if sampling_key(cfg) not in data:
-                data[sampling_key(cfg)] = prepare_calibration(model, tok, cfg, progress=False)
+                data[sampling_key(cfg)] = prepare_calibration(model, tok, cfg, head, progress=False)
     del model
     cache_prefix = (args.model, torch.device(args.device).type)
     if args.damage_cache and args.damage_cache.exists():
@@ -201,7 +205,7 @@ def main() -> None:
     for sname in args.settings.split(","):
         qcfg = parse_setting(sname)
         model, _ = fresh()
-        fp_w = {n: lin.weight.detach().clone() for n, lin in quantizable_linears(model).items()}
+        fp_w = {n: lin.weight.detach().clone() for n, lin in quantizable_linears(model, qcfg.include_lm_head).items()}
         plans = {}
         t0 = time.perf_counter()
         for spec in args.plans.split(","):  # placement needs the FP model

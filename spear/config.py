@@ -116,7 +116,8 @@ class QuantConfig:
     @property
     def label(self) -> str:
         gran = "per-channel" if self.group_size == 0 else f"g{self.group_size}"
-        return f"{self.method.upper()} W{self.bits} {gran} {'sym' if self.symmetric else 'asym'}"
+        head = " + head" if self.include_lm_head else ""
+        return f"{self.method.upper()} W{self.bits} {gran} {'sym' if self.symmetric else 'asym'}{head}"
 
     def to_dict(self) -> dict:
         return asdict(self)
