@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -38,20 +38,37 @@ _DEFAULT_MAX_MODEL_LEN = 8192
 
 @dataclass(slots=True)
 class RequestOutput:
+    """One request's progress after a step. ``output_token_ids`` and ``text`` (everything so far)
+    are built on access from the sequence's token list and the detokenizer's text as they stood
+    at that step (the list only grows by appends, the text is an immutable string), so a step
+    costs O(1) per request however long the outputs are."""
+
     request_id: str
     new_token_ids: list[int]      # tokens of this step (all of them for generate())
     new_text: str                 # text of this step that is safe to show (stop strings held back)
-    output_token_ids: list[int]   # every output token so far
-    text: str                     # every output character handed out so far
     finished: bool
     finish_reason: str | None     # "stop" | "length" | "abort" once finished
     num_prompt_tokens: int
     arrival_time: float
     first_token_time: float | None
+    _token_ids: list[int] = field(repr=False)  # the sequence's prompt + output tokens (append-only)
+    _num_tokens: int = field(repr=False)       # its length at this step
+    _text: str = field(repr=False)             # the detokenizer's text at this step
+    _text_end: int = field(repr=False)         # characters of it handed out
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Every output token so far."""
+        return self._token_ids[self.num_prompt_tokens:self._num_tokens]
+
+    @property
+    def text(self) -> str:
+        """Every output character handed out so far."""
+        return self._text[:self._text_end]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return self._num_tokens - self.num_prompt_tokens
 
 
 @dataclass(slots=True)
@@ -237,9 +254,9 @@ class LLMEngine:
     def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
         detok = self._detok[seq.request_id]
         new_text = detok.delta(final=seq.is_finished)
-        return RequestOutput(seq.request_id, new_ids, new_text, seq.output_token_ids, detok.text[:detok.emitted],
-                             seq.is_finished, seq.finish_reason, seq.num_prompt_tokens, seq.arrival_time,
-                             seq.first_token_time)
+        return RequestOutput(seq.request_id, new_ids, new_text, seq.is_finished, seq.finish_reason,
+                             seq.num_prompt_tokens, seq.arrival_time, seq.first_token_time,
+                             seq.token_ids, seq.num_tokens, detok.text, detok.emitted)
 
     # ------------------------------------------------------------------ offline
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,

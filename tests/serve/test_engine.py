@@ -122,6 +122,21 @@ def test_requests_that_cannot_run_are_refused(default_model):
     assert not eng.has_unfinished()
 
 
+def test_step_outputs_are_snapshots(default_model):
+    """Each step's output keeps the tokens and text of that step while the request goes on."""
+    eng = engine(default_model, max_num_seqs=2)
+    rid = eng.add_request(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    seen = []
+    while eng.has_unfinished():
+        seen += [o for o in eng.step() if o.request_id == rid]
+    final = seen[-1]
+    assert final.finished and final.num_output_tokens == 8 == len(final.output_token_ids)
+    for k, out in enumerate(seen, 1):
+        assert out.output_token_ids == final.output_token_ids[:k] and out.num_output_tokens == k
+        assert final.text.startswith(out.text)
+        assert out.text == "".join(o.new_text for o in seen[:k])
+
+
 def test_bad_engine_settings_are_refused(default_model):
     from spear.errors import SpearError
 
