@@ -100,6 +100,13 @@ def select(model: nn.Module, tokenizer, quant: QuantConfig, budget: str | int, p
 _damage_cache: dict[tuple, DamageReport] = {}
 
 
+def damage_key(quant: QuantConfig, damage_samples: int) -> tuple:
+    """What the damage scores depend on: the RTN proxy's bits/group/symmetry, the samples and
+    whether the output head is scored too (GPTQ/AWQ share their RTN proxy's scores)."""
+    head = ("head",) if quant.include_lm_head else ()
+    return (quant.bits, quant.group_size, quant.symmetric, damage_samples) + head
+
+
 def make_plan(spec: str, model: nn.Module, tokenizer, quant: QuantConfig, damage_samples: int = 16,
               progress: bool = False) -> dict[str, int]:
     """A plan from a short spec: ``r<k>`` (rank k everywhere) or ``<placement>@<percent>``.
@@ -110,7 +117,7 @@ def make_plan(spec: str, model: nn.Module, tokenizer, quant: QuantConfig, damage
     placement, _, pct = spec.partition("@")
     if not pct:
         raise SpearError(f"plan spec must be r<k> or <placement>@<percent>; got {spec!r}")
-    key = (quant.bits, quant.group_size, quant.symmetric, damage_samples)
+    key = damage_key(quant, damage_samples)
     damage = _damage_cache.get(key)
     if placement.startswith("cka") and damage is None:
         from spear.compensate.calibrate import CalibrationConfig

@@ -73,3 +73,18 @@ def test_load_plan_rejects_bad_files(tmp_path):
         load_plan(tmp_path, modules={"b": None})
     with pytest.raises(SpearError, match="no plan"):
         load_plan(tmp_path / "missing")
+
+
+def test_plans_with_and_without_the_head_score_separately(sharp_tiny_llama_path, monkeypatch):
+    """make_plan caches damage per quantization setting: a setting that quantizes the output head
+    must not reuse the scores of one that does not (they lack the head)."""
+    from spear.models.loading import load_model
+    from spear.select import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "_damage_cache", {})
+    model, tok = load_model(sharp_tiny_llama_path)
+    plan_mod.make_plan("cka@1", model, tok, QuantConfig(bits=4), damage_samples=2)
+    plan_mod.make_plan("cka@1", model, tok, QuantConfig(bits=4, include_lm_head=True), damage_samples=2)
+    reports = {k: v.damage for k, v in plan_mod._damage_cache.items()}
+    assert set(reports) == {(4, 0, True, 2), (4, 0, True, 2, "head")}
+    assert "lm_head" not in reports[(4, 0, True, 2)] and "lm_head" in reports[(4, 0, True, 2, "head")]
