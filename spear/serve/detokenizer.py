@@ -47,7 +47,12 @@ class IncrementalDetokenizer:
             # a prompt ending inside a character: the stream would hand that character's
             # replacement out as output, the Python scheme does not
             self._backend = None
-        self._stream = DecodeStream(ids=list(self.ids), skip_special_tokens=True) if self._backend else None
+        self._stream = None
+        if self._backend is not None:
+            try:
+                self._stream = DecodeStream(ids=list(self.ids), skip_special_tokens=True)
+            except TypeError:  # a tokenizers release whose DecodeStream takes no prompt ids
+                self._backend = None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

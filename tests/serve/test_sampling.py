@@ -138,3 +138,19 @@ def test_stop_string_cuts_the_output_and_is_never_streamed(tokenizer):
 def test_earliest_stop_string_wins(tokenizer):
     text, _, stopped = stream_text(tokenizer, "one two three four", stop=["four", "two"])
     assert stopped and text == "one "
+
+
+def test_a_decode_stream_without_prompt_ids_falls_back_to_the_python_scheme(tokenizer, monkeypatch):
+    from spear.serve import detokenizer
+
+    class OldStream:  # a tokenizers release whose DecodeStream takes only skip_special_tokens
+        def __init__(self, skip_special_tokens=False):
+            pass
+
+    monkeypatch.setattr(detokenizer, "DecodeStream", OldStream)
+    d = IncrementalDetokenizer(tokenizer, [1, 2, 3])
+    assert d._stream is None
+    ids = tokenizer("Hello wörld", add_special_tokens=False).input_ids
+    for t in ids:
+        d.add(t)
+    assert d.delta(final=True) == tokenizer.decode(ids, skip_special_tokens=True)
