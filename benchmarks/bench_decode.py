@@ -47,6 +47,7 @@ from spear.eval.memory import compensator_bytes, quantized_model_bytes  # noqa: 
 from spear.models.modules import set_module  # noqa: E402
 from spear.quant import quantize_model_rtn  # noqa: E402
 from spear.serve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from spear.serve.config import PDL_MODES  # noqa: E402
 from spear.serve.fusion import GROUPS  # noqa: E402
 
 SHAPES = {
@@ -273,7 +274,7 @@ def main(argv=None) -> int:
     p.add_argument("--attn-min-split-tiles", type=int,
                    help="decode attention: key tiles per context split at the least (default: "
                         "spear.kernels.attention.MIN_SPLIT_TILES)")
-    p.add_argument("--pdl", nargs="?", const="wait", default="off", choices=["off", "wait", "trigger"],
+    p.add_argument("--pdl", nargs="?", const="wait", default="off", choices=PDL_MODES,
                    help="launch the decode kernels with programmatic dependent launch (Hopper; "
                         "EngineConfig.pdl): 'wait' (the bare flag) lets a kernel start as the one before it "
                         "exits, 'trigger' as soon as that one's programs have started")

@@ -122,17 +122,12 @@ def _fused_ec(accT, offs_m, m_mask, n_ld, n_wt, lock_base, locks_ptr, b_ptr, v_p
     _wait_above(u_lock, U_SPLIT, DOT_F32)
     # .cg: read at L2, where the u program wrote v
     accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, ".cg")
-    _count_and_rearm(locks_ptr, lock_base, n_wt, n_wt)  # each tile counts once, from its last split
-    return accT
-
-
-@triton.jit
-def _count_and_rearm(locks_ptr, lock_base, n_wt, n_counting):
-    """Count this program on the m-tile's done counter; the last of the n_counting programs that
-    wait for v re-arms the u counter and the done counter for the next call. Relaxed: each
-    counts only after its wait, so the last count follows every wait; v is not reset (the next
-    call's u programs rewrite it after this kernel has ended)."""
+    # each tile counts once, from its last split; the last of the m-tile's tiles re-arms the u
+    # counter and the done counter for the next call. Relaxed: every tile counts only after its
+    # wait, so the last count follows every wait; v is not reset (the next call's u programs
+    # rewrite it after this kernel has ended)
     done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="relaxed")
-    if done == n_counting - 1:
-        tl.atomic_xchg(locks_ptr + lock_base + n_wt, 0)
+    if done == n_wt - 1:
+        tl.atomic_xchg(u_lock, 0)
         tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)
+    return accT

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from spear.errors import SpearError
 
+PDL_MODES = ("off", "wait", "trigger")  # EngineConfig.pdl; the levels of spear.kernels._common.set_pdl
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -34,7 +36,7 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise SpearError(f"{name} must be >= 1 when given, got {v}")
-        if self.pdl not in ("off", "wait", "trigger"):
+        if self.pdl not in PDL_MODES:
             raise SpearError(f"pdl must be 'off', 'wait' or 'trigger', got {self.pdl!r}")
         if self.weight_layout not in ("nmajor", "kmajor"):
             raise SpearError(f"weight_layout must be 'nmajor' or 'kmajor', got {self.weight_layout!r}")

@@ -41,18 +41,22 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0
         self.stopped = False
-        backend = getattr(tokenizer, "backend_tokenizer", None) if stream and DecodeStream is not None else None
-        self._backend = backend if isinstance(backend, _RustTokenizer) else None
-        if self._backend is not None and self._decode(self.ids).endswith("\ufffd"):
+        self._backend, self._stream = self._rust_stream() if stream else (None, None)
+
+    def _rust_stream(self):
+        """(the Rust tokenizer, a DecodeStream seeded with the prompt context), or (None, None)
+        where the Python scheme must run."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if DecodeStream is None or not isinstance(backend, _RustTokenizer):
+            return None, None
+        if self._decode(self.ids).endswith("\ufffd"):
             # a prompt ending inside a character: the stream would hand that character's
             # replacement out as output, the Python scheme does not
-            self._backend = None
-        self._stream = None
-        if self._backend is not None:
-            try:
-                self._stream = DecodeStream(ids=list(self.ids), skip_special_tokens=True)
-            except TypeError:  # a tokenizers release whose DecodeStream takes no prompt ids
-                self._backend = None
+            return None, None
+        try:
+            return backend, DecodeStream(ids=list(self.ids), skip_special_tokens=True)
+        except TypeError:  # a tokenizers release whose DecodeStream takes no prompt ids
+            return None, None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

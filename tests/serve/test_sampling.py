@@ -154,3 +154,16 @@ def test_a_decode_stream_without_prompt_ids_falls_back_to_the_python_scheme(toke
     for t in ids:
         d.add(t)
     assert d.delta(final=True) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_without_the_tokenizers_stream_the_python_scheme_runs(tokenizer, monkeypatch):
+    from spear.serve import detokenizer
+
+    monkeypatch.setattr(detokenizer, "DecodeStream", None)  # as when the import failed
+    monkeypatch.setattr(detokenizer, "_RustTokenizer", None)
+    d = IncrementalDetokenizer(tokenizer, [1, 2, 3])
+    assert d._stream is None
+    ids = tokenizer("Hello wörld", add_special_tokens=False).input_ids
+    for t in ids:
+        d.add(t)
+    assert d.delta(final=True) == tokenizer.decode(ids, skip_special_tokens=True)
