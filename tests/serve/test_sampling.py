@@ -139,28 +139,18 @@ def test_earliest_stop_string_wins(tokenizer):
     text, _, stopped = stream_text(tokenizer, "one two three four", stop=["four", "two"])
     assert stopped and text == "one "
 
+class _OldStream:  # a tokenizers release whose DecodeStream takes only skip_special_tokens
+    def __init__(self, skip_special_tokens=False):
+        pass
 
-def test_a_decode_stream_without_prompt_ids_falls_back_to_the_python_scheme(tokenizer, monkeypatch):
+
+# without prompt ids in DecodeStream, or without the tokenizers stream at all (the import failed)
+@pytest.mark.parametrize("patch", [{"DecodeStream": _OldStream}, {"DecodeStream": None, "_RustTokenizer": None}])
+def test_without_a_usable_stream_the_python_scheme_runs(tokenizer, monkeypatch, patch):
     from spear.serve import detokenizer
 
-    class OldStream:  # a tokenizers release whose DecodeStream takes only skip_special_tokens
-        def __init__(self, skip_special_tokens=False):
-            pass
-
-    monkeypatch.setattr(detokenizer, "DecodeStream", OldStream)
-    d = IncrementalDetokenizer(tokenizer, [1, 2, 3])
-    assert d._stream is None
-    ids = tokenizer("Hello wörld", add_special_tokens=False).input_ids
-    for t in ids:
-        d.add(t)
-    assert d.delta(final=True) == tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def test_without_the_tokenizers_stream_the_python_scheme_runs(tokenizer, monkeypatch):
-    from spear.serve import detokenizer
-
-    monkeypatch.setattr(detokenizer, "DecodeStream", None)  # as when the import failed
-    monkeypatch.setattr(detokenizer, "_RustTokenizer", None)
+    for name, value in patch.items():
+        monkeypatch.setattr(detokenizer, name, value)
     d = IncrementalDetokenizer(tokenizer, [1, 2, 3])
     assert d._stream is None
     ids = tokenizer("Hello wörld", add_special_tokens=False).input_ids
