@@ -76,14 +76,14 @@ def fma_configs(m, n, k, kmajor, grid=GRID):
                                                   grid["num_stages"]):
         if pf and not kmajor:
             continue
-        yield (dict(BN=bn, num_warps=nw, programs=prog, prefetch=int(pf), num_stages=ns),
-               Config(16, bn, 128, _split_for(-(-n // bn), k, 128, prog), nw, ns, mv=mv, prefetch=int(pf)))
+        yield (dict(BN=bn, num_warps=nw, programs=prog, prefetch=bool(pf), num_stages=ns),
+               Config(16, bn, 128, _split_for(-(-n // bn), k, 128, prog), nw, ns, mv=mv, prefetch=bool(pf)))
 
 
 def _launch_entry(c: dict) -> dict:
     e = dict(BN=c["BN"], BK=128, num_warps=c["num_warps"], num_stages=c.get("num_stages", 1), programs=c["programs"])
     if c.get("prefetch"):
-        e["prefetch"] = int(c["prefetch"])
+        e["prefetch"] = True
     return e
 
 
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
                         if time.time() - t_start > args.budget_s:
                             break
                         key = f"BN{launch['BN']}_w{launch['num_warps']}_p{launch['programs']}" + \
-                            ("_pf" * bool(launch["prefetch"]) + "2" * (launch["prefetch"] == 2)) + \
+                            ("_pf" if launch["prefetch"] else "") + \
                             (f"_s{launch['num_stages']}" if launch["num_stages"] != 1 else "")
                         try:
                             r["sweep"][key] = dict(launch=launch, **timed(c))

@@ -8,11 +8,11 @@ only the word load and the order of ``_unpack_w4``'s join tree differ.
 Decode, M <= MV <= 4 tokens. A K step is BK/8 rows of words by BN contiguous output
 features, so a thread's 16-byte load holds 4 neighbouring columns that share the 8
 activations of their row.
-  * fp16 on CUDA (PTX, ``_ptx_loop``, register prefetch 0, 1 or 2 steps ahead): the step is
-    loaded as two half tiles [BK/16, BN] (rows j and j + BK/16), so each thread holds word
-    pairs that ``_word2_dot`` takes together: codes to (code - zero)/16 with one LOP3 and one
-    FMA per two codes, products against the activation pairs (the 32-bit words of x, one
-    16-byte load per row) in fp16x2, one conversion to fp32 per two words;
+  * fp16 on CUDA (PTX, ``_ptx_loop``): the step is loaded as two half tiles [BK/16, BN]
+    (rows j and j + BK/16), so each thread holds word pairs that ``_word2_dot`` takes
+    together: codes to (code - zero)/16 with one LOP3 and one FMA per two codes, products
+    against the activation pairs (the 32-bit words of x, one 16-byte load per row) in
+    fp16x2, one conversion to fp32 per two words;
   * otherwise (bf16, the interpreter; ``_fma_loop``): the exact fp32 trick of
     ``_fma_mainloop`` (code OR-ed into the mantissa of 2^23, one subtraction, one FMA per
     weight and token) over the full [BK/8, BN] tile.
@@ -175,10 +175,9 @@ def _scale_zero(sz, H: tl.constexpr, BN: tl.constexpr):
 def _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, M, N, stride_xm,
               GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               BM: tl.constexpr, MV: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
-    """The fp16 CUDA loop (module docstring). With PREFETCH = d (1 or 2), the loads of step
-    k + d·BK (clamped to the last step, so no load is masked by K) are issued before the math of
-    step k, so each program keeps d + 1 steps in flight; with PDL the first steps' weights are
-    loaded before waiting for the kernel that wrote x."""
+    """The fp16 CUDA loop (module docstring). With PREFETCH, the loads of step k + BK (clamped
+    to the last step, so no load is masked by K) are issued before the math of step k; with PDL
+    the first step's weights are loaded before waiting for the kernel that wrote x."""
     H: tl.constexpr = BK // 16
     NC: tl.constexpr = PDL != 2  # activations through the read-only cache unless launched early (_ld_v4)
     rows = tl.arange(0, H)
@@ -198,27 +197,17 @@ def _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, 
     # the last step of the range, in bounds even when the range is empty (k_lo >= K for the
     # last splits of a K that the split does not divide; k_hi >= BK always)
     k_last = k_hi - BK
-    if PREFETCH > 0:
+    if PREFETCH:
         k0 = tl.minimum(k_lo, k_last)
-        p, q, sz0 = _ptx_step(w_lo, w_hi, n_mask2, scales_ptr, zeros_ptr, offs_n, n_mask, k0, N, sz,
-                              GROUP, SYMMETRIC)
-        if PREFETCH > 1:
-            # the second step in flight (PREFETCH = 2): the "b" registers hold step k + BK
-            k1 = tl.minimum(k_lo + BK, k_last)
-            pb, qb, szb = _ptx_step(w_lo, w_hi, n_mask2, scales_ptr, zeros_ptr, offs_n, n_mask, k1, N, sz,
-                                    GROUP, SYMMETRIC)
-        sz = sz0
+        p, q, sz = _ptx_step(w_lo, w_hi, n_mask2, scales_ptr, zeros_ptr, offs_n, n_mask, k0, N, sz,
+                             GROUP, SYMMETRIC)
         _pdl_wait(PDL)
         x0, x1, x2, x3, y0, y1, y2, y3 = _token_rows(x_ptr, 0, stride_xm, k0, rows, H, M, NC)
         if MV > 1:
             u0, u1, u2, u3, v0, v1, v2, v3 = _token_rows(x_ptr, 1, stride_xm, k0, rows, H, M, NC)
-        if PREFETCH > 1:
-            xb0, xb1, xb2, xb3, yb0, yb1, yb2, yb3 = _token_rows(x_ptr, 0, stride_xm, k1, rows, H, M, NC)
-            if MV > 1:
-                ub0, ub1, ub2, ub3, vb0, vb1, vb2, vb3 = _token_rows(x_ptr, 1, stride_xm, k1, rows, H, M, NC)
     for k in range(k_lo, k_hi, BK):
-        if PREFETCH > 0:
-            kn = tl.minimum(k + PREFETCH * BK, k_last)
+        if PREFETCH:
+            kn = tl.minimum(k + BK, k_last)
             pn, qn, szn = _ptx_step(w_lo, w_hi, n_mask2, scales_ptr, zeros_ptr, offs_n, n_mask, kn, N, sz,
                                     GROUP, SYMMETRIC)
             nx0, nx1, nx2, nx3, ny0, ny1, ny2, ny3 = _token_rows(x_ptr, 0, stride_xm, kn, rows, H, M, NC)
@@ -241,19 +230,11 @@ def _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, 
             a2 = _pair_dot(a2, p, q, zn, zn16, c0, c1, c2, c3, d0, d1, d2, d3, s16, GROUP > 0)
             c0, c1, c2, c3, d0, d1, d2, d3 = _token_rows(x_ptr, 3, stride_xm, k, rows, H, M, NC)
             a3 = _pair_dot(a3, p, q, zn, zn16, c0, c1, c2, c3, d0, d1, d2, d3, s16, GROUP > 0)
-        if PREFETCH == 1:
+        if PREFETCH:
             p, q, sz = pn, qn, szn
             x0, x1, x2, x3, y0, y1, y2, y3 = nx0, nx1, nx2, nx3, ny0, ny1, ny2, ny3
             if MV > 1:
                 u0, u1, u2, u3, v0, v1, v2, v3 = nu0, nu1, nu2, nu3, nv0, nv1, nv2, nv3
-        if PREFETCH == 2:
-            p, q, sz = pb, qb, szb
-            x0, x1, x2, x3, y0, y1, y2, y3 = xb0, xb1, xb2, xb3, yb0, yb1, yb2, yb3
-            pb, qb, szb = pn, qn, szn
-            xb0, xb1, xb2, xb3, yb0, yb1, yb2, yb3 = nx0, nx1, nx2, nx3, ny0, ny1, ny2, ny3
-            if MV > 1:
-                u0, u1, u2, u3, v0, v1, v2, v3 = ub0, ub1, ub2, ub3, vb0, vb1, vb2, vb3
-                ub0, ub1, ub2, ub3, vb0, vb1, vb2, vb3 = nu0, nu1, nu2, nu3, nv0, nv1, nv2, nv3
     accT = _tokens_to_accT(a0, a1, a2, a3, BM, MV, 0)
     if GROUP == 0:  # the sums are in units of 1/16
         accT = accT * (tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32) * 16.0)[:, None]

@@ -27,9 +27,7 @@ class Config:
     mv: int = 0       # 1, 2 or 4: CUDA-core main loop for M <= mv tokens (no tensor cores)
     u_split: int = 0  # K ranges of the fused u = A x programs; 0: one per K step, at most w4a16.U_SPLIT_MAX
     ptx: bool = True  # CUDA-core loop with fp16 activations: the fp16x2 PTX word product
-    # K-major CUDA-core loop: issue step k + d's loads before step k's math (d = 0, 1 or 2; the
-    # fp32 loop of bf16 and the interpreter takes any d > 0 as 1)
-    prefetch: int = 0
+    prefetch: bool = False  # K-major CUDA-core loop: issue step k + 1's loads before step k's math
 
 
 # Launch shapes by token count. Values from the sweep on one H200, 2026-11-29 (BENCHMARKS.md "Kernels"): geometric mean over
@@ -80,7 +78,7 @@ def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -
         bk = min(c["BK"], kmax)
         split = _split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=mv,
-                      prefetch=int(c.get("prefetch", 0)) if kmajor else 0)
+                      prefetch=bool(kmajor and c.get("prefetch", False)))
     if m <= DECODE_MAX_M:
         c = LAUNCH["tc"]
         bk = min(c["BK"], kmax)

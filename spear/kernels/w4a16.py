@@ -306,7 +306,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         EC_MODE=ec_mode, GATE=bool(e and e.gated), R=r, H=h,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
         PTX=bool(cfg.mv and cfg.ptx and aligned and x.dtype == torch.float16 and not INTERPRET), KMAJOR=w.kmajor,
-        SPLIT_K=cfg.split_k, U_SPLIT=u_split, PREFETCH=int(cfg.prefetch) if w.kmajor and cfg.mv else 0, ACT=act,
+        SPLIT_K=cfg.split_k, U_SPLIT=u_split, PREFETCH=bool(cfg.prefetch and w.kmajor and cfg.mv), ACT=act,
         **_common.pdl(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

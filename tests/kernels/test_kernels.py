@@ -246,7 +246,7 @@ def test_gpu_ptx_decode_loop(poisoned, n, k, gs, sym, m, mv, kmajor):
     x, w, b, e, expect = setup_case(m, k, n, gs, sym, torch.float16, seed=m, ec=ec, kmajor=kmajor)
     x_, w_, b_, _, expect_w4 = setup_case(m, k, n, gs, sym, torch.float16, seed=m, kmajor=kmajor)
     # split 16 of K = 11008 (86 steps of 128) leaves the last split an empty K range
-    for split, prefetch in ((1, 0), (8, 0), (1, 1), (8, 1), (16, 1), (1, 2), (8, 2), (16, 2)):
+    for split, prefetch in ((1, False), (8, False), (1, True), (8, True), (16, True)):
         if prefetch and not kmajor:
             continue
         cfg = Config(16, 64, min(128, gs or 128), split, 4, 1, mv=mv, prefetch=prefetch)
