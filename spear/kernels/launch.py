@@ -52,11 +52,6 @@ LAUNCH = {
     # steps each, instead of 16 of two) with 4 warps; best of the sweep on 4096 x 4096 (7.5
     # against 8.8 µs) and on 4096 x 11008 (13.5 against 14.0), same data as above
     "fma_kmajor_narrow": dict(max_n=4096, BN=64, BK=128, num_warps=4, num_stages=2, programs=264, prefetch=True),
-    # one token, layers of at least min_n output features (the fused gate/up of Llama-2-7B and
-    # Llama-3-8B, N = 22016 and 28672): more, shorter programs without the register prefetch; best
-    # of the sweep of 2026-11-30 on both (19.5 against 20.8 µs and 21.8 against 24.4 µs as
-    # dispatched before; BENCHMARKS.md "Serving: decode", ninth run)
-    "fma_kmajor_wide": dict(min_n=16384, BN=64, BK=128, num_warps=2, num_stages=1, programs=1056),
     "tc": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=512),    # split-K tensor-core decode
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
 }
@@ -80,9 +75,6 @@ def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -
         narrow = LAUNCH.get(fma + "_narrow")
         if mv == 1 and narrow and n <= narrow["max_n"]:
             c = narrow
-        wide = LAUNCH.get(fma + "_wide")
-        if mv == 1 and wide and n >= wide["min_n"]:
-            c = wide
         bk = min(c["BK"], kmax)
         split = _split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=mv,

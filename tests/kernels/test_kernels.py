@@ -207,15 +207,6 @@ def test_pick_config_reads_a_token_class_launch(monkeypatch):
     assert launch.pick_config(2, 4096, 4096, 128, kmajor=True).num_warps == 2
     table["fma_kmajor_narrow"] = dict(table["fma_kmajor_narrow"], max_n=0)  # off
     assert launch.pick_config(1, 4096, 4096, 128, kmajor=True).split_k == 16
-    # one token on a wide layer: the wide launch (2 warps, 1056 programs: 448 tiles x 4 splits, no
-    # prefetch); not for 2+ tokens, and off when the table has none
-    table["fma_kmajor_wide"] = dict(min_n=16384, BN=64, BK=128, num_warps=2, num_stages=1, programs=1056)
-    wide = launch.pick_config(1, 28672, 4096, 128, kmajor=True)
-    assert (wide.num_warps, wide.split_k, wide.prefetch) == (2, 4, False)
-    assert launch.pick_config(1, 11008, 4096, 128, kmajor=True).prefetch  # narrower: the M = 1 launch
-    assert launch.pick_config(2, 28672, 4096, 128, kmajor=True).split_k == 2  # 448 x 2 >= 528
-    table["fma_kmajor_wide"] = None
-    assert launch.pick_config(1, 28672, 4096, 128, kmajor=True).prefetch
 
 
 # Real shapes (q/o and down of Llama-2-7B / Llama-3-8B) on the GPU, same checks.
@@ -274,26 +265,6 @@ def test_gpu_ptx_decode_loop(poisoned, n, k, gs, sym, m, mv, kmajor):
     ref_big = ref.w4a16_ec_packed(x_big, w_, b_)
     assert_close(w4a16_matmul(x_big, w_, b_, config=Config(16, 64, min(128, gs or 128), 8, 4, 1, mv=mv)),
                  ref_big, torch.float16, "PTX outliers")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_wide_layer_launch(poisoned, dtype):
-    """One token on a wide layer (the fused gate/up of Llama-2-7B) dispatches the wide launch."""
-    if DEVICE != "cuda":
-        pytest.skip("needs CUDA")
-    from spear.kernels import launch
-
-    n, k = 22016, 4096
-    cfg = launch.pick_config(1, n, k, 128, kmajor=True)
-    assert launch.LAUNCH.get("fma_kmajor_wide") and cfg.split_k * (n // cfg.BN) >= launch.LAUNCH["fma_kmajor_wide"][
-        "programs"] and not cfg.prefetch
-    ec = make_ec(n, k, 32, 32, dtype, seed=1)
-    x, w, b, e, expect = setup_case(1, k, n, 128, False, dtype, seed=1, ec=ec, kmajor=True)
-    x_, w_, b_, _, expect_w4 = setup_case(1, k, n, 128, False, dtype, seed=1, kmajor=True)
-    assert_close(w4a16_linear(x_, w_, b_), expect_w4, dtype, f"wide W4 {n}x{k}")
-    assert_close(w4a16_linear(x, w, b, e), expect, dtype, f"wide W4+EC {n}x{k}")
-    assert int(w.locks.abs().sum()) == 0
 
 
 @pytest.mark.gpu
