@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kernels.py --out results/kernels            # full sweep (H200: ~8 min)
     python benchmarks/bench_kernels.py --out results/kernels --quick    # 7B/8B shapes, fewer M and ranks
+    python benchmarks/bench_kernels.py --out results/kernels --models Llama-2-7B,Llama-3-8B  # every M and rank
     python benchmarks/bench_kernels.py --out results/kernels --tune     # launch-shape sweep for w4a16.py
     ... --layout nmajor     # the N-major packed layout instead of the K-major one the engine serves
 
@@ -279,7 +280,9 @@ def warm_cache(ms, ranks, kmajor):
 def sweep(args, out_dir):
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
-    models = ["Llama-2-7B", "Llama-3-8B"] if args.quick else list(MODELS)
+    models = args.models.split(",") if args.models else (["Llama-2-7B", "Llama-3-8B"] if args.quick else list(MODELS))
+    if any(m not in MODELS for m in models):
+        raise SystemExit(f"--models: choose from {', '.join(MODELS)}; got {args.models}")
     ms = [1, 4, 16, 64, 512, 2048] if args.quick else M_ALL
     ranks = [16, 32] if args.quick else RANKS
     if not args.no_warm:
@@ -370,6 +373,7 @@ def main():
     p.add_argument("--out", type=Path, required=True, help="folder for results.json and table.md")
     p.add_argument("--quick", action="store_true", help="7B/8B shapes, M in {1,4,16,64,512,2048}, ranks 16/32")
     p.add_argument("--tune", action="store_true", help="sweep launch shapes of the W4 kernel instead")
+    p.add_argument("--models", help=f"comma-separated subset of {', '.join(MODELS)} (default: all; --quick: 7B, 8B)")
     p.add_argument("--table", type=Path, help="launch_table.json from --tune to use instead of the built-in one")
     p.add_argument("--no-warm", action="store_true", help="skip the parallel compile pass")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
