@@ -22,7 +22,7 @@ from spear.kernels.layout import PackedW4
 @triton.jit
 def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, K,
                     GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr):
+                    BN: tl.constexpr, BK: tl.constexpr, KMAJOR: tl.constexpr = False):
     pid = tl.program_id(0)
     k_tiles = K // BK
     offs_n = (pid // k_tiles) * BN + tl.arange(0, BN)
@@ -42,8 +42,14 @@ def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, K,
         zc = tl.full((BN,), zbase + 8.0, tl.float32)
     else:
         zc = zbase + tl.load(zeros_ptr + g * N + n_ld).to(tl.float32)
-    p = tl.load(qw_ptr + n_ld[:, None] * (K // 8) + (k // 8 + tl.arange(0, BK // 8))[None, :])
-    w = _dequant(_unpack_w4(p, BN, BK, IS_BF16), zc, s, True, IS_BF16)
+    if KMAJOR:
+        # (K/8, N) words: the [BN, BK/8] tile with N contiguous (16-byte loads along N)
+        offs_nc = tl.max_contiguous(tl.multiple_of(offs_n, BN), BN)
+        p = tl.load(qw_ptr + (k // 8 + tl.arange(0, BK // 8))[None, :] * N + offs_nc[:, None],
+                    mask=n_mask[:, None], other=0)
+    else:
+        p = tl.load(qw_ptr + n_ld[:, None] * (K // 8) + (k // 8 + tl.arange(0, BK // 8))[None, :])
+    w = _dequant(_unpack_w4(p, BN, BK, IS_BF16, KMAJOR), zc, s, True, IS_BF16)
     tl.store(w_ptr + offs_n[:, None] * K + (k + tl.arange(0, BK))[None, :], w, mask=n_mask[:, None])
 
 
@@ -93,12 +99,13 @@ def _dequant_kmajor_kernel(qw_ptr, scales_ptr, zeros_ptr, wt_ptr, N,
         tl.store(rows + (2 * i + 1) * N, _dequant_rows(hi, zc, s, True, IS_BF16), mask=mask)
 
 
-def dequantize(w: PackedW4, dtype: torch.dtype, launch=None) -> torch.Tensor:
-    """W_hat (N, K) in ``dtype`` (float16 or bfloat16), rounded once as the reference rounds it."""
+def dequantize(w: PackedW4, dtype: torch.dtype, launch=None, kn: bool = False) -> torch.Tensor:
+    """W_hat (N, K) in ``dtype`` (float16 or bfloat16), rounded once as the reference rounds it.
+    ``kn`` (K-major weights only): write W_hatᵀ (K, N) and return its transposed view."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dequantize dtype must be float16 or bfloat16; got {dtype}")
     n, k = w.out_features, w.in_features
-    if w.kmajor:
+    if w.kmajor and kn:
         wt = _common.alloc((k, n), dtype=dtype, device=w.qweight.device)
         bn, bk = 64, 128
         kernel = _dequant_kmajor_kernel if launch is None else launch(_dequant_kmajor_kernel)
@@ -117,6 +124,6 @@ def dequantize(w: PackedW4, dtype: torch.dtype, launch=None) -> torch.Tensor:
     kernel[(triton.cdiv(n, bn) * (k // bk),)](
         w.qweight, w.scales, w.zeros, out, n, k,
         GROUP=w.group_size, SYMMETRIC=w.symmetric, IS_BF16=dtype == torch.bfloat16, BN=bn, BK=bk,
-        num_warps=4, num_stages=1,
+        KMAJOR=w.kmajor, num_warps=4, num_stages=1,
     )
     return out

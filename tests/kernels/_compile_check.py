@@ -60,6 +60,9 @@ def compile_small(bf16, ftype="fp32"):
     c = dict(GROUP=64, SYMMETRIC=True, IS_BF16=bf16, BN=64, BK=64)
     p = dict(qw_ptr="*i32", scales_ptr="*fp16", zeros_ptr="*u8", w_ptr=dt)
     triton.compile(ASTSource(_dequant_kernel, sig(_dequant_kernel, p, (), c), c), target=TARGET)
+    c = dict(GROUP=128, SYMMETRIC=False, IS_BF16=bf16, BN=64, BK=128, KMAJOR=True)  # K-major words to (N, K)
+    triton.compile(ASTSource(_dequant_kernel, sig(_dequant_kernel, p, (), c), c, divisible(_dequant_kernel)),
+                   target=TARGET)
     c = dict(GROUP=64, SYMMETRIC=False, IS_BF16=bf16, BN=64, BK=128)
     p = dict(qw_ptr="*i32", scales_ptr="*fp16", zeros_ptr="*u8", wt_ptr=dt)
     triton.compile(ASTSource(_dequant_kmajor_kernel, sig(_dequant_kmajor_kernel, p, (), c), c), target=TARGET)

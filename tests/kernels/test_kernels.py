@@ -105,12 +105,16 @@ def test_w4a16_gemm_kmajor(poisoned, m, gs, sym, dtype, bias, cfg):
     assert int(w.locks.abs().sum()) == 0, "split-K counters not re-armed"
 
 
-@pytest.mark.parametrize("gs,dtype", [(0, torch.float16), (64, torch.bfloat16)])
-def test_dequantize_kmajor(poisoned, gs, dtype):
+@pytest.mark.parametrize("gs,dtype,kn", [(0, torch.float16, False), (64, torch.bfloat16, False),
+                                         (32, torch.float16, False), (0, torch.float16, True),
+                                         (64, torch.bfloat16, True)])
+def test_dequantize_kmajor(poisoned, gs, dtype, kn):
     codes, scales, zeros = make_layer(N_SMALL, K_SMALL, gs, False, 6)
-    w_hat = dequantize(pack(codes, scales, zeros, gs, kmajor=True), dtype)
+    w_hat = dequantize(pack(codes, scales, zeros, gs, kmajor=True), dtype, kn=kn)
     expect = ref.dequantize(codes, scales, zeros, gs).to(dtype)
     assert w_hat.shape == expect.shape
+    # (N, K) row-major as the fp16 weight is, or the transposed view of a (K, N) buffer
+    assert w_hat.is_contiguous() != kn and w_hat.t().is_contiguous() == kn
     if INTERPRET and dtype == torch.bfloat16:
         torch.testing.assert_close(w_hat.float(), expect.float(), rtol=2**-7, atol=0)
     else:
