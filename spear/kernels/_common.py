@@ -275,6 +275,23 @@ def _ld_v4(ptr, NC: tl.constexpr = True):
 
 
 @triton.jit
+def _signal(ptr):
+    """Add 1 to the int32 at ``ptr`` from the program's first thread without waiting for the
+    result (a ``red``, not an ``atom``): ``tl.atomic_add`` hands its result to every thread
+    through shared memory, which puts a round trip on the program's path even when the result is
+    not needed. CUDA only (inline PTX). Call it after a barrier when every warp must have passed
+    what the signal stands for."""
+    tl.inline_asm_elementwise("""{
+        .reg .pred p;
+        .reg .b32 t;
+        mov.u32 t, %tid.x;
+        setp.eq.u32 p, t, 0;
+        @p red.relaxed.gpu.global.add.s32 [$1], 1;
+        mov.u32 $0, 0;
+    }""", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _wait_above(ptr, level, PORTABLE: tl.constexpr):
     """Spin until the int32 at ``ptr`` exceeds ``level``; the load that sees it has acquire
     semantics, so what the releasing program wrote before is visible after. On the GPU each

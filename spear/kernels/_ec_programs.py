@@ -11,8 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spear.kernels._common import (_dot, _gate_apply, _gate_params, _pdl_wait, _sum_partials, _tokens_to_accT,
-                                   _wait_above)
+from spear.kernels._common import (_dot, _gate_apply, _gate_params, _pdl_wait, _signal, _sum_partials,
+                                   _tokens_to_accT, _wait_above)
 from spear.kernels._epilogue import _b_times_v
 
 
@@ -34,11 +34,13 @@ def _u_x(x_ptr, stride_xm, k, offs_u, M, MV: tl.constexpr):
 
 @triton.jit
 def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, bound, u_lock, offs_m, m_mask,
-               k_lo, k_hi, split, M, K, stride_xm, U_SPLIT: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr,
+               k_lo, k_hi, split, M, K, stride_xm, n_wt, U_SPLIT: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr,
                H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
                PDL: tl.constexpr):
     """Partial u for one K range: uT [R, BM] = A[R, BK] . xT[BK, BM], then signal. The last u program
-    of the m-tile to finish sums the partials, writes v = gamma(u) ⊙ u and signals once more."""
+    of the m-tile to finish sums the partials, writes v = gamma(u) ⊙ u and signals once more; on
+    CUDA it then waits until each of the n_wt W tiles has signalled that it is past its wait, and
+    re-arms both counters for the next call (``_fused_ec``)."""
     offs_r = tl.arange(0, R)
     offs_k = tl.arange(0, BK)
     if MV > 0:
@@ -106,6 +108,12 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
         tl.store(v_ptr + u_offs, vT.to(v_ptr.dtype.element_ty), mask=m_mask[None, :])
         tl.debug_barrier()
         tl.atomic_add(u_lock, 1, sem="release")  # U_SPLIT + 1: v is ready
+        if not DOT_F32:
+            # the re-arm, here instead of in the W tiles: they signal with a red (no round trip on
+            # their path), this program waits for all n_wt of them and zeroes both counters
+            _wait_above(u_lock + 1, n_wt - 1, False)
+            tl.store(u_lock, 0)
+            tl.store(u_lock + 1, 0)
 
 
 @triton.jit
@@ -120,14 +128,21 @@ def _fused_ec(accT, offs_m, m_mask, n_ld, n_wt, lock_base, locks_ptr, b_ptr, v_p
     # line); the acquiring load orders the read of v after the last u program's release.
     # DOT_F32 is the interpreter's mode (w4a16_matmul), which has no inline PTX
     _wait_above(u_lock, U_SPLIT, DOT_F32)
+    if not DOT_F32:
+        # every warp past its poll, then one fire-and-forget count: the last u program waits for
+        # all n_wt counts and re-arms the counters (_u_program). v is not reset (the next call's u
+        # programs rewrite it after this kernel has ended)
+        tl.debug_barrier()
+        _signal(locks_ptr + lock_base + n_wt + 1)
     # .cg: read at L2, where the u program wrote v
     accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, ".cg")
-    # each tile counts once, from its last split; the last of the m-tile's tiles re-arms the u
-    # counter and the done counter for the next call. Relaxed: every tile counts only after its
-    # wait, so the last count follows every wait; v is not reset (the next call's u programs
-    # rewrite it after this kernel has ended)
-    done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="relaxed")
-    if done == n_wt - 1:
-        tl.atomic_xchg(u_lock, 0)
-        tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)
+    if DOT_F32:
+        # the interpreter (no PTX; programs run one after another, so the u programs cannot wait
+        # for the W tiles): each tile counts once, from its last split, and the last of the
+        # m-tile's tiles re-arms the u counter and the done counter. Relaxed: every tile counts
+        # only after its wait, so the last count follows every wait
+        done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="relaxed")
+        if done == n_wt - 1:
+            tl.atomic_xchg(u_lock, 0)
+            tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)
     return accT

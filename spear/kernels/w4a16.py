@@ -118,7 +118,7 @@ def _w4a16_kernel(
             k_lo = local * iters * BK
             k_hi = tl.minimum(k_lo + iters * BK, K)
             _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, bound,
-                       locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local, M, K, stride_xm,
+                       locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local, M, K, stride_xm, n_wt,
                        U_SPLIT, GATE, R, H, BM, BK, MV, DOT_F32, PDL)
         else:
             w_local = local - n_u
