@@ -6,7 +6,7 @@ Shapes and launches as the engine serves Llama-3-8B at batch 1 (K-major weights,
 gate/up with its SiLU·mul epilogue); RTN 4-bit, group 128, symmetric, random non-zero weights;
 graph replays over weight copies beyond 2x L2, median (kernel_timing.py). With a modified copy
 of the kernels on PYTHONPATH (parts of the EC left out), the difference against the full EC
-places its cost (scripts/gpu_ec_cost.sh); the results of such copies are not checked.
+places its cost (scripts/gpu_cost.sh); the results of such copies are not checked.
 """
 
 from __future__ import annotations

@@ -33,8 +33,15 @@ registers, and their EC work is one load and, at decode, one FMA row sum per tok
 tile (a small dot on the tensor-core tiles); the gate runs while the W programs stream their
 weights. The wait cannot deadlock: the u programs have the lowest
 program ids of their m-tile and the hardware dispatches blocks in id order, so they are
-resident or finished before any program that waits on them; they wait on nothing. The last
-W tile to count itself resets the counters. Chosen over a second launch because at decode a
+resident or finished before any program that waits on them; until they have published v they
+wait on nothing. Re-arming the counters for the next call: on CUDA each W tile, once all its
+warps are past the wait, adds 1 to a done counter with a ``red`` (no result, so nothing waits
+for it) and the last u program, after publishing v, waits for all n_wt counts and zeroes both
+counters (the W tiles never wait again, so this wait ends); a done ``atomic_add`` in every W
+tile, whose result Triton broadcasts through shared memory, cost 1.2-1.6 µs per call
+(BENCHMARKS.md, "Serving: decode", ninth run). The interpreter, which runs programs one after
+another, keeps that form: the last W tile to count resets the counters. Chosen over a second
+launch because at decode a
 launch costs about as much as the whole W4 GEMV. (Programs of their own that add alpha · B v
 for 1-4 column tiles as one more split-K partial, so that the W programs are the plain W4 ones,
 were slower on Llama-3-8B: BENCHMARKS.md, eighth run.)
