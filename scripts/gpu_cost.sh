@@ -30,7 +30,7 @@ root = Path(f"/tmp/{v}/spear/kernels")
 SUBS = {
     "nowait": [("_ec_programs.py", "    _wait_above(u_lock, U_SPLIT, DOT_F32)\n", "")],
     "nou": [("w4a16.py", "            _u_program(x_ptr,", "            if U_SPLIT < 0:\n                _u_program(x_ptr,")],
-    "nodone": [("_ec_programs.py", "        _signal(locks_ptr + lock_base + n_wt + 1)\n", "")],
+    "nodone": [("_ec_programs.py", "        _signal(done_lock)\n", "")],
     "nob": [("_ec_programs.py", "    accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, \".cg\")\n",
              "    accT += 0.0 * alpha\n"),
             ("_ec_programs.py", "    bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])",

@@ -124,6 +124,7 @@ def _fused_ec(accT, offs_m, m_mask, n_ld, n_wt, lock_base, locks_ptr, b_ptr, v_p
     # B's tile does not depend on v: issue its load before the wait, so it overlaps the wait
     bt = tl.load(b_ptr + n_ld[:, None] * R + offs_r[None, :])
     u_lock = locks_ptr + lock_base + n_wt
+    done_lock = u_lock + 1  # the m-tile's done counter (the slot after the u counter)
     # poll with loads (an atomic per poll from every waiting program would contend on one L2
     # line); the acquiring load orders the read of v after the last u program's release.
     # DOT_F32 is the interpreter's mode (w4a16_matmul), which has no inline PTX
@@ -133,7 +134,7 @@ def _fused_ec(accT, offs_m, m_mask, n_ld, n_wt, lock_base, locks_ptr, b_ptr, v_p
         # all n_wt counts and re-arms the counters (_u_program). v is not reset (the next call's u
         # programs rewrite it after this kernel has ended)
         tl.debug_barrier()
-        _signal(locks_ptr + lock_base + n_wt + 1)
+        _signal(done_lock)
     # .cg: read at L2, where the u program wrote v
     accT += alpha * _b_times_v(bt, v_ptr, offs_m, m_mask, offs_r, accT, R, MV, DOT_F32, ".cg")
     if DOT_F32:
@@ -141,8 +142,8 @@ def _fused_ec(accT, offs_m, m_mask, n_ld, n_wt, lock_base, locks_ptr, b_ptr, v_p
         # for the W tiles): each tile counts once, from its last split, and the last of the
         # m-tile's tiles re-arms the u counter and the done counter. Relaxed: every tile counts
         # only after its wait, so the last count follows every wait
-        done = tl.atomic_add(locks_ptr + lock_base + n_wt + 1, 1, sem="relaxed")
+        done = tl.atomic_add(done_lock, 1, sem="relaxed")
         if done == n_wt - 1:
             tl.atomic_xchg(u_lock, 0)
-            tl.atomic_xchg(locks_ptr + lock_base + n_wt + 1, 0)
+            tl.atomic_xchg(done_lock, 0)
     return accT

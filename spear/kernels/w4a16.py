@@ -41,10 +41,9 @@ counters (the W tiles never wait again, so this wait ends); a done ``atomic_add`
 tile, whose result Triton broadcasts through shared memory, cost 1.2-1.6 µs per call
 (BENCHMARKS.md, "Serving: decode", ninth run). The interpreter, which runs programs one after
 another, keeps that form: the last W tile to count resets the counters. Chosen over a second
-launch because at decode a
-launch costs about as much as the whole W4 GEMV. (Programs of their own that add alpha · B v
-for 1-4 column tiles as one more split-K partial, so that the W programs are the plain W4 ones,
-were slower on Llama-3-8B: BENCHMARKS.md, eighth run.)
+launch because at decode a launch costs about as much as the whole W4 GEMV. (Programs of their
+own that add alpha · B v for 1-4 column tiles as one more split-K partial, so that the W
+programs are the plain W4 ones, were slower on Llama-3-8B: BENCHMARKS.md, eighth run.)
 
 EC_MODE 2 (prefill, serial variant): v = gamma(u) ⊙ u was computed by ``ec.ec_gate``;
 the epilogue only adds alpha · B_tile v.
