@@ -13,17 +13,19 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 case "$part" in
 1)
-  timeout 500 python -m pytest -q -p no:cacheprovider -p no:logging -m gpu tests/kernels --durations=5 2>&1 \
-    | tail -12 > "$out/tests.txt"
-  cat "$out/tests.txt" ;;
+  # -v names each test as it starts; faulthandler dumps the Python stacks of a test that runs past
+  # 120 s (a compile or a synchronize), so a stall shows where it is
+  timeout 500 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=120 -m gpu tests/kernels \
+    --durations=5 > "$out/tests.txt" 2>&1
+  grep -v PASSED "$out/tests.txt" | tail -60 ;;
 2)
-  timeout 170 python -m pytest -q -p no:cacheprovider -p no:logging -m gpu tests/serve/test_gpu.py 2>&1 \
-    | tail -4 > "$out/tests.txt"
-  cat "$out/tests.txt"
+  timeout 170 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=120 -m gpu \
+    tests/serve/test_gpu.py > "$out/tests.txt" 2>&1
+  grep -v PASSED "$out/tests.txt" | tail -40
   timeout 50 python benchmarks/check_pdl.py wait trigger 2>&1 | grep -E "^(trigger|wait)"
   timeout 50 python benchmarks/check_pdl.py wait trigger --no-graphs 2>&1 | grep -E "^(trigger|wait)"
   timeout 330 python benchmarks/bench_decode.py --w4-head --out "$out/decode" > "$out/decode.txt" 2>&1
-  grep -E "^\| Llama|^Llama" "$out/decode.txt"
+  grep -E "^\| Llama|^Llama|batch +1:" "$out/decode.txt"
   tar -C "$out" -czf "$out/decode.tgz" decode decode.txt tests.txt ;;
 *) echo "part must be 1 or 2" >&2; exit 2 ;;
 esac
