@@ -66,24 +66,29 @@ def tc_config(m, n, k, kmajor):
         w4a16.LAUNCH[key] = saved
 
 
-GRID = dict(BN=[32, 64, 128, 256], num_warps=[2, 4, 8], programs=[528, 1056, 2112], prefetch=[0], num_stages=[1])
+GRID = dict(BN=[32, 64, 128, 256], num_warps=[2, 4, 8], programs=[528, 1056, 2112], prefetch=[0], num_stages=[1],
+            pipeline=[1])
 
 
 def fma_configs(m, n, k, kmajor, grid=GRID):
-    """The CUDA-core launches of the sweep (register prefetch only exists in the K-major loop)."""
+    """The CUDA-core launches of the sweep (register prefetch and the shared-memory pipeline only
+    exist in the K-major loop, and exclude each other)."""
     mv = 1 if m == 1 else (2 if m == 2 else 4)
-    for bn, nw, prog, pf, ns in itertools.product(grid["BN"], grid["num_warps"], grid["programs"], grid["prefetch"],
-                                                  grid["num_stages"]):
-        if pf and not kmajor:
+    for bn, nw, prog, pf, ns, pl in itertools.product(grid["BN"], grid["num_warps"], grid["programs"],
+                                                      grid["prefetch"], grid["num_stages"], grid.get("pipeline", [1])):
+        if (pf or pl > 1) and not kmajor or (pf and pl > 1):
             continue
-        yield (dict(BN=bn, num_warps=nw, programs=prog, prefetch=bool(pf), num_stages=ns),
-               Config(16, bn, 128, _split_for(-(-n // bn), k, 128, prog), nw, ns, mv=mv, prefetch=bool(pf)))
+        yield (dict(BN=bn, num_warps=nw, programs=prog, prefetch=bool(pf), num_stages=ns, pipeline=pl),
+               Config(16, bn, 128, _split_for(-(-n // bn), k, 128, prog), nw, ns, mv=mv, prefetch=bool(pf),
+                      pipeline=pl))
 
 
 def _launch_entry(c: dict) -> dict:
     e = dict(BN=c["BN"], BK=128, num_warps=c["num_warps"], num_stages=c.get("num_stages", 1), programs=c["programs"])
     if c.get("prefetch"):
         e["prefetch"] = True
+    if c.get("pipeline", 1) > 1:
+        e["pipeline"] = c["pipeline"]
     return e
 
 
@@ -181,7 +186,8 @@ def main(argv=None) -> int:
                             break
                         key = f"BN{launch['BN']}_w{launch['num_warps']}_p{launch['programs']}" + \
                             ("_pf" if launch["prefetch"] else "") + \
-                            (f"_s{launch['num_stages']}" if launch["num_stages"] != 1 else "")
+                            (f"_s{launch['num_stages']}" if launch["num_stages"] != 1 else "") + \
+                            (f"_pl{launch['pipeline']}" if launch["pipeline"] > 1 else "")
                         try:
                             r["sweep"][key] = dict(launch=launch, **timed(c))
                         except Exception as e:  # out of resources for a tile shape: record and go on

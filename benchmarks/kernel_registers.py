@@ -35,7 +35,7 @@ def registers(ec_mode: int, mv: int, kmajor: bool, r: int = 16, bm: int = 16, pr
     ptrs = {k: "*" + v for k, v in ptrs.items()}
     consts = dict(GROUP=128, SYMMETRIC=False, HAS_BIAS=False, IS_BF16=False, EC_MODE=ec_mode, GATE=False, R=r, H=32,
                   BM=bm, BN=64, BK=128, MV=mv, DOT_F32=False, PTX=bool(mv), KMAJOR=kmajor, PREFETCH=prefetch, SPLIT_K=16,
-                  U_SPLIT=U_SPLIT_MAX if ec_mode == 1 else 0, ACT=0, PDL=0)
+                  U_SPLIT=U_SPLIT_MAX if ec_mode == 1 else 0, ACT=0, PDL=0, PIPELINE=1)
     src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts), consts,
                     divisible(_w4a16_kernel))
     kernel = triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=1))

@@ -28,6 +28,9 @@ class Config:
     u_split: int = 0  # K ranges of the fused u = A x programs; 0: one per K step, at most w4a16.U_SPLIT_MAX
     ptx: bool = True  # CUDA-core loop with fp16 activations: the fp16x2 PTX word product
     prefetch: bool = False  # K-major CUDA-core loop: issue step k + 1's loads before step k's math
+    # K-major CUDA-core loop without the register prefetch: K steps whose weight loads are in flight
+    # at once through shared memory (cp.async stages of Triton's software pipeliner); 1: none
+    pipeline: int = 1
 
 
 # Launch shapes by token count. Values from the sweep on one H200, 2026-11-29 (BENCHMARKS.md "Kernels"): geometric mean over
@@ -78,7 +81,8 @@ def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -
         bk = min(c["BK"], kmax)
         split = _split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=mv,
-                      prefetch=bool(kmajor and c.get("prefetch", False)))
+                      prefetch=bool(kmajor and c.get("prefetch", False)),
+                      pipeline=c.get("pipeline", 1) if kmajor else 1)
     if m <= DECODE_MAX_M:
         c = LAUNCH["tc"]
         bk = min(c["BK"], kmax)

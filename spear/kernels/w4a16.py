@@ -99,6 +99,8 @@ def _w4a16_kernel(
     # programmatic dependent launch (_common.set_pdl): start loading weights before the kernel
     # before this one has finished; everything that reads x or writes waits for it
     PDL: tl.constexpr = False,
+    # K-major CUDA-core loop without PREFETCH: K steps in flight through shared memory (Config.pipeline)
+    PIPELINE: tl.constexpr = 1,
 ):
     _pdl_start(PDL)
     # torch.compile passes Python floats as fp64 scalars; fp32 keeps the accumulators fp32
@@ -132,13 +134,13 @@ def _w4a16_kernel(
                        v_ptr, alpha, SPLIT_K, U_SPLIT, w_local // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
                        w_local % SPLIT_K, M, N, K, stride_xm, stride_om,
                        GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
-                       PREFETCH, ACT, PDL)
+                       PREFETCH, ACT, PDL, PIPELINE)
     else:
         _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
                    alpha, SPLIT_K, U_SPLIT, local // SPLIT_K, n_wt, lock_base, offs_m, m_mask, local % SPLIT_K,
                    M, N, K, stride_xm, stride_om,
                    GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH,
-                   ACT, PDL)
+                   ACT, PDL, PIPELINE)
 
 
 @triton.jit
@@ -149,7 +151,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
                EC_MODE: tl.constexpr, R: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
                PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr, ACT: tl.constexpr,
-               PDL: tl.constexpr):
+               PDL: tl.constexpr, PIPELINE: tl.constexpr = 1):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
     if not (KMAJOR and MV > 0 and PTX and PREFETCH):
         _pdl_wait(PDL)  # the K-major PTX loop waits after loading its first weights
@@ -174,7 +176,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
         zc = zbase + tl.load(zeros_ptr + n_ld).to(tl.float32)
     if KMAJOR and MV > 0:  # scales applied inside
         accT = _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt * BN, k_lo, k_hi, M, N, stride_xm,
-                                GROUP, SYMMETRIC, BN, BK, BM, MV, PTX, PREFETCH, PDL)
+                                GROUP, SYMMETRIC, BN, BK, BM, MV, PTX, PREFETCH, PDL, PIPELINE)
     elif MV > 0:
         accT = _fma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, K, stride_xm,
                              GROUP, SYMMETRIC, BN, BK, BM, MV, PTX)
@@ -271,6 +273,9 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     if k % cfg.BK or (w.group_size and w.group_size % cfg.BK):
         raise ValueError(f"BK={cfg.BK} must divide in_features={k} and the group size {w.group_size}")
     m_tiles, n_wt = triton.cdiv(m, cfg.BM), triton.cdiv(n, cfg.BN)
+    if cfg.pipeline < 1 or (cfg.pipeline > 1 and cfg.prefetch):
+        raise ValueError(f"pipeline must be >= 1, and 1 with the register prefetch (they are alternatives); got "
+                         f"pipeline={cfg.pipeline}, prefetch={cfg.prefetch}")
     if cfg.mv and (m > cfg.mv or cfg.mv not in (1, 2, 4) or cfg.mv > cfg.BM):
         raise ValueError(f"the CUDA-core main loop takes M <= mv, mv in (1, 2, 4), mv <= BM; got M={m}, "
                          f"mv={cfg.mv}, BM={cfg.BM}")
@@ -313,6 +318,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
         PTX=bool(cfg.mv and cfg.ptx and aligned and x.dtype == torch.float16 and not INTERPRET), KMAJOR=w.kmajor,
         SPLIT_K=cfg.split_k, U_SPLIT=u_split, PREFETCH=bool(cfg.prefetch and w.kmajor and cfg.mv), ACT=act,
+        PIPELINE=cfg.pipeline if w.kmajor and cfg.mv else 1,
         **_common.pdl(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -36,7 +36,8 @@ def divisible(fn):
             if n.endswith("_ptr") or n in ("N", "K", "stride_xm", "stride_om")}
 
 
-def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, act=0, pdl=False, ftype="fp32"):
+def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, act=0, pdl=False, ftype="fp32",
+               pipeline=1):
     dt = "bf16" if bf16 else "fp16"
     ptrs = dict(x_ptr=dt, qw_ptr="i32", scales_ptr="fp16", zeros_ptr="u8", bias_ptr=dt, out_ptr=dt, part_ptr="fp32",
                 locks_ptr="i32", a_ptr=dt, b_ptr=dt, w1_ptr=dt, b1_ptr=dt, w2_ptr=dt, b2_ptr=dt, upart_ptr="fp32",
@@ -49,10 +50,10 @@ def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, a
     consts = dict(GROUP=128, SYMMETRIC=False, HAS_BIAS=True, IS_BF16=bf16, EC_MODE=ec_mode, GATE=gate, R=32, H=32,
                   BM=bm, BN=64, BK=64, MV=mv, DOT_F32=False,
                   PTX=bool(mv) and not bf16, KMAJOR=kmajor, PREFETCH=prefetch, SPLIT_K=4, U_SPLIT=8 if ec_mode == 1 else 0,
-                  ACT=act, PDL=pdl)
+                  ACT=act, PDL=pdl, PIPELINE=pipeline)
     src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts, ftype), consts,
                     divisible(_w4a16_kernel))
-    triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=2))
+    return triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=2))
 
 
 def compile_small(bf16, ftype="fp32"):
@@ -98,6 +99,9 @@ if __name__ == "__main__":
         compile_w4(bf16, ec_mode, mv, bm, kmajor=True)
     for ec_mode, mv in ((0, 1), (1, 2), (0, 4)):  # with the register prefetch of the next K step
         compile_w4(bf16, ec_mode, mv, 16, kmajor=True, prefetch=True)
+    for ec_mode, mv in ((0, 1), (1, 2), (1, 4)):  # K steps in flight through shared memory (cp.async)
+        kernel = compile_w4(bf16, ec_mode, mv, 16, kmajor=True, pipeline=3)
+        assert "cp.async" in kernel.asm["ptx"], "the pipeliner left the K-major loop's weight loads synchronous"
     for ec_mode, mv, bm in ((1, 1, 16), (0, 0, 64), (2, 0, 128)):  # the SiLU·mul epilogue
         compile_w4(bf16, ec_mode, mv, bm, kmajor=True, prefetch=bool(mv), act=1)
     for ec_mode, mv, prefetch in ((1, 1, True), (0, 1, False), (1, 0, False)):  # programmatic dependent launch

@@ -23,6 +23,16 @@ def test_grid_spans_num_stages_and_prefetch_only_for_kmajor():
     assert all(c.mv == 1 and c.BN == 64 and c.num_warps == 2 for _, c in kmajor)
 
 
+def test_grid_spans_the_pipeline_without_the_register_prefetch():
+    g = _load()
+    grid = dict(BN=[64], num_warps=[2], programs=[528], prefetch=[0, 1], num_stages=[1], pipeline=[1, 3])
+    kmajor = sorted((c.prefetch, c.pipeline) for _, c in g.fma_configs(2, 4096, 4096, True, grid))
+    assert kmajor == [(False, 1), (False, 3), (True, 1)]  # the two are alternatives
+    assert [(c.prefetch, c.pipeline) for _, c in g.fma_configs(2, 4096, 4096, False, grid)] == [(False, 1)]
+    assert g._launch_entry(dict(BN=64, num_warps=2, programs=528, pipeline=3))["pipeline"] == 3
+    assert "pipeline" not in g._launch_entry(dict(BN=64, num_warps=2, programs=528, pipeline=1))
+
+
 def test_launch_table_takes_the_best_geomean_and_its_stages():
     g = _load()
 
