@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH, so a modified copy there wins
 
 from kernel_timing import ceilings, copies_for, time_calls  # noqa: E402
 
@@ -283,11 +283,12 @@ def sweep(args, out_dir):
     models = args.models.split(",") if args.models else (["Llama-2-7B", "Llama-3-8B"] if args.quick else list(MODELS))
     if any(m not in MODELS for m in models):
         raise SystemExit(f"--models: choose from {', '.join(MODELS)}; got {args.models}")
-    ms = [1, 4, 16, 64, 512, 2048] if args.quick else M_ALL
-    ranks = [16, 32] if args.quick else RANKS
+    ms = [int(v) for v in args.ms.split(",")] if args.ms else ([1, 4, 16, 64, 512, 2048] if args.quick else M_ALL)
+    ranks = [int(v) for v in args.ranks.split(",")] if args.ranks else ([16, 32] if args.quick else RANKS)
     if not args.no_warm:
         warm_cache(ms, ranks, args.layout == "kmajor")
     bw, peak = ceilings()
+    print("kernels from", Path(ops.__file__).parent, flush=True)
     print(f"device {props.name}, L2 {l2 >> 20} MB; measured copy {bw / 1e12:.2f} TB/s, fp16 mm {peak / 1e12:.0f} TFLOP/s",
           flush=True)
     has_int4 = hasattr(torch, "_weight_int4pack_mm")
@@ -374,6 +375,8 @@ def main():
     p.add_argument("--quick", action="store_true", help="7B/8B shapes, M in {1,4,16,64,512,2048}, ranks 16/32")
     p.add_argument("--tune", action="store_true", help="sweep launch shapes of the W4 kernel instead")
     p.add_argument("--models", help=f"comma-separated subset of {', '.join(MODELS)} (default: all; --quick: 7B, 8B)")
+    p.add_argument("--ms", help="comma-separated token counts (default: all; --quick: 1,4,16,64,512,2048)")
+    p.add_argument("--ranks", help="comma-separated EC ranks (default: 8,16,32,64; --quick: 16,32)")
     p.add_argument("--table", type=Path, help="launch_table.json from --tune to use instead of the built-in one")
     p.add_argument("--no-warm", action="store_true", help="skip the parallel compile pass")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")

@@ -46,8 +46,11 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
     if MV > 0:
         # decode's few tokens: fp32 FMAs on [R, BK] tiles, one accumulator per token (a tensor-core
         # dot here would set the register count of the whole kernel, W programs included); UK
-        # keeps each tile at 2048 elements (16 fp32 registers per thread at 4 warps) for any rank
-        UK: tl.constexpr = min(BK, 2048 // R)
+        # keeps each tile at 2048 elements (16 fp32 registers per thread at 4 warps) for any rank,
+        # 1024 for 2-4 tokens: with 2048 their accumulators took the fused kernel from the plain
+        # kernel's 126-128 registers to 154-164 (ptxas, sm_90, the engine's launches at 2 and 4
+        # tokens), which cuts the programs resident per SM below what the launch needs
+        UK: tl.constexpr = min(BK, (2048 if MV == 1 else 1024) // R)
         offs_u = tl.arange(0, UK)
         a_base = a_ptr + offs_r[:, None] * K + offs_u[None, :]
         c0 = tl.zeros((R, UK), tl.float32)
