@@ -287,10 +287,13 @@ def main(argv=None) -> int:
 
     batches = [int(b) for b in args.batches.split(",")]
     if args.table:
-        from spear.kernels import w4a16
+        from spear.kernels import launch
 
-        w4a16.LAUNCH.update(json.loads(Path(args.table).read_text()))
-        print("launch table:", w4a16.LAUNCH, flush=True)
+        try:
+            launch.use_table(args.table)
+        except ValueError as e:
+            p.error(f"--table: {e}")
+        print("launch table:", launch.LAUNCH, flush=True)
     if batches[0] != 1:
         p.error("--batches must start with 1 (the batch-1 latency columns)")
     if args.tiny:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_timing import copies_for, time_calls  # noqa: E402
 
 from spear.kernels import pack, reference  # noqa: E402
-from spear.kernels import w4a16  # noqa: E402
+from spear.kernels import launch, w4a16  # noqa: E402
 from spear.kernels.dequant import dequantize  # noqa: E402
 from spear.kernels.w4a16 import Config, _split_for, pick_config, w4a16_matmul  # noqa: E402
 from spear.quant.primitives import rtn  # noqa: E402
@@ -144,7 +144,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     if args.table:
-        w4a16.LAUNCH.update(json.loads(Path(args.table).read_text()))
+        try:
+            launch.use_table(args.table)
+        except ValueError as e:
+            p.error(f"--table: {e}")
     ms = [int(v) for v in (args.ms or ("1,16,512" if args.quick else "1,2,4,16")).split(",")]
     layouts = {name: LAYOUTS[name] for name in args.layouts.split(",")}
     grid = {key: [int(v) for v in getattr(args, key).split(",")] for key in GRID}

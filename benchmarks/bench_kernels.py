@@ -39,7 +39,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH, s
 
 from kernel_timing import ceilings, copies_for, time_calls  # noqa: E402
 
-from spear.kernels import ops, pack, pack_ec, reference, w4a16_linear  # noqa: E402
+from spear.kernels import launch, ops, pack, pack_ec, reference, w4a16_linear  # noqa: E402
 from spear.kernels.dequant import dequantize  # noqa: E402
 from spear.kernels.w4a16 import Config, pick_config, w4a16_matmul  # noqa: E402
 from spear.quant.primitives import rtn  # noqa: E402
@@ -388,9 +388,11 @@ def main():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.table:
-        from spear.kernels import w4a16
-        w4a16.LAUNCH.update(json.loads(args.table.read_text()))
-        print("launch table from", args.table, w4a16.LAUNCH, flush=True)
+        try:
+            launch.use_table(args.table)
+        except ValueError as e:
+            p.error(f"--table: {e}")
+        print("launch table from", args.table, launch.LAUNCH, flush=True)
     if args.tune:
         tune(args.out)
     else:

@@ -9,7 +9,9 @@ benchmarks' ``--table`` loads one into ``LAUNCH``).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import triton
 
@@ -59,6 +61,74 @@ LAUNCH = {
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
 }
 DECODE_MAX_M = 64      # split-K tensor-core tiles up to here, prefill tiles above
+
+# What a launch entry of the table may hold (the sweeps write a subset; BM is the prefill tile's)
+_ENTRY_INTS = ("BM", "BN", "BK", "num_warps", "num_stages", "programs", "pipeline", "max_n")
+_POW2 = ("BM", "BN", "BK", "num_warps")
+
+
+def _check_entry(where: str, e) -> dict:
+    if not isinstance(e, dict):
+        raise ValueError(f"{where}: a launch entry must be an object, got {type(e).__name__}")
+    unknown = set(e) - set(_ENTRY_INTS) - {"prefetch"}
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; expected some of "
+                         f"{', '.join(_ENTRY_INTS)}, prefetch")
+    for key in _ENTRY_INTS:
+        v = e.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{where}.{key} must be a positive integer, got {v!r}")
+        if v is not None and key in _POW2 and v & (v - 1):
+            raise ValueError(f"{where}.{key} must be a power of two, got {v}")
+    if not isinstance(e.get("prefetch", False), bool):
+        raise ValueError(f"{where}.prefetch must be true or false, got {e['prefetch']!r}")
+    if e.get("prefetch") and e.get("pipeline", 1) > 1:
+        raise ValueError(f"{where}: prefetch and pipeline > 1 are alternatives; set one")
+    return e
+
+
+def check_table(table) -> dict:
+    """Validate a launch table (the structure of ``LAUNCH``, all keys optional) and return it."""
+    if not isinstance(table, dict):
+        raise ValueError(f"a launch table must be a JSON object, got {type(table).__name__}")
+    for key, v in table.items():
+        if key not in LAUNCH:
+            raise ValueError(f"unknown launch table key {key!r}; expected some of {', '.join(LAUNCH)}")
+        if key.endswith("_max_m"):
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 4:
+                raise ValueError(f"{key} must be an integer from 0 to 4 (the CUDA-core loop's token counts), "
+                                 f"got {v!r}")
+        elif key.endswith("_by_mv"):
+            if not isinstance(v, dict) or set(v) - {"2", "4"}:
+                raise ValueError(f"{key} must map token classes \"2\" and \"4\" to launch entries, got {v!r}")
+            for mv, e in v.items():
+                _check_entry(f"{key}.{mv}", e)
+        elif v is None and key.endswith("_narrow"):
+            pass  # off
+        else:
+            _check_entry(key, v)
+    return table
+
+
+def read_table(table) -> dict:
+    """``table`` (a dict, or the path of a JSON file as the benchmarks write it:
+    ``benchmarks/bench_gemv.py``, ``bench_kernels.py --tune``), checked."""
+    if not isinstance(table, dict):
+        path = Path(table)
+        try:
+            table = json.loads(path.read_text())
+        except OSError as e:
+            raise ValueError(f"cannot read the launch table {path}: {e.strerror or e}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the launch table {path} is not valid JSON: {e}") from None
+    return check_table(table)
+
+
+def use_table(table) -> None:
+    """Dispatch the W4 kernel with ``table`` (``read_table``'s input) instead of the built-in
+    launches, key by key. Process-wide, like the table it updates; the built-in one was chosen on
+    an H200, so other GPUs may want their own."""
+    LAUNCH.update(read_table(table))
 
 
 def _split_for(tiles: int, k: int, bk: int, programs: int) -> int:

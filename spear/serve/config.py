@@ -26,6 +26,10 @@ class EngineConfig:
     # kernel launched in this process. "wait" was faster at batch 1 on the H200 (BENCHMARKS.md,
     # "Serving: decode", eighth run) but slower at 64 sequences with ECs, so it stays opt-in
     pdl: str = "off"
+    # launch shapes of the W4 kernel on CUDA: the path of a JSON table (benchmarks/bench_gemv.py or
+    # bench_kernels.py --tune write one) or a dict; None: the built-in table, chosen on an H200.
+    # Process-wide, like pdl (spear.kernels.launch.use_table); checked here, applied by the runner
+    launch_table: str | dict | None = None
     seed: int = 0                        # the generator of requests without a seed
 
     def __post_init__(self):
@@ -38,6 +42,13 @@ class EngineConfig:
                 raise SpearError(f"{name} must be >= 1 when given, got {v}")
         if self.pdl not in PDL_MODES:
             raise SpearError(f"pdl must be 'off', 'wait' or 'trigger', got {self.pdl!r}")
+        if self.launch_table is not None:
+            from spear.kernels import launch
+
+            try:
+                self.launch_table = launch.read_table(self.launch_table)
+            except ValueError as e:
+                raise SpearError(f"launch_table: {e}") from None
         if self.weight_layout not in ("nmajor", "kmajor"):
             raise SpearError(f"weight_layout must be 'nmajor' or 'kmajor', got {self.weight_layout!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:

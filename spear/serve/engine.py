@@ -105,7 +105,8 @@ class LLMEngine:
                                    config.max_waiting)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len, config.max_num_seqs,
                                   cuda_graphs=config.cuda_graphs, weight_layout=config.weight_layout,
-                                  fuse_projections=config.fuse_projections, pdl=config.pdl)
+                                  fuse_projections=config.fuse_projections, pdl=config.pdl,
+                                  launch_table=config.launch_table)
         self.eos_ids = eos_token_ids(model, tokenizer)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}

@@ -64,7 +64,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, cuda_graphs: bool = True, weight_layout: str = "kmajor",
-                 fuse_projections: bool = True, pdl: str = "off"):
+                 fuse_projections: bool = True, pdl: str = "off", launch_table: dict | None = None):
         check_supported(model)
         cfg = model.config
         self.model = model
@@ -87,6 +87,11 @@ class ModelRunner:
                 _common.set_pdl(pdl)  # before any launch or graph capture: the kernels take it as a constexpr
             except ValueError as e:
                 raise SpearError(f"pdl={pdl!r}: {e}") from None
+            if launch_table is not None:  # before the first launch too (the capture fixes the launches)
+                from spear.kernels import launch
+
+                launch.use_table(launch_table)
+                log.info("W4 kernel launches from the given table (%s)", ", ".join(launch_table))
 
             n = use_w4_kernels(model, kmajor=weight_layout == "kmajor")
             if n:

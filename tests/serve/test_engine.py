@@ -146,6 +146,10 @@ def test_bad_engine_settings_are_refused(default_model):
         EngineConfig(weight_layout="rowwise")
     with pytest.raises(SpearError, match=r"programmatic dependent launch \(pdl='wait'\) needs a CUDA GPU"):
         engine(default_model, pdl="wait")
+    with pytest.raises(SpearError, match="launch_table: cannot read the launch table"):
+        EngineConfig(launch_table="/nonexistent/launch_table.json")
+    with pytest.raises(SpearError, match="launch_table: fma.BN must be a power of two"):
+        EngineConfig(launch_table={"fma": {"BN": 48}})
 
 
 # ---------------------------------------------------------------------- quantized models

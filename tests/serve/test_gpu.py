@@ -1,6 +1,7 @@
 """The engine on a CUDA GPU: CUDA-graph decode, the W4 kernels and fused compensators, against HF."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,9 +49,10 @@ def logit_gaps(ref_model, prompt, got):
     return logits.max(-1).values - logits[torch.arange(len(got), device="cuda"), torch.tensor(got, device="cuda")]
 
 
-def _engine(model, graphs=True, pdl="off"):
+def _engine(model, graphs=True, pdl="off", launch_table=None):
     return LLMEngine(model, _IdsTokenizer(), EngineConfig(num_blocks=128, block_size=16, max_num_seqs=8,
-                                                          max_num_batched_tokens=64, cuda_graphs=graphs, pdl=pdl))
+                                                          max_num_batched_tokens=64, cuda_graphs=graphs, pdl=pdl,
+                                                          launch_table=launch_table))
 
 
 @pytest.fixture(autouse=True)
@@ -86,6 +88,23 @@ def pdl(request):
 def test_w4_kernels_with_graphs_equal_the_reference_math(with_ec, pdl):
     """fp16 engine on the Triton kernels (graphs on) vs HF generate on the same W4(+EC) model in fp32;
     with and without programmatic dependent launch of the decode kernels."""
+    _w4_engine_equals_the_reference_math(with_ec, pdl)
+
+
+def test_w4_kernels_with_a_pipelined_launch_table(monkeypatch):
+    """The same with EngineConfig.launch_table: the one-token loops' weight loads pipelined through
+    shared memory (benchmarks/data/pipeline/table-pl3.json) instead of the register prefetch."""
+    import json
+
+    from spear.kernels import launch
+
+    monkeypatch.setattr(launch, "LAUNCH", json.loads(json.dumps(launch.LAUNCH)))  # use_table is process-wide
+    table = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "pipeline" / "table-pl3.json"
+    _w4_engine_equals_the_reference_math(True, "off", launch_table=str(table))
+    assert launch.pick_config(1, 4096, 4096, 128, kmajor=True).pipeline == 3
+
+
+def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None):
     model = _model(1)
     modules = quantize_model_rtn(model, QuantConfig(bits=4, group_size=128), progress=False)
     if with_ec:
@@ -98,7 +117,7 @@ def test_w4_kernels_with_graphs_equal_the_reference_math(with_ec, pdl):
             q.compensator = ec
     ref_model = copy.deepcopy(model).cuda()  # fp32; the engine converts and re-wires `model` in place
     refs = [_hf_greedy(ref_model, p, 24) for p in PROMPTS]
-    eng = _engine(model.cuda().half(), pdl=pdl)
+    eng = _engine(model.cuda().half(), pdl=pdl, launch_table=launch_table)
     from spear.serve.w4_kernels import W4KernelLinear
 
     from spear.serve.fusion import FusedPart
