@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 from spear.errors import SpearError
 
-PDL_MODES = ("off", "wait", "trigger")  # EngineConfig.pdl; the levels of spear.kernels._common.set_pdl
+# EngineConfig.pdl: the levels of spear.kernels._common.set_pdl, and "auto" ("wait" on the decode
+# graphs of up to PDL_AUTO_MAX_BATCH sequences on a Hopper-or-newer GPU, "off" elsewhere)
+PDL_MODES = ("off", "wait", "trigger", "auto")
+# "wait" against "off" on the H200 (BENCHMARKS.md, "Serving: decode", eighth run): faster for every
+# variant at 1 and 8 sequences and within 0.3% at 32, but 2-4% slower at 64 with compensators
+PDL_AUTO_MAX_BATCH = 32
 
 
 @dataclass(slots=True)
@@ -22,9 +27,10 @@ class EngineConfig:
     weight_layout: str = "kmajor"        # packed W4 layout on CUDA: "kmajor" (faster decode) or "nmajor"
     fuse_projections: bool = True        # on CUDA: q/k/v and gate/up as one GEMM each (spear.serve.fusion)
     # programmatic dependent launch of the decode kernels on CUDA (Hopper or newer): "off", "wait"
-    # or "trigger" (spear.kernels._common.set_pdl). Process-wide: the runner sets it for every
-    # kernel launched in this process. "wait" was faster at batch 1 on the H200 (BENCHMARKS.md,
-    # "Serving: decode", eighth run) but slower at 64 sequences with ECs, so it stays opt-in
+    # or "trigger" (spear.kernels._common.set_pdl), or "auto" (PDL_MODES). Process-wide: the runner
+    # sets it for every kernel launched in this process. "wait" was faster at batch 1 on the H200
+    # (BENCHMARKS.md, "Serving: decode", eighth run) but slower at 64 sequences with ECs, so it
+    # stays opt-in; "auto" takes it only where it was faster
     pdl: str = "off"
     # launch shapes of the W4 kernel on CUDA: the path of a JSON table (benchmarks/bench_gemv.py or
     # bench_kernels.py --tune write one) or a dict; None: the built-in table, chosen on an H200.
@@ -41,7 +47,7 @@ class EngineConfig:
             if v is not None and v < 1:
                 raise SpearError(f"{name} must be >= 1 when given, got {v}")
         if self.pdl not in PDL_MODES:
-            raise SpearError(f"pdl must be 'off', 'wait' or 'trigger', got {self.pdl!r}")
+            raise SpearError(f"pdl must be 'off', 'wait', 'trigger' or 'auto', got {self.pdl!r}")
         if self.launch_table is not None:
             from spear.kernels import launch
 

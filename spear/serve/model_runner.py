@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from spear.errors import SpearError
+from spear.serve.config import PDL_AUTO_MAX_BATCH
 from spear.serve.layers import ChunkMeta, apply_rope, decode_attention, rms_norm, varlen_attention, write_kv
 from spear.serve.scheduler import SchedulerOutput
 
@@ -47,6 +48,13 @@ def check_supported(model: nn.Module) -> None:
     for name in ("gate_proj", "up_proj", "down_proj"):
         if not hasattr(layer.mlp, name):
             raise SpearError(f"layer 0 MLP has no {name}; not a Llama-family layout")
+
+
+def _pdl_available(device: torch.device) -> bool:
+    """Programmatic dependent launch works here: Triton has griddepcontrol and the GPU is Hopper or newer."""
+    from spear.kernels import _common
+
+    return _common.PDL_AVAILABLE and not _common.INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -76,15 +84,20 @@ class ModelRunner:
         self.scale = self.head_dim ** -0.5
         self.block_size, self.num_blocks, self.max_model_len = block_size, num_blocks, max_model_len
         self.max_num_seqs = max_num_seqs
-        if pdl != "off" and self.device.type != "cuda":
+        if pdl not in ("off", "auto") and self.device.type != "cuda":
             raise SpearError(f"programmatic dependent launch (pdl={pdl!r}) needs a CUDA GPU; the model is on "
                              f"{self.device}")
+        # "auto": "wait" on the decode graphs of up to PDL_AUTO_MAX_BATCH sequences where the GPU and
+        # Triton have it (_capture_graphs), "off" for everything else
+        self.pdl_auto = pdl == "auto" and self.device.type == "cuda" and _pdl_available(self.device)
+        self.graph_pdl: dict[int, str] = {}  # padded batch size -> the PDL mode its graph was captured with
         if self.device.type == "cuda":
             from spear.kernels import _common
             from spear.serve.w4_kernels import use_w4_kernels
 
             try:
-                _common.set_pdl(pdl)  # before any launch or graph capture: the kernels take it as a constexpr
+                # before any launch or graph capture: the kernels take it as a constexpr
+                _common.set_pdl("off" if pdl == "auto" else pdl)
             except ValueError as e:
                 raise SpearError(f"pdl={pdl!r}: {e}") from None
             if launch_table is not None:  # before the first launch too (the capture fixes the launches)
@@ -281,6 +294,11 @@ class ModelRunner:
         with torch.inference_mode():
             for batch in sorted(graph_batch_sizes(b_max), reverse=True):  # largest first: its pool fits all
                 args = [x[:batch] for x in self._graph_inputs]
+                if self.pdl_auto:
+                    from spear.kernels import _common
+
+                    self.graph_pdl[batch] = "wait" if batch <= PDL_AUTO_MAX_BATCH else "off"
+                    _common.set_pdl(self.graph_pdl[batch])  # read at launch, so captured with the graph
 
                 def run(batch=batch, args=args):
                     self._graph_logits[:batch].copy_(self._forward_decode(*args))
@@ -299,9 +317,14 @@ class ModelRunner:
                     run()
                 self.graphs[batch] = graph
         self.graphs = dict(sorted(self.graphs.items()))
+        if self.pdl_auto:
+            from spear.kernels import _common
+
+            _common.set_pdl("off")  # eager steps (prefill, mixed) launch without it
         if not eager:
             torch.cuda.synchronize()
-            log.info("captured decode CUDA graphs for batch sizes %s", list(self.graphs))
+            log.info("captured decode CUDA graphs for batch sizes %s%s", list(self.graphs),
+                     f" (PDL: {self.graph_pdl})" if self.graph_pdl else "")
 
 
 class _EagerGraph:

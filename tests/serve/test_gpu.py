@@ -83,7 +83,7 @@ def pdl(request):
 
 # "trigger" came out wrong (logit gaps of 2.5 to 7; BENCHMARKS.md, "Serving: decode", sixth run) while
 # the W4 loop read activations through the non-coherent cache; right since the loads are coherent
-@pytest.mark.parametrize("pdl", ["off", "wait", "trigger"], indirect=True)
+@pytest.mark.parametrize("pdl", ["off", "wait", "trigger", "auto"], indirect=True)
 @pytest.mark.parametrize("with_ec", [False, True])
 def test_w4_kernels_with_graphs_equal_the_reference_math(with_ec, pdl):
     """fp16 engine on the Triton kernels (graphs on) vs HF generate on the same W4(+EC) model in fp32;
@@ -118,6 +118,10 @@ def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None):
     ref_model = copy.deepcopy(model).cuda()  # fp32; the engine converts and re-wires `model` in place
     refs = [_hf_greedy(ref_model, p, 24) for p in PROMPTS]
     eng = _engine(model.cuda().half(), pdl=pdl, launch_table=launch_table)
+    if pdl == "auto":  # at most 8 sequences here: every graph with PDL "wait", the process back at "off"
+        from spear.kernels import _common
+
+        assert set(eng.runner.graph_pdl.values()) == {"wait"} and _common._PDL[0] == 0
     from spear.serve.w4_kernels import W4KernelLinear
 
     from spear.serve.fusion import FusedPart
