@@ -323,7 +323,8 @@ def sweep(args, out_dir):
         torch.cuda.empty_cache()
     meta = dict(device=props.name, l2_bytes=l2, copy_bw=bw, fp16_peak=peak, torch=torch.__version__,
                 group_size=GROUP, gate_hidden=HIDDEN, fused_max_m=ops.FUSED_MAX_M,
-                dequant_mm_min_m=ops.DEQUANT_MM_MIN_M, quick=args.quick, layout=args.layout,
+                dequant_mm_min_m=ops.DEQUANT_MM_MIN_M, prefill_ec=ops.PREFILL_EC, quick=args.quick,
+                layout=args.layout,
                 date=time.strftime("%Y-%m-%d"))
     (out_dir / "results.json").write_text(json.dumps(dict(meta=meta, results=results, checks=checks), indent=1))
     (out_dir / "table.md").write_text(report(meta, results, checks, ranks))
@@ -380,10 +381,14 @@ def main():
     p.add_argument("--table", type=Path, help="launch_table.json from --tune to use instead of the built-in one")
     p.add_argument("--no-warm", action="store_true", help="skip the parallel compile pass")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
+    p.add_argument("--prefill-ec", choices=ops.PREFILL_EC_MODES, default=ops.PREFILL_EC,
+                   help="how the op adds the EC on the dequantize + cuBLAS path (spear.kernels.ops.PREFILL_EC; "
+                        "default: %(default)s)")
     p.add_argument("--layout", choices=["kmajor", "nmajor"], default="kmajor",
                    help="packed weight layout of the W4 variants (the engine serves K-major; the sweeps of "
                         "2026-11-29 and the quick run of 2026-11-30 used N-major; --tune always packs N-major)")
     args = p.parse_args()
+    ops.PREFILL_EC = args.prefill_ec
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)

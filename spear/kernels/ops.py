@@ -14,7 +14,9 @@ Dispatch on CUDA, by M = number of tokens:
                        DEQUANT_MM_MIN_M on, dequantize + cuBLAS.
   EC, M <= FUSED_MAX_M full fusion: one launch, A x in the same pass, gate in the epilogue.
   EC, M >  FUSED_MAX_M semi-fused: ec_gate on a side stream, overlapped with the W4 GEMM;
-                       then ec_up adds alpha · v Bᵀ. Inside CUDA-graph capture the fork and
+                       then ec_up adds alpha · v Bᵀ (or, PREFILL_EC "addmm" with dequantize +
+                       cuBLAS, the side stream also computes alpha · v Bᵀ and cuBLAS adds it
+                       in the GEMM's epilogue). Inside CUDA-graph capture the fork and
                        join are captured as graph edges. While torch.compile traces the op
                        (no streams there) the serial variant runs: ec_gate, then the GEMM
                        with the v-epilogue (EC_MODE 2).
@@ -57,6 +59,14 @@ DEQUANT_MM_MIN_M = 128
 # Whether the semi-fused path overlaps ec_gate on a side stream (True) or runs it first and
 # reads v in the GEMM epilogue (False): the overlap was as fast or faster at M >= 256.
 SEMI_FUSED_OVERLAP = True
+# How the semi-fused path adds alpha · v Bᵀ on the dequantize + cuBLAS path (M >= DEQUANT_MM_MIN_M):
+#   "ec_up": after the GEMM, in a kernel of its own (one more read and write of the (M, N) output);
+#   "addmm": C = alpha · v Bᵀ (+ bias) is computed beside the dequantize pass (on the side stream when
+#            overlapping) and cuBLAS adds it in the GEMM's epilogue (torch.addmm, beta = 1), where a
+#            compute-bound GEMM reads it nearly for free. C is rounded to the activation dtype once
+#            more than in "ec_up". Kept at "ec_up" until the two are timed (bench_kernels.py --prefill-ec).
+PREFILL_EC = "ec_up"
+PREFILL_EC_MODES = ("ec_up", "addmm")
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
@@ -80,8 +90,46 @@ def _plain_w4(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], act: i
     return w4a16_matmul(x, w, bias, launch=wrap_triton, act=act)
 
 
+def _ec_term(v: torch.Tensor, e: PackedEC, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """out = alpha · v Bᵀ (+ bias) in cuBLAS ("addmm"); alpha scales the (M, R) v, not the (M, N) out."""
+    va = v * e.alpha
+    if bias is None:
+        torch.mm(va, e.b.t(), out=out)
+    else:
+        torch.addmm(bias, va, e.b.t(), out=out)
+
+
+def _semi_fused_addmm(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC, overlap: bool,
+                      act: int) -> torch.Tensor:
+    """PREFILL_EC "addmm": y = x Ŵᵀ + C with C = alpha · v Bᵀ (+ bias) added in cuBLAS's epilogue."""
+    m, n = x.shape[0], w.out_features
+    # v and C are allocated on the main stream before the fork, as x is: used on the side stream only
+    # inside the fork-join window, then read and freed on main
+    v = _common.alloc((m, e.a.shape[0]), dtype=x.dtype, device=x.device)
+    c = _common.alloc((m, n), dtype=x.dtype, device=x.device)
+    if overlap:
+        main = torch.cuda.current_stream(x.device)
+        side = _side_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton)
+            _ec_term(v, e, bias, c)
+        w_hat = dequantize(w, x.dtype, launch=wrap_triton)
+        main.wait_stream(side)
+    else:
+        ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton)
+        _ec_term(v, e, bias, c)
+        w_hat = dequantize(w, x.dtype, launch=wrap_triton)
+    y = torch.addmm(c, x, w_hat.t())
+    return _silu_mul_pairs(y) if act else y
+
+
 def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC,
                 overlap: bool, act: int = 0) -> torch.Tensor:
+    if PREFILL_EC not in PREFILL_EC_MODES:
+        raise ValueError(f"ops.PREFILL_EC must be one of {PREFILL_EC_MODES}; got {PREFILL_EC!r}")
+    if PREFILL_EC == "addmm" and x.shape[0] >= DEQUANT_MM_MIN_M:
+        return _semi_fused_addmm(x, w, bias, e, overlap, act)
     v = _common.alloc((x.shape[0], e.a.shape[0]), dtype=x.dtype, device=x.device)
     if not overlap:
         ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton)
