@@ -8,7 +8,8 @@
 #   scripts/gpu_pipeline.sh engine OUT_DIR TABLE: the engine A/B at batch 1 (Llama-2-7B and
 #     Llama-3-8B, W4 and W4+EC): built-in launches, TABLE, built-in again, so that drift shows
 #     (~5 min). TABLE: the sweep's launch_table.json, or benchmarks/data/pipeline/table-pl3.json
-#     (the built-in launches with a 3-stage pipeline instead of the register prefetch).
+#     (the built-in launches with a 3-stage pipeline instead of the register prefetch). Then
+#     Llama-3-8B at 1 and 64 sequences with EngineConfig.pdl "off" and "auto" (~7 min in all).
 set -uo pipefail
 what=${1:?usage: scripts/gpu_pipeline.sh sweep|engine OUT_DIR [TABLE]}
 out=${2:?usage: scripts/gpu_pipeline.sh sweep|engine OUT_DIR [TABLE]}
@@ -31,6 +32,12 @@ engine)
     timeout 120 python benchmarks/bench_decode.py --models Llama-2-7B,Llama-3-8B --batches 1 --no-fp16 \
       "${extra[@]}" --out "$out/$run" > "$out/$run.txt" 2>&1
     echo "== $run"; grep -E "^\| Llama|batch +1:" "$out/$run.txt"
+  done
+  # EngineConfig.pdl "auto" against "off" at 1 and 64 sequences (BENCHMARKS.md, "Tenth run", item 6)
+  for pdl in off auto; do
+    timeout 100 python benchmarks/bench_decode.py --models Llama-3-8B --batches 1,64 --no-fp16 --pdl "$pdl" \
+      --out "$out/pdl-$pdl" > "$out/pdl-$pdl.txt" 2>&1
+    echo "== pdl $pdl"; grep -E "^\| Llama|batch +(1|64):" "$out/pdl-$pdl.txt"
   done ;;
 *) echo "first argument: sweep or engine" >&2; exit 2 ;;
 esac
