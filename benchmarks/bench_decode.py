@@ -373,6 +373,8 @@ def main(argv=None) -> int:
                 r["speedup_vs_fp16"] = r["tok_s@1"] / fp["tok_s@1"]
             r["latency_vs_w4"] = w4["tok_s@1"] / r["tok_s@1"]
         results += rows
+        # this model's rows now, so that a run cut short (a device call's time limit) keeps them
+        print(markdown(rows, batches, header), flush=True)
         del model, modules
         gc.collect()
         if device == "cuda":
