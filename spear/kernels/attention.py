@@ -42,7 +42,7 @@ at once. A sequence whose
 context fits one chunk is finished by its one active split as before. Otherwise every
 active split writes its fp32 partial (running max m, sum l, unnormalised output) to a
 workspace and bumps a counter of its (sequence, kv head); the split that arrives last
-merges the partials (global max, rescaled sums: exact up to summation order) and resets
+merges the partials (running max, rescaled sums: exact up to summation order) and resets
 the counter, so no second launch is needed and the counters stay zero between calls.
 
 Shapes: head_dim a power of two from 16 to 256, block_size a power of two (tiles of 16+
@@ -166,15 +166,12 @@ def _paged_decode_kernel(
 @triton.jit
 def _merge_partials(head_part, active, o_ptrs, g_mask, offs_g, offs_d, out_ptr, GROUP_PAD: tl.constexpr,
                     HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
-    """Output rows from the ``active`` partials at ``head_part``: o = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s."""
+    """Output rows from the ``active`` partials at ``head_part``: o = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s,
+    merged online (a running max, rescaled as flash attention's tiles are): each chunk's m, l and o are
+    loaded together, so a merge of up to CHUNK partials is one round trip (with the maxima read first,
+    it was two)."""
     ROW: tl.constexpr = HEAD_DIM + 2
-    offs_s = tl.arange(0, SPLITS)
-    s_mask = (offs_s[:, None] < active) & g_mask[None, :]
-    # .cg: read at L2, where the other programs' writes are
-    m_all = tl.load(head_part + offs_s[:, None] * (GROUP_PAD * ROW) + offs_g[None, :] * ROW + HEAD_DIM,
-                    mask=s_mask, other=float("-inf"), cache_modifier=".cg")                # [SPLITS, GROUP_PAD]
-    m_max = tl.max(m_all, axis=0)
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # padded rows
+    m_run = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     o = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
     l = tl.zeros((GROUP_PAD,), tl.float32)
     CHUNK: tl.constexpr = 4  # partials in flight per round trip
@@ -182,10 +179,19 @@ def _merge_partials(head_part, active, o_ptrs, g_mask, offs_g, offs_d, out_ptr, 
         for j in tl.static_range(CHUNK):
             live = g_mask & ((offs_g * 0 + s0 + j) < active)
             rows = head_part + (s0 + j) * (GROUP_PAD * ROW) + offs_g * ROW
-            w = tl.exp2(tl.load(rows + HEAD_DIM, mask=live, other=float("-inf"), cache_modifier=".cg") - m_max)
-            l += w * tl.load(rows + HEAD_DIM + 1, mask=live, other=0.0, cache_modifier=".cg")
-            o += w[:, None] * tl.load(rows[:, None] + offs_d[None, :], mask=live[:, None], other=0.0,
-                                      cache_modifier=".cg")
+            # .cg: read at L2, where the other programs' writes are
+            m_j = tl.load(rows + HEAD_DIM, mask=live, other=float("-inf"), cache_modifier=".cg")
+            l_j = tl.load(rows + HEAD_DIM + 1, mask=live, other=0.0, cache_modifier=".cg")
+            o_j = tl.load(rows[:, None] + offs_d[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_run, m_j)
+            # rows with no partial yet (padded rows, dead splits) keep m = -inf; subtracting 0 there
+            # instead gives weights exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN
+            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+            scale = tl.exp2(m_run - m_ref)
+            w = tl.exp2(m_j - m_ref)
+            l = l * scale + w * l_j
+            o = o * scale[:, None] + w[:, None] * o_j
+            m_run = m_new
     o = o / tl.maximum(l, 1e-30)[:, None]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
