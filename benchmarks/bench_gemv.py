@@ -18,9 +18,7 @@ up to which it beats the tensor-core tiles (``--table`` here, in ``bench_kernels
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
 import statistics
 import sys
 import time
@@ -36,96 +34,15 @@ from kernel_timing import copies_for, time_calls  # noqa: E402
 from spear.kernels import pack, reference  # noqa: E402
 from spear.kernels import launch, w4a16  # noqa: E402
 from spear.kernels.dequant import dequantize  # noqa: E402
-from spear.kernels.w4a16 import Config, _split_for, pick_config, w4a16_matmul  # noqa: E402
+# the sweep's parts live in the package (spear tune-kernels runs the same sweep); tests reach them here
+from spear.kernels.tune import (GRID, GROUP, LAYOUTS, _best, _launch_entry, fma_configs, geomean,  # noqa: E402,F401
+                                launch_table, sqnr, sweep_loop, tc_config)
+from spear.kernels.w4a16 import pick_config, w4a16_matmul  # noqa: E402
 from spear.quant.primitives import rtn  # noqa: E402
 
 SHAPES = [("q/o", 4096, 4096), ("7B gate_up", 22016, 4096), ("7B down", 4096, 11008),
           ("8B gate_up", 28672, 4096), ("8B down", 4096, 14336)]
 QUICK_SHAPES = [SHAPES[0], SHAPES[4]]
-GROUP = 128
-LAYOUTS = {"nmajor": False, "kmajor": True}
-
-
-def sqnr(ref, out):
-    return float(20 * torch.log10(ref.norm() / (ref - out.float()).norm()))
-
-
-def geomean(xs):
-    xs = list(xs)
-    return math.exp(sum(math.log(v) for v in xs) / len(xs)) if xs else float("inf")
-
-
-def tc_config(m, n, k, kmajor):
-    """The tensor-core launch pick_config makes when the CUDA-core loop is switched off."""
-    key = "fma_kmajor_max_m" if kmajor else "fma_max_m"
-    saved = w4a16.LAUNCH[key]
-    w4a16.LAUNCH[key] = 0
-    try:
-        return pick_config(m, n, k, GROUP, kmajor)
-    finally:
-        w4a16.LAUNCH[key] = saved
-
-
-GRID = dict(BN=[32, 64, 128, 256], num_warps=[2, 4, 8], programs=[528, 1056, 2112], prefetch=[0], num_stages=[1],
-            pipeline=[1])
-
-
-def fma_configs(m, n, k, kmajor, grid=GRID):
-    """The CUDA-core launches of the sweep (register prefetch and the shared-memory pipeline only
-    exist in the K-major loop, and exclude each other)."""
-    mv = 1 if m == 1 else (2 if m == 2 else 4)
-    for bn, nw, prog, pf, ns, pl in itertools.product(grid["BN"], grid["num_warps"], grid["programs"],
-                                                      grid["prefetch"], grid["num_stages"], grid.get("pipeline", [1])):
-        if (pf or pl > 1) and not kmajor or (pf and pl > 1):
-            continue
-        yield (dict(BN=bn, num_warps=nw, programs=prog, prefetch=bool(pf), num_stages=ns, pipeline=pl),
-               Config(16, bn, 128, _split_for(-(-n // bn), k, 128, prog), nw, ns, mv=mv, prefetch=bool(pf),
-                      pipeline=pl))
-
-
-def _launch_entry(c: dict) -> dict:
-    e = dict(BN=c["BN"], BK=128, num_warps=c["num_warps"], num_stages=c.get("num_stages", 1), programs=c["programs"])
-    if c.get("prefetch"):
-        e["prefetch"] = True
-    if c.get("pipeline", 1) > 1:
-        e["pipeline"] = c["pipeline"]
-    return e
-
-
-def _best(rows, layout, m):
-    """(key, geomean µs, rows at M = m) of the CUDA-core launch with the best geometric mean over
-    the shapes at M = m; key and µs None when no launch was timed on every shape."""
-    rs = [r for r in rows if r["m"] == m and r[layout].get("sweep")]
-    if not rs:
-        return None, None, []
-    keys = set.intersection(*(set(k for k, v in r[layout]["sweep"].items() if "us" in v) for r in rs))
-    if not keys:
-        return None, None, rs
-    best = min(keys, key=lambda kk: geomean(r[layout]["sweep"][kk]["us"] for r in rs))
-    return best, geomean(r[layout]["sweep"][best]["us"] for r in rs), rs
-
-
-def launch_table(rows, layouts=LAYOUTS) -> dict:
-    """Per layout: the CUDA-core launch with the best geometric mean at M = 1; for M = 2 and 4 the
-    best launch of that token class (kept when it differs from M = 1's); and the largest M up to
-    which the class's launch beats the tensor-core tiles."""
-    table = {}
-    for layout, kmajor in layouts.items():
-        prefix = "fma_kmajor" if kmajor else "fma"
-        best1, _, ones = _best(rows, layout, 1)
-        if best1 is None:
-            continue
-        table[prefix] = _launch_entry(ones[0][layout]["sweep"][best1]["launch"])
-        table[prefix + "_by_mv"] = {}
-        table[prefix + "_max_m"] = 0
-        for m in (1, 2, 4):
-            best, us, rs = _best(rows, layout, m)
-            if best is None or us >= geomean(r[layout]["tc_us"] for r in rs):
-                break
-            if best != best1:
-                table[prefix + "_by_mv"][str(m)] = _launch_entry(rs[0][layout]["sweep"][best]["launch"])
-            table[prefix + "_max_m"] = m
-    return table
 
 
 def main(argv=None) -> int:
@@ -182,19 +99,7 @@ def main(argv=None) -> int:
                 cfg = pick_config(m, n, k, GROUP, kmajor)
                 r = dict(dispatched=str(cfg), **{f"dispatched_{kk}": v for kk, v in timed(cfg).items()})
                 if not args.quick and m <= 4:
-                    r["tc_us"] = timed(tc_config(m, n, k, kmajor)).get("us", float("inf"))
-                    r["sweep"] = {}
-                    for launch, c in fma_configs(m, n, k, kmajor, grid):
-                        if time.time() - t_start > args.budget_s:
-                            break
-                        key = f"BN{launch['BN']}_w{launch['num_warps']}_p{launch['programs']}" + \
-                            ("_pf" if launch["prefetch"] else "") + \
-                            (f"_s{launch['num_stages']}" if launch["num_stages"] != 1 else "") + \
-                            (f"_pl{launch['pipeline']}" if launch["pipeline"] > 1 else "")
-                        try:
-                            r["sweep"][key] = dict(launch=launch, **timed(c))
-                        except Exception as e:  # out of resources for a tile shape: record and go on
-                            r["sweep"][key] = dict(launch=launch, error=f"{type(e).__name__}: {str(e)[:100]}")
+                    r.update(sweep_loop(x, ws, ref, m, n, k, kmajor, grid, deadline=t_start + args.budget_s))
                 rec[layout] = r
                 del ws
             torch.cuda.empty_cache()

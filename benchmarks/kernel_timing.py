@@ -1,57 +1,13 @@
-"""The kernel benchmarks' timing protocol (bench_kernels.py, bench_gemv.py) and the H200's ceilings.
-
-Each timing is a CUDA graph of back-to-back calls replayed after warm-up, timed with CUDA
-events, median over replays; callers pass one call per weight copy, with enough copies
-(``copies_for``) to exceed twice the L2 cache so every call streams its weights from HBM.
-"""
+"""The kernel benchmarks' timing protocol (bench_kernels.py, bench_gemv.py; spear.kernels.timing)
+and the GPU's ceilings."""
 
 from __future__ import annotations
 
-import math
-import statistics
-
 import torch
 
+from spear.kernels.timing import copies_for, time_calls  # noqa: F401  (the benchmarks import them from here)
+
 DEVICE = "cuda"
-
-
-def time_calls(fns, target_s=0.02, max_reps=30):
-    """Median µs per call of a CUDA graph that runs every fn once (one per weight copy)."""
-    for f in fns:
-        f()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    for _ in range(2):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    reps = max(5, min(max_reps, int(target_s * 1e3 / max(start.elapsed_time(end), 1e-3))))
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for a, b in events:
-        a.record()
-        graph.replay()
-        b.record()
-    torch.cuda.synchronize()
-    med_ms = statistics.median(a.elapsed_time(b) for a, b in events)
-    del graph
-    return 1e3 * med_ms / len(fns)
-
-
-def copies_for(nbytes, l2):
-    return max(1, min(64, math.ceil(2 * l2 / max(nbytes, 1))))
-
 
 
 def ceilings():
