@@ -32,86 +32,22 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH, so a modified copy there wins
 
-from kernel_timing import ceilings, copies_for, time_calls  # noqa: E402
+from kernel_cases import DEVICE, GROUP, HIDDEN, MODELS, Layer, layer_shapes, make_ec  # noqa: E402
+from kernel_timing import ceilings, time_calls  # noqa: E402
 
-from spear.kernels import launch, ops, pack, pack_ec, reference, w4a16_linear  # noqa: E402
+from spear.kernels import launch, ops, w4a16_linear  # noqa: E402
 from spear.kernels.dequant import dequantize  # noqa: E402
-from spear.kernels.w4a16 import Config, pick_config, w4a16_matmul  # noqa: E402
-from spear.quant.primitives import rtn  # noqa: E402
+from spear.kernels.w4a16 import w4a16_matmul  # noqa: E402
 
-MODELS = {  # hidden, intermediate
-    "Llama-3.2-1B": (2048, 8192),
-    "Llama-2-7B": (4096, 11008),
-    "Llama-3-8B": (4096, 14336),
-    "Llama-2-13B": (5120, 13824),
-}
 M_ALL = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 RANKS = [8, 16, 32, 64]
-HIDDEN = 32
-DEVICE = "cuda"
-GROUP = 128
 FUSED_MAX_M_TIMED = 64    # the fused kernel is timed up to here (threshold search)
 SEMI_MIN_M_TIMED = 16     # the semi-fused path from here
 SERIAL_MIN_M_TIMED = 256  # its serial variant (v-epilogue) from here
-TUNE_SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): q/o, 8B gate_up, 8B down
-
-
-def layer_shapes(models):
-    """Unique (N, K) per model: q and o share one shape."""
-    out = []
-    for name in models:
-        h, i = MODELS[name]
-        out += [(name, "q/o", h, h), (name, "gate_up", 2 * i, h), (name, "down", h, i)]
-    return out
-
-
-# ----------------------------------------------------------------------------- layers
-class Layer:
-    """One quantized random layer and the copies each variant rotates through."""
-
-    def __init__(self, n, k, l2, with_int4, seed=0, kmajor=True):
-        g = torch.Generator(device=DEVICE).manual_seed(seed)
-        w = torch.randn(n, k, device=DEVICE, generator=g) * 0.02
-        self.codes, self.scales, self.zeros = rtn(w, 4, GROUP, symmetric=False)
-        self.scales = self.scales.half()
-        del w
-        self.n, self.k = n, k
-        base = pack(self.codes, self.scales, self.zeros, GROUP, kmajor=kmajor)
-        w4_bytes = sum(t.numel() * t.element_size() for t in (base.qweight, base.scales, base.zeros))
-        self.w4 = [base] + [pack(self.codes, self.scales, self.zeros, GROUP, kmajor=kmajor)
-                            for _ in range(copies_for(w4_bytes, l2) - 1)]
-        w16 = dequantize(base, torch.float16)
-        self.fp16 = [w16] + [w16.clone() for _ in range(copies_for(w16.numel() * 2, l2) - 1)]
-        self.int4 = []
-        if with_int4:
-            self.int4 = [self._int4pack() for _ in range(copies_for(w4_bytes, l2))]
-
-    def _int4pack(self):
-        # torch's layout: w = (q - 8) * scale + zero, with zero = (8 - z) * scale for our (q - z) * scale
-        q = self.codes.to(torch.int32)
-        packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
-        w = torch._convert_weight_to_int4pack(packed, 8)
-        s = self.scales.float()
-        zf = (8.0 - self.zeros.float()) * s
-        sz = torch.stack([s, zf], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        return w, sz
-
-    def reference(self, x, e=None):
-        args = () if e is None else (e.a, e.b, e.w1, e.b1, e.w2, e.b2, e.alpha, e.bound)
-        return reference.w4a16_ec(x, self.codes, self.scales, self.zeros, GROUP, None, *args)
-
-
-def make_ec(n, k, r, seed=0):
-    g = torch.Generator(device=DEVICE).manual_seed(seed + r)
-    dev = dict(device=DEVICE, generator=g)
-    return pack_ec(torch.randn(r, k, **dev) / k**0.5, torch.randn(n, r, **dev) * 0.02, 0.5, torch.float16,
-                   torch.randn(HIDDEN, r, **dev) / r**0.5, torch.randn(HIDDEN, **dev) * 0.1,
-                   torch.randn(r, HIDDEN, **dev) / HIDDEN**0.5, torch.randn(r, **dev) * 0.1, bound=0.5)
 
 
 def naive_ec(y, x, e):
@@ -170,82 +106,6 @@ def check(layer, m, ranks, ecs, log):
 def floor_us(n, k, m, bw, peak):
     nbytes = n * k / 2 + 3 * n * k / GROUP + 2 * m * k + 2 * m * n
     return max(nbytes / bw, 2 * m * n * k / peak) * 1e6, nbytes, 2 * m * n * k
-
-
-# ----------------------------------------------------------------------------- tune
-def tune(out_dir):
-    """Launch-table sweep for w4a16.pick_config; writes tune.json and launch_table.json.
-
-    Candidates are scored by the geometric mean of their time over TUNE_SHAPES (and over M
-    within a class); split-K follows from the candidate's target program count.
-    """
-    from spear.kernels import w4a16
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    rows = []
-    fma = [dict(BN=bn, BK=128, num_warps=wp, num_stages=st, programs=pg)
-           for bn in (32, 64, 128) for wp in (2, 4) for st in (2,) for pg in (256, 512, 1024, 2048)]
-    tc = [dict(BN=bn, BK=128, num_warps=4, num_stages=st, programs=pg)
-          for bn in (64, 128) for st in (3, 4) for pg in (256, 512, 1024)]
-
-    def cfg_of(kind, c, m, n, k):
-        bk = min(c["BK"], GROUP)
-        if kind == "fma":
-            split = w4a16._split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
-            return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=1 if m == 1 else (2 if m == 2 else 4))
-        bm = 16
-        split = w4a16._split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])
-        return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"])
-
-    for n, k in TUNE_SHAPES:
-        layer = Layer(n, k, l2, with_int4=False)
-        for m in (1, 2, 4, 8, 16, 128, 256):
-            x = torch.randn(m, k, device=DEVICE).half()
-            base = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in layer.fp16])
-            cands = ([("fma", c) for c in fma] if m <= 4 else []) + ([("tc", c) for c in tc] if m <= 16 else [])
-            if m >= 128:
-                cands = [("tc", dict(tc[0]))]
-            for kind, c in cands:
-                cfg = cfg_of(kind, c, m, n, k) if m <= 16 else Config(64, 64, 128, 1, 4, 4)
-                try:
-                    t = time_calls([lambda w=w: w4a16_matmul(x, w, config=cfg) for w in layer.w4])
-                except Exception as exc:  # out of registers/shared memory: record and go on
-                    print(f"  {kind} {c}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-                    continue
-                rows.append(dict(n=n, k=k, m=m, kind=kind, cand=c, cfg=cfg.__dict__, us=t, fp16_us=base))
-            if m >= 128:
-                for label, fn in (("prefill", lambda w: w4a16_matmul(x, w, config=pick_config(512, n, k, GROUP))),
-                                  ("dequant+cublas", lambda w: torch.nn.functional.linear(x, dequantize(w, x.dtype)))):
-                    t = time_calls([lambda w=w: fn(w) for w in layer.w4])
-                    rows.append(dict(n=n, k=k, m=m, kind=label, cand=None, cfg=None, us=t, fp16_us=base))
-            best = min((r for r in rows if r["n"] == n and r["k"] == k and r["m"] == m), key=lambda r: r["us"])
-            print(f"tune {n}x{k} M={m}: fp16 {base:.1f} us, best {best['us']:.1f} us {best['kind']} {best['cfg']}",
-                  flush=True)
-        for m in (1, 4, 16):
-            x = torch.randn(m, k, device=DEVICE).half()
-            w4 = time_calls([lambda w=w: w4a16_matmul(x, w) for w in layer.w4])
-            for r in (16, 32):
-                e = make_ec(n, k, r)
-                t = time_calls([lambda w=w: w4a16_matmul(x, w, None, e, ec_mode=1) for w in layer.w4])
-                rows.append(dict(n=n, k=k, m=m, kind=f"fused r{r}", cand=None, cfg=None, us=t, w4_us=w4))
-                print(f"tune fused r{r} {n}x{k} M={m}: {t:.1f} us (w4 {w4:.1f})", flush=True)
-        (out_dir / "tune.json").write_text(json.dumps(rows, indent=1))
-        del layer
-        torch.cuda.empty_cache()
-
-    def score(kind, c, ms):
-        ts = [r["us"] for r in rows if r["kind"] == kind and r["cand"] == c and r["m"] in ms]
-        want = len(TUNE_SHAPES) * len(ms)
-        return math.exp(sum(map(math.log, ts)) / len(ts)) if len(ts) == want else float("inf")
-
-    table = dict(w4a16.LAUNCH)
-    table["fma"] = min(fma, key=lambda c: score("fma", c, (1,)))  # the CUDA-core loop is a decode (M = 1) path
-    table["tc"] = min(tc, key=lambda c: score("tc", c, (4, 8, 16)))
-    table["fma_max_m"] = 0
-    for m in (1, 2, 4):  # kept up to the last M where it beats the tensor-core tiles
-        if score("fma", table["fma"], (m,)) < score("tc", table["tc"], (m,)):
-            table["fma_max_m"] = m
-    (out_dir / "launch_table.json").write_text(json.dumps(table, indent=1))
-    print("launch table:", json.dumps(table), flush=True)
 
 
 def _warm_one(m, ranks, n, k, table, kmajor):
@@ -399,6 +259,8 @@ def main():
             p.error(f"--table: {e}")
         print("launch table from", args.table, launch.LAUNCH, flush=True)
     if args.tune:
+        from bench_kernels_tune import tune
+
         tune(args.out)
     else:
         sweep(args, args.out)

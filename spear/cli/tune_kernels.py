@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from pathlib import Path
+
+from spear.fileio import write_text_atomic
 
 
 def _tokens(text: str) -> tuple[int, ...]:
@@ -38,17 +37,8 @@ def register(sub) -> None:
     p.set_defaults(func=main)
 
 
-def _write_json(path: Path, data: dict) -> None:
-    """Whole or not at all: a temporary file in the same folder, renamed over the target."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _write_json(path, data: dict) -> None:
+    write_text_atomic(path, json.dumps(data, indent=1))
 
 
 def main(args) -> int:
@@ -73,7 +63,7 @@ def main(args) -> int:
         raise SpearError("no launch was timed on every shape within --budget-s; give it more time")
     out = dict(launch.LAUNCH, **table)
     launch.check_table(out)
-    _write_json(Path(args.out), out)
+    _write_json(args.out, out)
     print(f"{torch.cuda.get_device_name()}: {len(rows)} shape x token rows on {', '.join(s[0] for s in shapes)}")
     for m in args.tokens:
         rs = [r for r in rows if r["m"] == m]

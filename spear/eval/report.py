@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import tempfile
 from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
+
+from spear.fileio import write_text_atomic
 
 
 @dataclass
@@ -63,8 +64,5 @@ def write_report(out_dir: str | os.PathLike, name: str, rows: list[Row], header:
     md = "\n".join(f"- {k}: {v}" for k, v in header.items()) + "\n\n" + markdown_table(rows) + "\n"
     paths = (out / f"{name}.json", out / f"{name}.md")
     for path, text in zip(paths, (json.dumps(payload, indent=2), md)):
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=out)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
+        write_text_atomic(path, text)
     return paths

@@ -90,6 +90,22 @@ def _plain_w4(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], act: i
     return w4a16_matmul(x, w, bias, launch=wrap_triton, act=act)
 
 
+def _beside(device: torch.device, overlap: bool, work):
+    """Run ``work()`` on the side stream, forked from the main stream here, and return the join that
+    the main stream must call before it reads what ``work`` wrote (inline and a no-op join without
+    ``overlap``). Tensors ``work`` touches are allocated on the main stream before the fork, so they
+    are freed on main after the join; inside CUDA-graph capture fork and join become graph edges."""
+    if not overlap:
+        work()
+        return lambda: None
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        work()
+    return lambda: main.wait_stream(side)
+
+
 def _ec_term(v: torch.Tensor, e: PackedEC, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
     """out = alpha · v Bᵀ (+ bias) in cuBLAS ("addmm"); alpha scales the (M, R) v, not the (M, N) out."""
     va = v * e.alpha
@@ -102,24 +118,16 @@ def _ec_term(v: torch.Tensor, e: PackedEC, bias: Optional[torch.Tensor], out: to
 def _semi_fused_addmm(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC, overlap: bool,
                       act: int) -> torch.Tensor:
     """PREFILL_EC "addmm": y = x Ŵᵀ + C with C = alpha · v Bᵀ (+ bias) added in cuBLAS's epilogue."""
-    m, n = x.shape[0], w.out_features
-    # v and C are allocated on the main stream before the fork, as x is: used on the side stream only
-    # inside the fork-join window, then read and freed on main
-    v = _common.alloc((m, e.a.shape[0]), dtype=x.dtype, device=x.device)
-    c = _common.alloc((m, n), dtype=x.dtype, device=x.device)
-    if overlap:
-        main = torch.cuda.current_stream(x.device)
-        side = _side_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton)
-            _ec_term(v, e, bias, c)
-        w_hat = dequantize(w, x.dtype, launch=wrap_triton)
-        main.wait_stream(side)
-    else:
+    v = _common.alloc((x.shape[0], e.a.shape[0]), dtype=x.dtype, device=x.device)
+    c = _common.alloc((x.shape[0], w.out_features), dtype=x.dtype, device=x.device)
+
+    def side_work():
         ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton)
         _ec_term(v, e, bias, c)
-        w_hat = dequantize(w, x.dtype, launch=wrap_triton)
+
+    join = _beside(x.device, overlap, side_work)
+    w_hat = dequantize(w, x.dtype, launch=wrap_triton)
+    join()
     y = torch.addmm(c, x, w_hat.t())
     return _silu_mul_pairs(y) if act else y
 
@@ -137,13 +145,9 @@ def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: P
             y = ec_kernels.ec_up(_plain_w4(x, w, bias), v, e, launch=wrap_triton)
             return _silu_mul_pairs(y) if act else y
         return w4a16_matmul(x, w, bias, e, ec_mode=2, v=v, launch=wrap_triton, act=act)
-    main = torch.cuda.current_stream(x.device)
-    side = _side_stream(x.device)
-    side.wait_stream(main)          # x and v are ready on the main stream
-    with torch.cuda.stream(side):
-        ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton)
+    join = _beside(x.device, True, lambda: ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton))
     out = _plain_w4(x, w, bias)
-    main.wait_stream(side)          # join before v is read; x and v are freed on main after this
+    join()  # before v is read
     y = ec_kernels.ec_up(out, v, e, launch=wrap_triton)
     return _silu_mul_pairs(y) if act else y
 

@@ -76,9 +76,10 @@ def fma_configs(m: int, n: int, k: int, kmajor: bool, grid=GRID):
 
 
 def launch_key(launch: dict) -> str:
-    return (f"BN{launch['BN']}_w{launch['num_warps']}_p{launch['programs']}" + ("_pf" if launch["prefetch"] else "")
-            + (f"_s{launch['num_stages']}" if launch["num_stages"] != 1 else "")
-            + (f"_pl{launch['pipeline']}" if launch.get("pipeline", 1) > 1 else ""))
+    """The sweep's name of a launch (a sweep launch or a table entry: absent fields take their defaults)."""
+    stages, pipeline = launch.get("num_stages", 1), launch.get("pipeline", 1)
+    return (f"BN{launch['BN']}_w{launch['num_warps']}_p{launch['programs']}" + ("_pf" if launch.get("prefetch") else "")
+            + (f"_s{stages}" if stages != 1 else "") + (f"_pl{pipeline}" if pipeline > 1 else ""))
 
 
 def _launch_entry(c: dict) -> dict:
@@ -211,13 +212,8 @@ def narrow_launch(rows, one_token: dict, max_n: int = 4096) -> dict | None:
     if not narrow:
         return None
     best, us, _ = _best(narrow, "kmajor", 1)
-    current = [r["kmajor"]["sweep"].get(_key_of(one_token), {}).get("us") for r in narrow]
+    current = [r["kmajor"]["sweep"].get(launch_key(one_token), {}).get("us") for r in narrow]
     if best is None or (all(current) and geomean(current) <= us):
         return None
     return dict(max_n=max_n, **_launch_entry(narrow[0]["kmajor"]["sweep"][best]["launch"]))
 
-
-def _key_of(entry: dict) -> str:
-    return launch_key(dict(BN=entry["BN"], num_warps=entry["num_warps"], programs=entry["programs"],
-                           prefetch=entry.get("prefetch", False), num_stages=entry.get("num_stages", 1),
-                           pipeline=entry.get("pipeline", 1)))

@@ -8,9 +8,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +18,7 @@ from torch import nn
 
 from spear.config import QuantConfig
 from spear.errors import SpearError
+from spear.fileio import write_text_atomic
 from spear.models.modules import quantizable_linears
 from spear.select.allocate import Allocation, cka_entropy_allocation, random_allocation, uniform_allocation
 from spear.select.budget import estimate_quantized_bytes, parse_budget
@@ -129,18 +128,7 @@ def make_plan(spec: str, model: nn.Module, tokenizer, quant: QuantConfig, damage
 
 def save_plan(selection: Selection, folder: str | Path) -> Path:
     """Write ``folder/plan.json`` atomically."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / PLAN_FILE
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".plan-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(selection.to_dict(), f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(Path(folder) / PLAN_FILE, json.dumps(selection.to_dict(), indent=1))
 
 
 def load_plan(path: str | Path, modules=None) -> dict[str, int]:

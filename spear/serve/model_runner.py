@@ -291,14 +291,15 @@ class ModelRunner:
             torch.ones(b_max, dtype=torch.long, device=dev))
         self._graph_logits = torch.zeros(b_max, self.model.config.vocab_size, dtype=torch.float32, device=dev)
         pool = None if eager else torch.cuda.graph_pool_handle()
+        set_pdl = None
+        if self.pdl_auto:
+            from spear.kernels._common import set_pdl
         with torch.inference_mode():
             for batch in sorted(graph_batch_sizes(b_max), reverse=True):  # largest first: its pool fits all
                 args = [x[:batch] for x in self._graph_inputs]
-                if self.pdl_auto:
-                    from spear.kernels import _common
-
+                if set_pdl is not None:
                     self.graph_pdl[batch] = "wait" if batch <= PDL_AUTO_MAX_BATCH else "off"
-                    _common.set_pdl(self.graph_pdl[batch])  # read at launch, so captured with the graph
+                    set_pdl(self.graph_pdl[batch])  # read at launch, so captured with the graph
 
                 def run(batch=batch, args=args):
                     self._graph_logits[:batch].copy_(self._forward_decode(*args))
@@ -317,10 +318,8 @@ class ModelRunner:
                     run()
                 self.graphs[batch] = graph
         self.graphs = dict(sorted(self.graphs.items()))
-        if self.pdl_auto:
-            from spear.kernels import _common
-
-            _common.set_pdl("off")  # eager steps (prefill, mixed) launch without it
+        if set_pdl is not None:
+            set_pdl("off")  # eager steps (prefill, mixed) launch without it
         if not eager:
             torch.cuda.synchronize()
             log.info("captured decode CUDA graphs for batch sizes %s%s", list(self.graphs),
