@@ -199,9 +199,13 @@ def run_variant(model, name: str, args, device: str, batches: list[int], vocab: 
                        max_model_len=max_len, block_size=16,
                        num_blocks=max(batches) * math.ceil(max_len / 16) + 8, cuda_graphs=not args.no_graphs,
                        weight_layout=args.layout, fuse_projections=not args.no_fuse, pdl=args.pdl)
+    t0 = time.perf_counter()
     engine = LLMEngine(model, _IdsTokenizer(), cfg)
+    # wall times of the stages, so a run cut short by a time limit shows where its time went
+    print(f"  {name}: engine started in {time.perf_counter() - t0:.1f} s (packing, graph capture)", flush=True)
     row = {"variant": name}
     for b in batches:
+        t0 = time.perf_counter()
         step_ms, graph_ms = engine_decode(engine, b, args.prompt_len, args.gen, args.warmup, args.reps, vocab)
         if args.profile and b == 1 and device == "cuda":
             prof = kernel_profile(engine, 1)
@@ -215,7 +219,8 @@ def run_variant(model, name: str, args, device: str, batches: list[int], vocab: 
         lat = graph_ms if graph_ms is not None else step_ms
         row[f"tok_s@{b}"] = 1e3 * b / lat
         print(f"  {name:10s} batch {b:3d}: engine {step_ms:8.3f} ms/step  model "
-              f"{'-' if graph_ms is None else f'{graph_ms:8.3f}'} ms/step  {row[f'tok_s@{b}']:9.1f} tok/s", flush=True)
+              f"{'-' if graph_ms is None else f'{graph_ms:8.3f}'} ms/step  {row[f'tok_s@{b}']:9.1f} tok/s"
+              f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
     del engine
     gc.collect()
     if device == "cuda":
@@ -274,10 +279,11 @@ def main(argv=None) -> int:
     p.add_argument("--attn-min-split-tiles", type=int,
                    help="decode attention: key tiles per context split at the least (default: "
                         "spear.kernels.attention.MIN_SPLIT_TILES)")
-    p.add_argument("--pdl", nargs="?", const="wait", default="off", choices=PDL_MODES,
+    p.add_argument("--pdl", nargs="?", const="wait", default="auto", choices=PDL_MODES,
                    help="launch the decode kernels with programmatic dependent launch (Hopper; "
                         "EngineConfig.pdl): 'wait' (the bare flag) lets a kernel start as the one before it "
-                        "exits, 'trigger' as soon as that one's programs have started")
+                        "exits, 'trigger' as soon as that one's programs have started; 'auto' (default) "
+                        "'wait' on the decode graphs of up to 32 sequences, 'off' elsewhere")
     p.add_argument("--no-fp16", action="store_true",
                    help="skip the FP16 baseline (A/B runs of the W4 kernels; no ratio to FP16)")
     p.add_argument("--profile", action="store_true",
@@ -307,7 +313,7 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown model shape(s) {unknown}; known: {sorted(SHAPES)}")
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
-    if args.pdl != "off" and device != "cuda":
+    if args.pdl not in ("off", "auto") and device != "cuda":
         p.error("--pdl needs a CUDA GPU")
     if args.u_split_max is not None:
         from spear.kernels import w4a16
@@ -334,13 +340,15 @@ def main(argv=None) -> int:
               + (f", fused EC up to rank {args.fused_max_rank}" if args.fused_max_rank is not None else "")
               + (f", attention splits <= {args.attn_max_splits}" if args.attn_max_splits is not None else "")
               + (f", u programs <= {args.u_split_max}" if args.u_split_max is not None else "")
-              + (f", programmatic dependent launch ({args.pdl})" if args.pdl != "off" else ""))
+              + (f", programmatic dependent launch ({args.pdl})" if args.pdl != "off" and device == "cuda" else ""))
     print(header, flush=True)
     max_len = args.prompt_len + args.warmup + args.gen + 1
     results = []
     for shape in models:
         print(f"{shape}: building random weights", flush=True)
+        t0 = time.perf_counter()
         model = build_model(shape, args.layers, device, dtype)
+        print(f"{shape}: weights built in {time.perf_counter() - t0:.1f} s", flush=True)
         vocab = model.config.vocab_size
         # the engine fuses projections in place: the FP16 run gets its own copy of the weights
         rows = []
@@ -349,7 +357,9 @@ def main(argv=None) -> int:
             rows.append(dict(run_variant(fp_model, "fp16" if dtype == torch.float16 else "fp32", args, device, batches,
                                          vocab, max_len), extra_pct=0.0))
             del fp_model
+        t0 = time.perf_counter()
         modules = quantize_model_rtn(model, QuantConfig(bits=4, group_size=GROUP), progress=False)
+        print(f"{shape}: RTN W4 in {time.perf_counter() - t0:.1f} s", flush=True)
         rows.append(dict(run_variant(model, "w4", args, device, batches, vocab, max_len), extra_pct=0.0))
         restore_quantlinears(model, modules)
         ec_runs = [("w4+ec", args.ec_budget)] + ([("w4+ec-all", None)] if args.ec_all else [])

@@ -18,6 +18,7 @@ case "$set_" in
 esac
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR="$PWD/.triton-cache"  # kept between the calls of a session
 echo "== full"; timeout 100 python benchmarks/ec_cost.py 2>&1 | grep -v -i warn | tee "$out/full.txt"
 for v in $variants; do
   rm -rf "/tmp/$v" && mkdir -p "/tmp/$v" && cp -r spear "/tmp/$v/"

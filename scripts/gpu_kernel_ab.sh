@@ -10,6 +10,7 @@ set -uo pipefail
 out=${1:?usage: scripts/gpu_kernel_ab.sh OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR="$PWD/.triton-cache"  # kept between the calls of a session
 timeout 100 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=60 -m gpu \
   tests/kernels/test_ops.py -k "dispatch or graph_replay" > "$out/tests.txt" 2>&1
 grep -v PASSED "$out/tests.txt" | tail -20

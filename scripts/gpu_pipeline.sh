@@ -15,6 +15,7 @@ what=${1:?usage: scripts/gpu_pipeline.sh sweep|engine OUT_DIR [TABLE]}
 out=${2:?usage: scripts/gpu_pipeline.sh sweep|engine OUT_DIR [TABLE]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR="$PWD/.triton-cache"  # kept between the calls of a session
 case "$what" in
 sweep)
   python -m tests.kernels._compile_check fp16 2>&1 | tail -3

@@ -45,7 +45,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=positive_int, default=256,
                    help="queued requests beyond which new ones are refused (HTTP 429) (default: %(default)s)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
-    g.add_argument("--pdl", choices=["off", "wait", "trigger", "auto"], default="off",
+    g.add_argument("--pdl", choices=["off", "wait", "trigger", "auto"], default="auto",
                    help="programmatic dependent launch of the decode kernels (CUDA, Hopper or newer): 'wait' "
                         "lets each kernel load its weights while the one before it finishes; faster at batch "
                         "1, slower at 64 sequences with compensators on an H200; 'auto' uses it for decode "

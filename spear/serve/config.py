@@ -29,9 +29,9 @@ class EngineConfig:
     # programmatic dependent launch of the decode kernels on CUDA (Hopper or newer): "off", "wait"
     # or "trigger" (spear.kernels._common.set_pdl), or "auto" (PDL_MODES). Process-wide: the runner
     # sets it for every kernel launched in this process. "wait" was faster at batch 1 on the H200
-    # (BENCHMARKS.md, "Serving: decode", eighth run) but slower at 64 sequences with ECs, so it
-    # stays opt-in; "auto" takes it only where it was faster
-    pdl: str = "off"
+    # (BENCHMARKS.md, "Serving: decode", eighth run) but slower at 64 sequences with ECs; "auto"
+    # (the default) takes it only where it was faster (eleventh run) and is "off" on the CPU
+    pdl: str = "auto"
     # launch shapes of the W4 kernel on CUDA: the path of a JSON table (benchmarks/bench_gemv.py or
     # bench_kernels.py --tune write one) or a dict; None: the built-in table, chosen on an H200.
     # Process-wide, like pdl (spear.kernels.launch.use_table); checked here, applied by the runner

@@ -146,9 +146,9 @@ def test_bad_engine_settings_are_refused(default_model):
         EngineConfig(weight_layout="rowwise")
     with pytest.raises(SpearError, match=r"programmatic dependent launch \(pdl='wait'\) needs a CUDA GPU"):
         engine(default_model, pdl="wait")
-    # "auto" is PDL where the hardware has it: nothing on the CPU (no error either)
-    eng = engine(default_model, pdl="auto")
-    assert not eng.runner.pdl_auto and eng.runner.graph_pdl == {}
+    # "auto" (the default) is PDL where the hardware has it: nothing on the CPU (no error either)
+    for eng in (engine(default_model, pdl="auto"), engine(default_model)):
+        assert eng.config.pdl == "auto" and not eng.runner.pdl_auto and eng.runner.graph_pdl == {}
     with pytest.raises(SpearError, match="launch_table: cannot read the launch table"):
         EngineConfig(launch_table="/nonexistent/launch_table.json")
     with pytest.raises(SpearError, match="launch_table: fma.BN must be a power of two"):
