@@ -100,6 +100,10 @@ class QuantConfig:
     symmetric: bool = True
     method: str = "rtn"
     include_lm_head: bool = False
+    # Bits of the output head when include_lm_head: 0 = ``bits`` with the body's method, group size
+    # and symmetry; any other value = RTN per-channel symmetric at that width (8: the serving
+    # engine's W8A16 kernel streams half the fp16 head's bytes at almost no loss of accuracy).
+    head_bits: int = 0
     # Options of the calibrated methods (ignored by RTN); saved with every checkpoint.
     calib: CalibConfig = field(default_factory=CalibConfig)
     gptq: GPTQConfig = field(default_factory=GPTQConfig)
@@ -112,11 +116,20 @@ class QuantConfig:
             raise SpearError(f"group_size must be 0 (per-channel) or positive, got {self.group_size}")
         if self.method not in ("rtn", "gptq", "awq"):
             raise SpearError(f"quantization method must be rtn, gptq or awq; got {self.method!r}")
+        if self.head_bits not in (0, 2, 3, 4, 8):
+            raise SpearError(f"head_bits must be 0 (as bits) or one of 2, 3, 4, 8; got {self.head_bits}")
+        if self.head_bits and not self.include_lm_head:
+            raise SpearError("head_bits needs include_lm_head (the head is otherwise kept in full precision)")
+
+    @property
+    def separate_head(self) -> bool:
+        """Whether the head is quantized on its own (RTN per-channel symmetric at head_bits)."""
+        return self.include_lm_head and self.head_bits not in (0, self.bits)
 
     @property
     def label(self) -> str:
         gran = "per-channel" if self.group_size == 0 else f"g{self.group_size}"
-        head = " + head" if self.include_lm_head else ""
+        head = f" + head W{self.head_bits}" if self.separate_head else " + head" if self.include_lm_head else ""
         return f"{self.method.upper()} W{self.bits} {gran} {'sym' if self.symmetric else 'asym'}{head}"
 
     def to_dict(self) -> dict:

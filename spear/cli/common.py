@@ -61,6 +61,9 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="input columns per scale; 0 = per-channel (default: %(default)s)")
     g.add_argument("--asym", action="store_true", help="asymmetric (integer zero point) instead of symmetric")
     g.add_argument("--include-lm-head", action="store_true", help="also quantize the output head")
+    g.add_argument("--lm-head-bits", type=int, choices=[2, 3, 4, 8],
+                   help="quantize the output head at this many bits, RTN per-channel symmetric (implies "
+                        "--include-lm-head; 8 keeps nearly all of its accuracy and halves its bytes)")
     c = p.add_argument_group("GPTQ / AWQ calibration")
     c.add_argument("--calib-source", choices=["self", "text"], default="self",
                    help="'self': sequences sampled from the FP model (data-free, cached); 'text': the "
@@ -80,7 +83,8 @@ def quant_config_from(args) -> QuantConfig:
     from spear.config import AWQConfig, CalibConfig, GPTQConfig
 
     return QuantConfig(bits=args.bits, group_size=args.group_size, symmetric=not args.asym,
-                       method=args.method, include_lm_head=args.include_lm_head,
+                       method=args.method, include_lm_head=args.include_lm_head or bool(args.lm_head_bits),
+                       head_bits=args.lm_head_bits or 0,
                        calib=CalibConfig(source=args.calib_source, n_samples=args.calib_samples,
                                          seq_len=args.calib_seq_len),
                        gptq=GPTQConfig(damp=args.gptq_damp, act_order=args.act_order),

@@ -268,6 +268,11 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, d
                 state[key] = state[key].to(saved_dtype) if state[key].is_floating_point() else state[key]
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
+    for m in model.modules():
+        # a quantized head of a tied model: tie_weights has just hung the input embeddings on it as
+        # a stray ``weight`` parameter; the head computes from its codes, so it must not hold one
+        if isinstance(m, QuantLinear):
+            m._parameters.pop("weight", None)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.device.type == "meta":
             raise SpearError(f"checkpoint {path} left tensor {name} unset")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -46,6 +48,12 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | Non
     AWQ fills ``channel_scales`` with how it rescaled each linear (see
     :func:`spear.quant.awq.rescale_reference`); other methods leave it empty.
     """
+    if cfg.separate_head:
+        # the body with its own method, then the head alone: RTN per-channel symmetric at head_bits
+        out = quantize_model(model, replace(cfg, include_lm_head=False, head_bits=0), calib, progress, tokenizer,
+                             channel_scales)
+        head = QuantConfig(bits=cfg.head_bits, group_size=0, symmetric=True, include_lm_head=True)
+        return {**out, **quantize_model_rtn(model, head, progress=False)}
     if cfg.method == "rtn":
         return quantize_model_rtn(model, cfg, progress=progress)
     if cfg.method not in ("gptq", "awq"):

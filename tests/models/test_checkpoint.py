@@ -112,3 +112,23 @@ def test_unquantized_model_cannot_be_saved(tiny_llama, tmp_path):
     model, tok = tiny_llama
     with pytest.raises(SpearError, match="no quantized modules"):
         save_checkpoint(model, tok, tmp_path / "x", QuantConfig(), "tiny")
+
+
+def test_quantized_head_of_a_tied_model(tiny_llama, tmp_path):
+    """The head quantized (W8 here) on a model whose head is tied to its input embeddings: after a
+    round trip the embeddings stay full precision, the head holds no stray weight, and the
+    memory count (the embeddings counted once, the head by its codes) is unchanged."""
+    from spear.eval.memory import quantized_model_bytes
+    from spear.quant.api import quantize_model
+
+    model, tok = tiny_llama
+    emb = model.model.embed_tokens.weight.detach().clone()
+    cfg = QuantConfig(group_size=32, include_lm_head=True, head_bits=8)
+    quantize_model(model, cfg, progress=False)
+    nbytes = quantized_model_bytes(model)
+    loaded, _ = load_model(save_checkpoint(model, tok, tmp_path / "ckpt", cfg, "tiny"))
+    assert dict(loaded.lm_head.named_parameters()) == {} and loaded.lm_head.bits == 8
+    assert torch.equal(loaded.model.embed_tokens.weight, emb)
+    assert quantized_model_bytes(loaded) == nbytes
+    ids = torch.randint(0, 1000, (2, 16))
+    assert torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)

@@ -72,3 +72,41 @@ def test_pipeline_awq_static_rows_use_the_scaled_reference(tiny_llama_path, arti
     # The static correction is built against W·diag(s) (the weights AWQ rounded) and moves toward FP.
     assert abs(qera - fp) < abs(base - fp)
     json.dumps(result.header)
+
+
+def test_head_at_its_own_width(tiny_llama_path, article_text, tmp_path):
+    """--lm-head-bits 8: the body with its method, the head RTN W8 per-channel symmetric; the
+    checkpoint keeps both widths, and the W8 head is far closer to the fp head than a W4 one."""
+    from spear.cli import main
+    from spear.models.checkpoint import load_checkpoint, read_spear_config
+    from spear.quant.linear import QuantLinear
+
+    with pytest.raises(SpearError, match="head_bits needs include_lm_head"):
+        QuantConfig(head_bits=8)
+    with pytest.raises(SpearError, match="head_bits must be"):
+        QuantConfig(head_bits=5, include_lm_head=True)
+    assert QuantConfig(include_lm_head=True, head_bits=8).label == "RTN W4 per-channel sym + head W8"
+    assert not QuantConfig(include_lm_head=True, head_bits=4).separate_head  # as bits: the body's path
+
+    model = make_tiny_llama()
+    fp_head = model.lm_head.weight.detach().clone()
+    mods = quantize_model(model, QuantConfig(group_size=32, include_lm_head=True, head_bits=8), progress=False)
+    head = mods["lm_head"]
+    assert isinstance(model.lm_head, QuantLinear) and head is model.lm_head
+    assert (head.bits, head.group_size, head.symmetric) == (8, 0, True)
+    assert all((m.bits, m.group_size) == (4, 32) for n, m in mods.items() if n != "lm_head")
+    err8 = (head.dequantized_weight(torch.float32) - fp_head).pow(2).mean()
+    model4 = make_tiny_llama()
+    head4 = quantize_model(model4, QuantConfig(group_size=32, include_lm_head=True), progress=False)["lm_head"]
+    err4 = (head4.dequantized_weight(torch.float32) - fp_head).pow(2).mean()
+    assert err8 < err4 / 50  # ~2^8 smaller step: the error falls by far more than 50x
+
+    text = tmp_path / "wiki.test.raw"
+    text.write_text(article_text)
+    out = tmp_path / "w8head"
+    assert main(["-q", "quantize", "--model", str(tiny_llama_path), "--out", str(out), "--lm-head-bits", "8",
+                 "--text", str(text), "--seq-len", "64", "--eval-windows", "2", "--calib-windows", "2"]) == 0
+    quant = QuantConfig.from_dict(read_spear_config(out)["quant"])
+    assert quant.include_lm_head and quant.head_bits == 8
+    loaded, _ = load_checkpoint(out)
+    assert loaded.lm_head.bits == 8 and loaded.model.layers[0].mlp.down_proj.bits == 4
