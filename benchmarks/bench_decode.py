@@ -14,6 +14,8 @@ one after another on the same weights:
           linears until the compensators reach --ec-budget of the W4 model's bytes (about
           1%); the kernel runs them fused at decode
   w4+ec-all  (--ec-all) the same ECs on every linear: the worst-case density
+  w4 head     (--w4-head) w4 with the output head in W4 g128 too
+  w4 w8-head  (--w8-head) w4 with the output head in W8 per-channel (the W8A16 kernel on CUDA)
 
 Per variant and concurrency (1 and --batches): ``model`` is the median latency of one
 decode step of the captured CUDA graph (CUDA events over replays, after warm-up),
@@ -264,6 +266,9 @@ def main(argv=None) -> int:
     p.add_argument("--w4-head", action="store_true",
                    help="one more variant, 'w4 head': W4 with the output head quantized too (spear quantize "
                         "--include-lm-head); the head is the largest single matrix of Llama-3-8B (1 GB in fp16)")
+    p.add_argument("--w8-head", action="store_true",
+                   help="one more variant, 'w4 w8-head': W4 with the output head in W8 per-channel (spear "
+                        "quantize --lm-head-bits 8), served by the W8A16 kernel")
     p.add_argument("--fused-max-rank", type=int,
                    help="decode: ECs of a larger padded rank run ec_gate + the GEMM's v-epilogue instead "
                         "of the one-launch fused kernel (spear.kernels.ops.FUSED_MAX_RANK)")
@@ -369,12 +374,16 @@ def main(argv=None) -> int:
             row = run_variant(model, name, args, device, batches, vocab, max_len)
             rows.append(dict(row, extra_pct=pct, ec_modules=f"{n}/{len(modules)} r{args.ec_rank}"))
             remove_ecs(modules)
-        if args.w4_head:  # the output head in W4 too (QuantConfig.include_lm_head); the rest as in w4
+        # the output head quantized too (QuantConfig.include_lm_head / head_bits); the rest as in w4
+        heads = ([("w4 head", QuantConfig(bits=4, group_size=GROUP, include_lm_head=True))] if args.w4_head else []) \
+            + ([("w4 w8-head", QuantConfig(bits=8, group_size=0, include_lm_head=True))] if args.w8_head else [])
+        for name, head_cfg in heads:
             restore_quantlinears(model, modules)
-            head = quantize_model_rtn(model, QuantConfig(bits=4, group_size=GROUP, include_lm_head=True),
-                                      progress=False)
-            rows.append(dict(run_variant(model, "w4 head", args, device, batches, vocab, max_len), extra_pct=0.0))
+            fp_head = model.get_output_embeddings()
+            head = quantize_model_rtn(model, head_cfg, progress=False)
+            rows.append(dict(run_variant(model, name, args, device, batches, vocab, max_len), extra_pct=0.0))
             restore_quantlinears(model, {**modules, **head})
+            set_module(model, next(iter(head)), fp_head)  # the fp16 head back for the next variant
         fp = None if args.no_fp16 else rows[0]
         w4 = next(r for r in rows if r["variant"] == "w4")
         for r in rows:
@@ -396,8 +405,9 @@ def main(argv=None) -> int:
     for r in results:  # the floors
         if r["variant"] == "w4" and "speedup_vs_fp16" in r:
             print(f"{r['model']}: W4 / FP16 batch-1 tokens/s = {r['speedup_vs_fp16']:.2f}x (floor 2.5x)")
-        if r["variant"] == "w4 head" and "speedup_vs_fp16" in r:
-            print(f"{r['model']}: W4 with a W4 head / FP16 batch-1 tokens/s = {r['speedup_vs_fp16']:.2f}x")
+        if r["variant"] in ("w4 head", "w4 w8-head") and "speedup_vs_fp16" in r:
+            width = "W4" if r["variant"] == "w4 head" else "W8"
+            print(f"{r['model']}: W4 with a {width} head / FP16 batch-1 tokens/s = {r['speedup_vs_fp16']:.2f}x")
         if r["variant"] == "w4+ec":
             print(f"{r['model']}: W4+EC / W4 batch-1 latency = {r['latency_vs_w4']:.3f} (ceiling 1.10)")
     if args.out:

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH, so a modified copy there wins
 
 from kernel_cases import DEVICE, GROUP, HIDDEN, MODELS, Layer, layer_shapes, make_ec  # noqa: E402
-from kernel_timing import ceilings, time_calls  # noqa: E402
+from kernel_timing import ceilings, profile_calls, time_calls  # noqa: E402
 
 from spear.kernels import launch, ops, w4a16_linear  # noqa: E402
 from spear.kernels.dequant import dequantize  # noqa: E402
@@ -173,6 +173,11 @@ def sweep(args, out_dir):
                 except Exception as exc:  # a baseline may not support a shape; record why
                     row[name] = None
                     row[f"{name} error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            for name in (args.profile.split(",") if args.profile else []):
+                if name in v:
+                    row[f"{name} kernels"] = prof = profile_calls(v[name])
+                    print(f"  {name} at M={m}: {row[name]:.1f} us per call, kernels "
+                          + ", ".join(f"{k} {us:.1f} us x{c:.0f}" for k, us, c in prof), flush=True)
             row["floor_us"], row["bytes"], row["flops"] = floor_us(n, k, m, bw, peak)
             results.append(row)
             ec32 = row.get("ec r32") or row.get(f"ec r{ranks[-1]}")
@@ -241,6 +246,8 @@ def main():
     p.add_argument("--table", type=Path, help="launch_table.json from --tune to use instead of the built-in one")
     p.add_argument("--no-warm", action="store_true", help="skip the parallel compile pass")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
+    p.add_argument("--profile", help="comma-separated variants (e.g. 'w4,ec r32') whose GPU time per call is also "
+                                     "split by kernel (torch.profiler over graph replays) and printed per row")
     p.add_argument("--prefill-ec", choices=ops.PREFILL_EC_MODES, default=ops.PREFILL_EC,
                    help="how the op adds the EC on the dequantize + cuBLAS path (spear.kernels.ops.PREFILL_EC; "
                         "default: %(default)s)")

@@ -4,7 +4,7 @@
 #     engine's GPU tests (fp32 against HF; W4 and W4+EC with programmatic dependent launch off,
 #     "wait", "trigger" and "auto"; ~125 s) and check_pdl.py on graphs and in eager decode.
 #   scripts/gpu_next.sh 2 OUT_DIR MODEL: the decode benchmark for one model shape (Llama-2-7B or
-#     Llama-3-8B): FP16, W4, W4+EC and W4 with a W4 output head at 1/8/32/64 sequences, for the
+#     Llama-3-8B): FP16, W4, W4+EC and W4 with a W4 or a W8 output head at 1/8/32/64 sequences, for the
 #     README table. One call per model: a full table of both did not fit one call (BENCHMARKS.md,
 #     "Eleventh run"). Results tarred to OUT_DIR/decode-MODEL.tgz.
 # Triton's compile cache is kept in the working tree (.triton-cache, ignored by git), which the
@@ -29,7 +29,7 @@ case "$part" in
   timeout 30 python benchmarks/check_pdl.py wait trigger --no-graphs 2>&1 | grep -E "^(trigger|wait)" ;;
 2)
   model=${3:?part 2 needs a model shape: Llama-2-7B or Llama-3-8B}
-  timeout 560 python benchmarks/bench_decode.py --models "$model" --w4-head --out "$out/decode-$model" \
+  timeout 560 python benchmarks/bench_decode.py --models "$model" --w4-head --w8-head --out "$out/decode-$model" \
     > "$out/decode-$model.txt" 2>&1
   grep -E "^\| Llama|^Llama|batch +1:| in [0-9.]+ s" "$out/decode-$model.txt"
   tar -C "$out" -czf "$out/decode-$model.tgz" "decode-$model" "decode-$model.txt" ;;

@@ -47,6 +47,35 @@ def time_calls(fns, target_s=0.02, max_reps=30):
     return 1e3 * med_ms / len(fns)
 
 
+def profile_calls(fns, reps=5):
+    """GPU time per call by kernel name (torch.profiler over replays of the graph that
+    :func:`time_calls` times), largest first: [(name, µs per call, launches per call)]. The sum
+    against time_calls' wall time per call shows the gaps (launch, fork/join, dependencies)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    calls = reps * len(fns)
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0 and "cudaGraph" not in e.key:
+            rows.append((e.key[:70], us / calls, e.count / calls))
+    del graph
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def copies_for(nbytes, l2):
     """Weight copies whose calls, one after another, stream more than twice the L2 cache."""
     return max(1, min(64, math.ceil(2 * l2 / max(nbytes, 1))))

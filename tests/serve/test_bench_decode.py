@@ -12,9 +12,9 @@ def test_bench_decode_tiny(tmp_path, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.main(["--tiny", "--batches", "1,4", "--gen", "4", "--warmup", "2", "--w4-head",
-                       "--out", str(tmp_path)]) == 0
+                       "--w8-head", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["results"]
-    assert [r["variant"] for r in rows] == ["fp32", "w4", "w4+ec", "w4 head"]
+    assert [r["variant"] for r in rows] == ["fp32", "w4", "w4+ec", "w4 head", "w4 w8-head"]
     assert all(r["tok_s@1"] > 0 and r["tok_s@4"] > 0 for r in rows)
     assert 0 < rows[2]["extra_pct"] < 2
     assert "| tiny | w4+ec |" in (tmp_path / "table.md").read_text()
