@@ -1,4 +1,4 @@
-"""Serving QuantLinears through the W4A16 (+EC) Triton kernels on CUDA.
+"""Serving QuantLinears through the W4A16 (+EC) and W8A16 Triton kernels on CUDA.
 
 ``QuantLinear``'s own forward dequantizes its weight (a torch reference that runs
 anywhere). For serving on a GPU, :func:`use_w4_kernels` packs each eligible 4-bit
@@ -7,6 +7,8 @@ with its compensator when that is a low-rank or SPEAR EC (``pack_ec``), and swap
 a :class:`W4KernelLinear` whose forward is one ``w4a16_linear`` call: the EC runs
 fused into the GEMM at decode and semi-fused at prefill (see spear/kernels/ops.py).
 A compensator the kernels do not know is kept as a module and added to the output.
+An 8-bit per-channel symmetric QuantLinear (the output head of ``spear quantize
+--lm-head-bits 8``) becomes a :class:`W8KernelLinear` over the W8A16 kernel (w8a16.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from torch import nn
 
 from spear.kernels.layout import KMAJOR_K_MULTIPLE, MAX_RANK, PackedEC, PackedW4, pack, pack_ec
 from spear.kernels.ops import w4a16_linear
+from spear.kernels.w8a16 import K_STEP as W8_K_STEP
+from spear.kernels.w8a16 import pack_w8, w8a16_linear
 from spear.models.modules import set_module
 from spear.quant.linear import QuantLinear
 
@@ -27,6 +31,11 @@ def packable(q: QuantLinear) -> bool:
     g = q.group_size
     return (q.bits == 4 and q.in_features % 32 == 0 and g in _KERNEL_GROUPS
             and (g == 0 or q.in_features % g == 0))
+
+
+def packable_w8(q: QuantLinear) -> bool:
+    """The W8A16 kernel's constraints: 8-bit per-channel symmetric codes, K a multiple of W8_K_STEP."""
+    return q.bits == 8 and q.group_size == 0 and q.symmetric and q.in_features % W8_K_STEP == 0
 
 
 def _pack_compensator(comp: nn.Module, dtype: torch.dtype):
@@ -82,13 +91,44 @@ class W4KernelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fused EC: {ec}"
 
 
+class W8KernelLinear(nn.Module):
+    """An 8-bit per-channel symmetric QuantLinear packed once (int8 codes, fp32 row scales);
+    ``forward`` is one ``w8a16_linear`` call. A compensator stays a module beside the kernel."""
+
+    def __init__(self, q: QuantLinear, dtype: torch.dtype):
+        super().__init__()
+        if not packable_w8(q):
+            raise ValueError(f"QuantLinear({q.extra_repr()}) does not fit the W8 kernel: need bits=8, "
+                             f"per-channel, symmetric, in_features % {W8_K_STEP} == 0")
+        self.in_features, self.out_features = q.in_features, q.out_features
+        self.qweight, self.scale = pack_w8(q.codes, q.scales, q.zeros)
+        self.bias = None if q.bias is None else q.bias.detach().to(dtype)
+        self.compensator = q.compensator
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = w8a16_linear(x, self.qweight, self.scale, self.bias)
+        if self.compensator is not None:
+            y = y + self.compensator(x)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
 def use_w4_kernels(model: nn.Module, kmajor: bool = False) -> int:
-    """Swap every packable QuantLinear of a CUDA fp16/bf16 model for a W4KernelLinear; returns how many.
-    ``kmajor``: pack K-major (``spear.kernels.layout``) where in_features allows it."""
+    """Swap every packable QuantLinear of a CUDA fp16/bf16 model for a W4KernelLinear (4-bit) or a
+    W8KernelLinear (8-bit per-channel); returns how many. ``kmajor``: pack the 4-bit ones K-major
+    (``spear.kernels.layout``) where in_features allows it."""
     dtype = model.get_input_embeddings().weight.dtype
     if dtype not in (torch.float16, torch.bfloat16):
         return 0  # the kernels take fp16/bf16 activations; fp32 keeps the torch path
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear) and packable(m)]
-    for name, q in targets:
-        set_module(model, name, W4KernelLinear(q, dtype, kmajor))
-    return len(targets)
+    n = 0
+    for name, q in [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]:
+        if packable(q):
+            set_module(model, name, W4KernelLinear(q, dtype, kmajor))
+        elif packable_w8(q):
+            set_module(model, name, W8KernelLinear(q, dtype))
+        else:
+            continue
+        n += 1
+    return n

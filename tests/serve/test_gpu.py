@@ -104,9 +104,19 @@ def test_w4_kernels_with_a_pipelined_launch_table(monkeypatch):
     assert launch.pick_config(1, 4096, 4096, 128, kmajor=True).pipeline == 3
 
 
-def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None):
+@pytest.mark.parametrize("pdl", ["auto"], indirect=True)
+def test_w8_head_with_graphs_equals_the_reference_math(pdl):
+    """The same with the output head in W8 per-channel (spear quantize --lm-head-bits 8), served by
+    the W8A16 kernel."""
+    _w4_engine_equals_the_reference_math(True, pdl, head_bits=8)
+
+
+def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None, head_bits=0):
     model = _model(1)
     modules = quantize_model_rtn(model, QuantConfig(bits=4, group_size=128), progress=False)
+    if head_bits:  # only the head is left unquantized
+        head = quantize_model_rtn(model, QuantConfig(bits=head_bits, include_lm_head=True), progress=False)
+        assert list(head) == ["lm_head"]
     if with_ec:
         g = torch.Generator().manual_seed(2)
         for name, q in list(modules.items())[::2]:
@@ -122,7 +132,9 @@ def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None):
         from spear.kernels import _common
 
         assert set(eng.runner.graph_pdl.values()) == {"wait"} and _common._PDL[0] == 0
-    from spear.serve.w4_kernels import W4KernelLinear
+    from spear.serve.w4_kernels import W4KernelLinear, W8KernelLinear
+
+    assert isinstance(model.lm_head, W8KernelLinear) == bool(head_bits)
 
     from spear.serve.fusion import FusedPart
 

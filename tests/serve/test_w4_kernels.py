@@ -85,3 +85,31 @@ def test_only_kernel_shapes_are_packed(tiny_llama):
     model.half()
     assert use_w4_kernels(model) == 14
     assert sum(isinstance(m, W4KernelLinear) for m in model.modules()) == 14
+
+
+def test_w8_head_is_served_by_the_w8_kernel(tiny_llama):
+    """An 8-bit per-channel symmetric QuantLinear (spear quantize --lm-head-bits 8) becomes a
+    W8KernelLinear whose output matches it; other 8-bit forms keep the torch path."""
+    from spear.quant import quantize_model_rtn
+    from spear.serve.w4_kernels import W8KernelLinear, packable_w8
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 96, bias=True)
+    q = rtn_quantize_linear(lin, QuantConfig(bits=8))
+    assert packable_w8(q) and not packable(q)
+    assert not packable_w8(rtn_quantize_linear(lin, QuantConfig(bits=8, group_size=32)))
+    assert not packable_w8(rtn_quantize_linear(lin, QuantConfig(bits=8, symmetric=False)))
+    packed = W8KernelLinear(q, torch.float16)
+    x = torch.randn(2, 5, 128).half()
+    out = packed(x)
+    assert out.dtype == torch.float16 and out.shape == (2, 5, 96)
+    assert sqnr_db(q(x.float()), out.float()) > 40
+    with pytest.raises(ValueError, match="does not fit the W8 kernel"):
+        W8KernelLinear(quant_linear(), torch.float16)
+
+    model, _ = tiny_llama
+    quantize_model_rtn(model, QuantConfig(bits=4, group_size=32), progress=False)
+    quantize_model_rtn(model, QuantConfig(bits=8, include_lm_head=True), progress=False)
+    model.half()
+    assert use_w4_kernels(model) == 15
+    assert isinstance(model.lm_head, W8KernelLinear)
