@@ -289,6 +289,9 @@ def main(argv=None) -> int:
                         "EngineConfig.pdl): 'wait' (the bare flag) lets a kernel start as the one before it "
                         "exits, 'trigger' as soon as that one's programs have started; 'auto' (default) "
                         "'wait' on the decode graphs of up to 32 sequences, 'off' elsewhere")
+    p.add_argument("--gate-programs", type=int,
+                   help="semi-fused EC (batches above 16): split ec_gate over K up to about this many programs "
+                        "(0: never split; default: spear.kernels.ec.GATE_PROGRAMS)")
     p.add_argument("--no-fp16", action="store_true",
                    help="skip the FP16 baseline (A/B runs of the W4 kernels; no ratio to FP16)")
     p.add_argument("--profile", action="store_true",
@@ -334,6 +337,10 @@ def main(argv=None) -> int:
         from spear.kernels import attention
 
         attention.MIN_SPLIT_TILES = args.attn_min_split_tiles
+    if args.gate_programs is not None:
+        from spear.kernels import ec
+
+        ec.GATE_PROGRAMS = args.gate_programs
     if args.fused_max_rank is not None:
         from spear.kernels import ops
 
@@ -345,6 +352,7 @@ def main(argv=None) -> int:
               + (f", fused EC up to rank {args.fused_max_rank}" if args.fused_max_rank is not None else "")
               + (f", attention splits <= {args.attn_max_splits}" if args.attn_max_splits is not None else "")
               + (f", u programs <= {args.u_split_max}" if args.u_split_max is not None else "")
+              + (f", ec_gate programs <= {args.gate_programs}" if args.gate_programs is not None else "")
               + (f", programmatic dependent launch ({args.pdl})" if args.pdl != "off" and device == "cuda" else ""))
     print(header, flush=True)
     max_len = args.prompt_len + args.warmup + args.gen + 1

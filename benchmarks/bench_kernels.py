@@ -246,6 +246,9 @@ def main():
     p.add_argument("--table", type=Path, help="launch_table.json from --tune to use instead of the built-in one")
     p.add_argument("--no-warm", action="store_true", help="skip the parallel compile pass")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
+    p.add_argument("--gate-programs", type=int,
+                   help="semi-fused EC: split ec_gate over K up to about this many programs (0: never split; "
+                        "default: spear.kernels.ec.GATE_PROGRAMS)")
     p.add_argument("--profile", help="comma-separated variants (e.g. 'w4,ec r32') whose GPU time per call is also "
                                      "split by kernel (torch.profiler over graph replays) and printed per row")
     p.add_argument("--prefill-ec", choices=ops.PREFILL_EC_MODES, default=ops.PREFILL_EC,
@@ -256,6 +259,10 @@ def main():
                         "2026-11-29 and the quick run of 2026-11-30 used N-major; --tune always packs N-major)")
     args = p.parse_args()
     ops.PREFILL_EC = args.prefill_ec
+    if args.gate_programs is not None:
+        from spear.kernels import ec
+
+        ec.GATE_PROGRAMS = args.gate_programs
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)

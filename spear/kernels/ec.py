@@ -11,7 +11,12 @@ w4a16.py), which saves the pass over out but must wait for ``ec_gate`` first.
 
 Algorithm of ec_gate: one program per BM tokens walks K in BK steps,
 uT [R, BM] += A[R, BK] · xT[BK, BM] (fp32 accumulation on tensor cores), then evaluates
-the gate on uT (``_ec_gate``) and stores v in the activation dtype.
+the gate on uT (``_ec_gate``) and stores v in the activation dtype. Split over K when the
+token tiles alone are few (``gate_splits``): at 512 tokens there are only 32 tiles, and one
+SM streaming a 16-token slice of x and all of A over K = 11008 took longer than the
+dequantize pass it runs beside, so it set the semi-fused layer's time. Split, each program
+sums its share of K into an fp32 workspace (splits, M, R) and a second kernel adds the
+shares, evaluates the gate and stores v.
 """
 
 from __future__ import annotations
@@ -27,28 +32,67 @@ from spear.kernels.layout import PackedEC
 # Token tile of ec_gate: 16 keeps >= 32 programs in flight from M = 512 on (x is read once,
 # so more programs means more of the memory system busy).
 GATE_BM = 16
+# ec_gate splits K until its programs reach about this many (two per SM of an H200), each
+# split keeping at least GATE_MIN_STEPS steps of BK. Not yet timed against other values.
+GATE_PROGRAMS = 264
+GATE_MIN_STEPS = 4
 UP_BM, UP_BN = 64, 128
+
+
+def gate_splits(m: int, k: int, bk: int) -> int:
+    """K splits of ec_gate at M tokens: enough programs to keep the memory system busy."""
+    tiles = triton.cdiv(m, GATE_BM)
+    return max(1, min(GATE_PROGRAMS // tiles, (k // bk) // GATE_MIN_STEPS))
 
 
 @triton.jit(do_not_specialize=["M"])
 def _ec_gate_kernel(
     x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, v_ptr,
     bound,
-    M, K, stride_xm,
+    M, K, stride_xm, steps_per_split,
     GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    """Grid (token tiles, SPLIT). SPLIT 1: v for BM tokens. Otherwise this split's share of
+    u = x Aᵀ (steps_per_split steps of BK) into the fp32 workspace at v_ptr, (SPLIT, M, R)."""
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     offs_m = pid * BM + tl.arange(0, BM)
     m_mask = offs_m < M
     offs_r = tl.arange(0, R)
     offs_k = tl.arange(0, BK)
+    k_lo = split * steps_per_split * BK
+    k_hi = tl.minimum(k_lo + steps_per_split * BK, K)
     uT = tl.zeros((R, BM), tl.float32)
-    for k in range(0, K, BK):
+    for k in range(k_lo, k_hi, BK):
         a = tl.load(a_ptr + offs_r[:, None] * K + (k + offs_k)[None, :])
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k + offs_k)[:, None], mask=m_mask[None, :], other=0.0)
         uT = _dot(a, xt, uT, DOT_F32)
-    # torch.compile passes Python floats as fp64 scalars: keep the gate's math fp32
+    if SPLIT == 1:
+        # torch.compile passes Python floats as fp64 scalars: keep the gate's math fp32
+        vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, tl.cast(bound, tl.float32), R, H, BM, GATE, DOT_F32)
+        tl.store(v_ptr + offs_m[None, :] * R + offs_r[:, None], vT.to(v_ptr.dtype.element_ty), mask=m_mask[None, :])
+    else:
+        ws = v_ptr + split.to(tl.int64) * M * R
+        tl.store(ws + offs_m[None, :] * R + offs_r[:, None], uT, mask=m_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _ec_gate_finish_kernel(
+    ws_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, v_ptr,
+    bound,
+    M,
+    GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
+    BM: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """v for BM tokens from the SPLIT shares of u in the workspace (SPLIT, M, R) fp32."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    m_mask = offs_m < M
+    offs_r = tl.arange(0, R)
+    ptrs = ws_ptr + offs_m[None, :] * R + offs_r[:, None]
+    uT = tl.zeros((R, BM), tl.float32)
+    for s in range(SPLIT):
+        uT += tl.load(ptrs + s * M * R, mask=m_mask[None, :], other=0.0)
     vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, tl.cast(bound, tl.float32), R, H, BM, GATE, DOT_F32)
     tl.store(v_ptr + offs_m[None, :] * R + offs_r[:, None], vT.to(v_ptr.dtype.element_ty), mask=m_mask[None, :])
 
@@ -88,24 +132,31 @@ def _check(x: torch.Tensor, ec: PackedEC) -> None:
         raise ValueError(f"in_features must be a multiple of 32 (the smallest K tile); got {x.shape[1]}")
 
 
-def ec_gate(x: torch.Tensor, ec: PackedEC, out: torch.Tensor | None = None, launch=None) -> torch.Tensor:
-    """v = gamma(x Aᵀ) ⊙ (x Aᵀ), (M, R) in the activation dtype (R the padded rank)."""
+def ec_gate(x: torch.Tensor, ec: PackedEC, out: torch.Tensor | None = None, launch=None,
+            splits: int | None = None) -> torch.Tensor:
+    """v = gamma(x Aᵀ) ⊙ (x Aᵀ), (M, R) in the activation dtype (R the padded rank).
+    ``splits``: K splits (default ``gate_splits``); 1 is one program per token tile."""
     _check(x, ec)
     m, k = x.shape
     r = ec.a.shape[0]
     v = out if out is not None else _common.alloc((m, r), dtype=x.dtype, device=x.device)
     if v.shape != (m, r) or v.dtype != x.dtype or not v.is_contiguous():
         raise ValueError(f"v must be contiguous ({m}, {r}) {x.dtype}; got {tuple(v.shape)} {v.dtype}")
-    dummy = ec.a
     bk = 128 if k % 128 == 0 else (64 if k % 64 == 0 else 32)
+    steps = k // bk
+    splits = gate_splits(m, k, bk) if splits is None else max(1, min(int(splits), steps))
+    per = triton.cdiv(steps, splits)
+    splits = triton.cdiv(steps, per)  # no empty split
+    gate = (ec.w1, ec.b1, ec.w2, ec.b2) if ec.gated else (ec.a,) * 4
+    consts = dict(GATE=ec.gated, R=r, H=ec.w1.shape[0] if ec.gated else 16, BM=GATE_BM, DOT_F32=INTERPRET)
+    tiles = triton.cdiv(m, GATE_BM)
+    ws = v if splits == 1 else _common.alloc((splits, m, r), dtype=torch.float32, device=x.device)
     kernel = _ec_gate_kernel if launch is None else launch(_ec_gate_kernel)
-    kernel[(triton.cdiv(m, GATE_BM),)](
-        x, ec.a, ec.w1 if ec.gated else dummy, ec.b1 if ec.gated else dummy,
-        ec.w2 if ec.gated else dummy, ec.b2 if ec.gated else dummy, v,
-        float(ec.bound), m, k, x.stride(0),
-        GATE=ec.gated, R=r, H=ec.w1.shape[0] if ec.gated else 16, BM=GATE_BM, BK=bk, DOT_F32=INTERPRET,
-        num_warps=4, num_stages=3,
-    )
+    kernel[(tiles, splits)](x, ec.a, *gate, ws, float(ec.bound), m, k, x.stride(0), per, BK=bk, SPLIT=splits,
+                            **consts, num_warps=4, num_stages=3)
+    if splits > 1:
+        finish = _ec_gate_finish_kernel if launch is None else launch(_ec_gate_finish_kernel)
+        finish[(tiles,)](ws, *gate, v, float(ec.bound), m, SPLIT=splits, **consts, num_warps=4, num_stages=1)
     return v
 
 

@@ -13,7 +13,7 @@ from triton.compiler import ASTSource
 
 from spear.kernels.attention import _paged_decode_kernel, launch_config
 from spear.kernels.dequant import _dequant_kernel, _dequant_kmajor_kernel
-from spear.kernels.ec import _ec_gate_kernel, _ec_up_kernel
+from spear.kernels.ec import _ec_gate_finish_kernel, _ec_gate_kernel, _ec_up_kernel
 from spear.kernels.w4a16 import _w4a16_kernel
 
 TARGET = GPUTarget("cuda", 90, 128)
@@ -67,9 +67,16 @@ def compile_small(bf16, ftype="fp32"):
     c = dict(GROUP=64, SYMMETRIC=False, IS_BF16=bf16, BN=64, BK=128)
     p = dict(qw_ptr="*i32", scales_ptr="*fp16", zeros_ptr="*u8", wt_ptr=dt)
     triton.compile(ASTSource(_dequant_kmajor_kernel, sig(_dequant_kmajor_kernel, p, (), c), c), target=TARGET)
-    c = dict(GATE=True, R=16, H=16, BM=16, BK=64, DOT_F32=False)
-    p = {k: dt for k in ("x_ptr", "a_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr", "v_ptr")}
-    triton.compile(ASTSource(_ec_gate_kernel, sig(_ec_gate_kernel, p, ("bound",), c, ftype), c), target=TARGET)
+    for split in (1, 4):  # one program per token tile, or shares of K into an fp32 workspace
+        c = dict(GATE=True, R=16, H=16, BM=16, BK=64, DOT_F32=False, SPLIT=split)
+        p = {k: dt for k in ("x_ptr", "a_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr")}
+        p["v_ptr"] = dt if split == 1 else "*fp32"
+        triton.compile(ASTSource(_ec_gate_kernel, sig(_ec_gate_kernel, p, ("bound",), c, ftype), c), target=TARGET)
+    c = dict(GATE=True, R=16, H=16, BM=16, DOT_F32=False, SPLIT=4)
+    p = {k: dt for k in ("w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr", "v_ptr")}
+    p["ws_ptr"] = "*fp32"
+    triton.compile(ASTSource(_ec_gate_finish_kernel, sig(_ec_gate_finish_kernel, p, ("bound",), c, ftype), c),
+                   target=TARGET)
     c = dict(R=16, BM=64, BN=64, DOT_F32=False)
     p = {k: dt for k in ("v_ptr", "b_ptr", "out_ptr")}
     triton.compile(ASTSource(_ec_up_kernel, sig(_ec_up_kernel, p, ("alpha",), c, ftype), c), target=TARGET)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spear.kernels import pack_ec
 from spear.kernels import reference as ref
 from spear.kernels.ec import ec_gate, ec_up
 from spear.kernels.w4a16 import Config, w4a16_matmul
-from tests.kernels._helpers import K_SMALL, N_SMALL, assert_close, make_ec, setup_case
+from tests.kernels._helpers import DEVICE, K_SMALL, N_SMALL, assert_close, make_ec, setup_case
 
 
 @pytest.mark.parametrize("m,gs,dtype,r,h,split,mv,prefetch", [(1, 64, torch.float16, 8, 12, 2, 1, False),
@@ -53,6 +54,23 @@ def test_fused_ec(poisoned, m, gs, sym, dtype, r, h, split, mv, u_split):
         out = w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg)
         assert_close(out, expect, dtype, f"fused EC M={m} g={gs} r={r} h={h} split={split}")
         assert int(w.locks.abs().sum()) == 0, "fused-EC counters not re-armed"
+
+
+@pytest.mark.parametrize("m,k,splits,dtype,h", [(17, 256, 1, torch.float16, 12), (17, 256, 3, torch.float16, 12),
+                                                 (33, 512, 4, torch.bfloat16, None), (1, 256, 2, torch.float16, 8)])
+def test_ec_gate_split_over_k(poisoned, m, k, splits, dtype, h):
+    """ec_gate with K split into shares (fp32 workspace, then the gate) equals the reference; the
+    shares are uneven where the splits do not divide K's steps. Fails if a share is dropped."""
+    from spear.kernels import ec as ec_mod
+
+    e = pack_ec(**make_ec(N_SMALL, k, 8, h, dtype, seed=5))
+    x = torch.randn(m, k, dtype=dtype, device=DEVICE)
+    u = x.float() @ e.a.float().t()
+    expect = ref.ec_gate(u, e.w1, e.b1, e.w2, e.b2, e.bound) if h else u
+    assert_close(ec_gate(x, e, splits=splits), expect, dtype, f"ec_gate M={m} K={k} splits={splits}")
+    # the split count the launcher picks: more programs at few token tiles, each with >= GATE_MIN_STEPS
+    assert ec_mod.gate_splits(512, 11008, 128) == 8 and ec_mod.gate_splits(4096, 4096, 128) == 1
+    assert ec_mod.gate_splits(64, 14336, 128) == 28
 
 
 @pytest.mark.parametrize("m,dtype,h", [(17, torch.float16, 12), (33, torch.bfloat16, None)])
