@@ -7,11 +7,16 @@
 #     Llama-3-8B): FP16, W4, W4+EC and W4 with a W4 or a W8 output head at 1/8/32/64 sequences, for the
 #     README table. One call per model: a full table of both did not fit one call (BENCHMARKS.md,
 #     "Eleventh run"). Results tarred to OUT_DIR/decode-MODEL.tgz.
+#   scripts/gpu_next.sh 3 OUT_DIR: the W8A16 head kernel: its GPU tests, then benchmarks/bench_w8.py
+#     --sweep (against cuBLAS fp16 at the Llama-2-7B / Llama-3-8B head shapes; its best launches).
+#   scripts/gpu_next.sh 4 OUT_DIR: ec_gate split over K against the single pass (--gate-programs 0):
+#     bench_kernels.py at 64 / 512 / 2048 tokens with a per-kernel profile of the EC call, then
+#     Llama-3-8B W4 / W4+EC decode at 1 and 64 sequences.
 # Triton's compile cache is kept in the working tree (.triton-cache, ignored by git), which the
 # device keeps between the calls of a session, so later calls do not compile again.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_next.sh 1|2 OUT_DIR [MODEL]}
-out=${2:?usage: scripts/gpu_next.sh 1|2 OUT_DIR [MODEL]}
+part=${1:?usage: scripts/gpu_next.sh 1|2|3|4 OUT_DIR [MODEL]}
+out=${2:?usage: scripts/gpu_next.sh 1|2|3|4 OUT_DIR [MODEL]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="$PWD/.triton-cache"
@@ -33,5 +38,22 @@ case "$part" in
     > "$out/decode-$model.txt" 2>&1
   grep -E "^\| Llama|^Llama|batch +1:| in [0-9.]+ s" "$out/decode-$model.txt"
   tar -C "$out" -czf "$out/decode-$model.tgz" "decode-$model" "decode-$model.txt" ;;
-*) echo "part must be 1 or 2" >&2; exit 2 ;;
+3)
+  timeout 200 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=120 -m gpu \
+    tests/kernels/test_w8a16.py > "$out/tests-w8.txt" 2>&1
+  grep -v PASSED "$out/tests-w8.txt" | tail -20
+  timeout 330 python benchmarks/bench_w8.py --out "$out/w8" --sweep > "$out/w8.txt" 2>&1
+  grep -v -i warn "$out/w8.txt" | tail -40 ;;
+4)
+  for gp in 0 264; do
+    timeout 170 python benchmarks/bench_kernels.py --out "$out/kernels-gp$gp" --models Llama-2-7B,Llama-3-8B \
+      --ms 64,512,2048 --ranks 32 --gate-programs $gp --profile "ec r32" > "$out/kernels-gp$gp.txt" 2>&1
+    echo "== ec_gate programs $gp"; grep -E "^Llama|ec r32 at" "$out/kernels-gp$gp.txt"
+  done
+  for gp in 0 264; do
+    timeout 110 python benchmarks/bench_decode.py --models Llama-3-8B --batches 1,64 --no-fp16 --gate-programs $gp \
+      --out "$out/decode-gp$gp" > "$out/decode-gp$gp.txt" 2>&1
+    echo "== decode, ec_gate programs $gp"; grep -E "^\| Llama|batch +(1|64):| in [0-9.]+ s" "$out/decode-gp$gp.txt"
+  done ;;
+*) echo "part must be 1, 2, 3 or 4" >&2; exit 2 ;;
 esac
