@@ -190,16 +190,21 @@ def test_w4_with_compensators_equals_hf(w4_model):
     assert [o.output_token_ids for o in eng.generate(prompts, GREEDY)] == ref
 
 
-def test_spear_checkpoint_loads_and_equals_hf(tiny_llama_path, tmp_path):
+@pytest.mark.parametrize("head_bits", [0, 8])
+def test_spear_checkpoint_loads_and_equals_hf(tiny_llama_path, tmp_path, head_bits):
+    """A W4 checkpoint, and one whose (tied) head is W8 too (--lm-head-bits 8), served greedily."""
     from spear.config import QuantConfig
     from spear.models.checkpoint import save_checkpoint
     from spear.models.loading import load_model
-    from spear.quant import quantize_model_rtn
+    from spear.quant.api import quantize_model
+    from spear.quant.linear import QuantLinear
 
     model, tok = load_model(tiny_llama_path)
-    quantize_model_rtn(model, QuantConfig(bits=4, group_size=32), progress=False)
-    save_checkpoint(model, tok, tmp_path / "ckpt", QuantConfig(bits=4, group_size=32), str(tiny_llama_path))
+    cfg = QuantConfig(bits=4, group_size=32, include_lm_head=bool(head_bits), head_bits=head_bits)
+    quantize_model(model, cfg, progress=False)
+    save_checkpoint(model, tok, tmp_path / "ckpt", cfg, str(tiny_llama_path))
     eng = LLMEngine.from_pretrained(str(tmp_path / "ckpt"), EngineConfig(num_blocks=64), device="cpu")
+    assert isinstance(eng.model.lm_head, QuantLinear) == bool(head_bits)
     ids = list(range(10, 30))
     assert eng.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].output_token_ids \
         == hf_greedy(eng.model, tok, ids, 16)
