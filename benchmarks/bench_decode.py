@@ -155,21 +155,10 @@ def kernel_profile(engine: LLMEngine, batch: int, reps: int = 10) -> list[dict] 
     runner = engine.runner
     if not runner.graphs:
         return None
-    from torch.profiler import ProfilerActivity, profile
+    from spear.kernels.timing import profile_graph
 
     graph = runner.graphs[next(b for b in runner.graphs if b >= batch)]
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            graph.replay()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us > 0 and "cudaGraph" not in e.key:
-            rows.append({"kernel": e.key[:80], "us_per_step": us / reps, "calls_per_step": e.count / reps})
-    return sorted(rows, key=lambda r: -r["us_per_step"])
+    return [{"kernel": k, "us_per_step": us, "calls_per_step": n} for k, us, n in profile_graph(graph, reps, reps)]
 
 
 def engine_decode(engine: LLMEngine, batch: int, prompt_len: int, gen: int, warmup: int, reps: int, vocab: int):

@@ -51,8 +51,6 @@ def profile_calls(fns, reps=5):
     """GPU time per call by kernel name (torch.profiler over replays of the graph that
     :func:`time_calls` times), largest first: [(name, µs per call, launches per call)]. The sum
     against time_calls' wall time per call shows the gaps (launch, fork/join, dependencies)."""
-    from torch.profiler import ProfilerActivity, profile
-
     for f in fns:
         f()
     torch.cuda.synchronize()
@@ -60,19 +58,27 @@ def profile_calls(fns, reps=5):
     with torch.cuda.graph(graph):
         for f in fns:
             f()
+    rows = profile_graph(graph, reps, reps * len(fns))
+    del graph
+    return rows
+
+
+def profile_graph(graph, reps, units):
+    """GPU time by kernel name over ``reps`` replays of a captured graph, per one of ``units``
+    (calls, steps), largest first: [(name, µs per unit, launches per unit)]."""
+    from torch.profiler import ProfilerActivity, profile
+
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             graph.replay()
         torch.cuda.synchronize()
-    calls = reps * len(fns)
     rows = []
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if us > 0 and "cudaGraph" not in e.key:
-            rows.append((e.key[:70], us / calls, e.count / calls))
-    del graph
+            rows.append((e.key[:80], us / units, e.count / units))
     return sorted(rows, key=lambda r: -r[1])
 
 
