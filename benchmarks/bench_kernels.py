@@ -188,7 +188,7 @@ def sweep(args, out_dir):
         torch.cuda.empty_cache()
     meta = dict(device=props.name, l2_bytes=l2, copy_bw=bw, fp16_peak=peak, torch=torch.__version__,
                 group_size=GROUP, gate_hidden=HIDDEN, fused_max_m=ops.FUSED_MAX_M,
-                dequant_mm_min_m=ops.DEQUANT_MM_MIN_M, prefill_ec=ops.PREFILL_EC, quick=args.quick,
+                dequant_mm_min_m=ops.DEQUANT_MM_MIN_M, quick=args.quick,
                 layout=args.layout,
                 date=time.strftime("%Y-%m-%d"))
     (out_dir / "results.json").write_text(json.dumps(dict(meta=meta, results=results, checks=checks), indent=1))
@@ -251,14 +251,10 @@ def main():
                         "default: spear.kernels.ec.GATE_PROGRAMS)")
     p.add_argument("--profile", help="comma-separated variants (e.g. 'w4,ec r32') whose GPU time per call is also "
                                      "split by kernel (torch.profiler over graph replays) and printed per row")
-    p.add_argument("--prefill-ec", choices=ops.PREFILL_EC_MODES, default=ops.PREFILL_EC,
-                   help="how the op adds the EC on the dequantize + cuBLAS path (spear.kernels.ops.PREFILL_EC; "
-                        "default: %(default)s)")
     p.add_argument("--layout", choices=["kmajor", "nmajor"], default="kmajor",
                    help="packed weight layout of the W4 variants (the engine serves K-major; the sweeps of "
                         "2026-11-29 and the quick run of 2026-11-30 used N-major; --tune always packs N-major)")
     args = p.parse_args()
-    ops.PREFILL_EC = args.prefill_ec
     if args.gate_programs is not None:
         from spear.kernels import ec
 

@@ -14,9 +14,7 @@ Dispatch on CUDA, by M = number of tokens:
                        DEQUANT_MM_MIN_M on, dequantize + cuBLAS.
   EC, M <= FUSED_MAX_M full fusion: one launch, A x in the same pass, gate in the epilogue.
   EC, M >  FUSED_MAX_M semi-fused: ec_gate on a side stream, overlapped with the W4 GEMM;
-                       then ec_up adds alpha · v Bᵀ (or, PREFILL_EC "addmm" with dequantize +
-                       cuBLAS, the side stream also computes alpha · v Bᵀ and cuBLAS adds it
-                       in the GEMM's epilogue). Inside CUDA-graph capture the fork and
+                       then ec_up adds alpha · v Bᵀ. Inside CUDA-graph capture the fork and
                        join are captured as graph edges. While torch.compile traces the op
                        (no streams there) the serial variant runs: ec_gate, then the GEMM
                        with the v-epilogue (EC_MODE 2).
@@ -59,14 +57,10 @@ DEQUANT_MM_MIN_M = 128
 # Whether the semi-fused path overlaps ec_gate on a side stream (True) or runs it first and
 # reads v in the GEMM epilogue (False): the overlap was as fast or faster at M >= 256.
 SEMI_FUSED_OVERLAP = True
-# How the semi-fused path adds alpha · v Bᵀ on the dequantize + cuBLAS path (M >= DEQUANT_MM_MIN_M):
-#   "ec_up": after the GEMM, in a kernel of its own (one more read and write of the (M, N) output);
-#   "addmm": C = alpha · v Bᵀ (+ bias) is computed beside the dequantize pass (on the side stream when
-#            overlapping) and cuBLAS adds it in the GEMM's epilogue (torch.addmm, beta = 1), where a
-#            compute-bound GEMM reads it nearly for free. C is rounded to the activation dtype once
-#            more than in "ec_up". Kept at "ec_up" until the two are timed (bench_kernels.py --prefill-ec).
-PREFILL_EC = "ec_up"
-PREFILL_EC_MODES = ("ec_up", "addmm")
+# The semi-fused path adds alpha · v Bᵀ after the GEMM, in a kernel of its own (ec_up: one more
+# read and write of the (M, N) output). Adding it through cuBLAS's epilogue instead (torch.addmm with
+# C = alpha · v Bᵀ computed beside the dequantize pass) was slower on 10 of 12 layer shapes at 512 and
+# 2048 tokens on an H200 (BENCHMARKS.md, "Eleventh run", item 7): C is itself an (M, N) tensor.
 
 _side_streams: dict[int, torch.cuda.Stream] = {}
 
@@ -106,38 +100,8 @@ def _beside(device: torch.device, overlap: bool, work):
     return lambda: main.wait_stream(side)
 
 
-def _ec_term(v: torch.Tensor, e: PackedEC, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
-    """out = alpha · v Bᵀ (+ bias) in cuBLAS ("addmm"); alpha scales the (M, R) v, not the (M, N) out."""
-    va = v * e.alpha
-    if bias is None:
-        torch.mm(va, e.b.t(), out=out)
-    else:
-        torch.addmm(bias, va, e.b.t(), out=out)
-
-
-def _semi_fused_addmm(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC, overlap: bool,
-                      act: int) -> torch.Tensor:
-    """PREFILL_EC "addmm": y = x Ŵᵀ + C with C = alpha · v Bᵀ (+ bias) added in cuBLAS's epilogue."""
-    v = _common.alloc((x.shape[0], e.a.shape[0]), dtype=x.dtype, device=x.device)
-    c = _common.alloc((x.shape[0], w.out_features), dtype=x.dtype, device=x.device)
-
-    def side_work():
-        ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton)
-        _ec_term(v, e, bias, c)
-
-    join = _beside(x.device, overlap, side_work)
-    w_hat = dequantize(w, x.dtype, launch=wrap_triton)
-    join()
-    y = torch.addmm(c, x, w_hat.t())
-    return _silu_mul_pairs(y) if act else y
-
-
 def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC,
                 overlap: bool, act: int = 0) -> torch.Tensor:
-    if PREFILL_EC not in PREFILL_EC_MODES:
-        raise ValueError(f"ops.PREFILL_EC must be one of {PREFILL_EC_MODES}; got {PREFILL_EC!r}")
-    if PREFILL_EC == "addmm" and x.shape[0] >= DEQUANT_MM_MIN_M:
-        return _semi_fused_addmm(x, w, bias, e, overlap, act)
     v = _common.alloc((x.shape[0], e.a.shape[0]), dtype=x.dtype, device=x.device)
     if not overlap:
         ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton)

@@ -43,29 +43,6 @@ def test_op_edge_cases():
         w4a16_linear(torch.randn(3, 64).half(), w)
 
 
-@pytest.mark.parametrize("act", [0, 1])
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_prefill_ec_addmm_is_the_reference(poisoned, with_bias, act):
-    """PREFILL_EC "addmm" (serial form; the kernels in the interpreter, cuBLAS's part as torch on the CPU):
-    y = x Ŵᵀ + (alpha · v Bᵀ + bias), the EC term added through addmm's input."""
-    if DEVICE != "cpu":
-        pytest.skip("the GPU form is test_gpu_dispatch")
-    dtype = torch.float16
-    codes, scales, zeros, w, e = _layer(64, 128, 32, dtype, "cpu", r=16, h=16, seed=3)
-    x = torch.randn(ops.DEQUANT_MM_MIN_M + 3, 128).to(dtype)
-    bias = torch.randn(64).to(dtype) if with_bias else None
-    got = ops._semi_fused_addmm(x, w, bias, e, overlap=False, act=act)
-    expect = _expect(x, codes, scales, zeros, 32, bias, e)
-    assert_close(got, ref.silu_mul_pairs(expect) if act else expect, dtype, f"addmm bias={with_bias} act={act}")
-
-
-def test_an_unknown_prefill_ec_mode_is_refused(monkeypatch):
-    _, _, _, w, e = _layer(64, 128, 0, torch.float16, "cpu")
-    monkeypatch.setattr(ops, "PREFILL_EC", "fused")
-    with pytest.raises(ValueError, match=r"PREFILL_EC must be one of \('ec_up', 'addmm'\)"):
-        ops._semi_fused(torch.randn(200, 128).half(), w, None, e, overlap=False)
-
-
 def test_op_is_registered_as_a_triton_op():
     assert hasattr(torch.ops.spear, "w4a16_ec")
     schema = str(torch.ops.spear.w4a16_ec.default._schema)
@@ -78,14 +55,11 @@ def _need_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,prefill_ec", [(1, "ec_up"), (5, "ec_up"), (ops.FUSED_MAX_M, "ec_up"),
-                                          (ops.FUSED_MAX_M + 1, "ec_up"), (300, "ec_up"), (2048, "ec_up"),
-                                          (300, "addmm"), (2048, "addmm")])
+@pytest.mark.parametrize("m", [1, 5, ops.FUSED_MAX_M, ops.FUSED_MAX_M + 1, 64, 300, 2048])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_gpu_dispatch(poisoned, monkeypatch, m, prefill_ec, overlap):
+def test_gpu_dispatch(poisoned, monkeypatch, m, overlap):
     _need_cuda()
     monkeypatch.setattr(ops, "SEMI_FUSED_OVERLAP", overlap)
-    monkeypatch.setattr(ops, "PREFILL_EC", prefill_ec)
     # without overlap, decode ECs above FUSED_MAX_RANK take ec_gate + the v-epilogue
     monkeypatch.setattr(ops, "FUSED_MAX_RANK", ops.FUSED_MAX_RANK if overlap else 16)
     dtype = torch.float16
@@ -98,11 +72,11 @@ def test_gpu_dispatch(poisoned, monkeypatch, m, prefill_ec, overlap):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,prefill_ec", [(4, "ec_up"), (600, "ec_up"), (600, "addmm")])
-def test_gpu_cuda_graph_replay(monkeypatch, m, prefill_ec):
-    """Capture the op (fused at small M, side stream at large M), replay on new inputs."""
+@pytest.mark.parametrize("m", [4, 64, 600])
+def test_gpu_cuda_graph_replay(m):
+    """Capture the op (fused at small M, side stream at large M, ec_gate split over K at 64 and
+    600), replay on new inputs."""
     _need_cuda()
-    monkeypatch.setattr(ops, "PREFILL_EC", prefill_ec)
     dtype = torch.bfloat16
     codes, scales, zeros, w, e = _layer(4096, 4096, 64, dtype, "cuda", r=16, h=16)
     x = torch.randn(m, 4096, device="cuda").to(dtype)
