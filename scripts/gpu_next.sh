@@ -42,12 +42,12 @@ case "$part" in
   timeout 200 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=120 -m gpu \
     tests/kernels/test_w8a16.py > "$out/tests-w8.txt" 2>&1
   grep -v PASSED "$out/tests-w8.txt" | tail -20
-  timeout 330 python benchmarks/bench_w8.py --out "$out/w8" --sweep > "$out/w8.txt" 2>&1
+  timeout 330 python benchmarks/bench_w8.py --out "$out/w8" --sweep --budget-s 240 > "$out/w8.txt" 2>&1
   grep -v -i warn "$out/w8.txt" | tail -40 ;;
 4)
   for gp in 0 264; do
     timeout 170 python benchmarks/bench_kernels.py --out "$out/kernels-gp$gp" --models Llama-2-7B,Llama-3-8B \
-      --ms 64,512,2048 --ranks 32 --gate-programs $gp --profile "ec r32" > "$out/kernels-gp$gp.txt" 2>&1
+      --ms 64,512,2048 --ranks 32 --gate-programs $gp --profile "ec r32" --budget-s 130 > "$out/kernels-gp$gp.txt" 2>&1
     echo "== ec_gate programs $gp"; grep -E "^Llama|ec r32 at" "$out/kernels-gp$gp.txt"
   done
   for gp in 0 264; do
