@@ -45,3 +45,20 @@ def test_spear_calibrate_blockwise(sharp_tiny_llama_path, tmp_path, monkeypatch,
     assert meta["calibration"]["mode"] == "blockwise" and len(meta["report"]["layers"]) == 2
     model, _ = load_model(out)
     assert model.model.layers[0].mlp.down_proj.compensator.rank == 2
+
+
+def test_spear_calibrate_with_a_w8_head(sharp_tiny_llama_path, tmp_path, monkeypatch, capsys):
+    """--lm-head-bits 8: the body at --bits, the head W8 per-channel; the head is one more module the
+    compensators may be placed on, and the checkpoint keeps both widths."""
+    monkeypatch.setenv("SPEAR_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "ck"
+    rc = main(["-q", "calibrate", "--model", str(sharp_tiny_llama_path), "--out", str(out), "--bits", "3",
+               "--lm-head-bits", "8", "--rank", "2", "--steps", "4", "--samples", "4", "--val-samples", "2",
+               "--sample-len", "16"])
+    assert rc == 0
+    assert "15 ECs" in capsys.readouterr().out
+    quant = json.loads((out / "spear_config.json").read_text())["quant"]
+    assert quant["include_lm_head"] and quant["head_bits"] == 8
+    model, _ = load_model(out)
+    assert model.lm_head.bits == 8 and model.model.layers[0].mlp.down_proj.bits == 3
+    assert model.lm_head.compensator is not None and dict(model.lm_head.named_parameters(recurse=False)) == {}
