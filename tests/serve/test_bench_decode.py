@@ -18,3 +18,12 @@ def test_bench_decode_tiny(tmp_path, capsys):
     assert all(r["tok_s@1"] > 0 and r["tok_s@4"] > 0 for r in rows)
     assert 0 < rows[2]["extra_pct"] < 2
     assert "| tiny | w4+ec |" in (tmp_path / "table.md").read_text()
+
+
+def test_bench_decode_inputs_runs(capsys):
+    spec = importlib.util.spec_from_file_location("bench_decode_inputs", BENCH.parent / "bench_decode_inputs.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--batch", "3", "--widths", "4,32"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 |") or line.startswith("| 32 |")]
+    assert len(rows) == 2

@@ -263,3 +263,21 @@ def test_decode_graph_path_with_padding_equals_hf(default_model, reference):
     assert list(eng.runner.graphs) == [1, 2, 4, 6]
     outs = eng.generate(PROMPTS[:3], GREEDY)
     assert [o.output_token_ids for o in outs] == reference[:3]
+
+
+def test_decode_inputs_pad_the_block_tables_with_the_scratch_block(default_model):
+    """The decode step's inputs at a padded batch: each row's block table, then the scratch block to
+    the graph's width; padding rows read and write only the scratch block."""
+    from types import SimpleNamespace
+
+    eng = engine(default_model, max_num_seqs=4, max_model_len=256)
+    runner = eng.runner
+    seqs = [SimpleNamespace(token_ids=list(range(40, 40 + n)), block_table=tbl)
+            for n, tbl in ((20, [7, 3]), (1, [5]), (33, [9, 0, 2]))]
+    out = SimpleNamespace(chunks=[SimpleNamespace(seq=s, start=len(s.token_ids) - 1) for s in seqs])
+    ids, pos, slots, tables, lens = runner._decode_inputs(out, 4, 16)
+    sb, bs = runner.scratch_block, runner.block_size
+    expect = [tbl + [sb] * (16 - len(tbl)) for tbl in ([7, 3], [5], [9, 0, 2])] + [[sb] * 16]
+    assert tables.tolist() == expect
+    assert ids.tolist() == [59, 40, 72, 0] and pos.tolist() == [19, 0, 32, 0] and lens.tolist() == [20, 1, 33, 1]
+    assert slots.tolist() == [3 * bs + 3, 5 * bs, 2 * bs + 0, sb * bs]
