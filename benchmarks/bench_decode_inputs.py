@@ -30,8 +30,12 @@ from spear.serve.model_runner import ModelRunner  # noqa: E402
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64, help="sequences in the step (default: %(default)s)")
-    p.add_argument("--widths", default="16,256,512", help="block-table widths (default: %(default)s)")
+    p.add_argument("--widths", default="16,256,512",
+                   help="block-table widths, each at least 12, the blocks a sequence uses (default: %(default)s)")
     args = p.parse_args(argv)
+    widths = [int(w) for w in args.widths.split(",")]
+    if min(widths) < 12:
+        p.error("--widths: each width must be at least 12 (the sequences use 12 blocks)")
     torch.set_num_threads(1)
     runner = SimpleNamespace(block_size=16, scratch_block=100_000)  # what _decode_inputs reads of the runner
     seqs = [SimpleNamespace(token_ids=list(range(180)), block_table=list(range(12 * i, 12 * i + 12)))
@@ -40,7 +44,7 @@ def main(argv=None) -> int:
     print(f"Decode inputs, {datetime.date.today().isoformat()}, CPU ({platform.processor() or platform.machine()}), "
           f"torch {torch.__version__}, {args.batch} sequences\n")
     print("| table width | µs per step |\n|---:|---:|")
-    for width in (int(w) for w in args.widths.split(",")):
+    for width in widths:
         for _ in range(5):
             ModelRunner._decode_inputs(runner, step, args.batch, width)
         times = []

@@ -24,6 +24,6 @@ def test_bench_decode_inputs_runs(capsys):
     spec = importlib.util.spec_from_file_location("bench_decode_inputs", BENCH.parent / "bench_decode_inputs.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--batch", "3", "--widths", "4,32"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4 |") or line.startswith("| 32 |")]
+    assert bench.main(["--batch", "3", "--widths", "12,32"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 12 |") or line.startswith("| 32 |")]
     assert len(rows) == 2
