@@ -187,7 +187,7 @@ def engine_decode(engine: LLMEngine, batch: int, prompt_len: int, gen: int, warm
 
 def run_variant(model, name: str, args, device: str, batches: list[int], vocab: int, max_len: int) -> dict:
     cfg = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(512, max(batches)),
-                       max_model_len=max_len, block_size=16,
+                       max_model_len=args.max_model_len or max_len, block_size=16,
                        num_blocks=max(batches) * math.ceil(max_len / 16) + 8, cuda_graphs=not args.no_graphs,
                        weight_layout=args.layout, fuse_projections=not args.no_fuse, pdl=args.pdl)
     t0 = time.perf_counter()
@@ -244,6 +244,10 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8,32,64", help="concurrent sequences; must start with 1")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen", type=int, default=64, help="timed decode steps per run")
+    p.add_argument("--max-model-len", type=int,
+                   help="the engine's max_model_len, as a server would set it (e.g. 8192): the decode graphs' "
+                        "block tables are that wide, which the host pays for at every step; the KV cache stays "
+                        "sized for this run (default: prompt + warm-up + timed steps + 1)")
     p.add_argument("--warmup", type=int, default=8, help="decode steps before timing")
     p.add_argument("--reps", type=int, default=100, help="graph replays per model timing")
     p.add_argument("--ec-rank", type=int, default=16)
@@ -337,6 +341,7 @@ def main(argv=None) -> int:
     header = (f"Decode, {datetime.date.today().isoformat()}, {dev_name}, torch {torch.__version__}, "
               f"{dtype}, prompt {args.prompt_len} tokens, median of {args.gen} steps"
               + (f", {args.layers} layers" if args.layers else "")
+              + (f", max_model_len {args.max_model_len}" if args.max_model_len else "")
               + f", W4 layout {args.layout}, projections {'separate' if args.no_fuse else 'fused'}"
               + (f", fused EC up to rank {args.fused_max_rank}" if args.fused_max_rank is not None else "")
               + (f", attention splits <= {args.attn_max_splits}" if args.attn_max_splits is not None else "")
@@ -345,6 +350,8 @@ def main(argv=None) -> int:
               + (f", programmatic dependent launch ({args.pdl})" if args.pdl != "off" and device == "cuda" else ""))
     print(header, flush=True)
     max_len = args.prompt_len + args.warmup + args.gen + 1
+    if args.max_model_len is not None and args.max_model_len < max_len:
+        p.error(f"--max-model-len must be at least prompt + warm-up + timed steps + 1 = {max_len}")
     results = []
     for shape in models:
         print(f"{shape}: building random weights", flush=True)
