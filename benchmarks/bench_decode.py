@@ -43,93 +43,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spear.compensate.ec import GatedCompensator  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode_cases import (GROUP, SHAPES, IdsTokenizer, attach_ecs, build_model, remove_ecs,  # noqa: E402
+                          restore_quantlinears)
 from spear.config import QuantConfig  # noqa: E402
-from spear.eval.memory import compensator_bytes, quantized_model_bytes  # noqa: E402
 from spear.models.modules import set_module  # noqa: E402
 from spear.quant import quantize_model_rtn  # noqa: E402
 from spear.serve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from spear.serve.config import PDL_MODES  # noqa: E402
-from spear.serve.fusion import GROUPS  # noqa: E402
-
-SHAPES = {
-    "Llama-2-7B": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
-    "Llama-3-8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1024),
-}
-GROUP = 128
-
-
-class _IdsTokenizer:
-    """The engine only decodes text for stop strings and streaming; ids suffice here."""
-    eos_token_id = None
-
-    def decode(self, ids, **kw):
-        return ""
-
-
-def build_model(shape: str, layers: int | None, device: str, dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    kw = dict(SHAPES[shape])
-    if layers:
-        kw["num_hidden_layers"] = layers
-    cfg = LlamaConfig(**kw, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)  # HF init: normal(0, 0.02) linears, unit norms
-    finally:
-        torch.set_default_dtype(prev)
-    return model.eval()
-
-
-def attach_ecs(modules: dict, rank: int, hidden: int, budget: float | None, model) -> tuple[int, float]:
-    """Gated ECs on evenly spread modules until ``budget`` x W4 bytes (all modules when None)."""
-    names = list(modules)
-    w4_bytes = quantized_model_bytes(model)
-    per = {n: 2 * (rank * (m.in_features + m.out_features) + 2 * rank * hidden + hidden + rank + 1)
-           for n, m in modules.items()}
-    if budget is None:
-        chosen = names
-    else:
-        stride = max(1, math.ceil(sum(per.values()) / (budget * w4_bytes)))
-        chosen = names[::stride]
-    g = torch.Generator().manual_seed(1)
-    for n in chosen:
-        q = modules[n]
-        dev = q.codes.device
-        a = (torch.randn(rank, q.in_features, generator=g) / math.sqrt(q.in_features)).to(dev)
-        b = (torch.randn(q.out_features, rank, generator=g) * 1e-2).to(dev)
-        ec = GatedCompensator(a, b, hidden=hidden)
-        with torch.no_grad():
-            ec.w2.copy_(torch.randn(ec.w2.shape, generator=g).to(dev) * 0.1)
-        q.compensator = ec
-    return len(chosen), 100 * compensator_bytes(model) / w4_bytes
-
-
-def remove_ecs(modules: dict) -> None:
-    for q in modules.values():
-        q.compensator = None
-
-
-def restore_quantlinears(model, modules: dict) -> None:
-    """The engine swaps QuantLinears for packed kernel modules on CUDA and fuses q/k/v and
-    gate/up (spear.serve.fusion); put the originals back and drop the fused projections."""
-    for name, q in modules.items():
-        set_module(model, name, q)
-    for layer in model.model.layers:
-        for parent_name, _, fused_name in GROUPS:
-            if hasattr(getattr(layer, parent_name), fused_name):
-                delattr(getattr(layer, parent_name), fused_name)
-
 
 def graph_latency_ms(engine: LLMEngine, batch: int, reps: int) -> float | None:
     runner = engine.runner
@@ -191,7 +113,7 @@ def run_variant(model, name: str, args, device: str, batches: list[int], vocab: 
                        num_blocks=max(batches) * math.ceil(max_len / 16) + 8, cuda_graphs=not args.no_graphs,
                        weight_layout=args.layout, fuse_projections=not args.no_fuse, pdl=args.pdl)
     t0 = time.perf_counter()
-    engine = LLMEngine(model, _IdsTokenizer(), cfg)
+    engine = LLMEngine(model, IdsTokenizer(), cfg)
     # wall times of the stages, so a run cut short by a time limit shows where its time went
     print(f"  {name}: engine started in {time.perf_counter() - t0:.1f} s (packing, graph capture)", flush=True)
     row = {"variant": name}

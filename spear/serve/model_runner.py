@@ -93,7 +93,7 @@ class ModelRunner:
         self.graph_pdl: dict[int, str] = {}  # padded batch size -> the PDL mode its graph was captured with
         if self.device.type == "cuda":
             from spear.kernels import _common
-            from spear.serve.w4_kernels import use_w4_kernels
+            from spear.serve.w4_kernels import use_quant_kernels
 
             try:
                 # before any launch or graph capture: the kernels take it as a constexpr
@@ -106,9 +106,9 @@ class ModelRunner:
                 launch.use_table(launch_table)
                 log.info("W4 kernel launches from the given table (%s)", ", ".join(launch_table))
 
-            n = use_w4_kernels(model, kmajor=weight_layout == "kmajor")
+            n = use_quant_kernels(model, kmajor=weight_layout == "kmajor")
             if n:
-                log.info("W4 kernels on %d quantized linears", n)
+                log.info("W4 / W8 kernels on %d quantized linears", n)
             if fuse_projections:
                 from spear.serve.fusion import fuse_projections as fuse
 

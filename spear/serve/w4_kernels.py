@@ -1,7 +1,7 @@
 """Serving QuantLinears through the W4A16 (+EC) and W8A16 Triton kernels on CUDA.
 
 ``QuantLinear``'s own forward dequantizes its weight (a torch reference that runs
-anywhere). For serving on a GPU, :func:`use_w4_kernels` packs each eligible 4-bit
+anywhere). For serving on a GPU, :func:`use_quant_kernels` packs each eligible 4-bit
 QuantLinear once into the kernel layout (``spear.kernels.layout.pack``), together
 with its compensator when that is a low-rank or SPEAR EC (``pack_ec``), and swaps in
 a :class:`W4KernelLinear` whose forward is one ``w4a16_linear`` call: the EC runs
@@ -115,20 +115,16 @@ class W8KernelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
-def use_w4_kernels(model: nn.Module, kmajor: bool = False) -> int:
+def use_quant_kernels(model: nn.Module, kmajor: bool = False) -> int:
     """Swap every packable QuantLinear of a CUDA fp16/bf16 model for a W4KernelLinear (4-bit) or a
     W8KernelLinear (8-bit per-channel); returns how many. ``kmajor``: pack the 4-bit ones K-major
     (``spear.kernels.layout``) where in_features allows it."""
     dtype = model.get_input_embeddings().weight.dtype
     if dtype not in (torch.float16, torch.bfloat16):
         return 0  # the kernels take fp16/bf16 activations; fp32 keeps the torch path
-    n = 0
-    for name, q in [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]:
-        if packable(q):
-            set_module(model, name, W4KernelLinear(q, dtype, kmajor))
-        elif packable_w8(q):
-            set_module(model, name, W8KernelLinear(q, dtype))
-        else:
-            continue
-        n += 1
-    return n
+    swaps = {name: W4KernelLinear(q, dtype, kmajor) if packable(q) else W8KernelLinear(q, dtype)
+             for name, q in model.named_modules()
+             if isinstance(q, QuantLinear) and (packable(q) or packable_w8(q))}
+    for name, packed in swaps.items():
+        set_module(model, name, packed)
+    return len(swaps)

@@ -7,7 +7,7 @@ from spear.compensate.ec import GatedCompensator
 from spear.compensate.lowrank import LowRankCompensator
 from spear.config import QuantConfig
 from spear.quant.rtn import rtn_quantize_linear
-from spear.serve.w4_kernels import W4KernelLinear, packable, use_w4_kernels
+from spear.serve.w4_kernels import W4KernelLinear, packable, use_quant_kernels
 from tests.conftest import sqnr_db
 
 
@@ -81,9 +81,9 @@ def test_only_kernel_shapes_are_packed(tiny_llama):
     q.bits = 3
     assert not packable(q)
     quantize_model_rtn(model, QuantConfig(bits=4, group_size=32), progress=False)
-    assert use_w4_kernels(model) == 0  # fp32 activations keep the torch path
+    assert use_quant_kernels(model) == 0  # fp32 activations keep the torch path
     model.half()
-    assert use_w4_kernels(model) == 14
+    assert use_quant_kernels(model) == 14
     assert sum(isinstance(m, W4KernelLinear) for m in model.modules()) == 14
 
 
@@ -111,5 +111,5 @@ def test_w8_head_is_served_by_the_w8_kernel(tiny_llama):
     quantize_model_rtn(model, QuantConfig(bits=4, group_size=32), progress=False)
     quantize_model_rtn(model, QuantConfig(bits=8, include_lm_head=True), progress=False)
     model.half()
-    assert use_w4_kernels(model) == 15
+    assert use_quant_kernels(model) == 15
     assert isinstance(model.lm_head, W8KernelLinear)
