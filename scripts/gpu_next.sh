@@ -13,11 +13,15 @@
 #   scripts/gpu_next.sh 4 OUT_DIR: ec_gate split over K against the single pass (--gate-programs 0):
 #     bench_kernels.py at 64 / 512 / 2048 tokens with a per-kernel profile of the EC call, then
 #     Llama-3-8B W4 / W4+EC decode at 1 and 64 sequences.
+#   scripts/gpu_next.sh 5 OUT_DIR: the fused EC's hang check: Llama-3-8B W4+EC decode at batch 1 in
+#     fresh processes (45 s each, 90 s for a tree's first), on this tree and on a copy without the
+#     barrier before the last u program re-arms its counters (_ec_programs.py); without it 5 of 8
+#     processes stalled on 2026-12-01.
 # Triton's compile cache is kept in the working tree (.triton-cache, ignored by git), which the
 # device keeps between the calls of a session, so later calls do not compile again.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_next.sh 1|2|3|4 OUT_DIR [MODEL]}
-out=${2:?usage: scripts/gpu_next.sh 1|2|3|4 OUT_DIR [MODEL]}
+part=${1:?usage: scripts/gpu_next.sh 1|2|3|4|5 OUT_DIR [MODEL]}
+out=${2:?usage: scripts/gpu_next.sh 1|2|3|4|5 OUT_DIR [MODEL]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="$PWD/.triton-cache"
@@ -56,5 +60,25 @@ case "$part" in
       --out "$out/decode-gp$gp" > "$out/decode-gp$gp.txt" 2>&1
     echo "== decode, ec_gate programs $gp"; grep -E "^\| Llama|batch +(1|64):| in [0-9.]+ s" "$out/decode-gp$gp.txt"
   done ;;
-*) echo "part must be 1, 2, 3 or 4" >&2; exit 2 ;;
+5)
+  rm -rf /tmp/nobarrier && mkdir -p /tmp/nobarrier && cp -r spear benchmarks /tmp/nobarrier/
+  python - <<'PY'
+from pathlib import Path
+f = Path("/tmp/nobarrier/spear/kernels/_ec_programs.py")
+t = f.read_text()
+old = "            tl.debug_barrier()\n            tl.store(u_lock, 0)"
+assert t.count(old) == 1, "the re-arm's barrier moved: update gpu_next.sh part 5"
+f.write_text(t.replace(old, "            tl.store(u_lock, 0)"))
+PY
+  for tree in . /tmp/nobarrier; do
+    n=$([ "$tree" = . ] && echo 6 || echo 4); name=$([ "$tree" = . ] && echo current || echo nobarrier)
+    for i in $(seq "$n"); do
+      # the first run of a tree may compile its kernels: a longer limit
+      timeout -s KILL $([ "$i" = 1 ] && echo 90 || echo 45) python "$tree/benchmarks/bench_decode.py" --models Llama-3-8B --batches 1 --no-fp16 \
+        --out "$out/hang" > "$out/hang-$name-$i.txt" 2>&1
+      if grep -q "w4+ec  *batch   1:" "$out/hang-$name-$i.txt"; then r=completed; else r=STALLED; fi
+      echo "$name run $i: W4+EC batch 1 $r"
+    done
+  done ;;
+*) echo "part must be 1, 2, 3, 4 or 5" >&2; exit 2 ;;
 esac

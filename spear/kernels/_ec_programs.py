@@ -115,6 +115,11 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
             # the re-arm, here instead of in the W tiles: they signal with a red (no round trip on
             # their path), this program waits for all n_wt of them and zeroes both counters
             _wait_above(u_lock + 1, n_wt - 1, False)
+            # every warp past its poll before any zeroes the counters: each warp polls on its
+            # own, so without the barrier a warp that saw the last count could zero the done
+            # counter while another warp of this program, whose last poll was just before that
+            # count, polls again, reads 0 and spins forever (the engine's decode hung this way)
+            tl.debug_barrier()
             tl.store(u_lock, 0)
             tl.store(u_lock + 1, 0)
 

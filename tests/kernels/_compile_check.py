@@ -4,6 +4,7 @@ The interpreter only executes the branches a launch takes, so a constexpr varian
 not type-check (e.g. a dot of fp16 and bf16 tiles) passes it; ptxas does not. Prints "ok".
 """
 
+import re
 import sys
 
 import torch
@@ -56,6 +57,25 @@ def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, a
     return triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=2))
 
 
+def check_polls(ptx: str) -> int:
+    """The spin-waits of the fused EC (``_common._wait_above``) in compiled PTX: after each poll
+    loop (an ``ld.acquire.gpu`` and a branch back to it) the first barrier, store or atomic must
+    be a ``bar.sync``. Each warp polls on its own and a program's scalar stores come from one
+    thread, so a store right after the loop can change the polled counter while another warp of
+    the program is still polling it (that warp then spins forever). Returns the loops checked."""
+    lines = ptx.splitlines()
+    loops = 0
+    for i, line in enumerate(lines):
+        if "ld.acquire.gpu.global" not in line:
+            continue
+        back = next(j for j in range(i + 1, len(lines)) if re.search(r"\bbra(\.uni)?\s", lines[j]))
+        after = next((lines[j].strip() for j in range(back + 1, len(lines))
+                      if re.search(r"\b(bar\.sync|st\.global|red\.|atom\.)", lines[j])), "")
+        assert after.startswith("bar.sync"), f"poll loop at PTX line {i + 1} is followed by {after!r}, not a barrier"
+        loops += 1
+    return loops
+
+
 def compile_small(bf16, ftype="fp32"):
     dt = "*bf16" if bf16 else "*fp16"
     c = dict(GROUP=64, SYMMETRIC=True, IS_BF16=bf16, BN=64, BK=64)
@@ -101,7 +121,9 @@ def compile_attention(dtype, head_dim, block_size, group, splits=8, pdl=False):
 if __name__ == "__main__":
     bf16 = sys.argv[1] == "bf16"
     for ec_mode, mv, bm in ((0, 0, 64), (1, 1, 16), (1, 0, 16), (2, 0, 64)):
-        compile_w4(bf16, ec_mode, mv, bm)
+        kernel = compile_w4(bf16, ec_mode, mv, bm)
+        if ec_mode == 1:  # the W tiles' wait for v and the last u program's wait for the W tiles
+            assert check_polls(kernel.asm["ptx"]) == 2
     for ec_mode, mv, bm in ((0, 1, 16), (1, 4, 16), (0, 0, 64), (2, 0, 128)):  # the K-major layout
         compile_w4(bf16, ec_mode, mv, bm, kmajor=True)
     for ec_mode, mv in ((0, 1), (1, 2), (0, 4)):  # with the register prefetch of the next K step
@@ -112,7 +134,8 @@ if __name__ == "__main__":
     for ec_mode, mv, bm in ((1, 1, 16), (0, 0, 64), (2, 0, 128)):  # the SiLU·mul epilogue
         compile_w4(bf16, ec_mode, mv, bm, kmajor=True, prefetch=bool(mv), act=1)
     for ec_mode, mv, prefetch in ((1, 1, True), (0, 1, False), (1, 0, False)):  # programmatic dependent launch
-        compile_w4(bf16, ec_mode, mv, 16, kmajor=True, prefetch=prefetch, pdl=2)
+        kernel = compile_w4(bf16, ec_mode, mv, 16, kmajor=True, prefetch=prefetch, pdl=2)
+        assert check_polls(kernel.asm["ptx"]) == (2 if ec_mode == 1 else 0)
     for ec_mode, mv, bm in ((1, 1, 16), (1, 0, 16), (2, 0, 128)):  # fp64 scalars, as torch.compile passes them
         compile_w4(bf16, ec_mode, mv, bm, kmajor=True, prefetch=bool(mv), ftype="fp64")
     compile_small(bf16)
