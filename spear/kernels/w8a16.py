@@ -14,16 +14,16 @@ enough to fill 132 SMs without split-K). Tiles are transposed as in w4a16.py (fe
 along dim 1), and the weight tile [BN, BK] is loaded K-contiguous, 16 int8 per thread (one
 16-byte load). The inner loop only converts int8 to floats and multiply-accumulates: the
 per-row scale multiplies the fp32 sums once, in the epilogue, with the bias.
-  * CUDA cores (``dot`` False; decode, M < 16 by default): q converted to fp32, one FMA per
+  * CUDA cores (``dot`` False; decode, M <= 4 by default): q converted to fp32, one FMA per
     weight and token. One token (BM = 1) accumulates the whole [BN, BK] tile and reduces over
     K once after the loop; several tokens reduce each step's products over K per token (their
     [BN, BK] accumulators would not fit in registers), tokens past M skipped. Each thread
     reads the activations of its own 16 k's (two 16-byte loads; the other rows' threads hit
-    L1). Keep BK < 32 * num_warps here: Triton loads a row of at least as many elements as the
-    program has threads in a coalesced layout of its own and moves it into the tile's layout
-    through shared memory, with a barrier, at every step and token; a shorter row it loads
-    directly in the tile's layout.
-  * tensor cores (``dot`` True; M >= 16): q converted to the activation dtype (exact: |q| <=
+    L1). With BK >= 32 * num_warps Triton loads a row in a coalesced layout of its own and moves
+    it into the tile's layout through shared memory, with a barrier, at every step and token (a
+    shorter row it loads directly in the tile's layout); on the H200 the longer steps still won
+    (``LAUNCH``).
+  * tensor cores (``dot`` True; M > 4 by default): q converted to the activation dtype (exact: |q| <=
     128), accT [BN, BM] += W [BN, BK] · xT [BK, BM] in fp32. Under TRITON_INTERPRET=1 both dot
     operands are fp32 (the interpreter's bf16 dot is wrong; _common.py).
 K must be a multiple of 16, so that every row of qweight starts 16-byte aligned (Triton
@@ -49,18 +49,17 @@ from spear.kernels._common import INTERPRET, _pdl_start, _pdl_wait
 
 # Launch shapes by token count: the entry of the smallest key >= M (the largest key's above it).
 # BM tokens per program (CUDA-core entries skip tokens >= M), BN output features, BK inputs per
-# step; ``dot``: tensor cores. Unmeasured first guesses, to be timed on an H200 with
-# benchmarks/bench_w8.py (--sweep tries BN, BK and num_warps at M = 1 and 4). They rest only on
-# the compiled code (sm_90 PTX, read, not timed): the CUDA-core entries keep BK < 32 * num_warps,
-# so the activation rows load straight into the weight tile's layout (module docstring), with no
-# spills; the tensor-core entries stream the weight through cp.async stages into wgmma, the
-# int8 -> fp16 operand in registers.
+# step; ``dot``: tensor cores. M = 1-4: the best of ``benchmarks/bench_w8.py --sweep`` (BN, BK,
+# num_warps; 48 launches each) at M = 1 and 4, summed over the Llama-2-7B and Llama-3-8B heads
+# (H200, 2026-12-01): BK = 256 was faster than the BK < 32 * num_warps entries whose activation
+# rows need no layout change (module docstring), 157 against 226 us on the 8B head at M = 1. M = 5-16
+# take the tensor-core tile: the CUDA-core entries measured 2-5x slower there (M = 8: 896 us,
+# against 186 us for the M = 16 tile on the 8B head). M >= 16: first guesses, not swept; they
+# stream the weight through cp.async stages into wgmma, the int8 -> fp16 operand in registers.
 LAUNCH = {
-    1: dict(BM=1, BN=64, BK=64, num_warps=4, num_stages=2, dot=False),
-    2: dict(BM=2, BN=64, BK=64, num_warps=4, num_stages=2, dot=False),
-    4: dict(BM=4, BN=64, BK=64, num_warps=4, num_stages=2, dot=False),
-    8: dict(BM=8, BN=32, BK=64, num_warps=4, num_stages=2, dot=False),
-    15: dict(BM=16, BN=32, BK=64, num_warps=4, num_stages=2, dot=False),
+    1: dict(BM=1, BN=16, BK=256, num_warps=4, num_stages=2, dot=False),
+    2: dict(BM=2, BN=32, BK=256, num_warps=4, num_stages=2, dot=False),
+    4: dict(BM=4, BN=32, BK=256, num_warps=4, num_stages=2, dot=False),
     16: dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3, dot=True),
     32: dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=3, dot=True),
     64: dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3, dot=True),
