@@ -14,7 +14,7 @@ enough to fill 132 SMs without split-K). Tiles are transposed as in w4a16.py (fe
 along dim 1), and the weight tile [BN, BK] is loaded K-contiguous, 16 int8 per thread (one
 16-byte load). The inner loop only converts int8 to floats and multiply-accumulates: the
 per-row scale multiplies the fp32 sums once, in the epilogue, with the bias.
-  * CUDA cores (``dot`` False; decode, M <= 4 by default): q converted to fp32, one FMA per
+  * CUDA cores (``dot`` False; one token by default): q converted to fp32, one FMA per
     weight and token. One token (BM = 1) accumulates the whole [BN, BK] tile and reduces over
     K once after the loop; several tokens reduce each step's products over K per token (their
     [BN, BK] accumulators would not fit in registers), tokens past M skipped. Each thread
@@ -23,9 +23,9 @@ per-row scale multiplies the fp32 sums once, in the epilogue, with the bias.
     it into the tile's layout through shared memory, with a barrier, at every step and token (a
     shorter row it loads directly in the tile's layout); on the H200 the longer steps still won
     (``LAUNCH``).
-  * tensor cores (``dot`` True; M > 4 by default): q converted to the activation dtype (exact: |q| <=
-    128), accT [BN, BM] += W [BN, BK] · xT [BK, BM] in fp32. Under TRITON_INTERPRET=1 both dot
-    operands are fp32 (the interpreter's bf16 dot is wrong; _common.py).
+  * tensor cores (``dot`` True; M >= 2 by default): q converted to the activation dtype
+    (exact: |q| <= 128), accT [BN, BM] += W [BN, BK] · xT [BK, BM] in fp32. Under
+    TRITON_INTERPRET=1 both dot operands are fp32 (the interpreter's bf16 dot is wrong; _common.py).
 K must be a multiple of 16, so that every row of qweight starts 16-byte aligned (Triton
 specializes K on that and vectorizes the loads); a K that BK does not divide takes masked
 loads (EVEN_K False).
@@ -49,17 +49,16 @@ from spear.kernels._common import INTERPRET, _pdl_start, _pdl_wait
 
 # Launch shapes by token count: the entry of the smallest key >= M (the largest key's above it).
 # BM tokens per program (CUDA-core entries skip tokens >= M), BN output features, BK inputs per
-# step; ``dot``: tensor cores. M = 1-4: the best of ``benchmarks/bench_w8.py --sweep`` (BN, BK,
-# num_warps; 48 launches each) at M = 1 and 4, summed over the Llama-2-7B and Llama-3-8B heads
-# (H200, 2026-12-01): BK = 256 was faster than the BK < 32 * num_warps entries whose activation
-# rows need no layout change (module docstring), 157 against 226 us on the 8B head at M = 1. M = 5-16
-# take the tensor-core tile: the CUDA-core entries measured 2-5x slower there (M = 8: 896 us,
-# against 186 us for the M = 16 tile on the 8B head). M >= 16: first guesses, not swept; they
-# stream the weight through cp.async stages into wgmma, the int8 -> fp16 operand in registers.
+# step; ``dot``: tensor cores. M = 1: the best of ``benchmarks/bench_w8.py --sweep`` (BN, BK,
+# num_warps; 48 launches), summed over the Llama-2-7B and Llama-3-8B heads (H200, 2026-12-01):
+# 157 us on the 8B head against 226 us for the first guess (BN 64, BK 64) and 283 us for cuBLAS's
+# fp16 GEMV; BK = 256 won although its activation rows need a layout change (module docstring).
+# M = 2-16 take the tensor-core tile: memory-bound, it costs the same at any M <= 16 (8B head:
+# 186 us at M = 16), where the best CUDA-core launch at M = 4 took 301 us (the first guesses at
+# M = 8, 896 us) and cuBLAS 283 us. M > 16: first guesses, not swept; they stream the weight
+# through cp.async stages into wgmma, the int8 -> fp16 operand in registers.
 LAUNCH = {
     1: dict(BM=1, BN=16, BK=256, num_warps=4, num_stages=2, dot=False),
-    2: dict(BM=2, BN=32, BK=256, num_warps=4, num_stages=2, dot=False),
-    4: dict(BM=4, BN=32, BK=256, num_warps=4, num_stages=2, dot=False),
     16: dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3, dot=True),
     32: dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=3, dot=True),
     64: dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3, dot=True),

@@ -51,13 +51,14 @@ def test_w8a16_gemm(poisoned, m, n, k, dtype, bias):
 
 
 # Every launch class at a token count inside it, and launches that the defaults do not reach at
-# these shapes: a K that BK does not divide (masked K), several K steps for one token, one token
-# per program, tensor-core tiles wider than M
-LAUNCH_CASES = [(m, None) for m in (2, 5, 12, 64, 70)] + [
-    (1, dict(BK=256, BN=16)),
+# these shapes: a K that BK does not divide (masked K), several K steps for one token, CUDA-core
+# tiles of several tokens (and of one token per program), tensor-core tiles wider than M
+LAUNCH_CASES = [(m, None) for m in (1, 2, 5, 12, 64, 70)] + [
+    (1, dict(BK=64, BN=64)),
     (1, dict(BK=32, BN=32, num_warps=2)),
-    (3, dict(BM=1)),
-    (4, dict(BK=256, BN=16)),
+    (3, dict(BM=1, dot=False)),
+    (3, dict(BM=4, BN=32, BK=256, dot=False)),
+    (4, dict(BM=4, BK=64, BN=16, dot=False)),
     (9, dict(BM=16, BN=32, BK=32, dot=True)),
     (20, dict(BM=64, BN=16, BK=16, dot=True)),
 ]
