@@ -148,7 +148,7 @@ def sweep(args, out_dir):
     if not args.no_warm:
         warm_cache(ms, ranks, args.layout == "kmajor")
     bw, peak = ceilings()
-    print("kernels from", Path(ops.__file__).parent, flush=True)
+    print("kernels from", Path(ops.__file__).parent, f"(prefill EC: {ops.PREFILL_EC})", flush=True)
     print(f"device {props.name}, L2 {l2 >> 20} MB; measured copy {bw / 1e12:.2f} TB/s, fp16 mm {peak / 1e12:.0f} TFLOP/s",
           flush=True)
     has_int4 = hasattr(torch, "_weight_int4pack_mm")
@@ -249,6 +249,9 @@ def main():
     p.add_argument("--gate-programs", type=int,
                    help="semi-fused EC: split ec_gate over K up to about this many programs (0: never split; "
                         "default: spear.kernels.ec.GATE_PROGRAMS)")
+    p.add_argument("--prefill-ec", choices=["side", "stacked"],
+                   help="the EC from ops.DEQUANT_MM_MIN_M tokens: ec_gate on a side stream then ec_up, or A stacked "
+                        "under the dequantized weight and ec_stacked (default: spear.kernels.ops.PREFILL_EC)")
     p.add_argument("--profile", help="comma-separated variants (e.g. 'w4,ec r32') whose GPU time per call is also "
                                      "split by kernel (torch.profiler over graph replays) and printed per row")
     p.add_argument("--layout", choices=["kmajor", "nmajor"], default="kmajor",
@@ -259,6 +262,10 @@ def main():
         from spear.kernels import ec
 
         ec.GATE_PROGRAMS = args.gate_programs
+    if args.prefill_ec is not None:
+        from spear.kernels import ops
+
+        ops.PREFILL_EC = args.prefill_ec
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)

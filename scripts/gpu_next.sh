@@ -17,11 +17,14 @@
 #     fresh processes (45 s each, 90 s for a tree's first), on this tree and on a copy without the
 #     barrier before the last u program re-arms its counters (_ec_programs.py); without it 5 of 8
 #     processes stalled on 2026-12-01.
+#   scripts/gpu_next.sh 6 OUT_DIR: the prefill EC from one GEMM on [W_hat; A] (ops.PREFILL_EC "stacked")
+#     against ec_gate on a side stream ("side"): its GPU tests, then bench_kernels.py at 128 / 512 /
+#     2048 tokens, rank 32, with a per-kernel profile of the EC call, once per mode.
 # Triton's compile cache is kept in the working tree (.triton-cache, ignored by git), which the
 # device keeps between the calls of a session, so later calls do not compile again.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_next.sh 1|2|3|4|5 OUT_DIR [MODEL]}
-out=${2:?usage: scripts/gpu_next.sh 1|2|3|4|5 OUT_DIR [MODEL]}
+part=${1:?usage: scripts/gpu_next.sh 1|2|3|4|5|6 OUT_DIR [MODEL]}
+out=${2:?usage: scripts/gpu_next.sh 1|2|3|4|5|6 OUT_DIR [MODEL]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="$PWD/.triton-cache"
@@ -80,5 +83,14 @@ PY
       echo "$name run $i: W4+EC batch 1 $r"
     done
   done ;;
-*) echo "part must be 1, 2, 3, 4 or 5" >&2; exit 2 ;;
+6)
+  timeout 150 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=60 -m gpu \
+    tests/kernels/test_prefill_ec.py > "$out/tests-prefill-ec.txt" 2>&1
+  grep -v PASSED "$out/tests-prefill-ec.txt" | tail -15
+  for mode in side stacked; do
+    timeout 190 python benchmarks/bench_kernels.py --out "$out/kernels-$mode" --models Llama-2-7B,Llama-3-8B \
+      --ms 128,512,2048 --ranks 32 --prefill-ec $mode --profile "ec r32" --budget-s 150 > "$out/kernels-$mode.txt" 2>&1
+    echo "== prefill EC $mode"; grep -E "^Llama|ec r32 at" "$out/kernels-$mode.txt"
+  done ;;
+*) echo "part must be 1, 2, 3, 4, 5 or 6" >&2; exit 2 ;;
 esac

@@ -99,12 +99,18 @@ def _dequant_kmajor_kernel(qw_ptr, scales_ptr, zeros_ptr, wt_ptr, N,
         tl.store(rows + (2 * i + 1) * N, _dequant_rows(hi, zc, s, True, IS_BF16), mask=mask)
 
 
-def dequantize(w: PackedW4, dtype: torch.dtype, launch=None, kn: bool = False) -> torch.Tensor:
+def dequantize(w: PackedW4, dtype: torch.dtype, launch=None, kn: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """W_hat (N, K) in ``dtype`` (float16 or bfloat16), rounded once as the reference rounds it.
-    ``kn`` (K-major weights only): write W_hatᵀ (K, N) and return its transposed view."""
+    ``kn`` (K-major weights only): write W_hatᵀ (K, N) and return its transposed view.
+    ``out``: a contiguous (N, K) tensor of ``dtype`` to write W_hat into (not with ``kn``), e.g.
+    the first N rows of a larger matrix."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dequantize dtype must be float16 or bfloat16; got {dtype}")
     n, k = w.out_features, w.in_features
+    if out is not None and (kn or out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous ({n}, {k}) {dtype} tensor, without kn; got "
+                         f"{tuple(out.shape)} {out.dtype}, contiguous={out.is_contiguous()}, kn={kn}")
     if w.kmajor and kn:
         wt = _common.alloc((k, n), dtype=dtype, device=w.qweight.device)
         bn, bk = 64, 128
@@ -118,7 +124,8 @@ def dequantize(w: PackedW4, dtype: torch.dtype, launch=None, kn: bool = False) -
     bk = min(128, w.group_size or 128)
     if k % bk:
         raise ValueError(f"in_features={k} must be a multiple of {bk}")
-    out = _common.alloc((n, k), dtype=dtype, device=w.qweight.device)
+    if out is None:
+        out = _common.alloc((n, k), dtype=dtype, device=w.qweight.device)
     bn = 64
     kernel = _dequant_kernel if launch is None else launch(_dequant_kernel)
     kernel[(triton.cdiv(n, bn) * (k // bk),)](

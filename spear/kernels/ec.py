@@ -9,6 +9,12 @@ fusing A x into its K loop would add R/BN of its MMA work to every tile. Instead
 product after both (ops.py). Alternatively the GEMM's epilogue reads v (EC_MODE 2 of
 w4a16.py), which saves the pass over out but must wait for ``ec_gate`` first.
 
+From M = ops.DEQUANT_MM_MIN_M the W4 part is a dequantize pass and a cuBLAS GEMM. There
+``ec_stacked`` replaces both kernels: the EC's A (R rows) is copied under W_hat in the
+dequantized matrix, so the one GEMM also returns u = x Aᵀ as its last R columns (R/N more
+MMA work, and x is not read a second time beside the GEMM), and one pass over that output
+evaluates the gate per tile and adds alpha · v Bᵀ (and the bias, and at act 1 SiLU·mul).
+
 Algorithm of ec_gate: one program per BM tokens walks K in BK steps,
 uT [R, BM] += A[R, BK] · xT[BK, BM] (fp32 accumulation on tensor cores), then evaluates
 the gate on uT (``_ec_gate``) and stores v in the activation dtype. Split over K when the
@@ -26,7 +32,7 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import INTERPRET, _dot, _ec_gate
+from spear.kernels._common import INTERPRET, _dot, _ec_gate, _sigmoid
 from spear.kernels.layout import PackedEC
 
 # Token tile of ec_gate: 16 keeps >= 32 programs in flight from M = 512 on (x is read once,
@@ -37,6 +43,8 @@ GATE_BM = 16
 GATE_PROGRAMS = 264
 GATE_MIN_STEPS = 4
 UP_BM, UP_BN = 64, 128
+# ec_stacked's output tile (not yet timed against other shapes)
+STACKED_BM, STACKED_BN = 64, 128
 
 
 def gate_splits(m: int, k: int, bk: int) -> int:
@@ -120,6 +128,47 @@ def _ec_up_kernel(
     tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _ec_stacked_kernel(
+    y_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, b_ptr, bias_ptr, out_ptr,
+    alpha, bound,
+    M, N, stride_ym, stride_om,
+    GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """out tile = y[:, :N] + alpha · v Bᵀ (+ bias) (SiLU·mul of pairs at ACT 1), v = gamma(u) ⊙ u from
+    u = y[:, N:N + R]: y is the GEMM of x with W_hat and A stacked, (M, N + R)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BN)
+    offs_m = (pid // n_tiles) * BM + tl.arange(0, BM)
+    offs_n = (pid % n_tiles) * BN + tl.arange(0, BN)
+    offs_r = tl.arange(0, R)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    dt = out_ptr.dtype.element_ty
+    # every column tile of an m-tile evaluates the gate again: R x BM values and two R x H dots,
+    # small against its BM x BN output tile
+    uT = tl.load(y_ptr + offs_m[None, :] * stride_ym + N + offs_r[:, None], mask=m_mask[None, :], other=0.0)
+    vT = _ec_gate(uT.to(tl.float32), w1_ptr, b1_ptr, w2_ptr, b2_ptr, tl.cast(bound, tl.float32), R, H, BM, GATE,
+                  DOT_F32)
+    bt = tl.load(b_ptr + (offs_n % N)[None, :] * R + offs_r[:, None])  # Bᵀ tile [R, BN]
+    # v in the activation dtype, as ec_gate stores it
+    corr = _dot(tl.trans(vT.to(dt)), bt, tl.zeros((BM, BN), tl.float32), DOT_F32)
+    mask = m_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    y += tl.cast(alpha, tl.float32) * corr
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if ACT == 1:
+        # columns 2i, 2i + 1 are gate and up of output feature tile * BN/2 + i
+        g, u = tl.split(tl.reshape(y, (BM, BN // 2, 2)))
+        offs_h = (pid % n_tiles) * (BN // 2) + tl.arange(0, BN // 2)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_h[None, :], (g * _sigmoid(g) * u).to(dt),
+                 mask=m_mask[:, None] & (2 * offs_h < N)[None, :])
+    else:
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(dt), mask=mask)
+
+
 def _check(x: torch.Tensor, ec: PackedEC) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be 2-D with unit stride along features; got shape {tuple(x.shape)}, "
@@ -171,5 +220,34 @@ def ec_up(out: torch.Tensor, v: torch.Tensor, ec: PackedEC, launch=None) -> torc
     kernel[(triton.cdiv(m, UP_BM) * triton.cdiv(n, UP_BN),)](
         v, ec.b, out, float(ec.alpha), m, n, out.stride(0),
         R=r, BM=UP_BM, BN=UP_BN, DOT_F32=INTERPRET, num_warps=4, num_stages=1,
+    )
+    return out
+
+
+def ec_stacked(y: torch.Tensor, n: int, ec: PackedEC, bias: torch.Tensor | None = None, act: int = 0,
+               launch=None) -> torch.Tensor:
+    """The compensated output from ``y`` = x [W_hat; A]ᵀ, (M, N + R): the GEMM of the dequantized
+    weight with the EC's A stacked under it (R rows), so that its last R columns are u = x Aᵀ.
+    Returns y[:, :N] + alpha · (gamma(u) ⊙ u) Bᵀ (+ bias), or with ``act`` 1 the SiLU·mul of its
+    interleaved (gate, up) pairs, (M, N / 2). One pass over y; the gate runs per output tile."""
+    r = ec.a.shape[0]
+    m = y.shape[0]
+    if y.dim() != 2 or y.shape[1] != n + r or y.stride(1) != 1 or ec.b.shape != (n, r):
+        raise ValueError(f"ec_stacked needs y (M, N + R) = (M, {n + r}) with unit inner stride and B ({n}, {r}); "
+                         f"got y {tuple(y.shape)} strides {y.stride()}, B {tuple(ec.b.shape)}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},); got {tuple(bias.shape)}")
+    if act and n % 2:
+        raise ValueError(f"act 1 needs an even number of features; got {n}")
+    out = _common.alloc((m, n // 2 if act else n), dtype=y.dtype, device=y.device)
+    if m == 0:
+        return out
+    gate = (ec.w1, ec.b1, ec.w2, ec.b2) if ec.gated else (ec.a,) * 4
+    kernel = _ec_stacked_kernel if launch is None else launch(_ec_stacked_kernel)
+    kernel[(triton.cdiv(m, STACKED_BM) * triton.cdiv(n, STACKED_BN),)](
+        y, *gate, ec.b, bias if bias is not None else ec.b, out, float(ec.alpha), float(ec.bound),
+        m, n, y.stride(0), out.stride(0),
+        GATE=ec.gated, R=r, H=ec.w1.shape[0] if ec.gated else 16, HAS_BIAS=bias is not None, ACT=act,
+        BM=STACKED_BM, BN=STACKED_BN, DOT_F32=INTERPRET, num_warps=4, num_stages=1,
     )
     return out

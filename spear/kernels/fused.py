@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
+from spear.kernels import reference as _reference
 from spear.kernels._common import _pdl_start, _pdl_wait
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -298,17 +299,25 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 
 @triton.jit(do_not_specialize=["n", "cols", "stride_g", "stride_u"])
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, cols, stride_g, stride_u, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, PAIRS: tl.constexpr = False):
+    """PAIRS False: silu(g) rounded to the dtype, times u (as ``F.silu(gate) * up``). PAIRS True:
+    g and u interleaved in one row (g at 2 col, u at 2 col + 1; g_ptr = u_ptr), the product in
+    fp32 and rounded once (as the GEMM epilogue's SiLU·mul)."""
     _pdl_start(PDL)
     _pdl_wait(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     row, col = offs // cols, offs % cols
     dt = out_ptr.dtype.element_ty
-    g = tl.load(g_ptr + row * stride_g + col, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + col, mask=mask, other=0.0).to(tl.float32)
-    act = _to(g / (1.0 + tl.exp(-g)), dt).to(tl.float32)
-    tl.store(out_ptr + offs, _to(act * u, dt), mask=mask)
+    if PAIRS:
+        g = tl.load(g_ptr + row * stride_g + 2 * col, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u + 2 * col + 1, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, _to(g / (1.0 + tl.exp(-g)) * u, dt), mask=mask)
+    else:
+        g = tl.load(g_ptr + row * stride_g + col, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u + col, mask=mask, other=0.0).to(tl.float32)
+        act = _to(g / (1.0 + tl.exp(-g)), dt).to(tl.float32)
+        tl.store(out_ptr + offs, _to(act * u, dt), mask=mask)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, launch=None) -> torch.Tensor:
@@ -331,4 +340,25 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, launch=None) -> torch.Tensor:
         kernel = _silu_mul_kernel if launch is None else launch(_silu_mul_kernel)
         kernel[(triton.cdiv(n, SILU_BLOCK),)](gate, up, out, n, gate.shape[1], gate.stride(0), up.stride(0),
                                               BLOCK=SILU_BLOCK, num_warps=4, **_common.pdl())
+    return out
+
+
+def silu_mul_pairs(y: torch.Tensor, launch=None) -> torch.Tensor:
+    """silu(gate) * up for a 2-D output whose features are interleaved (gate, up) pairs (the fused
+    gate/up projection), in one pass: fp32 math, one rounding to y's dtype, as
+    ``reference.silu_mul_pairs`` and the W4 GEMM's epilogue. (M, N / 2), contiguous."""
+    if not torch.is_tensor(y) or y.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"y must be an fp16, bf16 or fp32 tensor; got {getattr(y, 'dtype', type(y))}")
+    if y.dim() != 2 or y.stride(1) != 1 or y.shape[1] % 2:
+        raise ValueError(f"y must be 2-D (tokens, features) with unit stride along an even number of features; "
+                         f"got shape {tuple(y.shape)}, strides {y.stride()}")
+    if not _use_kernel(y):
+        return _reference.silu_mul_pairs(y).to(y.dtype)
+    m, half = y.shape[0], y.shape[1] // 2
+    out = _common.alloc((m, half), y.dtype, y.device)
+    n = m * half
+    if n:
+        kernel = _silu_mul_kernel if launch is None else launch(_silu_mul_kernel)
+        kernel[(triton.cdiv(n, SILU_BLOCK),)](y, y, out, n, half, y.stride(0), y.stride(0), BLOCK=SILU_BLOCK,
+                                              num_warps=4, PAIRS=True, **_common.pdl())
     return out

@@ -17,7 +17,9 @@ Dispatch on CUDA, by M = number of tokens:
                        then ec_up adds alpha · v Bᵀ. Inside CUDA-graph capture the fork and
                        join are captured as graph edges. While torch.compile traces the op
                        (no streams there) the serial variant runs: ec_gate, then the GEMM
-                       with the v-epilogue (EC_MODE 2).
+                       with the v-epilogue (EC_MODE 2). From DEQUANT_MM_MIN_M with
+                       PREFILL_EC "stacked": one GEMM on W_hat with A stacked under it,
+                       then ec_stacked (gate, alpha · v Bᵀ, bias, SiLU·mul) in one pass.
 On any other device the op runs the fp32 torch reference (reference.py) and casts.
 
 Registered with ``torch.library.triton_op`` and every launch goes through ``wrap_triton``,
@@ -34,6 +36,7 @@ from torch.library import triton_op, wrap_triton
 
 from spear.kernels import _common
 from spear.kernels import ec as ec_kernels
+from spear.kernels import fused
 from spear.kernels import reference
 from spear.kernels.layout import PackedEC, PackedW4
 from spear.kernels.dequant import dequantize
@@ -54,6 +57,12 @@ FUSED_MAX_RANK = 128
 # Smallest M at which dequantize + cuBLAS beats the Triton W4 GEMM (same run): their time
 # ratio is 0.36 at M = 128 and 0.37..0.52 up to M = 4096; at M <= 64 the split-K tiles win.
 DEQUANT_MM_MIN_M = 128
+# The EC from DEQUANT_MM_MIN_M tokens: "stacked" (A stacked under the dequantized W_hat, one
+# GEMM, then ec_stacked; ec.py) or "side" (ec_gate on a side stream beside dequantize + cuBLAS,
+# then ec_up). "side" measured +9 to +24% over W4 at 512-2048 tokens (median +15%; H200,
+# 2026-12-01, BENCHMARKS.md "Twelfth run"); "stacked" is not yet timed (bench_kernels.py
+# --prefill-ec side|stacked), so "side" stays the default until it is.
+PREFILL_EC = "side"
 # Whether the semi-fused path overlaps ec_gate on a side stream (True) or runs it first and
 # reads v in the GEMM epilogue (False): the overlap was as fast or faster at M >= 256.
 SEMI_FUSED_OVERLAP = True
@@ -74,7 +83,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def _silu_mul_pairs(y: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of an output with interleaved (gate, up) features, where no GEMM epilogue does it."""
-    return reference.silu_mul_pairs(y).to(y.dtype)
+    return fused.silu_mul_pairs(y, launch=wrap_triton)
 
 
 def _plain_w4(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], act: int = 0) -> torch.Tensor:
@@ -100,8 +109,20 @@ def _beside(device: torch.device, overlap: bool, work):
     return lambda: main.wait_stream(side)
 
 
+def _stacked(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC, act: int = 0) -> torch.Tensor:
+    """Prefill from DEQUANT_MM_MIN_M: one cuBLAS GEMM on [W_hat; A] gives the output and u = x Aᵀ,
+    then ec_stacked adds the EC (ec.py)."""
+    n, r = w.out_features, e.a.shape[0]
+    wa = _common.alloc((n + r, w.in_features), dtype=x.dtype, device=x.device)
+    dequantize(w, x.dtype, launch=wrap_triton, out=wa[:n])
+    wa[n:].copy_(e.a)
+    return ec_kernels.ec_stacked(torch.nn.functional.linear(x, wa), n, e, bias, act, launch=wrap_triton)
+
+
 def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC,
                 overlap: bool, act: int = 0) -> torch.Tensor:
+    if x.shape[0] >= DEQUANT_MM_MIN_M and PREFILL_EC == "stacked":
+        return _stacked(x, w, bias, e, act)
     v = _common.alloc((x.shape[0], e.a.shape[0]), dtype=x.dtype, device=x.device)
     if not overlap:
         ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton)

@@ -14,7 +14,8 @@ from triton.compiler import ASTSource
 
 from spear.kernels.attention import _paged_decode_kernel, launch_config
 from spear.kernels.dequant import _dequant_kernel, _dequant_kmajor_kernel
-from spear.kernels.ec import _ec_gate_finish_kernel, _ec_gate_kernel, _ec_up_kernel
+from spear.kernels.ec import _ec_gate_finish_kernel, _ec_gate_kernel, _ec_stacked_kernel, _ec_up_kernel
+from spear.kernels.fused import _silu_mul_kernel
 from spear.kernels.w4a16 import _w4a16_kernel
 
 TARGET = GPUTarget("cuda", 90, 128)
@@ -100,6 +101,15 @@ def compile_small(bf16, ftype="fp32"):
     c = dict(R=16, BM=64, BN=64, DOT_F32=False)
     p = {k: dt for k in ("v_ptr", "b_ptr", "out_ptr")}
     triton.compile(ASTSource(_ec_up_kernel, sig(_ec_up_kernel, p, ("alpha",), c, ftype), c), target=TARGET)
+    for gate, act in ((True, 0), (True, 1), (False, 1)):  # the EC from the stacked GEMM's output
+        c = dict(GATE=gate, R=16, H=16, HAS_BIAS=True, ACT=act, BM=64, BN=128, DOT_F32=False)
+        p = {k: dt for k in ("y_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr", "b_ptr", "bias_ptr", "out_ptr")}
+        triton.compile(ASTSource(_ec_stacked_kernel, sig(_ec_stacked_kernel, p, ("alpha", "bound"), c, ftype), c),
+                       target=TARGET)
+    for pairs in (False, True):
+        c = dict(BLOCK=1024, PDL=False, PAIRS=pairs)
+        p = {k: dt for k in ("g_ptr", "u_ptr", "out_ptr")}
+        triton.compile(ASTSource(_silu_mul_kernel, sig(_silu_mul_kernel, p, (), c), c), target=TARGET)
 
 
 def compile_attention(dtype, head_dim, block_size, group, splits=8, pdl=False):

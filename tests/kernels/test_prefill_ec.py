@@ -1,0 +1,99 @@
+"""The prefill path from ops.DEQUANT_MM_MIN_M tokens: SiLU·mul of interleaved pairs in one pass,
+and the EC from one GEMM on [W_hat; A] (``ec_stacked``), each against the fp32 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spear.kernels import fused, ops
+from spear.kernels import reference as ref
+from spear.kernels.ec import ec_stacked
+from spear.kernels.layout import unpack
+from tests.kernels._helpers import DEVICE, K_SMALL, N_SMALL, assert_close, make_ec, setup_case
+
+
+@pytest.mark.parametrize("m,n,dtype", [(1, 64, torch.float16), (7, 96, torch.bfloat16), (33, 200, torch.float32),
+                                       (130, 2, torch.float16)])
+def test_silu_mul_pairs(poisoned, m, n, dtype):
+    y = (torch.randn(m, n) * 3).to(dtype).to(DEVICE)
+    out = fused.silu_mul_pairs(y)
+    expect = ref.silu_mul_pairs(y)
+    assert out.shape == (m, n // 2) and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+    else:
+        assert_close(out, expect, dtype, f"silu_mul_pairs M={m} N={n}")
+    # the gate is the even feature: swapping the pairs' roles must change the result
+    assert not torch.allclose(out.float(), ref.silu_mul_pairs(y.flip(1)).flip(1).float(), atol=1e-2)
+    with pytest.raises(ValueError, match="even number of features"):
+        fused.silu_mul_pairs(y[:, :1])
+
+
+def _stacked_y(x, w, e):
+    """x [W_hat; A]ᵀ in x's dtype, as cuBLAS returns it (fp32 math, one rounding)."""
+    w_hat = ref.dequantize(*unpack(w), w.group_size).to(x.dtype)
+    return (x.float() @ torch.cat([w_hat, e.a]).float().t()).to(x.dtype)
+
+
+@pytest.mark.parametrize("m,dtype,h,bias,act", [(5, torch.float16, 12, True, 0), (70, torch.bfloat16, None, False, 0),
+                                                (129, torch.float16, 16, True, 1), (3, torch.bfloat16, 8, False, 1)])
+def test_ec_stacked(poisoned, m, dtype, h, bias, act):
+    ec = make_ec(N_SMALL, K_SMALL, 8, h, dtype, seed=4)
+    x, w, b, e, expect = setup_case(m, K_SMALL, N_SMALL, 64, False, dtype, seed=m, bias=bias, ec=ec)
+    y = _stacked_y(x, w, e)
+    out = ec_stacked(y, N_SMALL, e, b, act)
+    if act:
+        expect = ref.silu_mul_pairs(expect)
+    assert_close(out, expect, dtype, f"ec_stacked M={m} act={act}")
+    # without the EC term the result is measurably further from the reference (the EC is applied)
+    plain = y[:, :N_SMALL].float() + (b.float() if b is not None else 0)
+    plain = ref.silu_mul_pairs(plain) if act else plain
+    assert (plain - expect).abs().max() > 4 * (out.float() - expect).abs().max()
+
+
+def test_ec_stacked_checks_shapes():
+    ec = make_ec(N_SMALL, K_SMALL, 8, None, torch.float16, seed=4)
+    x, w, b, e, _ = setup_case(4, K_SMALL, N_SMALL, 64, False, torch.float16, seed=4, ec=ec)
+    y = _stacked_y(x, w, e)
+    with pytest.raises(ValueError, match=r"\(M, N \+ R\)"):
+        ec_stacked(y[:, :-1], N_SMALL, e)
+    with pytest.raises(ValueError, match="bias"):
+        ec_stacked(y, N_SMALL, e, b[:-1])
+    assert ec_stacked(y[:0], N_SMALL, e).shape == (0, N_SMALL)
+
+
+@pytest.mark.parametrize("kmajor", [False, True])
+@pytest.mark.parametrize("act", [0, 1])
+def test_stacked_prefill_path(poisoned, kmajor, act):
+    """ops._stacked: dequantize into the first N rows, A under them, one GEMM, ec_stacked."""
+    dtype = torch.float16
+    m = ops.DEQUANT_MM_MIN_M + 3
+    ec = make_ec(N_SMALL, K_SMALL, 16, 16, dtype, seed=9)
+    x, w, b, e, expect = setup_case(m, K_SMALL, N_SMALL, 64, False, dtype, seed=9, ec=ec, kmajor=kmajor)
+    out = ops._stacked(x, w, b, e, act)
+    assert_close(out, ref.silu_mul_pairs(expect) if act else expect, dtype, f"stacked kmajor={kmajor} act={act}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [ops.DEQUANT_MM_MIN_M, 300, 2048])
+@pytest.mark.parametrize("act", [0, 1])
+def test_gpu_stacked_dispatch(poisoned, monkeypatch, m, act):
+    """The registered op with PREFILL_EC "stacked" at a real shape, eagerly and replayed from a CUDA graph."""
+    if DEVICE != "cuda":
+        pytest.skip("needs CUDA")
+    from spear.kernels import w4a16_linear
+
+    monkeypatch.setattr(ops, "PREFILL_EC", "stacked")
+    dtype = torch.float16
+    ec = make_ec(4096, 4096, 32, 32, dtype, seed=2)
+    x, w, b, e, expect = setup_case(m, 4096, 4096, 128, False, dtype, seed=2, ec=ec, kmajor=True)
+    expect = ref.silu_mul_pairs(expect) if act else expect
+    assert_close(w4a16_linear(x, w, b, e, act=act), expect, dtype, f"stacked M={m} act={act}")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = w4a16_linear(x, w, b, e, act=act)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(y, expect, dtype, f"stacked M={m} act={act}, graph replay")
