@@ -249,9 +249,9 @@ def main():
     p.add_argument("--gate-programs", type=int,
                    help="semi-fused EC: split ec_gate over K up to about this many programs (0: never split; "
                         "default: spear.kernels.ec.GATE_PROGRAMS)")
-    p.add_argument("--prefill-ec", choices=["side", "stacked"],
-                   help="the EC from ops.DEQUANT_MM_MIN_M tokens: ec_gate on a side stream then ec_up, or A stacked "
-                        "under the dequantized weight and ec_stacked (default: spear.kernels.ops.PREFILL_EC)")
+    p.add_argument("--prefill-ec", choices=["side", "out", "in", "auto"],
+                   help="the EC from ops.DEQUANT_MM_MIN_M tokens (spear.kernels.ops.PREFILL_EC, whose comment "
+                        "describes the modes; default: its value)")
     p.add_argument("--profile", help="comma-separated variants (e.g. 'w4,ec r32') whose GPU time per call is also "
                                      "split by kernel (torch.profiler over graph replays) and printed per row")
     p.add_argument("--layout", choices=["kmajor", "nmajor"], default="kmajor",

@@ -17,9 +17,10 @@
 #     fresh processes (45 s each, 90 s for a tree's first), on this tree and on a copy without the
 #     barrier before the last u program re-arms its counters (_ec_programs.py); without it 5 of 8
 #     processes stalled on 2026-12-01.
-#   scripts/gpu_next.sh 6 OUT_DIR: the prefill EC from one GEMM on [W_hat; A] (ops.PREFILL_EC "stacked")
-#     against ec_gate on a side stream ("side"): its GPU tests, then bench_kernels.py at 128 / 512 /
-#     2048 tokens, rank 32, with a per-kernel profile of the EC call, once per mode.
+#   scripts/gpu_next.sh 6 OUT_DIR: the prefill EC inside the cuBLAS GEMM (ops.PREFILL_EC "out": A
+#     stacked under W_hat; "in": [x, v] against [W_hat, alpha B]) against ec_gate on a side stream
+#     ("side"): their GPU tests, then bench_kernels.py at 512 / 2048 tokens, rank 32, with a
+#     per-kernel profile of the EC call, once per mode.
 # Triton's compile cache is kept in the working tree (.triton-cache, ignored by git), which the
 # device keeps between the calls of a session, so later calls do not compile again.
 set -uo pipefail
@@ -87,9 +88,9 @@ PY
   timeout 150 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=60 -m gpu \
     tests/kernels/test_prefill_ec.py > "$out/tests-prefill-ec.txt" 2>&1
   grep -v PASSED "$out/tests-prefill-ec.txt" | tail -15
-  for mode in side stacked; do
-    timeout 190 python benchmarks/bench_kernels.py --out "$out/kernels-$mode" --models Llama-2-7B,Llama-3-8B \
-      --ms 128,512,2048 --ranks 32 --prefill-ec $mode --profile "ec r32" --budget-s 150 > "$out/kernels-$mode.txt" 2>&1
+  for mode in side out in; do
+    timeout 130 python benchmarks/bench_kernels.py --out "$out/kernels-$mode" --models Llama-2-7B,Llama-3-8B \
+      --ms 512,2048 --ranks 32 --prefill-ec $mode --profile "ec r32" --budget-s 100 > "$out/kernels-$mode.txt" 2>&1
     echo "== prefill EC $mode"; grep -E "^Llama|ec r32 at" "$out/kernels-$mode.txt"
   done ;;
 *) echo "part must be 1, 2, 3, 4, 5 or 6" >&2; exit 2 ;;

@@ -20,7 +20,7 @@ from spear.kernels.layout import PackedW4
 
 
 @triton.jit
-def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, K,
+def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, K, stride_wn,
                     GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr,
                     BN: tl.constexpr, BK: tl.constexpr, KMAJOR: tl.constexpr = False):
     pid = tl.program_id(0)
@@ -50,7 +50,7 @@ def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, K,
     else:
         p = tl.load(qw_ptr + n_ld[:, None] * (K // 8) + (k // 8 + tl.arange(0, BK // 8))[None, :])
     w = _dequant(_unpack_w4(p, BN, BK, IS_BF16, KMAJOR), zc, s, True, IS_BF16)
-    tl.store(w_ptr + offs_n[:, None] * K + (k + tl.arange(0, BK))[None, :], w, mask=n_mask[:, None])
+    tl.store(w_ptr + offs_n[:, None] * stride_wn + (k + tl.arange(0, BK))[None, :], w, mask=n_mask[:, None])
 
 
 @triton.jit
@@ -103,14 +103,15 @@ def dequantize(w: PackedW4, dtype: torch.dtype, launch=None, kn: bool = False,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """W_hat (N, K) in ``dtype`` (float16 or bfloat16), rounded once as the reference rounds it.
     ``kn`` (K-major weights only): write W_hatᵀ (K, N) and return its transposed view.
-    ``out``: a contiguous (N, K) tensor of ``dtype`` to write W_hat into (not with ``kn``), e.g.
-    the first N rows of a larger matrix."""
+    ``out``: an (N, K) tensor of ``dtype`` with unit stride along K to write W_hat into (not with
+    ``kn``), e.g. the first N rows or the first K columns of a larger matrix."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dequantize dtype must be float16 or bfloat16; got {dtype}")
     n, k = w.out_features, w.in_features
-    if out is not None and (kn or out.shape != (n, k) or out.dtype != dtype or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous ({n}, {k}) {dtype} tensor, without kn; got "
-                         f"{tuple(out.shape)} {out.dtype}, contiguous={out.is_contiguous()}, kn={kn}")
+    if out is not None and (kn or out.shape != (n, k) or out.dtype != dtype or out.stride(1) != 1
+                            or out.stride(0) < k):
+        raise ValueError(f"out must be a ({n}, {k}) {dtype} tensor with rows of unit stride, without kn; got "
+                         f"{tuple(out.shape)} {out.dtype}, strides {out.stride()}, kn={kn}")
     if w.kmajor and kn:
         wt = _common.alloc((k, n), dtype=dtype, device=w.qweight.device)
         bn, bk = 64, 128
@@ -129,7 +130,7 @@ def dequantize(w: PackedW4, dtype: torch.dtype, launch=None, kn: bool = False,
     bn = 64
     kernel = _dequant_kernel if launch is None else launch(_dequant_kernel)
     kernel[(triton.cdiv(n, bn) * (k // bk),)](
-        w.qweight, w.scales, w.zeros, out, n, k,
+        w.qweight, w.scales, w.zeros, out, n, k, out.stride(0),
         GROUP=w.group_size, SYMMETRIC=w.symmetric, IS_BF16=dtype == torch.bfloat16, BN=bn, BK=bk,
         KMAJOR=w.kmajor, num_warps=4, num_stages=1,
     )

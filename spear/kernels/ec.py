@@ -55,14 +55,15 @@ def gate_splits(m: int, k: int, bk: int) -> int:
 
 @triton.jit(do_not_specialize=["M"])
 def _ec_gate_kernel(
-    x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, v_ptr,
+    x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, v_ptr, xo_ptr,
     bound,
-    M, K, stride_xm, steps_per_split,
+    M, K, stride_xm, steps_per_split, stride_vm, stride_xo,
     GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr, COPY: tl.constexpr = False,
 ):
-    """Grid (token tiles, SPLIT). SPLIT 1: v for BM tokens. Otherwise this split's share of
-    u = x Aᵀ (steps_per_split steps of BK) into the fp32 workspace at v_ptr, (SPLIT, M, R)."""
+    """Grid (token tiles, SPLIT). SPLIT 1: v for BM tokens (rows stride_vm apart). Otherwise this
+    split's share of u = x Aᵀ (steps_per_split steps of BK) into the fp32 workspace at v_ptr,
+    (SPLIT, M, R). COPY: also store the x tiles it reads at xo_ptr (rows stride_xo apart)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = pid * BM + tl.arange(0, BM)
@@ -75,11 +76,14 @@ def _ec_gate_kernel(
     for k in range(k_lo, k_hi, BK):
         a = tl.load(a_ptr + offs_r[:, None] * K + (k + offs_k)[None, :])
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k + offs_k)[:, None], mask=m_mask[None, :], other=0.0)
+        if COPY:
+            tl.store(xo_ptr + offs_m[None, :] * stride_xo + (k + offs_k)[:, None], xt, mask=m_mask[None, :])
         uT = _dot(a, xt, uT, DOT_F32)
     if SPLIT == 1:
         # torch.compile passes Python floats as fp64 scalars: keep the gate's math fp32
         vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, tl.cast(bound, tl.float32), R, H, BM, GATE, DOT_F32)
-        tl.store(v_ptr + offs_m[None, :] * R + offs_r[:, None], vT.to(v_ptr.dtype.element_ty), mask=m_mask[None, :])
+        tl.store(v_ptr + offs_m[None, :] * stride_vm + offs_r[:, None], vT.to(v_ptr.dtype.element_ty),
+                 mask=m_mask[None, :])
     else:
         ws = v_ptr + split.to(tl.int64) * M * R
         tl.store(ws + offs_m[None, :] * R + offs_r[:, None], uT, mask=m_mask[None, :])
@@ -89,7 +93,7 @@ def _ec_gate_kernel(
 def _ec_gate_finish_kernel(
     ws_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, v_ptr,
     bound,
-    M,
+    M, stride_vm,
     GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
     BM: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
 ):
@@ -102,7 +106,8 @@ def _ec_gate_finish_kernel(
     for s in range(SPLIT):
         uT += tl.load(ptrs + s * M * R, mask=m_mask[None, :], other=0.0)
     vT = _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, tl.cast(bound, tl.float32), R, H, BM, GATE, DOT_F32)
-    tl.store(v_ptr + offs_m[None, :] * R + offs_r[:, None], vT.to(v_ptr.dtype.element_ty), mask=m_mask[None, :])
+    tl.store(v_ptr + offs_m[None, :] * stride_vm + offs_r[:, None], vT.to(v_ptr.dtype.element_ty),
+             mask=m_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -182,15 +187,22 @@ def _check(x: torch.Tensor, ec: PackedEC) -> None:
 
 
 def ec_gate(x: torch.Tensor, ec: PackedEC, out: torch.Tensor | None = None, launch=None,
-            splits: int | None = None) -> torch.Tensor:
+            splits: int | None = None, copy_to: torch.Tensor | None = None) -> torch.Tensor:
     """v = gamma(x Aᵀ) ⊙ (x Aᵀ), (M, R) in the activation dtype (R the padded rank).
-    ``splits``: K splits (default ``gate_splits``); 1 is one program per token tile."""
+    ``out``: where to write v, rows of unit stride (e.g. the last R columns of a wider matrix).
+    ``splits``: K splits (default ``gate_splits``); 1 is one program per token tile.
+    ``copy_to``: an (M, K) tensor with rows of unit stride that also receives x, copied on the
+    way (the first K columns of [x, v] for ops' "in" prefill EC)."""
     _check(x, ec)
     m, k = x.shape
     r = ec.a.shape[0]
     v = out if out is not None else _common.alloc((m, r), dtype=x.dtype, device=x.device)
-    if v.shape != (m, r) or v.dtype != x.dtype or not v.is_contiguous():
-        raise ValueError(f"v must be contiguous ({m}, {r}) {x.dtype}; got {tuple(v.shape)} {v.dtype}")
+    if v.shape != (m, r) or v.dtype != x.dtype or v.stride(1) != 1:
+        raise ValueError(f"v must be ({m}, {r}) {x.dtype} with rows of unit stride; got {tuple(v.shape)} {v.dtype}, "
+                         f"strides {v.stride()}")
+    if copy_to is not None and (copy_to.shape != (m, k) or copy_to.dtype != x.dtype or copy_to.stride(1) != 1):
+        raise ValueError(f"copy_to must be ({m}, {k}) {x.dtype} with rows of unit stride; got {tuple(copy_to.shape)} "
+                         f"{copy_to.dtype}, strides {copy_to.stride()}")
     bk = 128 if k % 128 == 0 else (64 if k % 64 == 0 else 32)
     steps = k // bk
     splits = gate_splits(m, k, bk) if splits is None else max(1, min(int(splits), steps))
@@ -201,11 +213,14 @@ def ec_gate(x: torch.Tensor, ec: PackedEC, out: torch.Tensor | None = None, laun
     tiles = triton.cdiv(m, GATE_BM)
     ws = v if splits == 1 else _common.alloc((splits, m, r), dtype=torch.float32, device=x.device)
     kernel = _ec_gate_kernel if launch is None else launch(_ec_gate_kernel)
-    kernel[(tiles, splits)](x, ec.a, *gate, ws, float(ec.bound), m, k, x.stride(0), per, BK=bk, SPLIT=splits,
-                            **consts, num_warps=4, num_stages=3)
+    kernel[(tiles, splits)](x, ec.a, *gate, ws, copy_to if copy_to is not None else x, float(ec.bound), m, k,
+                            x.stride(0), per, v.stride(0) if splits == 1 else r,
+                            copy_to.stride(0) if copy_to is not None else 0, BK=bk, SPLIT=splits,
+                            COPY=copy_to is not None, **consts, num_warps=4, num_stages=3)
     if splits > 1:
         finish = _ec_gate_finish_kernel if launch is None else launch(_ec_gate_finish_kernel)
-        finish[(tiles,)](ws, *gate, v, float(ec.bound), m, SPLIT=splits, **consts, num_warps=4, num_stages=1)
+        finish[(tiles,)](ws, *gate, v, float(ec.bound), m, v.stride(0), SPLIT=splits, **consts, num_warps=4,
+                         num_stages=1)
     return v
 
 

@@ -17,9 +17,8 @@ Dispatch on CUDA, by M = number of tokens:
                        then ec_up adds alpha · v Bᵀ. Inside CUDA-graph capture the fork and
                        join are captured as graph edges. While torch.compile traces the op
                        (no streams there) the serial variant runs: ec_gate, then the GEMM
-                       with the v-epilogue (EC_MODE 2). From DEQUANT_MM_MIN_M with
-                       PREFILL_EC "stacked": one GEMM on W_hat with A stacked under it,
-                       then ec_stacked (gate, alpha · v Bᵀ, bias, SiLU·mul) in one pass.
+                       with the v-epilogue (EC_MODE 2). From DEQUANT_MM_MIN_M, PREFILL_EC
+                       "out" / "in" put the EC into the cuBLAS GEMM itself (see there).
 On any other device the op runs the fp32 torch reference (reference.py) and casts.
 
 Registered with ``torch.library.triton_op`` and every launch goes through ``wrap_triton``,
@@ -57,11 +56,15 @@ FUSED_MAX_RANK = 128
 # Smallest M at which dequantize + cuBLAS beats the Triton W4 GEMM (same run): their time
 # ratio is 0.36 at M = 128 and 0.37..0.52 up to M = 4096; at M <= 64 the split-K tiles win.
 DEQUANT_MM_MIN_M = 128
-# The EC from DEQUANT_MM_MIN_M tokens: "stacked" (A stacked under the dequantized W_hat, one
-# GEMM, then ec_stacked; ec.py) or "side" (ec_gate on a side stream beside dequantize + cuBLAS,
-# then ec_up). "side" measured +9 to +24% over W4 at 512-2048 tokens (median +15%; H200,
-# 2026-12-01, BENCHMARKS.md "Twelfth run"); "stacked" is not yet timed (bench_kernels.py
-# --prefill-ec side|stacked), so "side" stays the default until it is.
+# The EC from DEQUANT_MM_MIN_M tokens, where the W4 part is dequantize + cuBLAS:
+#   "side": ec_gate on a side stream beside it, then ec_up (a pass over the output);
+#   "out":  A stacked under W_hat, one GEMM, then ec_stacked (a pass over the output);
+#   "in":   [x, v] against [W_hat, alpha · B], one GEMM (a copy of x, no pass over the output);
+#   "auto": "in" where N > K (the output is wider than the input), else "out".
+# "side" measured +9 to +24% over W4 at 512-2048 tokens (median +15%; H200, 2026-12-01,
+# BENCHMARKS.md "Twelfth run"); the others are not yet timed (bench_kernels.py --prefill-ec),
+# so "side" stays the default until they are.
+PREFILL_EC_MODES = ("side", "out", "in", "auto")
 PREFILL_EC = "side"
 # Whether the semi-fused path overlaps ec_gate on a side stream (True) or runs it first and
 # reads v in the GEMM epilogue (False): the overlap was as fast or faster at M >= 256.
@@ -109,9 +112,11 @@ def _beside(device: torch.device, overlap: bool, work):
     return lambda: main.wait_stream(side)
 
 
-def _stacked(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC, act: int = 0) -> torch.Tensor:
-    """Prefill from DEQUANT_MM_MIN_M: one cuBLAS GEMM on [W_hat; A] gives the output and u = x Aᵀ,
-    then ec_stacked adds the EC (ec.py)."""
+def _prefill_ec_out(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC,
+                    act: int = 0) -> torch.Tensor:
+    """PREFILL_EC "out": one cuBLAS GEMM on [W_hat; A] (A's R rows under W_hat) gives the output
+    and u = x Aᵀ as its last R columns; ec_stacked then adds alpha · gamma(u) ⊙ u Bᵀ in a pass
+    over the output (ec.py)."""
     n, r = w.out_features, e.a.shape[0]
     wa = _common.alloc((n + r, w.in_features), dtype=x.dtype, device=x.device)
     dequantize(w, x.dtype, launch=wrap_triton, out=wa[:n])
@@ -119,10 +124,39 @@ def _stacked(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: Pack
     return ec_kernels.ec_stacked(torch.nn.functional.linear(x, wa), n, e, bias, act, launch=wrap_triton)
 
 
+def _prefill_ec_in(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC,
+                   act: int = 0) -> torch.Tensor:
+    """PREFILL_EC "in": ec_gate writes [x, v] (copying x as it reads it), the weight is
+    [W_hat, alpha · B], and one cuBLAS GEMM over K + R inputs returns x W_hatᵀ + alpha · v Bᵀ:
+    the EC costs a copy of x and R / K more GEMM, and no pass over the output."""
+    m, k = x.shape
+    n, r = w.out_features, e.a.shape[0]
+    xv = _common.alloc((m, k + r), dtype=x.dtype, device=x.device)
+    ec_kernels.ec_gate(x, e, out=xv[:, k:], launch=wrap_triton, copy_to=xv[:, :k])
+    wb = _common.alloc((n, k + r), dtype=x.dtype, device=x.device)
+    dequantize(w, x.dtype, launch=wrap_triton, out=wb[:, :k])
+    torch.mul(e.b, e.alpha, out=wb[:, k:])
+    y = torch.nn.functional.linear(xv, wb, bias)
+    return _silu_mul_pairs(y) if act else y
+
+
+def _prefill_ec_mode(n: int, k: int) -> str:
+    if PREFILL_EC not in PREFILL_EC_MODES:
+        raise ValueError(f"PREFILL_EC must be one of {PREFILL_EC_MODES}; got {PREFILL_EC!r}")
+    if PREFILL_EC == "auto":
+        # the pass over the output costs M·N, the copy of x M·K
+        return "in" if n > k else "out"
+    return PREFILL_EC
+
+
 def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC,
                 overlap: bool, act: int = 0) -> torch.Tensor:
-    if x.shape[0] >= DEQUANT_MM_MIN_M and PREFILL_EC == "stacked":
-        return _stacked(x, w, bias, e, act)
+    if x.shape[0] >= DEQUANT_MM_MIN_M:
+        mode = _prefill_ec_mode(w.out_features, w.in_features)
+        if mode == "out":
+            return _prefill_ec_out(x, w, bias, e, act)
+        if mode == "in":
+            return _prefill_ec_in(x, w, bias, e, act)
     v = _common.alloc((x.shape[0], e.a.shape[0]), dtype=x.dtype, device=x.device)
     if not overlap:
         ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton)

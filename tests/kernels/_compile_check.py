@@ -35,7 +35,7 @@ def divisible(fn):
     unvectorised, unlike the kernels that run."""
     names = fn.arg_names
     return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-            if n.endswith("_ptr") or n in ("N", "K", "stride_xm", "stride_om")}
+            if n.endswith("_ptr") or n in ("N", "K", "stride_xm", "stride_om", "stride_wn")}
 
 
 def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, act=0, pdl=False, ftype="fp32",
@@ -88,9 +88,10 @@ def compile_small(bf16, ftype="fp32"):
     c = dict(GROUP=64, SYMMETRIC=False, IS_BF16=bf16, BN=64, BK=128)
     p = dict(qw_ptr="*i32", scales_ptr="*fp16", zeros_ptr="*u8", wt_ptr=dt)
     triton.compile(ASTSource(_dequant_kmajor_kernel, sig(_dequant_kmajor_kernel, p, (), c), c), target=TARGET)
-    for split in (1, 4):  # one program per token tile, or shares of K into an fp32 workspace
-        c = dict(GATE=True, R=16, H=16, BM=16, BK=64, DOT_F32=False, SPLIT=split)
-        p = {k: dt for k in ("x_ptr", "a_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr")}
+    # one program per token tile, or shares of K into an fp32 workspace; with the copy of x
+    for split, copy in ((1, False), (4, False), (1, True), (4, True)):
+        c = dict(GATE=True, R=16, H=16, BM=16, BK=64, DOT_F32=False, SPLIT=split, COPY=copy)
+        p = {k: dt for k in ("x_ptr", "a_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr", "xo_ptr")}
         p["v_ptr"] = dt if split == 1 else "*fp32"
         triton.compile(ASTSource(_ec_gate_kernel, sig(_ec_gate_kernel, p, ("bound",), c, ftype), c), target=TARGET)
     c = dict(GATE=True, R=16, H=16, BM=16, DOT_F32=False, SPLIT=4)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spear.kernels import fused, ops
+from spear.kernels import fused, ops, pack_ec
 from spear.kernels import reference as ref
 from spear.kernels.ec import ec_stacked
 from spear.kernels.layout import unpack
@@ -63,37 +63,69 @@ def test_ec_stacked_checks_shapes():
     assert ec_stacked(y[:0], N_SMALL, e).shape == (0, N_SMALL)
 
 
+@pytest.mark.parametrize("mode", ["out", "in"])
 @pytest.mark.parametrize("kmajor", [False, True])
 @pytest.mark.parametrize("act", [0, 1])
-def test_stacked_prefill_path(poisoned, kmajor, act):
-    """ops._stacked: dequantize into the first N rows, A under them, one GEMM, ec_stacked."""
+def test_prefill_ec_paths(poisoned, mode, kmajor, act):
+    """"out": dequantize into the first N rows, A under them, one GEMM, ec_stacked. "in": ec_gate
+    writes [x, v], the weight is [W_hat, alpha · B], one GEMM over K + R."""
     dtype = torch.float16
     m = ops.DEQUANT_MM_MIN_M + 3
     ec = make_ec(N_SMALL, K_SMALL, 16, 16, dtype, seed=9)
     x, w, b, e, expect = setup_case(m, K_SMALL, N_SMALL, 64, False, dtype, seed=9, ec=ec, kmajor=kmajor)
-    out = ops._stacked(x, w, b, e, act)
-    assert_close(out, ref.silu_mul_pairs(expect) if act else expect, dtype, f"stacked kmajor={kmajor} act={act}")
+    path = ops._prefill_ec_out if mode == "out" else ops._prefill_ec_in
+    out = path(x, w, b, e, act)
+    assert_close(out, ref.silu_mul_pairs(expect) if act else expect, dtype, f"{mode} kmajor={kmajor} act={act}")
+
+
+def test_prefill_ec_mode(monkeypatch):
+    for mode in ("side", "out", "in"):
+        monkeypatch.setattr(ops, "PREFILL_EC", mode)
+        assert ops._prefill_ec_mode(4096, 4096) == mode
+    monkeypatch.setattr(ops, "PREFILL_EC", "auto")
+    assert ops._prefill_ec_mode(28672, 4096) == "in" and ops._prefill_ec_mode(4096, 14336) == "out"
+    monkeypatch.setattr(ops, "PREFILL_EC", "stacked")
+    with pytest.raises(ValueError, match="PREFILL_EC"):
+        ops._prefill_ec_mode(4096, 4096)
+
+
+def test_ec_gate_copies_x_and_writes_strided_v(poisoned):
+    """ec_gate(copy_to=, out=) into the two parts of one [x, v] matrix, single pass and split over K."""
+    from spear.kernels.ec import ec_gate
+
+    dtype = torch.bfloat16
+    e = pack_ec(**make_ec(N_SMALL, K_SMALL, 8, 8, dtype, seed=6))
+    x = torch.randn(37, K_SMALL, dtype=dtype, device=DEVICE)
+    u = x.float() @ e.a.float().t()
+    expect = ref.ec_gate(u, e.w1, e.b1, e.w2, e.b2, e.bound)
+    r = e.a.shape[0]
+    for splits in (1, 2):
+        xv = torch.full((37, K_SMALL + r), float("nan"), dtype=dtype, device=DEVICE)
+        ec_gate(x, e, out=xv[:, K_SMALL:], splits=splits, copy_to=xv[:, :K_SMALL])
+        assert torch.equal(xv[:, :K_SMALL], x), f"the copy of x, splits={splits}"
+        assert_close(xv[:, K_SMALL:], expect, dtype, f"v in [x, v], splits={splits}")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["out", "in"])
 @pytest.mark.parametrize("m", [ops.DEQUANT_MM_MIN_M, 300, 2048])
 @pytest.mark.parametrize("act", [0, 1])
-def test_gpu_stacked_dispatch(poisoned, monkeypatch, m, act):
-    """The registered op with PREFILL_EC "stacked" at a real shape, eagerly and replayed from a CUDA graph."""
+def test_gpu_prefill_ec_dispatch(poisoned, monkeypatch, mode, m, act):
+    """The registered op with PREFILL_EC "out" / "in" at a real shape, eagerly and replayed from a CUDA graph."""
     if DEVICE != "cuda":
         pytest.skip("needs CUDA")
     from spear.kernels import w4a16_linear
 
-    monkeypatch.setattr(ops, "PREFILL_EC", "stacked")
+    monkeypatch.setattr(ops, "PREFILL_EC", mode)
     dtype = torch.float16
     ec = make_ec(4096, 4096, 32, 32, dtype, seed=2)
     x, w, b, e, expect = setup_case(m, 4096, 4096, 128, False, dtype, seed=2, ec=ec, kmajor=True)
     expect = ref.silu_mul_pairs(expect) if act else expect
-    assert_close(w4a16_linear(x, w, b, e, act=act), expect, dtype, f"stacked M={m} act={act}")
+    assert_close(w4a16_linear(x, w, b, e, act=act), expect, dtype, f"{mode} M={m} act={act}")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = w4a16_linear(x, w, b, e, act=act)
     graph.replay()
     torch.cuda.synchronize()
-    assert_close(y, expect, dtype, f"stacked M={m} act={act}, graph replay")
+    assert_close(y, expect, dtype, f"{mode} M={m} act={act}, graph replay")
