@@ -187,6 +187,9 @@ def main(argv=None) -> int:
     p.add_argument("--fused-max-rank", type=int,
                    help="decode: ECs of a larger padded rank run ec_gate + the GEMM's v-epilogue instead "
                         "of the one-launch fused kernel (spear.kernels.ops.FUSED_MAX_RANK)")
+    p.add_argument("--fused-max-m", type=int,
+                   help="decode: up to this many sequences the ECs run in the one-launch fused kernel, above it "
+                        "semi-fused (spear.kernels.ops.FUSED_MAX_M)")
     p.add_argument("--layout", choices=("nmajor", "kmajor"), default="kmajor",
                    help="packed W4 weight layout of the engine (spear.kernels.layout)")
     p.add_argument("--out", help="folder for results.json and table.md")
@@ -260,12 +263,19 @@ def main(argv=None) -> int:
         from spear.kernels import ops
 
         ops.FUSED_MAX_RANK = args.fused_max_rank
+    if args.fused_max_m is not None:
+        if args.fused_max_m < 1:
+            p.error("--fused-max-m must be >= 1")
+        from spear.kernels import ops
+
+        ops.FUSED_MAX_M = args.fused_max_m
     header = (f"Decode, {datetime.date.today().isoformat()}, {dev_name}, torch {torch.__version__}, "
               f"{dtype}, prompt {args.prompt_len} tokens, median of {args.gen} steps"
               + (f", {args.layers} layers" if args.layers else "")
               + (f", max_model_len {args.max_model_len}" if args.max_model_len else "")
               + f", W4 layout {args.layout}, projections {'separate' if args.no_fuse else 'fused'}"
               + (f", fused EC up to rank {args.fused_max_rank}" if args.fused_max_rank is not None else "")
+              + (f", fused EC up to {args.fused_max_m} tokens" if args.fused_max_m is not None else "")
               + (f", attention splits <= {args.attn_max_splits}" if args.attn_max_splits is not None else "")
               + (f", u programs <= {args.u_split_max}" if args.u_split_max is not None else "")
               + (f", ec_gate programs <= {args.gate_programs}" if args.gate_programs is not None else "")

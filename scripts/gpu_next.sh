@@ -21,11 +21,14 @@
 #     stacked under W_hat; "in": [x, v] against [W_hat, alpha B]) against ec_gate on a side stream
 #     ("side"): their GPU tests, then bench_kernels.py at 512 / 2048 tokens, rank 32, with a
 #     per-kernel profile of the EC call, once per mode.
+#   scripts/gpu_next.sh 7 OUT_DIR: the fused EC kernel up to 64 sequences against the semi-fused path
+#     above 16 (ops.FUSED_MAX_M, last measured on the first build): Llama-3-8B W4 / W4+EC decode at
+#     1, 32 and 64 sequences with --fused-max-m 16 and 64.
 # Triton's compile cache is kept in the working tree (.triton-cache, ignored by git), which the
 # device keeps between the calls of a session, so later calls do not compile again.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_next.sh 1|2|3|4|5|6 OUT_DIR [MODEL]}
-out=${2:?usage: scripts/gpu_next.sh 1|2|3|4|5|6 OUT_DIR [MODEL]}
+part=${1:?usage: scripts/gpu_next.sh 1|2|3|4|5|6|7 OUT_DIR [MODEL]}
+out=${2:?usage: scripts/gpu_next.sh 1|2|3|4|5|6|7 OUT_DIR [MODEL]}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="$PWD/.triton-cache"
@@ -93,5 +96,11 @@ PY
       --ms 512,2048 --ranks 32 --prefill-ec $mode --profile "ec r32" --budget-s 100 > "$out/kernels-$mode.txt" 2>&1
     echo "== prefill EC $mode"; grep -E "^Llama|ec r32 at" "$out/kernels-$mode.txt"
   done ;;
-*) echo "part must be 1, 2, 3, 4, 5 or 6" >&2; exit 2 ;;
+7)
+  for fm in 16 64; do
+    timeout 140 python benchmarks/bench_decode.py --models Llama-3-8B --batches 1,32,64 --no-fp16 --fused-max-m $fm \
+      --out "$out/decode-fm$fm" > "$out/decode-fm$fm.txt" 2>&1
+    echo "== decode, fused EC up to $fm tokens"; grep -E "batch +(1|32|64):| in [0-9.]+ s" "$out/decode-fm$fm.txt"
+  done ;;
+*) echo "part must be 1 to 7" >&2; exit 2 ;;
 esac

@@ -110,6 +110,17 @@ def _ec_gate_finish_kernel(
              mask=m_mask[None, :])
 
 
+@triton.jit
+def _out_tile(M, N, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's [BM, BN] tile of an (M, N) output (1-D grid, column tiles fastest): its column
+    tile index, token and feature offsets, rank offsets and the two masks."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BN)
+    offs_m = (pid // n_tiles) * BM + tl.arange(0, BM)
+    offs_n = (pid % n_tiles) * BN + tl.arange(0, BN)
+    return pid % n_tiles, offs_m, offs_n, tl.arange(0, R), offs_m < M, offs_n < N
+
+
 @triton.jit(do_not_specialize=["M"])
 def _ec_up_kernel(
     v_ptr, b_ptr, out_ptr,
@@ -117,13 +128,7 @@ def _ec_up_kernel(
     M, N, stride_om,
     R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BN)
-    offs_m = (pid // n_tiles) * BM + tl.arange(0, BM)
-    offs_n = (pid % n_tiles) * BN + tl.arange(0, BN)
-    offs_r = tl.arange(0, R)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    _, offs_m, offs_n, offs_r, m_mask, n_mask = _out_tile(M, N, R, BM, BN)
     v = tl.load(v_ptr + offs_m[:, None] * R + offs_r[None, :], mask=m_mask[:, None], other=0.0)
     bt = tl.load(b_ptr + (offs_n % N)[None, :] * R + offs_r[:, None])
     corr = _dot(v, bt, tl.zeros((BM, BN), tl.float32), DOT_F32)
@@ -143,13 +148,7 @@ def _ec_stacked_kernel(
 ):
     """out tile = y[:, :N] + alpha · v Bᵀ (+ bias) (SiLU·mul of pairs at ACT 1), v = gamma(u) ⊙ u from
     u = y[:, N:N + R]: y is the GEMM of x with W_hat and A stacked, (M, N + R)."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BN)
-    offs_m = (pid // n_tiles) * BM + tl.arange(0, BM)
-    offs_n = (pid % n_tiles) * BN + tl.arange(0, BN)
-    offs_r = tl.arange(0, R)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
+    tile_n, offs_m, offs_n, offs_r, m_mask, n_mask = _out_tile(M, N, R, BM, BN)
     dt = out_ptr.dtype.element_ty
     # every column tile of an m-tile evaluates the gate again: R x BM values and two R x H dots,
     # small against its BM x BN output tile
@@ -167,7 +166,7 @@ def _ec_stacked_kernel(
     if ACT == 1:
         # columns 2i, 2i + 1 are gate and up of output feature tile * BN/2 + i
         g, u = tl.split(tl.reshape(y, (BM, BN // 2, 2)))
-        offs_h = (pid % n_tiles) * (BN // 2) + tl.arange(0, BN // 2)
+        offs_h = tile_n * (BN // 2) + tl.arange(0, BN // 2)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_h[None, :], (g * _sigmoid(g) * u).to(dt),
                  mask=m_mask[:, None] & (2 * offs_h < N)[None, :])
     else:
