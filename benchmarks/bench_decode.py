@@ -190,6 +190,9 @@ def main(argv=None) -> int:
     p.add_argument("--fused-max-m", type=int,
                    help="decode: up to this many sequences the ECs run in the one-launch fused kernel, above it "
                         "semi-fused (spear.kernels.ops.FUSED_MAX_M)")
+    p.add_argument("--rope-in-attention", action="store_true",
+                   help="decode: rotary and the new token's cache write inside the attention kernel "
+                        "(spear.serve.model_runner.ROPE_IN_ATTENTION)")
     p.add_argument("--layout", choices=("nmajor", "kmajor"), default="kmajor",
                    help="packed W4 weight layout of the engine (spear.kernels.layout)")
     p.add_argument("--out", help="folder for results.json and table.md")
@@ -263,6 +266,10 @@ def main(argv=None) -> int:
         from spear.kernels import ops
 
         ops.FUSED_MAX_RANK = args.fused_max_rank
+    if args.rope_in_attention:
+        from spear.serve import model_runner
+
+        model_runner.ROPE_IN_ATTENTION = True
     if args.fused_max_m is not None:
         if args.fused_max_m < 1:
             p.error("--fused-max-m must be >= 1")
@@ -276,6 +283,7 @@ def main(argv=None) -> int:
               + f", W4 layout {args.layout}, projections {'separate' if args.no_fuse else 'fused'}"
               + (f", fused EC up to rank {args.fused_max_rank}" if args.fused_max_rank is not None else "")
               + (f", fused EC up to {args.fused_max_m} tokens" if args.fused_max_m is not None else "")
+              + (", rotary in the attention kernel" if args.rope_in_attention else "")
               + (f", attention splits <= {args.attn_max_splits}" if args.attn_max_splits is not None else "")
               + (f", u programs <= {args.u_split_max}" if args.u_split_max is not None else "")
               + (f", ec_gate programs <= {args.gate_programs}" if args.gate_programs is not None else "")

@@ -21,9 +21,10 @@
 #     stacked under W_hat; "in": [x, v] against [W_hat, alpha B]) against ec_gate on a side stream
 #     ("side"): their GPU tests, then bench_kernels.py at 512 / 2048 tokens, rank 32, with a
 #     per-kernel profile of the EC call, once per mode.
-#   scripts/gpu_next.sh 7 OUT_DIR: the fused EC kernel up to 64 sequences against the semi-fused path
-#     above 16 (ops.FUSED_MAX_M, last measured on the first build): Llama-3-8B W4 / W4+EC decode at
-#     1, 32 and 64 sequences with --fused-max-m 16 and 64.
+#   scripts/gpu_next.sh 7 OUT_DIR: two decode A/Bs on Llama-3-8B W4 / W4+EC at 1, 32 and 64 sequences,
+#     against the defaults: the fused EC kernel up to 64 sequences (--fused-max-m 64; the semi-fused
+#     path takes over above 16, last measured on the first build), and the rotary + cache write
+#     inside the attention kernel (--rope-in-attention).
 # Triton's compile cache is kept in the working tree (.triton-cache, ignored by git), which the
 # device keeps between the calls of a session, so later calls do not compile again.
 set -uo pipefail
@@ -36,7 +37,7 @@ case "$part" in
 1)
   # -v names each test as it starts; faulthandler dumps the Python stacks of a test that runs past
   # 120 s (a compile or a synchronize), so a stall shows where it is
-  timeout 400 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=120 -m gpu tests/kernels \
+  timeout 440 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=120 -m gpu tests/kernels \
     --ignore=tests/kernels/test_w8a16.py --durations=5 > "$out/tests.txt" 2>&1
   grep -v PASSED "$out/tests.txt" | tail -30
   timeout 150 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=120 -m gpu \
@@ -97,10 +98,11 @@ PY
     echo "== prefill EC $mode"; grep -E "^Llama|ec r32 at" "$out/kernels-$mode.txt"
   done ;;
 7)
-  for fm in 16 64; do
-    timeout 140 python benchmarks/bench_decode.py --models Llama-3-8B --batches 1,32,64 --no-fp16 --fused-max-m $fm \
-      --out "$out/decode-fm$fm" > "$out/decode-fm$fm.txt" 2>&1
-    echo "== decode, fused EC up to $fm tokens"; grep -E "batch +(1|32|64):| in [0-9.]+ s" "$out/decode-fm$fm.txt"
+  for variant in default "--fused-max-m 64" --rope-in-attention; do
+    name=$(echo "$variant" | tr -d ' -')
+    timeout 140 python benchmarks/bench_decode.py --models Llama-3-8B --batches 1,32,64 --no-fp16 \
+      $([ "$variant" = default ] || echo "$variant") --out "$out/decode-$name" > "$out/decode-$name.txt" 2>&1
+    echo "== decode, $variant"; grep -E "batch +(1|32|64):| in [0-9.]+ s" "$out/decode-$name.txt"
   done ;;
 *) echo "part must be 1 to 7" >&2; exit 2 ;;
 esac

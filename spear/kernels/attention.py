@@ -63,6 +63,7 @@ import triton.language as tl
 
 from spear.kernels import _common
 from spear.kernels._common import INTERPRET, _pdl_start, _pdl_wait
+from spear.kernels.fused import _rotate
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
@@ -73,14 +74,15 @@ def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr,
     part_ptr,      # fp32 (B, n_kv_heads, SPLITS, GROUP_PAD, HEAD_DIM + 2): o, then m and l per row
     count_ptr,     # int32 (B * n_kv_heads,) arrival counters, zero on entry and on exit
+    kn_ptr, vn_ptr, cos_ptr, sin_ptr,  # ROPE: the new token's k and v (B, n_kv_heads, D), rotary tables
     qk_scale, max_blocks,
     stride_qb, stride_qh, stride_ob,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
-    stride_bt, stride_len,
+    stride_bt, stride_len, stride_knb, stride_vnb,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr, DOT_F32: tl.constexpr,
-    SPLITS: tl.constexpr, MIN_TILES: tl.constexpr = 1, PDL: tl.constexpr = False,
+    SPLITS: tl.constexpr, MIN_TILES: tl.constexpr = 1, PDL: tl.constexpr = False, ROPE: tl.constexpr = False,
 ):
     _pdl_start(PDL)
     _pdl_wait(PDL)
@@ -100,13 +102,20 @@ def _paged_decode_kernel(
     chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS), MIN_TILES) * BLOCK_N
     active = tl.cdiv(ctx, chunk)  # splits holding at least one key (<= SPLITS)
     if split == 0 or split < active:
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
-                    other=0.0)
-        if DOT_F32:
-            q = q.to(tl.float32)
         bt_row = bt_ptr + b.to(tl.int64) * stride_bt
         k_base = k_ptr + kvh * stride_kh
         v_base = v_ptr + kvh * stride_vh
+        if ROPE:
+            q = _rope_q_write_kv(q_ptr + b * stride_qb + heads[:, None] * stride_qh, g_mask,
+                                 kn_ptr + b * stride_knb + kvh * HEAD_DIM, vn_ptr + b * stride_vnb + kvh * HEAD_DIM,
+                                 cos_ptr, sin_ptr, lens_ptr + b * stride_len, bt_row, k_base, v_base,
+                                 stride_kb, stride_kt, stride_vb, stride_vt, (split == (ctx - 1) // chunk) & (ctx > 0),
+                                 GROUP_PAD, HEAD_DIM, BLOCK_SIZE, out_ptr.dtype.element_ty)
+        else:
+            q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
+                        other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
 
         m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((GROUP_PAD,), tl.float32)
@@ -164,6 +173,40 @@ def _paged_decode_kernel(
 
 
 @triton.jit
+def _rope_q_write_kv(q_rows, g_mask, kn_row, vn_row, cos_ptr, sin_ptr, len_ptr, bt_row, k_base, v_base,
+                     stride_kb, stride_kt, stride_vb, stride_vt, owner, GROUP_PAD: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, dt: tl.constexpr):
+    """ROPE: the query group rotated at the new token's position (context length - 1), [GROUP_PAD,
+    HEAD_DIM] in the cache dtype, as ``fused.rope_write_kv`` rounds it. The ``owner`` program (the
+    split holding that position) also writes the new token's rotated k and its v into the cache
+    slot the block table gives, then waits at a barrier so that its own loop reads them back; no
+    other program reads that position."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_h = tl.arange(0, HALF)
+    row = tl.maximum(tl.load(len_ptr).to(tl.int64) - 1, 0)
+    c1 = tl.load(cos_ptr + row * HEAD_DIM + offs_h).to(tl.float32)
+    c2 = tl.load(cos_ptr + row * HEAD_DIM + HALF + offs_h).to(tl.float32)
+    s1 = tl.load(sin_ptr + row * HEAD_DIM + offs_h).to(tl.float32)
+    s2 = tl.load(sin_ptr + row * HEAD_DIM + HALF + offs_h).to(tl.float32)
+    lo, hi = _rotate(q_rows, offs_h[None, :], g_mask[:, None], c1[None, :], c2[None, :], s1[None, :], s2[None, :],
+                     HALF, dt)
+    # [GROUP_PAD, HALF] x 2 -> [GROUP_PAD, HEAD_DIM]: the low half, then the high half
+    q = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
+    if owner:
+        blk = tl.load(bt_row + row // BLOCK_SIZE).to(tl.int64)
+        tok = row % BLOCK_SIZE
+        k_lo, k_hi = _rotate(kn_row, offs_h, offs_h < HALF, c1, c2, s1, s2, HALF, dt)
+        k_dst = k_base + blk * stride_kb + tok * stride_kt
+        tl.store(k_dst + offs_h, k_lo)
+        tl.store(k_dst + HALF + offs_h, k_hi)
+        offs_d = tl.arange(0, HEAD_DIM)
+        tl.store(v_base + blk * stride_vb + tok * stride_vt + offs_d, tl.load(vn_row + offs_d))
+        # the cache writes of every thread before any thread's loads of the key tiles
+        tl.debug_barrier()
+    return q
+
+
+@triton.jit
 def _merge_partials(head_part, active, o_ptrs, g_mask, offs_g, offs_d, out_ptr, GROUP_PAD: tl.constexpr,
                     HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
     """Output rows from the ``active`` partials at ``head_part``: o = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s,
@@ -215,6 +258,27 @@ def launch_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
     shared memory and registers. fp32 takes the FMA path of ``tl.dot`` (exact products), whose
     operands spill at 4 warps and fit at 8 (ptxas for sm_90)."""
     return (64 if head_dim <= 128 else 32), (8 if dtype == torch.float32 else 4)
+
+
+def _check_rope_args(q, k_cache, rope) -> None:
+    if not isinstance(rope, tuple) or len(rope) != 4:
+        raise ValueError("rope must be the tuple (k_new, v_new, cos, sin)")
+    k_new, v_new, cos, sin = rope
+    b, _, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if not torch.is_tensor(t) or t.shape != (b, kv_heads, head_dim) or t.dtype != q.dtype:
+            raise ValueError(f"{name} must be ({b}, {kv_heads}, {head_dim}) {q.dtype}; got "
+                             f"{tuple(getattr(t, 'shape', ()))} {getattr(t, 'dtype', type(t))}")
+        if t.stride()[1:] != (head_dim, 1):
+            raise ValueError(f"{name} must be contiguous within each token; got strides {t.stride()}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not torch.is_tensor(t) or t.dim() != 2 or t.shape[1] != head_dim or t.dtype != q.dtype \
+                or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous (max_len, {head_dim}) {q.dtype} table; got "
+                             f"{tuple(getattr(t, 'shape', ()))} {getattr(t, 'dtype', type(t))}")
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        raise ValueError(f"with rope, q must be contiguous within each token; got strides {q.stride()}")
 
 
 def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
@@ -287,7 +351,8 @@ def split_chunk(ctx: int, splits: int, block_n: int, min_tiles: int | None = Non
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           launch=None, block_n: int | None = None, splits: int | None = None) -> torch.Tensor:
+                           launch=None, block_n: int | None = None, splits: int | None = None,
+                           rope: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """Attention of one query per sequence over its paged keys; (B, n_heads · head_dim) in q's dtype.
 
     Same contract as ``serve.layers.decode_attention_reference``: block table entries past a
@@ -295,8 +360,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     to it. Fixed grid and no host synchronization: safe inside a CUDA graph. ``block_n`` (keys per
     tile, a power of two >= 16) and ``splits`` (context splits, a power of two) override the
     defaults, for tests.
+
+    ``rope`` = (k_new, v_new, cos, sin): q is not yet rotated, and the new token (position
+    context_len - 1) is not yet in the cache. The kernel rotates q and writes the rotated k_new
+    and v_new (B, n_kv_heads, head_dim) at that position's slot before reading it, so the separate
+    rotary + cache-write launch (``fused.rope_write_kv``) is not needed; cos and sin are the
+    whole (max_len, head_dim) rotary tables. Same results as that launch followed by this one.
     """
     _check(q, k_cache, v_cache, block_tables, context_lens)
+    if rope is not None:
+        _check_rope_args(q, k_cache, rope)
     if block_n is not None and not (_pow2(block_n) and block_n >= 16):
         raise ValueError(f"block_n must be a power of two >= 16; got {block_n}")
     if splits is not None and not _pow2(splits):
@@ -320,15 +393,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part = counters = out  # never touched
     kernel = _paged_decode_kernel if launch is None else launch(_paged_decode_kernel)
+    k_new, v_new, cos, sin = rope if rope is not None else (q, q, q, q)  # never read without ROPE
     kernel[(b, kv_heads, n_split)](
         q, k_cache, v_cache, block_tables, context_lens, out, part, counters,
+        k_new, v_new, cos, sin,
         float(scale) * LOG2E, block_tables.shape[1],
         q.stride(0), q.stride(1), out.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), context_lens.stride(0),
+        block_tables.stride(0), context_lens.stride(0), k_new.stride(0), v_new.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, IS_FP32=q.dtype == torch.float32, DOT_F32=INTERPRET,
-        SPLITS=n_split, MIN_TILES=MIN_SPLIT_TILES, num_warps=num_warps, num_stages=2, **_common.pdl(),
+        SPLITS=n_split, MIN_TILES=MIN_SPLIT_TILES, ROPE=rope is not None, num_warps=num_warps, num_stages=2,
+        **_common.pdl(),
     )
     return out

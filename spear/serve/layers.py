@@ -79,20 +79,31 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     rope: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """One query per sequence over its paged keys; fixed shapes, so CUDA graphs can capture it.
 
     q (B, n_heads, head_dim); block_tables (B, max_blocks) int64, entries past a sequence's
     last block may point anywhere valid (they are masked); context_lens (B,).
     Returns (B, n_heads * head_dim). On CUDA the Triton kernel of ``spear.kernels.attention``
     reads only the blocks each sequence uses; elsewhere (and for shapes it does not take)
-    ``decode_attention_reference`` runs.
+    ``decode_attention_reference`` runs. ``rope`` = (k_new, v_new, cos, sin): q is not yet
+    rotated and the new token (position context_len - 1) not yet cached; the kernel does both
+    (``paged_decode_attention``), the fallback runs ``fused.rope_write_kv`` first.
     """
     if q.is_cuda:
         from spear.kernels.attention import paged_decode_attention, supports
 
         if supports(q, k_cache):
-            return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+            return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, rope=rope)
+    if rope is not None:
+        from spear.kernels.fused import rope_write_kv
+
+        k_new, v_new, cos, sin = rope
+        bs = k_cache.shape[1]
+        pos = context_lens.long() - 1
+        slots = block_tables.long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        q = rope_write_kv(q, k_new, v_new, cos, sin, k_cache, v_cache, slots, positions=pos)
     return decode_attention_reference(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 

@@ -34,6 +34,11 @@ from spear.serve.scheduler import SchedulerOutput
 log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+# Decode on the fused kernels: the paged attention kernel also rotates q and writes the new k, v
+# into the cache (spear.kernels.attention, ``rope=``), one launch per layer fewer than
+# fused.rope_write_kv + attention. Checked against that pair bit for bit on the CPU interpreter;
+# not yet timed on a GPU (bench_decode.py --rope-in-attention), so off until it is.
+ROPE_IN_ATTENTION = False
 
 
 def check_supported(model: nn.Module) -> None:
@@ -156,10 +161,11 @@ class ModelRunner:
         return h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
 
     def _layer_fused(self, i: int, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
-                     slots: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
+                     slots: torch.Tensor, attend, rope_in_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``_layer`` on the fused kernels (CUDA). The residual stream is carried as ``h + delta``
         with the add pending (``delta`` None before the first layer), so every residual add runs
-        inside the RMSNorm after it; returns the next (h, delta)."""
+        inside the RMSNorm after it; returns the next (h, delta). ``rope_in_attention``: ``attend``
+        takes the unrotated q and ``rope=`` (decode, ``ROPE_IN_ATTENTION``)."""
         layer = self.layers[i]
         attn, mlp = layer.self_attn, layer.mlp
         t = h.shape[0]
@@ -174,9 +180,12 @@ class ModelRunner:
         q = q.view(t, self.n_heads, self.head_dim)
         k = k.view(t, self.n_kv_heads, self.head_dim)
         v = v.view(t, self.n_kv_heads, self.head_dim)
-        q = self.fused.rope_write_kv(q, k, v, self.cos, self.sin, self.k_cache[i], self.v_cache[i], slots,
-                                     positions=positions)  # the whole tables: no gather launch
-        o = attn.o_proj(attend(q, self.k_cache[i], self.v_cache[i]))
+        if rope_in_attention:  # decode: the attention kernel rotates q and caches the new k, v
+            o = attn.o_proj(attend(q, self.k_cache[i], self.v_cache[i], rope=(k, v, self.cos, self.sin)))
+        else:
+            q = self.fused.rope_write_kv(q, k, v, self.cos, self.sin, self.k_cache[i], self.v_cache[i], slots,
+                                         positions=positions)  # the whole tables: no gather launch
+            o = attn.o_proj(attend(q, self.k_cache[i], self.v_cache[i]))
         norm = layer.post_attention_layernorm
         h, x = self.fused.add_rms_norm(o, h, norm.weight, norm.variance_epsilon)
         gate_up = getattr(mlp, "gate_up_proj", None)
@@ -187,7 +196,8 @@ class ModelRunner:
         act = self.fused.silu_mul(gate, up) if self.fused_silu else mlp.act_fn(gate) * up
         return h, mlp.down_proj(act)
 
-    def _run_layers(self, h: torch.Tensor, positions, slots, attend) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run_layers(self, h: torch.Tensor, positions, slots, attend,
+                    rope_in_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All decoder layers: (h, delta) whose sum is the last hidden state (delta None off CUDA)."""
         if self.fused is None:
             for i in range(len(self.layers)):
@@ -195,7 +205,7 @@ class ModelRunner:
             return h, None
         delta = None
         for i in range(len(self.layers)):
-            h, delta = self._layer_fused(i, h, delta, positions, slots, attend)
+            h, delta = self._layer_fused(i, h, delta, positions, slots, attend, rope_in_attention)
         return h, delta
 
     def _logits(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
@@ -218,10 +228,10 @@ class ModelRunner:
     def _forward_decode(self, input_ids, positions, slots, block_tables, context_lens) -> torch.Tensor:
         h = self.model.model.embed_tokens(input_ids)
 
-        def attend(q, kc, vc):
-            return decode_attention(q, kc, vc, block_tables, context_lens, self.scale)
+        def attend(q, kc, vc, rope=None):
+            return decode_attention(q, kc, vc, block_tables, context_lens, self.scale, rope=rope)
 
-        return self._logits(*self._run_layers(h, positions, slots, attend))
+        return self._logits(*self._run_layers(h, positions, slots, attend, ROPE_IN_ATTENTION))
 
     # ------------------------------------------------------------------ one step
     def _context_slots(self, block_table: list[int], end: int) -> torch.Tensor:

@@ -113,17 +113,19 @@ def compile_small(bf16, ftype="fp32"):
         triton.compile(ASTSource(_silu_mul_kernel, sig(_silu_mul_kernel, p, (), c), c), target=TARGET)
 
 
-def compile_attention(dtype, head_dim, block_size, group, splits=8, pdl=False):
+def compile_attention(dtype, head_dim, block_size, group, splits=8, pdl=False, rope=False):
     """The paged decode kernel as the launcher specializes it: pointers 16-byte aligned (torch's
     allocations), strides multiples of head_dim >= 16, context_lens contiguous."""
     fn = _paged_decode_kernel
     ptrs = dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, bt_ptr="*i64", lens_ptr="*i64",
-                out_ptr="*" + dtype, part_ptr="*fp32", count_ptr="*i32")
+                out_ptr="*" + dtype, part_ptr="*fp32", count_ptr="*i32", kn_ptr="*" + dtype, vn_ptr="*" + dtype,
+                cos_ptr="*" + dtype, sin_ptr="*" + dtype)
     div16 = list(ptrs) + [n for n in fn.arg_names if n.startswith(("stride_q", "stride_o", "stride_k", "stride_v"))]
     block_n, num_warps = launch_config(getattr(torch, dict(fp16="float16", bf16="bfloat16", fp32="float32")[dtype]),
                                        head_dim)
     c = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-             BLOCK_N=block_n, IS_FP32=dtype == "fp32", DOT_F32=False, stride_len=1, SPLITS=splits, PDL=pdl)
+             BLOCK_N=block_n, IS_FP32=dtype == "fp32", DOT_F32=False, stride_len=1, SPLITS=splits, PDL=pdl,
+             ROPE=rope)
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
     src = ASTSource(fn, sig(fn, ptrs, ("qk_scale",), c), c, attrs)
     triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=2))
@@ -157,4 +159,6 @@ if __name__ == "__main__":
         compile_attention("fp32", 128, 16, 4)
         compile_attention("fp16", 128, 16, 1, splits=1)
         compile_attention("fp16", 128, 16, 4, pdl=2)
+    for head_dim, group in ((128, 4), (64, 1)):  # rotary and the new token's cache write inside
+        compile_attention("bf16" if bf16 else "fp16", head_dim, 16, group, rope=True)
     print("ok")

@@ -115,6 +115,71 @@ def test_split_context_merges_exactly(poisoned, monkeypatch, splits, min_tiles, 
             assert int(attention._COUNTERS[out.device].abs().sum()) == 0, "merge counters not reset"
 
 
+def _rope_tables(max_len, head_dim, dtype, device=DEVICE):
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = torch.arange(max_len, dtype=torch.float64)[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
+
+
+def _rope_case(context_lens, n_heads, kv_heads, head_dim, block_size, dtype, seed, block_n=None, splits=None):
+    """ROPE against rope_write_kv followed by the plain kernel: caches and output bit for bit, and
+    the fp32 reference. The new token's cache slots start as NaN, so a kernel that read them
+    before writing them fails."""
+    from spear.kernels.fused import rope_write_kv
+
+    q, kp, vp, k, v, tables, lens = make_batch(context_lens, n_heads, kv_heads, head_dim, block_size, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    b = q.shape[0]
+    qkv = torch.randn(b, (n_heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(DEVICE)
+    q_raw, k_new, v_new = qkv.split([n_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q_raw = q_raw.view(b, n_heads, head_dim)
+    k_new, v_new = k_new.view(b, kv_heads, head_dim), v_new.view(b, kv_heads, head_dim)
+    cos, sin = _rope_tables(max(context_lens) + 1, head_dim, dtype)
+    pos = lens - 1
+    slots = tables.gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size
+    blk, off = slots // block_size, slots % block_size
+    kp[blk, off] = float("nan")
+    vp[blk, off] = float("nan")
+    k_sep, v_sep = kp.clone(), vp.clone()
+    q_rot = rope_write_kv(q_raw, k_new, v_new, cos, sin, k_sep, v_sep, slots, positions=pos)
+    scale = head_dim ** -0.5
+    what = f"rope H={n_heads}/{kv_heads} d={head_dim} bs={block_size} {dtype} splits={splits}"
+    expect = paged_decode_attention(q_rot, k_sep, v_sep, tables, lens, scale, block_n=block_n, splits=splits)
+    out = paged_decode_attention(q_raw, kp, vp, tables, lens, scale, block_n=block_n, splits=splits,
+                                 rope=(k_new, v_new, cos, sin))
+    assert torch.equal(kp.nan_to_num(7.0), k_sep.nan_to_num(7.0)), f"{what}: k cache differs from rope_write_kv's"
+    assert torch.equal(vp.nan_to_num(7.0), v_sep.nan_to_num(7.0)), f"{what}: v cache differs from rope_write_kv's"
+    assert torch.equal(out, expect), f"{what}: output differs from rope_write_kv + attention"
+    k_ref, v_ref = k.clone(), v.clone()
+    k_ref[blk, off], v_ref[blk, off] = k_sep[blk, off], v_sep[blk, off]
+    _check(out.cpu(), _reference(q_rot, k_ref, v_ref, tables, lens, scale), dtype, what)
+
+
+@pytest.mark.parametrize("splits,ratio,dtype,block_size", [(1, 1, torch.float16, 8), (8, 4, torch.float32, 8),
+                                                          (4, 2, torch.bfloat16, 16), (2, 4, torch.float16, 32)])
+def test_rope_in_attention_equals_rope_write_then_attention(poisoned, splits, ratio, dtype, block_size):
+    """The rotary and the new token's cache write inside the attention kernel (``rope=``); the
+    split that holds the new position writes it (on the interpreter, which runs programs one after
+    another, a wrong writer would go unseen; the GPU test below runs them concurrently)."""
+    _rope_case(CONTEXT_LENS, 2 * ratio, 2, 32, block_size, dtype, seed=splits + ratio + block_size, block_n=16,
+               splits=splits)
+
+
+def test_rope_in_attention_checks_its_arguments():
+    q = torch.zeros(2, 4, 16, device=DEVICE)
+    k = torch.zeros(5, 8, 2, 16, device=DEVICE)
+    tables, lens = torch.zeros(2, 3, dtype=torch.long, device=DEVICE), torch.ones(2, dtype=torch.long, device=DEVICE)
+    cos = torch.zeros(8, 16, device=DEVICE)
+    kn = torch.zeros(2, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="k_new must be"):
+        paged_decode_attention(q, k, k, tables, lens, 0.25, rope=(kn[:, :1], kn, cos, cos))
+    with pytest.raises(ValueError, match="cos must be"):
+        paged_decode_attention(q, k, k, tables, lens, 0.25, rope=(kn, kn, cos[:, :8], cos))
+    with pytest.raises(ValueError, match="rope must be the tuple"):
+        paged_decode_attention(q, k, k, tables, lens, 0.25, rope=(kn, kn, cos))
+
+
 def test_split_config_and_chunks():
     from spear.kernels.attention import MAX_SPLITS, split_chunk, split_config
 
@@ -237,3 +302,31 @@ def test_gpu_cuda_graph_replay():
         s_l.copy_(ll)
         graph.replay()
         _check(s_o.cpu(), _reference(qq, k, v, tt, ll, scale), dtype, "graph replay")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_heads,kv_heads,head_dim", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_rope_in_attention(poisoned, n_heads, kv_heads, head_dim, dtype):
+    if DEVICE != "cuda":
+        pytest.skip("needs CUDA")
+    _rope_case(GPU_CONTEXTS, n_heads, kv_heads, head_dim, 16, dtype, seed=head_dim + n_heads)
+
+
+def test_decode_attention_rope_fallback():
+    """Where the kernel does not run (CPU tensors), decode_attention(rope=) caches the new token at
+    the slot its block table gives for position context_len - 1, then attends: as rope_write_kv
+    followed by the reference."""
+    from spear.kernels.fused import rope_write_kv
+
+    q, _, _, k, v, tables, lens = make_batch(CONTEXT_LENS, 4, 2, 16, 8, torch.float32, seed=3, device="cpu")
+    g = torch.Generator().manual_seed(4)
+    k_new, v_new = torch.randn(2, q.shape[0], 2, 16, generator=g)
+    cos, sin = _rope_tables(64, 16, torch.float32, device="cpu")
+    pos = lens - 1
+    slots = tables.gather(1, (pos // 8)[:, None])[:, 0] * 8 + pos % 8
+    k2, v2 = k.clone(), v.clone()
+    expect = decode_attention_reference(rope_write_kv(q, k_new, v_new, cos, sin, k2, v2, slots, positions=pos),
+                                        k2, v2, tables, lens, 0.25)
+    out = decode_attention(q, k, v, tables, lens, 0.25, rope=(k_new, v_new, cos, sin))
+    assert torch.equal(out, expect) and torch.equal(k, k2) and torch.equal(v, v2)
