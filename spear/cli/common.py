@@ -29,6 +29,16 @@ positive_int = _int_at_least(1)
 nonneg_int = _int_at_least(0)
 
 
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return v
+
+
 def add_model_arg(p: argparse.ArgumentParser, default: str | None = DEFAULT_MODEL) -> None:
     p.add_argument("--model", default=default, required=default is None,
                    help=f"a local Hugging Face causal-LM folder, a spear checkpoint folder, or "

@@ -76,6 +76,8 @@ def engine_from_args(args):
 
 
 def register(sub) -> None:
+    from spear.cli.common import positive_float
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
                        description="Serve a model with continuous batching over a paged KV cache: "
                                    "/v1/completions, /v1/chat/completions (streaming or not), /v1/models, "
@@ -85,6 +87,9 @@ def register(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     s.add_argument("--served-model-name", help="the model id clients send (default: the --model argument)")
+    s.add_argument("--step-timeout", type=positive_float, default=300.0, metavar="SECONDS",
+                   help="/health answers 503 while one engine step has run longer than this, e.g. on a hung GPU "
+                        "(default: %(default)s)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                    help="server log level (default: %(default)s)")
     p.set_defaults(func=main)
@@ -101,5 +106,5 @@ def main(args) -> int:
     name = args.served_model_name or args.model
     print(f"serving {name} on http://{args.host}:{args.port} (max_model_len {engine.max_model_len}, "
           f"{engine.block_manager.num_blocks} KV blocks of {engine.config.block_size} tokens)", flush=True)
-    run_server(AsyncEngine(engine), name, args.host, args.port, args.log_level)
+    run_server(AsyncEngine(engine, step_timeout_s=args.step_timeout), name, args.host, args.port, args.log_level)
     return 0

@@ -67,9 +67,20 @@ class RequestStream:
             self.queue.put_nowait(_ABORTED)  # wakes a consumer waiting for the next output
 
 
+# A step longer than this marks the engine unhealthy (/health answers 503) until it returns: a
+# decode step takes milliseconds, a prefill chunk well under a second, and the first steps that
+# compile kernels tens of seconds; a step still running after minutes is a hung GPU or driver.
+STEP_TIMEOUT_S = 300.0
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServingMetrics | None = None):
+    def __init__(self, engine: LLMEngine, metrics: ServingMetrics | None = None,
+                 step_timeout_s: float = STEP_TIMEOUT_S):
+        if not step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0; got {step_timeout_s}")
         self.engine = engine
+        self.step_timeout_s = step_timeout_s
+        self._step_started: float | None = None  # monotonic time the running step began
         self.metrics = metrics or ServingMetrics()
         self.stats: EngineStats = engine.stats()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -93,6 +104,17 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    @property
+    def step_seconds(self) -> float:
+        """How long the step now running has run (0 between steps)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    @property
+    def stuck(self) -> bool:
+        """The running step has taken longer than ``step_timeout_s`` (it may still return)."""
+        return self.step_seconds > self.step_timeout_s
 
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: str | None = None) -> RequestStream:
@@ -131,12 +153,15 @@ class AsyncEngine:
                     self._publish_stats()
                     self._wake.wait(timeout=1.0)
                     continue
+                self._step_started = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:  # a failed step fails its requests, not the server
                     log.exception("engine step failed; failing %d requests", len(self._streams))
                     self._fail_all(exc)
                     continue
+                finally:
+                    self._step_started = None
                 self._deliver(outputs)
                 self._publish_stats()
         except BaseException as exc:

@@ -7,7 +7,9 @@ Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}``:
 400 ``invalid_request_error`` for malformed JSON, unknown fields, wrong types and
 requests that cannot run (empty prompt, prompt or max_tokens beyond the context);
 404 for an unknown model or path; 429 ``rate_limit_error`` when the waiting queue
-is full; 503 when the engine has stopped. A client that disconnects, streaming or
+is full; 503 when the engine has stopped. ``/health`` also answers 503 while one engine
+step has run longer than the engine's ``step_timeout_s`` (``spear serve --step-timeout``),
+so that a supervisor can restart a server whose GPU hung. A client that disconnects, streaming or
 not, has its request aborted and its KV blocks freed.
 """
 
@@ -255,6 +257,10 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     async def health():
         if not engine.alive:
             return error_response(503, f"the engine is not running: {engine.error!r}", "server_error")
+        if engine.stuck:
+            return error_response(503, f"the engine's current step has run for {engine.step_seconds:.0f} s "
+                                       f"(limit {engine.step_timeout_s:g} s): the GPU or its driver may be hung",
+                                  "server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")

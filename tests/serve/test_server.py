@@ -287,3 +287,45 @@ def test_a_failing_step_fails_its_requests_not_the_server(tiny_llama_path):
         wait_idle(ae)
         assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
         assert httpx.get(url + "/health").status_code == 200
+
+
+def test_health_reports_a_step_that_does_not_return(tiny_llama_path):
+    """A step that runs past the step timeout (here: blocked on an event, as on a hung GPU) turns
+    /health into 503 while it runs; once it returns, /health is 200 again and the request completes."""
+    import threading
+
+    eng = tiny_engine(tiny_llama_path)
+    real, release, entered = eng.runner.execute, threading.Event(), threading.Event()
+
+    def hang_once(out):
+        if not release.is_set():
+            entered.set()
+            release.wait(30)
+        return real(out)
+
+    eng.runner.execute = hang_once
+    with running_server(eng, "tiny") as (url, ae):
+        ae.step_timeout_s = 0.3
+        assert httpx.get(url + "/health").status_code == 200
+        result = {}
+        sender = threading.Thread(target=lambda: result.update(
+            r=httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3}, timeout=60)))
+        sender.start()
+        assert entered.wait(30), "the engine never ran the step"
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "/health never reported the stuck step"
+            time.sleep(0.05)
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and "hung" in r.json()["error"]["message"]
+        release.set()
+        sender.join(60)
+        assert result["r"].status_code == 200
+        assert httpx.get(url + "/health").status_code == 200 and ae.step_seconds == 0.0
+
+
+def test_step_timeout_must_be_positive(tiny_llama_path):
+    from spear.serve.async_engine import AsyncEngine
+
+    with pytest.raises(ValueError, match="step_timeout_s"):
+        AsyncEngine(tiny_engine(tiny_llama_path), step_timeout_s=0)
