@@ -36,8 +36,9 @@ program ids of their m-tile and the hardware dispatches blocks in id order, so t
 resident or finished before any program that waits on them; until they have published v they
 wait on nothing. Re-arming the counters for the next call: on CUDA each W tile, once all its
 warps are past the wait, adds 1 to a done counter with a ``red`` (no result, so nothing waits
-for it) and the last u program, after publishing v, waits for all n_wt counts and zeroes both
-counters (the W tiles never wait again, so this wait ends); a done ``atomic_add`` in every W
+for it) and the last u program, after publishing v, waits for all n_wt counts and, after a
+barrier (each of its warps polls on its own, so none may still be polling when the counters
+are zeroed), zeroes both counters (the W tiles never wait again, so this wait ends); a done ``atomic_add`` in every W
 tile, whose result Triton broadcasts through shared memory, cost 1.2-1.6 µs per call
 (BENCHMARKS.md, "Serving: decode", ninth run). The interpreter, which runs programs one after
 another, keeps that form: the last W tile to count resets the counters. Chosen over a second
