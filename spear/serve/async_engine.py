@@ -82,6 +82,7 @@ class AsyncEngine:
         self.step_timeout_s = step_timeout_s
         self._step_started: float | None = None  # monotonic time the running step began
         self.metrics = metrics or ServingMetrics()
+        self.metrics.step_running.set_function(lambda: self.step_seconds)
         self.stats: EngineStats = engine.stats()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}

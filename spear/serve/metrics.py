@@ -30,6 +30,9 @@ class ServingMetrics:
         self.waiting = Gauge("spear_num_requests_waiting", "Requests in the waiting queue", registry=r)
         self.running = Gauge("spear_num_requests_running", "Requests being decoded or prefilled", registry=r)
         self.preemptions = Counter("spear_preemptions", "Sequences preempted for lack of KV blocks", registry=r)
+        # read at scrape time (AsyncEngine sets its function): a hung step shows as a growing value
+        self.step_running = Gauge("spear_engine_step_running_seconds",
+                                  "How long the engine step now running has run (0 between steps)", registry=r)
         self._preempted_seen = 0
 
     def observe(self, out: RequestOutput, now: float, last_token_time: float | None) -> None:

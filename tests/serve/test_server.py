@@ -318,6 +318,7 @@ def test_health_reports_a_step_that_does_not_return(tiny_llama_path):
             time.sleep(0.05)
         r = httpx.get(url + "/health")
         assert r.status_code == 503 and "hung" in r.json()["error"]["message"]
+        assert metrics(url)["spear_engine_step_running_seconds"] > 0.3
         release.set()
         sender.join(60)
         assert result["r"].status_code == 200
