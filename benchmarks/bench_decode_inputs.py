@@ -1,12 +1,13 @@
 """Host time of building one decode step's input tensors (ModelRunner._decode_inputs).
 
-    python benchmarks/bench_decode_inputs.py [--batch 64] [--widths 16,256,512]
+    python benchmarks/bench_decode_inputs.py [--batch 64] [--cases 12:16,12:256,250:256,500:512]
 
-The CUDA-graph decode path pads every sequence's block table to the graph's width,
-max_model_len / block_size (256 columns at 4k tokens, 512 at 8k), on the host at every step.
-This times that function alone for ``--batch`` sequences of 180 tokens (12 blocks each) at
-each width: median of 50 calls after warm-up, one torch thread, CPU only (no copies to a
-device). Prints a Markdown table with date and machine.
+The CUDA-graph decode path gives every sequence a block-table row of the graph's width,
+max_model_len / block_size (256 columns at 4k tokens, 512 at 8k), at every step. This times
+that function alone for ``--batch`` sequences, each case USED:WIDTH being the blocks each
+sequence uses (12 blocks: 180 tokens; 250: 4,000 tokens) and the table width: median of 50
+steps after warm-up, the sequences advancing one token per step (a new block every 16 steps),
+one torch thread, CPU only (no copies to a device). Prints a Markdown table with date and machine.
 """
 
 from __future__ import annotations
@@ -24,35 +25,45 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spear.serve.model_runner import ModelRunner  # noqa: E402
+from spear.serve.model_runner import BlockTables, ModelRunner  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64, help="sequences in the step (default: %(default)s)")
-    p.add_argument("--widths", default="16,256,512",
-                   help="block-table widths, each at least 12, the blocks a sequence uses (default: %(default)s)")
+    p.add_argument("--cases", default="12:16,12:256,12:512,128:256,250:256,500:512",
+                   help="USED:WIDTH pairs: blocks each sequence uses, block-table width (default: %(default)s)")
     args = p.parse_args(argv)
-    widths = [int(w) for w in args.widths.split(",")]
-    if min(widths) < 12:
-        p.error("--widths: each width must be at least 12 (the sequences use 12 blocks)")
+    try:
+        cases = [tuple(int(v) for v in c.split(":")) for c in args.cases.split(",")]
+    except ValueError:
+        p.error(f"--cases: expected USED:WIDTH pairs, got {args.cases!r}")
+    for used, width in cases:
+        if not 1 <= used <= width - 4:
+            p.error(f"--cases {used}:{width}: need 1 <= USED <= WIDTH - 4 (the sequences grow by up to 4 blocks)")
     torch.set_num_threads(1)
-    runner = SimpleNamespace(block_size=16, scratch_block=100_000)  # what _decode_inputs reads of the runner
-    seqs = [SimpleNamespace(token_ids=list(range(180)), block_table=list(range(12 * i, 12 * i + 12)))
-            for i in range(args.batch)]
-    step = SimpleNamespace(chunks=[SimpleNamespace(seq=s, start=179) for s in seqs])
     print(f"Decode inputs, {datetime.date.today().isoformat()}, CPU ({platform.processor() or platform.machine()}), "
           f"torch {torch.__version__}, {args.batch} sequences\n")
-    print("| table width | µs per step |\n|---:|---:|")
-    for width in widths:
-        for _ in range(5):
-            ModelRunner._decode_inputs(runner, step, args.batch, width)
+    print("| blocks used | table width | µs per step |\n|---:|---:|---:|")
+    for used, width in cases:
+        bs = 16
+        # what _decode_inputs reads of the runner
+        runner = SimpleNamespace(block_size=bs, scratch_block=100_000, _block_tables=BlockTables(width, 100_000))
+        seqs = [SimpleNamespace(request_id=str(i), token_ids=[0] * (used * bs + 1),
+                                block_table=list(range(width * i, width * i + used))) for i in range(args.batch)]
+        step = SimpleNamespace(chunks=[SimpleNamespace(seq=s, start=used * bs - 8) for s in seqs])
         times = []
-        for _ in range(50):
+        for it in range(55):
+            for c in step.chunks:  # one token further; a new block when the position crosses one
+                c.start += 1
+                if c.start // bs >= len(c.seq.block_table):
+                    c.seq.block_table.append(c.seq.block_table[-1] + 1)
+                c.seq.token_ids.append(0)
             t0 = time.perf_counter()
             ModelRunner._decode_inputs(runner, step, args.batch, width)
-            times.append(time.perf_counter() - t0)
-        print(f"| {width} | {1e6 * statistics.median(times):.0f} |")
+            if it >= 5:
+                times.append(time.perf_counter() - t0)
+        print(f"| {used} | {width} | {1e6 * statistics.median(times):.0f} |")
     return 0
 
 

@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
 
 
@@ -24,6 +26,8 @@ def test_bench_decode_inputs_runs(capsys):
     spec = importlib.util.spec_from_file_location("bench_decode_inputs", BENCH.parent / "bench_decode_inputs.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--batch", "3", "--widths", "12,32"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 12 |") or line.startswith("| 32 |")]
+    assert bench.main(["--batch", "3", "--cases", "12:16,28:32"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 12 | 16 |", "| 28 | 32 |"))]
     assert len(rows) == 2
+    with pytest.raises(SystemExit):
+        bench.main(["--cases", "30:32"])  # no room to grow

@@ -272,8 +272,8 @@ def test_decode_inputs_pad_the_block_tables_with_the_scratch_block(default_model
 
     eng = engine(default_model, max_num_seqs=4, max_model_len=256)
     runner = eng.runner
-    seqs = [SimpleNamespace(token_ids=list(range(40, 40 + n)), block_table=tbl)
-            for n, tbl in ((20, [7, 3]), (1, [5]), (33, [9, 0, 2]))]
+    seqs = [SimpleNamespace(request_id=f"r{i}", token_ids=list(range(40, 40 + n)), block_table=tbl)
+            for i, (n, tbl) in enumerate(((20, [7, 3]), (1, [5]), (33, [9, 0, 2])))]
     out = SimpleNamespace(chunks=[SimpleNamespace(seq=s, start=len(s.token_ids) - 1) for s in seqs])
     ids, pos, slots, tables, lens = runner._decode_inputs(out, 4, 16)
     sb, bs = runner.scratch_block, runner.block_size
@@ -281,3 +281,41 @@ def test_decode_inputs_pad_the_block_tables_with_the_scratch_block(default_model
     assert tables.tolist() == expect
     assert ids.tolist() == [59, 40, 72, 0] and pos.tolist() == [19, 0, 32, 0] and lens.tolist() == [20, 1, 33, 1]
     assert slots.tolist() == [3 * bs + 3, 5 * bs, 2 * bs + 0, sb * bs]
+
+
+def test_block_tables_kept_between_steps_equal_fresh_ones():
+    """BlockTables over random steps (sequences growing block by block, preempted and re-admitted
+    with other blocks, finishing, arriving; more sequences than rows at first) against tables
+    built from scratch at every step."""
+    import random
+    from types import SimpleNamespace
+
+    from spear.serve.model_runner import BlockTables
+
+    rng = random.Random(0)
+    width, scratch = 12, 999
+    bt = BlockTables(width, scratch)
+    seqs, next_id = {}, 0
+    for step in range(400):
+        if len(seqs) < 6 and rng.random() < 0.3:
+            seqs[f"r{next_id}"] = SimpleNamespace(request_id=f"r{next_id}", block_table=[rng.randrange(500)])
+            next_id += 1
+        for rid in list(seqs):
+            s = seqs[rid]
+            u = rng.random()
+            if u < 0.05:
+                del seqs[rid]  # finished
+            elif u < 0.10:
+                s.block_table = [rng.randrange(500) for _ in range(rng.randint(1, width))]  # preempted, back
+            elif u < 0.40 and len(s.block_table) < width:
+                s.block_table.append(rng.randrange(500))  # one more block, in place
+        step_seqs = [s for s in seqs.values() if rng.random() < 0.8]
+        batch = len(step_seqs) + rng.randint(0, 2)
+        tables, used = bt.gather(step_seqs, batch)
+        expect = [s.block_table + [scratch] * (width - len(s.block_table)) for s in step_seqs]
+        expect += [[scratch] * width] * (batch - len(step_seqs))
+        assert tables.tolist() == expect, f"step {step}"
+        assert used == [len(s.block_table) for s in step_seqs]
+    assert bt._table.shape[0] <= 8  # rows of finished sequences were reused
+    with pytest.raises(ValueError, match="tables hold 12"):
+        bt.gather([SimpleNamespace(request_id="big", block_table=list(range(13)))], 1)
