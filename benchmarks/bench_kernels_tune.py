@@ -1,6 +1,6 @@
 """``bench_kernels.py --tune``: the launch-table sweep of the W4 kernel (both loops and the
-tensor-core tiles, N-major packing) that chose the built-in table's CUDA-core and tensor-core
-entries; writes tune.json and launch_table.json. The K-major one-token loop's own sweep is
+tensor-core tiles at 4-16 and at 32-64 tokens, N-major packing) that chose the built-in table's
+CUDA-core and tensor-core entries; writes tune.json and launch_table.json. The K-major one-token loop's own sweep is
 ``spear.kernels.tune`` (``spear tune-kernels``, ``bench_gemv.py``)."""
 
 from __future__ import annotations
@@ -32,26 +32,31 @@ def tune(out_dir):
            for bn in (32, 64, 128) for wp in (2, 4) for st in (2,) for pg in (256, 512, 1024, 2048)]
     tc = [dict(BN=bn, BK=128, num_warps=4, num_stages=st, programs=pg)
           for bn in (64, 128) for st in (3, 4) for pg in (256, 512, 1024)]
+    # 32 and 64 tokens: fewer splits too (each split writes an M x N fp32 partial) and 8 warps
+    tc_wide = [dict(BN=bn, BK=128, num_warps=wp, num_stages=3, programs=pg)
+               for bn in (64, 128) for wp in (4, 8) for pg in (64, 128, 256, 512)]
 
     def cfg_of(kind, c, m, n, k):
         bk = min(c["BK"], GROUP)
         if kind == "fma":
             split = w4a16._split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
             return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=1 if m == 1 else (2 if m == 2 else 4))
-        bm = 16
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         split = w4a16._split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"])
 
     for n, k in TUNE_SHAPES:
         layer = Layer(n, k, l2, with_int4=False)
-        for m in (1, 2, 4, 8, 16, 128, 256):
+        for m in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             x = torch.randn(m, k, device=DEVICE).half()
             base = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in layer.fp16])
             cands = ([("fma", c) for c in fma] if m <= 4 else []) + ([("tc", c) for c in tc] if m <= 16 else [])
+            if 16 < m <= 64:
+                cands = [("tc_wide", c) for c in tc_wide]
             if m >= 128:
                 cands = [("tc", dict(tc[0]))]
             for kind, c in cands:
-                cfg = cfg_of(kind, c, m, n, k) if m <= 16 else Config(64, 64, 128, 1, 4, 4)
+                cfg = cfg_of(kind, c, m, n, k) if m <= 64 else Config(64, 64, 128, 1, 4, 4)
                 try:
                     t = time_calls([lambda w=w: w4a16_matmul(x, w, config=cfg) for w in layer.w4])
                 except Exception as exc:  # out of registers/shared memory: record and go on
@@ -86,6 +91,7 @@ def tune(out_dir):
     table = dict(w4a16.LAUNCH)
     table["fma"] = min(fma, key=lambda c: score("fma", c, (1,)))  # the CUDA-core loop is a decode (M = 1) path
     table["tc"] = min(tc, key=lambda c: score("tc", c, (4, 8, 16)))
+    table["tc_wide"] = min(tc_wide, key=lambda c: score("tc_wide", c, (32, 64)))
     table["fma_max_m"] = 0
     for m in (1, 2, 4):  # kept up to the last M where it beats the tensor-core tiles
         if score("fma", table["fma"], (m,)) < score("tc", table["tc"], (m,)):

@@ -58,6 +58,11 @@ LAUNCH = {
     # against 8.8 µs) and on 4096 x 11008 (13.5 against 14.0), same data as above
     "fma_kmajor_narrow": dict(max_n=4096, BN=64, BK=128, num_warps=4, num_stages=2, programs=264, prefetch=True),
     "tc": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=512),    # split-K tensor-core decode
+    # 17 to DECODE_MAX_M tokens (batched decode of 32-64 sequences): the same as "tc" until a sweep
+    # at those sizes chooses (bench_kernels.py --tune times 32 and 64 tokens). "tc" was tuned at
+    # 4-16 tokens only; at 64 its split of 8 writes as many partial bytes as a 4096 x 4096
+    # layer's codes, and each 64-wide column tile reads all of x again.
+    "tc_wide": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=512),
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
 }
 DECODE_MAX_M = 64      # split-K tensor-core tiles up to here, prefill tiles above
@@ -154,7 +159,7 @@ def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -
                       prefetch=bool(kmajor and c.get("prefetch", False)),
                       pipeline=c.get("pipeline", 1) if kmajor else 1)
     if m <= DECODE_MAX_M:
-        c = LAUNCH["tc"]
+        c = LAUNCH["tc"] if m <= 16 else LAUNCH.get("tc_wide", LAUNCH["tc"])
         bk = min(c["BK"], kmax)
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         split = _split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])

@@ -218,6 +218,11 @@ def test_pick_config_reads_a_token_class_launch(monkeypatch):
     narrow = launch.pick_config(1, 4096, 4096, 128, kmajor=True)
     assert (narrow.num_warps, narrow.num_stages, narrow.split_k, narrow.prefetch) == (4, 2, 8, True)
     assert launch.pick_config(1, 4096, 4096, 128, kmajor=False).num_warps == launch.LAUNCH["fma"]["num_warps"]
+    # 17-64 tokens read "tc_wide": BM by token count, split-K from its program target (64 tiles x 2 >= 128)
+    table["tc_wide"] = dict(BN=64, BK=128, num_warps=8, num_stages=3, programs=128)
+    wide, tc16 = launch.pick_config(64, 4096, 4096, 128, kmajor=True), launch.pick_config(16, 4096, 4096, 128)
+    assert (wide.BM, wide.num_warps, wide.split_k) == (64, 8, 2) and tc16.num_warps == table["tc"]["num_warps"]
+    assert launch.pick_config(32, 4096, 4096, 128).BM == 32
     assert launch.pick_config(1, 11008, 4096, 128, kmajor=True).num_warps == 2
     assert launch.pick_config(2, 4096, 4096, 128, kmajor=True).num_warps == 2
     table["fma_kmajor_narrow"] = dict(table["fma_kmajor_narrow"], max_n=0)  # off
