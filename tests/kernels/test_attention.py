@@ -99,7 +99,7 @@ def test_paged_decode_attention(poisoned, block_size, ratio, head_dim, dtype, bl
 
 @pytest.mark.parametrize("splits,min_tiles", [(1, 1), (2, 1), (8, 1), (8, 2)])
 @pytest.mark.parametrize("ratio,dtype", [(1, torch.float16), (4, torch.float32)])
-def test_split_context_merges_exactly(poisoned, monkeypatch, splits, min_tiles, ratio, dtype):
+def test_split_context_merges_exactly(poisoned, monkeypatch, grid_order, splits, min_tiles, ratio, dtype):
     """One split (no merge), two (chunks of several tiles), eight (more splits than some contexts
     have tiles: empty splits exit), eight with two tiles per split at the least; the counters are
     left at zero for the next call."""
@@ -156,12 +156,32 @@ def _rope_case(context_lens, n_heads, kv_heads, head_dim, block_size, dtype, see
     _check(out.cpu(), _reference(q_rot, k_ref, v_ref, tables, lens, scale), dtype, what)
 
 
+@pytest.fixture(params=["forward", "reversed"])
+def grid_order(request, monkeypatch):
+    """The interpreter runs a launch's programs one after another in grid order; "reversed" runs
+    them last to first, so a program that reads what another one writes shows whether it relied on
+    running after it (GPU programs run concurrently, in no promised order)."""
+    if request.param == "reversed":
+        if DEVICE == "cuda":
+            pytest.skip("the interpreter's program order")
+        from triton.runtime import interpreter
+
+        builder = type(interpreter.interpreter_builder)
+        forward = builder.set_grid_idx
+
+        def reversed_idx(self, x, y, z):
+            gx, gy, gz = self.grid_dim
+            forward(self, gx - 1 - x, gy - 1 - y, gz - 1 - z)
+
+        monkeypatch.setattr(builder, "set_grid_idx", reversed_idx)
+    return request.param
+
+
 @pytest.mark.parametrize("splits,ratio,dtype,block_size", [(1, 1, torch.float16, 8), (8, 4, torch.float32, 8),
                                                           (4, 2, torch.bfloat16, 16), (2, 4, torch.float16, 32)])
-def test_rope_in_attention_equals_rope_write_then_attention(poisoned, splits, ratio, dtype, block_size):
-    """The rotary and the new token's cache write inside the attention kernel (``rope=``); the
-    split that holds the new position writes it (on the interpreter, which runs programs one after
-    another, a wrong writer would go unseen; the GPU test below runs them concurrently)."""
+def test_rope_in_attention_equals_rope_write_then_attention(poisoned, grid_order, splits, ratio, dtype, block_size):
+    """The rotary and the new token's cache write inside the attention kernel (``rope=``): the split
+    that holds the new position writes it and no other split reads it, in either program order."""
     _rope_case(CONTEXT_LENS, 2 * ratio, 2, 32, block_size, dtype, seed=splits + ratio + block_size, block_n=16,
                splits=splits)
 
