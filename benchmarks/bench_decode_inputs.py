@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spear.serve.model_runner import BlockTables, ModelRunner  # noqa: E402
+from spear.serve.block_tables import BlockTables  # noqa: E402
+from spear.serve.model_runner import ModelRunner  # noqa: E402
 
 
 def main(argv=None) -> int:

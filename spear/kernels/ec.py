@@ -173,6 +173,14 @@ def _ec_stacked_kernel(
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(dt), mask=mask)
 
 
+def _gate_args(ec: PackedEC) -> tuple[tuple, dict]:
+    """The gate MLP's four tensors (A in their place when the EC has no gate; never read then) and
+    the kernels' GATE / R / H constants."""
+    gated = ec.gated
+    tensors = (ec.w1, ec.b1, ec.w2, ec.b2) if gated else (ec.a,) * 4
+    return tensors, dict(GATE=gated, R=ec.a.shape[0], H=ec.w1.shape[0] if gated else 16)
+
+
 def _check(x: torch.Tensor, ec: PackedEC) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be 2-D with unit stride along features; got shape {tuple(x.shape)}, "
@@ -207,8 +215,8 @@ def ec_gate(x: torch.Tensor, ec: PackedEC, out: torch.Tensor | None = None, laun
     splits = gate_splits(m, k, bk) if splits is None else max(1, min(int(splits), steps))
     per = triton.cdiv(steps, splits)
     splits = triton.cdiv(steps, per)  # no empty split
-    gate = (ec.w1, ec.b1, ec.w2, ec.b2) if ec.gated else (ec.a,) * 4
-    consts = dict(GATE=ec.gated, R=r, H=ec.w1.shape[0] if ec.gated else 16, BM=GATE_BM, DOT_F32=INTERPRET)
+    gate, consts = _gate_args(ec)
+    consts.update(BM=GATE_BM, DOT_F32=INTERPRET)
     tiles = triton.cdiv(m, GATE_BM)
     ws = v if splits == 1 else _common.alloc((splits, m, r), dtype=torch.float32, device=x.device)
     kernel = _ec_gate_kernel if launch is None else launch(_ec_gate_kernel)
@@ -256,12 +264,11 @@ def ec_stacked(y: torch.Tensor, n: int, ec: PackedEC, bias: torch.Tensor | None 
     out = _common.alloc((m, n // 2 if act else n), dtype=y.dtype, device=y.device)
     if m == 0:
         return out
-    gate = (ec.w1, ec.b1, ec.w2, ec.b2) if ec.gated else (ec.a,) * 4
+    gate, consts = _gate_args(ec)
     kernel = _ec_stacked_kernel if launch is None else launch(_ec_stacked_kernel)
     kernel[(triton.cdiv(m, STACKED_BM) * triton.cdiv(n, STACKED_BN),)](
         y, *gate, ec.b, bias if bias is not None else ec.b, out, float(ec.alpha), float(ec.bound),
-        m, n, y.stride(0), out.stride(0),
-        GATE=ec.gated, R=r, H=ec.w1.shape[0] if ec.gated else 16, HAS_BIAS=bias is not None, ACT=act,
+        m, n, y.stride(0), out.stride(0), **consts, HAS_BIAS=bias is not None, ACT=act,
         BM=STACKED_BM, BN=STACKED_BN, DOT_F32=INTERPRET, num_warps=4, num_stages=1,
     )
     return out

@@ -4,6 +4,7 @@
     add_rms_norm   s = residual + x;  y = rms_norm(s)  ->  (s, y)                  1 kernel
     rope_write_kv  q' = rope(q);  k_cache[slots] = rope(k);  v_cache[slots] = v    1 kernel
     silu_mul       silu(gate) * up                                                 1 kernel
+    silu_mul_pairs silu(gate) * up of interleaved (gate, up) features (prefill)    1 kernel
 
 At decode these ops are tiny and each torch op is its own kernel launch (RMSNorm alone is
 about seven elementwise kernels, rotary about ten); here each is one launch.
@@ -170,6 +171,17 @@ def _rotate(base_ptr, offs, mask, c1, c2, s1, s2, HALF: tl.constexpr, dt: tl.con
 
 
 @triton.jit
+def _cos_sin(cos_ptr, sin_ptr, row, offs_d, d_mask, D: tl.constexpr):
+    """The rotary table's row ``row`` in fp32, each of cos and sin as its two halves at ``offs_d``."""
+    HALF: tl.constexpr = D // 2
+    c1 = tl.load(cos_ptr + row * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + row * D + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + row * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + row * D + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
 def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qo_ptr, kc_ptr, vc_ptr,
                     stride_q, stride_k, stride_v, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
                     HAS_POS: tl.constexpr, PDL: tl.constexpr = False):
@@ -188,10 +200,8 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qo
         row = t
     offs_d = tl.arange(0, BD)
     d_mask = offs_d < HALF
-    c1 = tl.load(cos_ptr + row * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + row * D + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + row * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + row * D + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, row, offs_d, d_mask, D)
+    c1, c2, s1, s2 = c1[None, :], c2[None, :], s1[None, :], s2[None, :]
     if j < NQB:
         heads = j * BH + tl.arange(0, BH)
         mask = (heads < H)[:, None] & d_mask[None, :]

@@ -151,12 +151,6 @@ def _prefill_ec_mode(n: int, k: int) -> str:
 
 def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC,
                 overlap: bool, act: int = 0) -> torch.Tensor:
-    if x.shape[0] >= DEQUANT_MM_MIN_M:
-        mode = _prefill_ec_mode(w.out_features, w.in_features)
-        if mode == "out":
-            return _prefill_ec_out(x, w, bias, e, act)
-        if mode == "in":
-            return _prefill_ec_in(x, w, bias, e, act)
     v = _common.alloc((x.shape[0], e.a.shape[0]), dtype=x.dtype, device=x.device)
     if not overlap:
         ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton)
@@ -205,8 +199,14 @@ def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     elif m <= FUSED_MAX_M:
         y = _semi_fused(x2, w, bias, e, overlap=False, act=act)
     else:
-        eager = type(x) is torch.Tensor and not torch.compiler.is_compiling()
-        y = _semi_fused(x2, w, bias, e, overlap=SEMI_FUSED_OVERLAP and eager, act=act)
+        mode = _prefill_ec_mode(n, k) if m >= DEQUANT_MM_MIN_M else "side"
+        if mode == "out":
+            y = _prefill_ec_out(x2, w, bias, e, act)
+        elif mode == "in":
+            y = _prefill_ec_in(x2, w, bias, e, act)
+        else:
+            eager = type(x) is torch.Tensor and not torch.compiler.is_compiling()
+            y = _semi_fused(x2, w, bias, e, overlap=SEMI_FUSED_OVERLAP and eager, act=act)
     return y.reshape(*lead, n_out)
 
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from spear.errors import SpearError
+from spear.serve.block_tables import BlockTables
 from spear.serve.config import PDL_AUTO_MAX_BATCH
 from spear.serve.layers import ChunkMeta, apply_rope, decode_attention, rms_norm, varlen_attention, write_kv
 from spear.serve.scheduler import SchedulerOutput
@@ -67,61 +68,6 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) ->
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim * elem
-
-
-class BlockTables:
-    """The decode step's block tables, kept on the host between steps so that a step copies only
-    the entries that changed instead of every sequence's whole table.
-
-    Each sequence the step decodes has a row of ``width`` entries: its block ids, then
-    ``scratch`` to the end. A row is rewritten when the sequence's ``block_table`` is another
-    list than the one it was built from (the block manager replaces the list when it frees the
-    blocks, e.g. on preemption), and otherwise only extended (blocks are only ever appended).
-    Rows of sequences the step does not decode are reused for new ones. At 64 sequences of 4k
-    tokens (250 blocks each) this took the step's inputs from 1.4 ms to ~0.2 ms on a 2-core CPU
-    (``benchmarks/bench_decode_inputs.py``)."""
-
-    def __init__(self, width: int, scratch: int):
-        self.width, self.scratch = width, scratch
-        self._table = torch.full((1, width), scratch, dtype=torch.long)  # row 0: padding rows
-        self._rows: dict[str, list] = {}  # request id -> [row, the block_table list, entries written]
-        self._free: list[int] = []
-
-    def _row_for(self, rid: str, live: set[str]) -> int:
-        if not self._free:
-            stale = [r for r in self._rows if r not in live]
-            if stale:
-                self._free.extend(self._rows.pop(r)[0] for r in stale)
-            else:
-                n = self._table.shape[0]
-                grown = torch.full((2 * n, self.width), self.scratch, dtype=torch.long)
-                grown[:n] = self._table
-                self._table = grown
-                self._free.extend(range(n, 2 * n))
-        return self._free.pop()
-
-    def gather(self, seqs, batch: int) -> tuple[torch.Tensor, list[int]]:
-        """(tables (batch, width) int64 with padding rows of ``scratch``, blocks in use per row)."""
-        live = {s.request_id for s in seqs}
-        rows, used = [], []
-        for seq in seqs:
-            table, n = seq.block_table, len(seq.block_table)
-            if n > self.width:
-                raise ValueError(f"{seq.request_id} has {n} blocks; the tables hold {self.width}")
-            entry = self._rows.get(seq.request_id)
-            if entry is None:
-                entry = self._rows[seq.request_id] = [self._row_for(seq.request_id, live), None, 0]
-            row, built_from, written = entry
-            if built_from is not table or written > n:
-                self._table[row] = self.scratch
-                written = 0
-            if n > written:
-                self._table[row, written:n] = torch.tensor(table[written:n], dtype=torch.long)
-            entry[1], entry[2] = table, n
-            rows.append(row)
-            used.append(n)
-        rows += [0] * (batch - len(rows))
-        return self._table[rows], used
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

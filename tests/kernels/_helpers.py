@@ -66,3 +66,14 @@ def setup_case(m, k, n, gs, sym, dtype, seed, bias=True, ec=None, kmajor=False):
     expect = ref.w4a16_ec(x, codes, scales, zeros, gs, b,
                           *(() if e is None else (e.a, e.b, e.w1, e.b1, e.w2, e.b2, e.alpha, e.bound)))
     return x, w, b, e, expect
+
+
+def capture(fn):
+    """``fn()`` once eagerly (its kernels compile outside the capture), then captured in a CUDA
+    graph: (the graph, the output tensor its replays rewrite)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

@@ -7,7 +7,7 @@ import torch
 
 from spear.kernels import ops, pack, pack_ec, w4a16_linear
 from spear.kernels import reference as ref
-from tests.kernels._helpers import DEVICE, assert_close, make_ec, make_layer
+from tests.kernels._helpers import DEVICE, assert_close, capture, make_ec, make_layer
 
 
 def _layer(n, k, gs, dtype, device, r=16, h=16, seed=0):
@@ -80,11 +80,7 @@ def test_gpu_cuda_graph_replay(m):
     dtype = torch.bfloat16
     codes, scales, zeros, w, e = _layer(4096, 4096, 64, dtype, "cuda", r=16, h=16)
     x = torch.randn(m, 4096, device="cuda").to(dtype)
-    w4a16_linear(x, w, None, e)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = w4a16_linear(x, w, None, e)
+    graph, y = capture(lambda: w4a16_linear(x, w, None, e))
     for seed in range(3):
         x.copy_(torch.randn(m, 4096, generator=torch.Generator().manual_seed(seed)).to(dtype))
         graph.replay()

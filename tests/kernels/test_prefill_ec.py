@@ -10,7 +10,7 @@ from spear.kernels import fused, ops, pack_ec
 from spear.kernels import reference as ref
 from spear.kernels.ec import ec_stacked
 from spear.kernels.layout import unpack
-from tests.kernels._helpers import DEVICE, K_SMALL, N_SMALL, assert_close, make_ec, setup_case
+from tests.kernels._helpers import DEVICE, K_SMALL, N_SMALL, assert_close, capture, make_ec, setup_case
 
 
 @pytest.mark.parametrize("m,n,dtype", [(1, 64, torch.float16), (7, 96, torch.bfloat16), (33, 200, torch.float32),
@@ -122,10 +122,7 @@ def test_gpu_prefill_ec_dispatch(poisoned, monkeypatch, mode, m, act):
     x, w, b, e, expect = setup_case(m, 4096, 4096, 128, False, dtype, seed=2, ec=ec, kmajor=True)
     expect = ref.silu_mul_pairs(expect) if act else expect
     assert_close(w4a16_linear(x, w, b, e, act=act), expect, dtype, f"{mode} M={m} act={act}")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = w4a16_linear(x, w, b, e, act=act)
+    graph, y = capture(lambda: w4a16_linear(x, w, b, e, act=act))
     graph.replay()
     torch.cuda.synchronize()
     assert_close(y, expect, dtype, f"{mode} M={m} act={act}, graph replay")

@@ -18,7 +18,7 @@ from spear.kernels import w8a16 as w8
 from spear.kernels.w8a16 import pack_w8, reference_w8a16, w8a16_linear, w8a16_matmul
 from spear.quant.linear import QuantLinear
 from spear.quant.primitives import dequantize, rtn
-from tests.kernels._helpers import DEVICE, SQNR_FLOOR, assert_close, sqnr_db
+from tests.kernels._helpers import DEVICE, SQNR_FLOOR, assert_close, capture, sqnr_db
 
 
 def make_w8(n: int, k: int, seed: int, device: str = DEVICE):
@@ -193,11 +193,7 @@ def test_gpu_cuda_graph_replay(m):
     dtype = torch.bfloat16
     n, k = GPU_SHAPES[0]
     x, q, scale, b = make_case(m, n, k, dtype, seed=5)
-    w8a16_linear(x, q, scale, b)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = w8a16_linear(x, q, scale, b)
+    graph, y = capture(lambda: w8a16_linear(x, q, scale, b))
     for seed in range(3):
         x.copy_(torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype))
         graph.replay()

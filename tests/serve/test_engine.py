@@ -290,7 +290,7 @@ def test_block_tables_kept_between_steps_equal_fresh_ones():
     import random
     from types import SimpleNamespace
 
-    from spear.serve.model_runner import BlockTables
+    from spear.serve.block_tables import BlockTables
 
     rng = random.Random(0)
     width, scratch = 12, 999
