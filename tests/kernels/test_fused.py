@@ -298,10 +298,11 @@ for dt in ("fp16", "bf16", "fp32"):
         compile(_rope_kv_kernel, dict(ptrs, pos_ptr="*i64", slot_ptr="*i64"),
                 dict(H=32, HKV=8, D=128, BH=8, BD=64, HAS_POS=has_pos, PDL=2 if has_pos else 0),
                 dict(stride_q="i32", stride_k="i32", stride_v="i32"), num_warps=4, enable_fp_fusion=False)
-    k = compile(_silu_mul_kernel, dict(g_ptr=p, u_ptr=p, out_ptr=p), dict(BLOCK=1024),
+    k = compile(_silu_mul_kernel, dict(g_ptr=p, u_ptr=p, out_ptr=p), dict(BLOCK=1024, PAIRS=False),
                 dict(n="i32", cols="i32", stride_g="i32", stride_u="i32"), num_warps=4)
-    compile(_silu_mul_kernel, dict(g_ptr=p, u_ptr=p, out_ptr=p), dict(BLOCK=1024, PDL=2),
-            dict(n="i32", cols="i32", stride_g="i32", stride_u="i32"), num_warps=4)
+    for pdl, pairs in ((2, False), (False, True)):
+        compile(_silu_mul_kernel, dict(g_ptr=p, u_ptr=p, out_ptr=p), dict(BLOCK=1024, PDL=pdl, PAIRS=pairs),
+                dict(n="i32", cols="i32", stride_g="i32", stride_u="i32"), num_warps=4)
     if dt == "bf16":
         assert "cvt.rn.bf16.f32" in k.asm["ptx"]
 print("ok")
