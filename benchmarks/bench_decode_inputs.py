@@ -1,6 +1,6 @@
 """Host time of building one decode step's input tensors (ModelRunner._decode_inputs).
 
-    python benchmarks/bench_decode_inputs.py [--batch 64] [--cases 12:16,12:256,250:256,500:512]
+    python benchmarks/bench_decode_inputs.py [--batch 64] [--cases 12:16,12:256,250:256,500:512] [--root DIR]
 
 The CUDA-graph decode path gives every sequence a block-table row of the graph's width,
 max_model_len / block_size (256 columns at 4k tokens, 512 at 8k), at every step. This times
@@ -23,10 +23,17 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spear.serve.block_tables import BlockTables  # noqa: E402
-from spear.serve.model_runner import ModelRunner  # noqa: E402
+
+def _import_runner(root: Path):
+    """ModelRunner and BlockTables (None before it existed) of the spear tree at ``root``."""
+    sys.path.insert(0, str(root))
+    from spear.serve.model_runner import ModelRunner
+    try:
+        from spear.serve.block_tables import BlockTables
+    except ImportError:  # an older tree: _decode_inputs built the tables at every step
+        BlockTables = None
+    return ModelRunner, BlockTables
 
 
 def main(argv=None) -> int:
@@ -34,7 +41,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=64, help="sequences in the step (default: %(default)s)")
     p.add_argument("--cases", default="12:16,12:256,12:512,128:256,250:256,500:512",
                    help="USED:WIDTH pairs: blocks each sequence uses, block-table width (default: %(default)s)")
+    p.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
+                   help="the spear tree to time, e.g. a `git worktree` of an older commit (default: this one)")
     args = p.parse_args(argv)
+    ModelRunner, BlockTables = _import_runner(args.root)
     try:
         cases = [tuple(int(v) for v in c.split(":")) for c in args.cases.split(",")]
     except ValueError:
@@ -43,13 +53,14 @@ def main(argv=None) -> int:
         if not 1 <= used <= width - 4:
             p.error(f"--cases {used}:{width}: need 1 <= USED <= WIDTH - 4 (the sequences grow by up to 4 blocks)")
     torch.set_num_threads(1)
-    print(f"Decode inputs, {datetime.date.today().isoformat()}, CPU ({platform.processor() or platform.machine()}), "
+    print(f"Decode inputs ({args.root}), {datetime.date.today().isoformat()}, CPU ({platform.processor() or platform.machine()}), "
           f"torch {torch.__version__}, {args.batch} sequences\n")
     print("| blocks used | table width | µs per step |\n|---:|---:|---:|")
     for used, width in cases:
         bs = 16
         # what _decode_inputs reads of the runner
-        runner = SimpleNamespace(block_size=bs, scratch_block=100_000, _block_tables=BlockTables(width, 100_000))
+        runner = SimpleNamespace(block_size=bs, scratch_block=100_000,
+                                 _block_tables=BlockTables(width, 100_000) if BlockTables else None)
         seqs = [SimpleNamespace(request_id=str(i), token_ids=[0] * (used * bs + 1),
                                 block_table=list(range(width * i, width * i + used))) for i in range(args.batch)]
         step = SimpleNamespace(chunks=[SimpleNamespace(seq=s, start=used * bs - 8) for s in seqs])

@@ -14,7 +14,7 @@ class BlockTables:
     list than the one it was built from (the block manager replaces the list when it frees the
     blocks, e.g. on preemption), and otherwise only extended (blocks are only ever appended).
     Rows of sequences the step does not decode are reused for new ones. At 64 sequences of 4k
-    tokens (250 blocks each) this took the step's inputs from 1.4 ms to ~0.2 ms on a 2-core CPU
+    tokens (250 blocks each) this took the step's inputs from 1.4 ms to 0.13 ms on a 2-core CPU
     (``benchmarks/bench_decode_inputs.py``)."""
 
     def __init__(self, width: int, scratch: int):
