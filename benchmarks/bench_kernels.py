@@ -240,6 +240,9 @@ def main():
     p.add_argument("--out", type=Path, required=True, help="folder for results.json and table.md")
     p.add_argument("--quick", action="store_true", help="7B/8B shapes, M in {1,4,16,64,512,2048}, ranks 16/32")
     p.add_argument("--tune", action="store_true", help="sweep launch shapes of the W4 kernel instead")
+    p.add_argument("--tune-kinds", default="fma,tc,tc_wide",
+                   help="with --tune: comma-separated launch entries to sweep (fma: 1-4 tokens, tc: 4-16, "
+                        "tc_wide: 17-64; default all, which also times 128-256 tokens and the fused EC)")
     p.add_argument("--models", help=f"comma-separated subset of {', '.join(MODELS)} (default: all; --quick: 7B, 8B)")
     p.add_argument("--ms", help="comma-separated token counts (default: all; --quick: 1,4,16,64,512,2048)")
     p.add_argument("--ranks", help="comma-separated EC ranks (default: 8,16,32,64; --quick: 16,32)")
@@ -256,7 +259,7 @@ def main():
                                      "split by kernel (torch.profiler over graph replays) and printed per row")
     p.add_argument("--layout", choices=["kmajor", "nmajor"], default="kmajor",
                    help="packed weight layout of the W4 variants (the engine serves K-major; the sweeps of "
-                        "2026-11-29 and the quick run of 2026-11-30 used N-major; --tune always packs N-major)")
+                        "2026-11-29 and the quick run of 2026-11-30 used N-major; --tune packs K-major)")
     args = p.parse_args()
     if args.gate_programs is not None:
         from spear.kernels import ec
@@ -276,9 +279,12 @@ def main():
             p.error(f"--table: {e}")
         print("launch table from", args.table, launch.LAUNCH, flush=True)
     if args.tune:
-        from bench_kernels_tune import tune
+        from bench_kernels_tune import KINDS, tune
 
-        tune(args.out)
+        kinds = tuple(s.strip() for s in args.tune_kinds.split(",") if s.strip())
+        if not kinds or not set(kinds) <= set(KINDS):
+            p.error(f"--tune-kinds: expected some of {', '.join(KINDS)}, got {args.tune_kinds!r}")
+        tune(args.out, kinds)
     else:
         sweep(args, args.out)
 

@@ -19,11 +19,17 @@ from spear.kernels.w4a16 import Config, pick_config, w4a16_matmul
 TUNE_SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): q/o, 8B gate_up, 8B down
 
 
-def tune(out_dir):
+KINDS = ("fma", "tc", "tc_wide")
+KIND_MS = {"fma": (1, 2, 4), "tc": (4, 8, 16), "tc_wide": (32, 64)}
+
+
+def tune(out_dir, kinds=KINDS):
     """Launch-table sweep for w4a16.pick_config; writes tune.json and launch_table.json.
 
     Candidates are scored by the geometric mean of their time over TUNE_SHAPES (and over M
-    within a class); split-K follows from the candidate's target program count.
+    within a class); split-K follows from the candidate's target program count. ``kinds`` picks
+    the entries swept (the others keep their built-in values); the full sweep also times
+    128-256 tokens and the fused EC.
     """
     from spear.kernels import w4a16
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -45,9 +51,11 @@ def tune(out_dir):
         split = w4a16._split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"])
 
+    full = set(kinds) == set(KINDS)
+    ms = (1, 2, 4, 8, 16, 32, 64, 128, 256) if full else sorted({m for kd in kinds for m in KIND_MS[kd]})
     for n, k in TUNE_SHAPES:
         layer = Layer(n, k, l2, with_int4=False)
-        for m in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        for m in ms:
             x = torch.randn(m, k, device=DEVICE).half()
             base = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in layer.fp16])
             cands = ([("fma", c) for c in fma] if m <= 4 else []) + ([("tc", c) for c in tc] if m <= 16 else [])
@@ -55,6 +63,7 @@ def tune(out_dir):
                 cands = [("tc_wide", c) for c in tc_wide]
             if m >= 128:
                 cands = [("tc", dict(tc[0]))]
+            cands = [(kd, c) for kd, c in cands if kd in kinds or m >= 128]
             for kind, c in cands:
                 cfg = cfg_of(kind, c, m, n, k) if m <= 64 else Config(64, 64, 128, 1, 4, 4)
                 try:
@@ -71,7 +80,7 @@ def tune(out_dir):
             best = min((r for r in rows if r["n"] == n and r["k"] == k and r["m"] == m), key=lambda r: r["us"])
             print(f"tune {n}x{k} M={m}: fp16 {base:.1f} us, best {best['us']:.1f} us {best['kind']} {best['cfg']}",
                   flush=True)
-        for m in (1, 4, 16):
+        for m in (1, 4, 16) if full else ():
             x = torch.randn(m, k, device=DEVICE).half()
             w4 = time_calls([lambda w=w: w4a16_matmul(x, w) for w in layer.w4])
             for r in (16, 32):
@@ -89,12 +98,16 @@ def tune(out_dir):
         return math.exp(sum(map(math.log, ts)) / len(ts)) if len(ts) == want else float("inf")
 
     table = dict(w4a16.LAUNCH)
-    table["fma"] = min(fma, key=lambda c: score("fma", c, (1,)))  # the CUDA-core loop is a decode (M = 1) path
-    table["tc"] = min(tc, key=lambda c: score("tc", c, (4, 8, 16)))
-    table["tc_wide"] = min(tc_wide, key=lambda c: score("tc_wide", c, (32, 64)))
-    table["fma_max_m"] = 0
-    for m in (1, 2, 4):  # kept up to the last M where it beats the tensor-core tiles
-        if score("fma", table["fma"], (m,)) < score("tc", table["tc"], (m,)):
-            table["fma_max_m"] = m
+    if "fma" in kinds:  # the CUDA-core loop is a decode (M = 1) path
+        table["fma"] = min(fma, key=lambda c: score("fma", c, (1,)))
+    if "tc" in kinds:
+        table["tc"] = min(tc, key=lambda c: score("tc", c, KIND_MS["tc"]))
+    if "tc_wide" in kinds:
+        table["tc_wide"] = min(tc_wide, key=lambda c: score("tc_wide", c, KIND_MS["tc_wide"]))
+    if {"fma", "tc"} <= set(kinds):
+        table["fma_max_m"] = 0
+        for m in (1, 2, 4):  # kept up to the last M where it beats the tensor-core tiles
+            if score("fma", table["fma"], (m,)) < score("tc", table["tc"], (m,)):
+                table["fma_max_m"] = m
     (out_dir / "launch_table.json").write_text(json.dumps(table, indent=1))
     print("launch table:", json.dumps(table), flush=True)

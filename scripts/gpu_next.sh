@@ -25,11 +25,19 @@
 #     against the defaults: the fused EC kernel up to 64 sequences (--fused-max-m 64; the semi-fused
 #     path takes over above 16, last measured on the first build), and the rotary + cache write
 #     inside the attention kernel (--rope-in-attention).
+#   scripts/gpu_next.sh 8 OUT_DIR: parts 1 and 5 in one call: the GPU tests of part 1 in four
+#     processes at once (the compiles spread over the CPU cores), then the hang check with 4 runs of
+#     this tree and 3 of the copy without the barrier.
+#   scripts/gpu_next.sh 9 OUT_DIR: part 6's timings without its tests, then bench_kernels.py --tune
+#     --tune-kinds tc_wide (the 17-64-token launch); its launch_table.json is also kept in
+#     .triton-cache/tune-wide/ for part 7 of the same session.
+#   Part 7 adds a fourth arm with that table (--table) when it is there.
 # Triton's compile cache is kept in the working tree (.triton-cache, ignored by git), which the
 # device keeps between the calls of a session, so later calls do not compile again.
 set -uo pipefail
-part=${1:?usage: scripts/gpu_next.sh 1|2|3|4|5|6|7 OUT_DIR [MODEL]}
-out=${2:?usage: scripts/gpu_next.sh 1|2|3|4|5|6|7 OUT_DIR [MODEL]}
+usage="usage: scripts/gpu_next.sh 1-9 OUT_DIR [MODEL]"
+part=${1:?$usage}
+out=${2:?$usage}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="$PWD/.triton-cache"
@@ -68,7 +76,20 @@ case "$part" in
       --out "$out/decode-gp$gp" > "$out/decode-gp$gp.txt" 2>&1
     echo "== decode, ec_gate programs $gp"; grep -E "^\| Llama|batch +(1|64):| in [0-9.]+ s" "$out/decode-gp$gp.txt"
   done ;;
-5)
+5|8)
+  if [ "$part" = 8 ]; then
+    gpu_tests() { timeout 300 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=150 -m gpu "$@"; }
+    gpu_tests tests/kernels/test_kernels.py > "$out/tests-kernels.txt" 2>&1 &
+    gpu_tests tests/kernels/test_attention.py > "$out/tests-attention.txt" 2>&1 &
+    gpu_tests tests/kernels/test_ops.py tests/kernels/test_prefill_ec.py tests/kernels/test_tune.py \
+      > "$out/tests-ops.txt" 2>&1 &
+    gpu_tests tests/serve/test_gpu.py > "$out/tests-engine.txt" 2>&1 &
+    wait
+    for f in "$out"/tests-*.txt; do echo "== $f"; grep -v PASSED "$f" | tail -12; done
+    runs_current=4; runs_nobarrier=3
+  else
+    runs_current=6; runs_nobarrier=4
+  fi
   rm -rf /tmp/nobarrier && mkdir -p /tmp/nobarrier && cp -r spear benchmarks /tmp/nobarrier/
   python - <<'PY'
 from pathlib import Path
@@ -79,7 +100,7 @@ assert t.count(old) == 1, "the re-arm's barrier moved: update gpu_next.sh part 5
 f.write_text(t.replace(old, "            tl.store(u_lock, 0)"))
 PY
   for tree in . /tmp/nobarrier; do
-    n=$([ "$tree" = . ] && echo 6 || echo 4); name=$([ "$tree" = . ] && echo current || echo nobarrier)
+    n=$([ "$tree" = . ] && echo $runs_current || echo $runs_nobarrier); name=$([ "$tree" = . ] && echo current || echo nobarrier)
     for i in $(seq "$n"); do
       # the first run of a tree may compile its kernels: a longer limit
       timeout -s KILL $([ "$i" = 1 ] && echo 90 || echo 45) python "$tree/benchmarks/bench_decode.py" --models Llama-3-8B --batches 1 --no-fp16 \
@@ -88,21 +109,33 @@ PY
       echo "$name run $i: W4+EC batch 1 $r"
     done
   done ;;
-6)
-  timeout 150 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=60 -m gpu \
-    tests/kernels/test_prefill_ec.py > "$out/tests-prefill-ec.txt" 2>&1
-  grep -v PASSED "$out/tests-prefill-ec.txt" | tail -15
+6|9)
+  if [ "$part" = 6 ]; then
+    timeout 150 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=60 -m gpu \
+      tests/kernels/test_prefill_ec.py > "$out/tests-prefill-ec.txt" 2>&1
+    grep -v PASSED "$out/tests-prefill-ec.txt" | tail -15
+  fi
   for mode in side out in; do
     timeout 120 python benchmarks/bench_kernels.py --out "$out/kernels-$mode" --models Llama-2-7B,Llama-3-8B \
       --ms 512,2048 --ranks 32 --prefill-ec $mode --profile "ec r32" --budget-s 90 > "$out/kernels-$mode.txt" 2>&1
     echo "== prefill EC $mode"; grep -E "^Llama|ec r32 at" "$out/kernels-$mode.txt"
-  done ;;
+  done
+  if [ "$part" = 9 ]; then
+    timeout 250 python benchmarks/bench_kernels.py --out "$out/tune-wide" --tune --tune-kinds tc_wide \
+      > "$out/tune-wide.txt" 2>&1
+    grep -E "^tune|^launch table" "$out/tune-wide.txt"
+    [ -f "$out/tune-wide/launch_table.json" ] && mkdir -p .triton-cache/tune-wide \
+      && cp "$out/tune-wide/launch_table.json" .triton-cache/tune-wide/
+  fi ;;
 7)
-  for variant in default "--fused-max-m 64" --rope-in-attention; do
-    name=$(echo "$variant" | tr -d ' -')
+  variants=(default "--fused-max-m 64" --rope-in-attention)
+  table=.triton-cache/tune-wide/launch_table.json
+  [ -f "$table" ] && variants+=("--table $table")
+  for variant in "${variants[@]}"; do
+    case "$variant" in --table*) name=tablewide ;; *) name=$(echo "$variant" | tr -d ' -') ;; esac
     timeout 140 python benchmarks/bench_decode.py --models Llama-3-8B --batches 1,32,64 --no-fp16 \
       $([ "$variant" = default ] || echo "$variant") --out "$out/decode-$name" > "$out/decode-$name.txt" 2>&1
     echo "== decode, $variant"; grep -E "batch +(1|32|64):| in [0-9.]+ s" "$out/decode-$name.txt"
   done ;;
-*) echo "part must be 1 to 7" >&2; exit 2 ;;
+*) echo "part must be 1 to 9" >&2; exit 2 ;;
 esac
