@@ -31,11 +31,14 @@
 #   scripts/gpu_next.sh 9 OUT_DIR: part 6's timings without its tests, then bench_kernels.py --tune
 #     --tune-kinds tc_wide (the 17-64-token launch); its launch_table.json is also kept in
 #     .triton-cache/tune-wide/ for part 7 of the same session.
+#   scripts/gpu_next.sh 10 OUT_DIR: the op's GPU tests, benchmarks/diag_rope_attention.py (where the rotary inside the
+#     attention kernel and rope_write_kv disagree, for two head shapes), then a per-kernel profile
+#     of Llama-3-8B's W4 and W4+EC (rank 16) layers at 8-64 tokens.
 #   Part 7 adds a fourth arm with that table (--table) when it is there.
 # Triton's compile cache is kept in the working tree (.triton-cache, ignored by git), which the
 # device keeps between the calls of a session, so later calls do not compile again.
 set -uo pipefail
-usage="usage: scripts/gpu_next.sh 1-9 OUT_DIR [MODEL]"
+usage="usage: scripts/gpu_next.sh 1-10 OUT_DIR [MODEL]"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -137,5 +140,18 @@ PY
       $([ "$variant" = default ] || echo "$variant") --out "$out/decode-$name" > "$out/decode-$name.txt" 2>&1
     echo "== decode, $variant"; grep -E "batch +(1|32|64):| in [0-9.]+ s" "$out/decode-$name.txt"
   done ;;
-*) echo "part must be 1 to 9" >&2; exit 2 ;;
+10)
+  # the op's GPU tests first: its M = 64 cases take the fused kernel since FUSED_MAX_M = 64
+  timeout 120 python -m pytest -q -p no:cacheprovider -p no:logging -m gpu tests/kernels/test_ops.py \
+    > "$out/tests-ops.txt" 2>&1; tail -3 "$out/tests-ops.txt"
+  for shape in "16 4 64" "32 8 128"; do
+    set -- $shape
+    timeout 90 python benchmarks/diag_rope_attention.py --heads "$1/$2" --head-dim "$3" > "$out/diag-$1-$2-$3.txt" 2>&1
+    echo "== diag H=$1/$2 d=$3"; head -60 "$out/diag-$1-$2-$3.txt"
+  done
+  timeout 200 python benchmarks/bench_kernels.py --out "$out/kernels-decode" --models Llama-3-8B --ms 8,16,32,64 \
+    --ranks 16 --profile "ec r16,w4" --budget-s 150 > "$out/kernels-decode.txt" 2>&1
+  grep -E "^Llama| at M=" "$out/kernels-decode.txt"
+  tar -C "$out" -czf "$out/part10.tgz" --exclude=part10.tgz . ;;
+*) echo "part must be 1 to 10" >&2; exit 2 ;;
 esac

@@ -58,11 +58,12 @@ LAUNCH = {
     # against 8.8 µs) and on 4096 x 11008 (13.5 against 14.0), same data as above
     "fma_kmajor_narrow": dict(max_n=4096, BN=64, BK=128, num_warps=4, num_stages=2, programs=264, prefetch=True),
     "tc": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=512),    # split-K tensor-core decode
-    # 17 to DECODE_MAX_M tokens (batched decode of 32-64 sequences): the same as "tc" until a sweep
-    # at those sizes chooses (bench_kernels.py --tune times 32 and 64 tokens). "tc" was tuned at
-    # 4-16 tokens only; at 64 its split of 8 writes as many partial bytes as a 4096 x 4096
-    # layer's codes, and each 64-wide column tile reads all of x again.
-    "tc_wide": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=512),
+    # 17 to DECODE_MAX_M tokens (batched decode of 32-64 sequences): half the programs of "tc" (so
+    # split-K 2-8 instead of 4-16: at 64 tokens a split writes an M x N fp32 partial). From the
+    # H200 sweep of 2026-12-01 (bench_kernels.py --tune --tune-kinds tc_wide, BENCHMARKS.md
+    # "Thirteenth run"): best geometric mean over q/o, 8B gate_up and down at 32 and 64 tokens;
+    # Llama-3-8B W4 decode 10,338 -> 11,377 tok/s at 64 sequences, 7,331 -> 7,680 at 32.
+    "tc_wide": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=256),
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
 }
 DECODE_MAX_M = 64      # split-K tensor-core tiles up to here, prefill tiles above

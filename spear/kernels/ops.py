@@ -41,10 +41,13 @@ from spear.kernels.layout import PackedEC, PackedW4
 from spear.kernels.dequant import dequantize
 from spear.kernels.w4a16 import check_act, w4a16_matmul
 
-# Largest M that takes the fused kernel. Measured on one H200, 2026-11-29
+# Largest M that takes the fused kernel. First measured per layer on one H200, 2026-11-29
 # (benchmarks/bench_kernels.py, BENCHMARKS.md "Kernels"; r = 32, h = 32, median over the
 # Llama-2-7B/3-8B shapes): fused/semi-fused time 0.89 at M = 16, 1.09 at M = 32, 1.19 at 64.
-FUSED_MAX_M = 16
+# Since then the semi-fused path's ec_gate and the GEMM changed; in whole decode steps (H200,
+# 2026-12-01, bench_decode.py --fused-max-m 64, BENCHMARKS.md "Thirteenth run") the fused kernel
+# wins at 32 and 64 sequences: Llama-3-8B W4+EC 6,714 -> 7,272 and 9,659 -> 10,344 tok/s.
+FUSED_MAX_M = 64
 # Largest (padded) EC rank that takes the fused kernel at M <= FUSED_MAX_M; larger ECs run
 # ec_gate first and the GEMM's v-epilogue (EC_MODE 2). ptxas (sm_90): the fused K-major
 # decode kernel needs 151 registers at R = 16 and 255 at R = 64 (the W4 loop alone: 96; with
