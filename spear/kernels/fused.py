@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from spear.kernels import _common
 from spear.kernels import reference as _reference
@@ -60,6 +61,11 @@ def _norm_warps(block: int) -> int:
 # The interpreter's fp32 -> bf16 cast truncates; under it, bf16 is rounded to nearest even
 # with integer ops first (the GPU's cast already rounds so).
 _SOFT_BF16: tl.constexpr = tl.constexpr(_common.INTERPRET)
+# The interpreter runs every operation as written; compiled, LLVM narrows fp32 arithmetic on
+# fp16 values to fp16 and contracts a product into the next addition (fma.rn.f16), which skips
+# the product's rounding. libdevice's mul_rn is an explicitly rounded multiply that is never
+# contracted; the interpreter has no libdevice, and needs none.
+_PLAIN_MUL: tl.constexpr = tl.constexpr(_common.INTERPRET)
 
 
 @triton.jit
@@ -165,9 +171,19 @@ def _rotate(base_ptr, offs, mask, c1, c2, s1, s2, HALF: tl.constexpr, dt: tl.con
     x1 = tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
     # rotate_half(x) = (-x2, x1); rounding to nearest is symmetric, so round(-a) = -round(a)
-    lo = _to(x1 * c1, dt).to(tl.float32) - _to(x2 * s1, dt).to(tl.float32)
-    hi = _to(x2 * c2, dt).to(tl.float32) + _to(x1 * s2, dt).to(tl.float32)
+    lo = _to(_mul(x1, c1), dt).to(tl.float32) - _to(_mul(x2, s1), dt).to(tl.float32)
+    hi = _to(_mul(x2, c2), dt).to(tl.float32) + _to(_mul(x1, s2), dt).to(tl.float32)
     return _to(lo, dt), _to(hi, dt)
+
+
+@triton.jit
+def _mul(a, b):
+    """fp32 ``a * b`` that is rounded as such in every kernel (see _PLAIN_MUL): the rotary's
+    products must round where torch's do, whichever kernel inlines ``_rotate``."""
+    if _PLAIN_MUL:
+        return a * b
+    else:
+        return libdevice.mul_rn(a, b)
 
 
 @triton.jit

@@ -128,7 +128,7 @@ def compile_attention(dtype, head_dim, block_size, group, splits=8, pdl=False, r
              ROPE=rope)
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
     src = ASTSource(fn, sig(fn, ptrs, ("qk_scale",), c), c, attrs)
-    triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=2))
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=2))
 
 
 if __name__ == "__main__":
@@ -160,5 +160,8 @@ if __name__ == "__main__":
         compile_attention("fp16", 128, 16, 1, splits=1)
         compile_attention("fp16", 128, 16, 4, pdl=2)
     for head_dim, group in ((128, 4), (64, 1)):  # rotary and the new token's cache write inside
-        compile_attention("bf16" if bf16 else "fp16", head_dim, 16, group, rope=True)
+        ptx = compile_attention("bf16" if bf16 else "fp16", head_dim, 16, group, rope=True).asm["ptx"]
+        # the rotary's products are rounded as torch rounds them (rope_write_kv, bit for bit), not
+        # contracted into a half-precision fma with the sum
+        assert not re.search(r"fma\.rn(\.ftz)?\.(f16|bf16)", ptx), "the rotary's product was contracted into an fma"
     print("ok")
