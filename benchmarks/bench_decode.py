@@ -71,6 +71,16 @@ def graph_latency_ms(engine: LLMEngine, batch: int, reps: int) -> float | None:
     return statistics.median(times)
 
 
+def _batch_list(text: str) -> list[int]:
+    try:
+        out = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes >= 1, got {text!r}")
+    return out
+
+
 def kernel_profile(engine: LLMEngine, batch: int, reps: int = 10) -> list[dict] | None:
     """GPU time per decode step by kernel name (torch.profiler over graph replays), largest first,
     with the graph's wall time per step, so launch gaps show as the difference."""
@@ -120,10 +130,10 @@ def run_variant(model, name: str, args, device: str, batches: list[int], vocab: 
     for b in batches:
         t0 = time.perf_counter()
         step_ms, graph_ms = engine_decode(engine, b, args.prompt_len, args.gen, args.warmup, args.reps, vocab)
-        if args.profile and b == 1 and device == "cuda":
-            prof = kernel_profile(engine, 1)
+        if args.profile and b in args.profile and device == "cuda":
+            prof = kernel_profile(engine, b)
             if prof:
-                row["kernels@1"] = prof
+                row[f"kernels@{b}"] = prof
                 total = sum(r["us_per_step"] for r in prof)
                 print(f"  {name}: GPU kernel time {total:.0f} us per step of {1e3 * graph_ms:.0f} us; by kernel:")
                 for r in prof[:12]:
@@ -190,9 +200,10 @@ def main(argv=None) -> int:
     p.add_argument("--fused-max-m", type=int,
                    help="decode: up to this many sequences the ECs run in the one-launch fused kernel, above it "
                         "semi-fused (spear.kernels.ops.FUSED_MAX_M)")
-    p.add_argument("--rope-in-attention", action="store_true",
-                   help="decode: rotary and the new token's cache write inside the attention kernel "
-                        "(spear.serve.model_runner.ROPE_IN_ATTENTION)")
+    p.add_argument("--rope-in-attention", action=argparse.BooleanOptionalAction,
+                   help="decode: rotary and the new token's cache write inside the attention kernel, or "
+                        "(--no-rope-in-attention) in a launch of their own (default: "
+                        "spear.serve.model_runner.ROPE_IN_ATTENTION)")
     p.add_argument("--layout", choices=("nmajor", "kmajor"), default="kmajor",
                    help="packed W4 weight layout of the engine (spear.kernels.layout)")
     p.add_argument("--out", help="folder for results.json and table.md")
@@ -215,8 +226,9 @@ def main(argv=None) -> int:
                         "(0: never split; default: spear.kernels.ec.GATE_PROGRAMS)")
     p.add_argument("--no-fp16", action="store_true",
                    help="skip the FP16 baseline (A/B runs of the W4 kernels; no ratio to FP16)")
-    p.add_argument("--profile", action="store_true",
-                   help="also print and store the GPU time per kernel of a batch-1 step (torch.profiler)")
+    p.add_argument("--profile", nargs="?", const="1", type=_batch_list, metavar="BATCHES",
+                   help="also print and store the GPU time per kernel of a decode step (torch.profiler) at these "
+                        "comma-separated batch sizes (default with no value: 1)")
     p.add_argument("--table", help="launch_table.json (bench_kernels.py --tune / bench_gemv.py) for the W4 kernel")
     args = p.parse_args(argv)
 
@@ -266,10 +278,10 @@ def main(argv=None) -> int:
         from spear.kernels import ops
 
         ops.FUSED_MAX_RANK = args.fused_max_rank
-    if args.rope_in_attention:
+    if args.rope_in_attention is not None:
         from spear.serve import model_runner
 
-        model_runner.ROPE_IN_ATTENTION = True
+        model_runner.ROPE_IN_ATTENTION = args.rope_in_attention
     if args.fused_max_m is not None:
         if args.fused_max_m < 1:
             p.error("--fused-max-m must be >= 1")
@@ -283,7 +295,8 @@ def main(argv=None) -> int:
               + f", W4 layout {args.layout}, projections {'separate' if args.no_fuse else 'fused'}"
               + (f", fused EC up to rank {args.fused_max_rank}" if args.fused_max_rank is not None else "")
               + (f", fused EC up to {args.fused_max_m} tokens" if args.fused_max_m is not None else "")
-              + (", rotary in the attention kernel" if args.rope_in_attention else "")
+              + ({True: ", rotary in the attention kernel", False: ", rotary in its own launch", None: ""}
+                 [args.rope_in_attention])
               + (f", attention splits <= {args.attn_max_splits}" if args.attn_max_splits is not None else "")
               + (f", u programs <= {args.u_split_max}" if args.u_split_max is not None else "")
               + (f", ec_gate programs <= {args.gate_programs}" if args.gate_programs is not None else "")

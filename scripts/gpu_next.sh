@@ -21,10 +21,9 @@
 #     stacked under W_hat; "in": [x, v] against [W_hat, alpha B]) against ec_gate on a side stream
 #     ("side"): their GPU tests, then bench_kernels.py at 512 / 2048 tokens, rank 32, with a
 #     per-kernel profile of the EC call, once per mode.
-#   scripts/gpu_next.sh 7 OUT_DIR: two decode A/Bs on Llama-3-8B W4 / W4+EC at 1, 32 and 64 sequences,
-#     against the defaults: the fused EC kernel up to 64 sequences (--fused-max-m 64; the semi-fused
-#     path takes over above 16, last measured on the first build), and the rotary + cache write
-#     inside the attention kernel (--rope-in-attention).
+#   scripts/gpu_next.sh 7 OUT_DIR: decode A/Bs on Llama-3-8B W4 / W4+EC at 1, 32 and 64 sequences:
+#     the defaults against the rotary in its own launch (--no-rope-in-attention) and against the
+#     fused EC only up to 16 sequences (--fused-max-m 16), the settings before 2026-12-01.
 #   scripts/gpu_next.sh 8 OUT_DIR: parts 1 and 5 in one call: the GPU tests of part 1 in four
 #     processes at once (the compiles spread over the CPU cores), then the hang check with 4 runs of
 #     this tree and 3 of the copy without the barrier.
@@ -34,11 +33,15 @@
 #   scripts/gpu_next.sh 10 OUT_DIR: the op's GPU tests, benchmarks/diag_rope_attention.py (where the rotary inside the
 #     attention kernel and rope_write_kv disagree, for two head shapes), then a per-kernel profile
 #     of Llama-3-8B's W4 and W4+EC (rank 16) layers at 8-64 tokens.
-#   Part 7 adds a fourth arm with that table (--table) when it is there.
+#   scripts/gpu_next.sh 11 OUT_DIR: the engine's GPU tests (now with the rotary inside the attention
+#     kernel, the default since 2026-12-01), then Llama-3-8B W4 / W4+EC decode at 1, 8, 16 and 32
+#     sequences with a per-kernel profile at 8 and 32 (W4+EC costs +14-16% over W4 at 8-16
+#     sequences, +5% at 32).
+#   Part 7 adds an arm with that table (--table) when it is there.
 # Triton's compile cache is kept in the working tree (.triton-cache, ignored by git), which the
 # device keeps between the calls of a session, so later calls do not compile again.
 set -uo pipefail
-usage="usage: scripts/gpu_next.sh 1-10 OUT_DIR [MODEL]"
+usage="usage: scripts/gpu_next.sh 1-11 OUT_DIR [MODEL]"
 part=${1:?$usage}
 out=${2:?$usage}
 mkdir -p "$out"
@@ -131,7 +134,7 @@ PY
       && cp "$out/tune-wide/launch_table.json" .triton-cache/tune-wide/
   fi ;;
 7)
-  variants=(default "--fused-max-m 64" --rope-in-attention)
+  variants=(default --no-rope-in-attention "--fused-max-m 16")
   table=.triton-cache/tune-wide/launch_table.json
   [ -f "$table" ] && variants+=("--table $table")
   for variant in "${variants[@]}"; do
@@ -153,5 +156,13 @@ PY
     --ranks 16 --profile "ec r16,w4" --budget-s 150 > "$out/kernels-decode.txt" 2>&1
   grep -E "^Llama| at M=" "$out/kernels-decode.txt"
   tar -C "$out" -czf "$out/part10.tgz" --exclude=part10.tgz . ;;
-*) echo "part must be 1 to 10" >&2; exit 2 ;;
+11)
+  timeout 200 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=120 -m gpu \
+    tests/serve/test_gpu.py > "$out/tests-engine.txt" 2>&1
+  grep -v PASSED "$out/tests-engine.txt" | tail -20
+  timeout 200 python benchmarks/bench_decode.py --models Llama-3-8B --batches 1,8,16,32 --no-fp16 --profile 8,32 \
+    --out "$out/decode-profile" > "$out/decode-profile.txt" 2>&1
+  grep -E "batch +[0-9]+:|GPU kernel time|^ +[0-9.]+ us " "$out/decode-profile.txt" | head -80
+  tar -C "$out" -czf "$out/part11.tgz" decode-profile decode-profile.txt tests-engine.txt ;;
+*) echo "part must be 1 to 11" >&2; exit 2 ;;
 esac

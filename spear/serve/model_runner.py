@@ -37,9 +37,12 @@ log = logging.getLogger(__name__)
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 # Decode on the fused kernels: the paged attention kernel also rotates q and writes the new k, v
 # into the cache (spear.kernels.attention, ``rope=``), one launch per layer fewer than
-# fused.rope_write_kv + attention. Checked against that pair bit for bit on the CPU interpreter;
-# not yet timed on a GPU (bench_decode.py --rope-in-attention), so off until it is.
-ROPE_IN_ATTENTION = False
+# fused.rope_write_kv + attention. Against that pair: caches bit for bit (CPU interpreter and
+# H200), output bit for bit on the interpreter and within one unit in the last place on the H200
+# (another compiled kernel, another summation order). H200, 2026-12-01 (bench_decode.py
+# --rope-in-attention, BENCHMARKS.md "Thirteenth run"): Llama-3-8B W4 2.323 -> 2.268 ms per token
+# at batch 1, W4+EC 2.502 -> 2.410; 11,375 -> 11,595 tok/s (W4) at 64 sequences.
+ROPE_IN_ATTENTION = True
 
 
 def check_supported(model: nn.Module) -> None:

@@ -150,7 +150,13 @@ def _rope_case(context_lens, n_heads, kv_heads, head_dim, block_size, dtype, see
                                  rope=(k_new, v_new, cos, sin))
     assert torch.equal(kp.nan_to_num(7.0), k_sep.nan_to_num(7.0)), f"{what}: k cache differs from rope_write_kv's"
     assert torch.equal(vp.nan_to_num(7.0), v_sep.nan_to_num(7.0)), f"{what}: v cache differs from rope_write_kv's"
-    assert torch.equal(out, expect), f"{what}: output differs from rope_write_kv + attention"
+    if DEVICE == "cuda":
+        # compiled, the two kernels may sum the scores in another order: one unit in the last place
+        ulp = torch.finfo(dtype).eps * expect.float().abs().clamp_min(1.0)
+        diff = (out.float() - expect.float()).abs()
+        assert (diff <= ulp).all(), f"{what}: output more than 1 ulp off rope_write_kv + attention ({diff.max():.3g})"
+    else:
+        assert torch.equal(out, expect), f"{what}: output differs from rope_write_kv + attention"
     k_ref, v_ref = k.clone(), v.clone()
     k_ref[blk, off], v_ref[blk, off] = k_sep[blk, off], v_sep[blk, off]
     _check(out.cpu(), _reference(q_rot, k_ref, v_ref, tables, lens, scale), dtype, what)

@@ -31,3 +31,14 @@ def test_bench_decode_inputs_runs(capsys):
     assert len(rows) == 2
     with pytest.raises(SystemExit):
         bench.main(["--cases", "30:32"])  # no room to grow
+
+
+@pytest.mark.parametrize("bad", ["0", "1,x", ","])
+def test_bench_decode_refuses_bad_profile_batches(bad, capsys):
+    spec = importlib.util.spec_from_file_location("bench_decode", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--tiny", "--profile", bad])
+    assert e.value.code == 2 and "batch sizes >= 1" in capsys.readouterr().err
+    assert bench._batch_list("8, 16") == [8, 16]
