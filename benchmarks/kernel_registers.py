@@ -6,9 +6,10 @@ Compiles ``_w4a16_kernel`` for sm_90 (Triton's bundled ptxas) and reads the regi
 with cuobjdump. The variants are the decode ones BENCHMARKS.md discusses: no EC, fused EC
 (EC_MODE 1) and the v-epilogue (EC_MODE 2), CUDA-core (MV = 1) and tensor-core (MV = 0)
 loops, K-major and N-major, at EC ranks 16 and 64 (4 warps, split-K 16, the default cap on u
-programs, group 128, fp16). A second table takes the engine's launches at 1, 2 and 4 tokens
-(``pick_config`` on 4096 x 4096) with and without the fused gated EC, and adds the programs per
-SM the registers allow and the launch's waves on an H200.
+programs, group 128, fp16). A second table takes the engine's launches at 1 to 64 tokens
+(``pick_config`` on 4096 x 4096) with and without the fused gated EC, and adds local memory
+(spills), shared memory, the programs per SM that registers and shared memory allow, and the
+launch's waves on an H200.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ from tests.kernels._compile_check import TARGET, divisible, sig  # noqa: E402
 
 
 def registers(ec_mode: int, mv: int, kmajor: bool, r: int = 16, bm: int = 16, prefetch: bool = False,
-              num_warps: int = 4, split_k: int = 16, gate: bool = False, h: int = 32, num_stages: int = 1) -> int:
+              num_warps: int = 4, split_k: int = 16, gate: bool = False, h: int = 32, num_stages: int = 1,
+              spills: bool = False) -> int | tuple[int, int, int]:
+    """Registers per thread of one variant; with ``spills`` also the bytes of local memory per
+    thread (spilled registers) and of shared memory per program."""
     ptrs = dict(x_ptr="fp16", qw_ptr="i32", scales_ptr="fp16", zeros_ptr="u8", bias_ptr="fp16", out_ptr="fp16",
                 part_ptr="fp32", locks_ptr="i32", a_ptr="fp16", b_ptr="fp16", w1_ptr="fp16", b1_ptr="fp16",
                 w2_ptr="fp16", b2_ptr="fp16", upart_ptr="fp32", v_ptr="fp16")
@@ -48,7 +52,9 @@ def registers(ec_mode: int, mv: int, kmajor: bool, r: int = 16, bm: int = 16, pr
         f.write(kernel.asm["cubin"])
         f.flush()
         out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return int(re.findall(r"REG:(\d+)", out)[0])
+    regs = int(re.findall(r"REG:(\d+)", out)[0])
+    local = re.findall(r"LOCAL:(\d+)", out)
+    return (regs, int(local[0]) if local else 0, kernel.metadata.shared) if spills else regs
 
 
 def main() -> int:
@@ -67,29 +73,34 @@ def main() -> int:
     return 0
 
 
-def resident(regs: int, num_warps: int) -> int:
-    """Programs per SM that the registers allow on Hopper (64K registers, allocated per warp in
-    steps of 256; at most 64 warps and 32 programs per SM)."""
+def resident(regs: int, num_warps: int, shared: int = 0) -> int:
+    """Programs per SM that the registers and shared memory allow on Hopper (64K registers,
+    allocated per warp in steps of 256; 228 KB of shared memory, 1 KB of it reserved per program;
+    at most 64 warps and 32 programs per SM)."""
     per_warp = -(-regs * 32 // 256) * 256
-    return min(32, 64 // num_warps, 65536 // (per_warp * num_warps))
+    by_smem = 228 * 1024 // (shared + 1024)
+    return min(32, 64 // num_warps, 65536 // (per_warp * num_warps), by_smem)
 
 
 def launches(sms: int = 132) -> None:
-    """The engine's one-token-class launches at Llama-2-7B's q/o (4096 x 4096, g128, K-major) with
-    and without the fused gated EC (hidden 16): registers, programs per SM, and the launch's waves
-    on an H200's 132 SMs (programs include the EC's u programs)."""
-    print("\n| tokens | warps | EC | rank | registers | programs / SM | programs | waves |\n"
-          "|---:|---:|---|---:|---:|---:|---:|---:|")
-    for m in (1, 2, 4):
+    """The engine's decode launches at Llama-2-7B's q/o (4096 x 4096, g128, K-major) with and
+    without the fused gated EC (hidden 16), 1 to 64 tokens: registers, local memory (spills),
+    programs per SM, and the launch's waves on an H200's 132 SMs (programs include the EC's u
+    programs)."""
+    print("\n| tokens | tile | warps | EC | rank | registers | local bytes | shared KB | programs / SM | programs | waves |\n"
+          "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for m in (1, 2, 4, 8, 16, 32, 64):
         c = pick_config(m, 4096, 4096, 128, kmajor=True)
         for ec_mode, r in ((0, 16), (1, 16), (1, 32)):
-            regs = registers(ec_mode, c.mv, True, r, prefetch=c.prefetch, num_warps=c.num_warps, split_k=c.split_k,
-                             gate=ec_mode == 1, h=16, num_stages=c.num_stages)
-            programs = (4096 // c.BN) * c.split_k + (min(4096 // c.BK, U_SPLIT_MAX) if ec_mode else 0)
-            per_sm = resident(regs, c.num_warps)
-            print(f"| {m} | {c.num_warps} | {('none', 'fused')[ec_mode]} | {r if ec_mode else '—'} | {regs} | "
-                  f"{per_sm} | {programs} | {-(-programs // (per_sm * sms))} |", flush=True)
-
+            regs, local, shared = registers(ec_mode, c.mv, True, r, bm=c.BM, prefetch=c.prefetch, num_warps=c.num_warps,
+                                    split_k=c.split_k, gate=ec_mode == 1, h=16, num_stages=c.num_stages, spills=True)
+            m_tiles = -(-m // c.BM)
+            programs = m_tiles * ((4096 // c.BN) * c.split_k + (min(4096 // c.BK, U_SPLIT_MAX) if ec_mode else 0))
+            per_sm = resident(regs, c.num_warps, shared)
+            tile = f"MV {c.mv}" if c.mv else f"BM {c.BM}"
+            print(f"| {m} | {tile} | {c.num_warps} | {('none', 'fused')[ec_mode]} | {r if ec_mode else '—'} | {regs} | "
+                  f"{local} | {shared / 1024:.1f} | {per_sm} | {programs} | {-(-programs // (per_sm * sms))} |",
+                  flush=True)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,9 +34,11 @@
 #     attention kernel and rope_write_kv disagree, for two head shapes), then a per-kernel profile
 #     of Llama-3-8B's W4 and W4+EC (rank 16) layers at 8-64 tokens.
 #   scripts/gpu_next.sh 11 OUT_DIR: the engine's GPU tests (now with the rotary inside the attention
-#     kernel, the default since 2026-12-01), then Llama-3-8B W4 / W4+EC decode at 1, 8, 16 and 32
+#     kernel, the default since 2026-12-01), then Llama-3-8B W4 / W4+EC decode at 1, 4, 8, 16 and 32
 #     sequences with a per-kernel profile at 8 and 32 (W4+EC costs +14-16% over W4 at 8-16
-#     sequences, +5% at 32).
+#     sequences, +5% at 32), and the same with --u-split-max 16: at 4-16 tokens the fused launch
+#     has 512 W programs + 32 u programs against 528 resident slots (4 per SM by registers,
+#     benchmarks/kernel_registers.py), so 16 programs run in a second wave; 16 u programs fit one.
 #   Part 7 adds an arm with that table (--table) when it is there.
 # Triton's compile cache is kept in the working tree (.triton-cache, ignored by git), which the
 # device keeps between the calls of a session, so later calls do not compile again.
@@ -160,9 +162,12 @@ PY
   timeout 200 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=120 -m gpu \
     tests/serve/test_gpu.py > "$out/tests-engine.txt" 2>&1
   grep -v PASSED "$out/tests-engine.txt" | tail -20
-  timeout 200 python benchmarks/bench_decode.py --models Llama-3-8B --batches 1,8,16,32 --no-fp16 --profile 8,32 \
-    --out "$out/decode-profile" > "$out/decode-profile.txt" 2>&1
-  grep -E "batch +[0-9]+:|GPU kernel time|^ +[0-9.]+ us " "$out/decode-profile.txt" | head -80
-  tar -C "$out" -czf "$out/part11.tgz" decode-profile decode-profile.txt tests-engine.txt ;;
+  for arm in default "--u-split-max 16"; do
+    name=$(echo "$arm" | tr -d ' -')
+    timeout 150 python benchmarks/bench_decode.py --models Llama-3-8B --batches 1,4,8,16,32 --no-fp16 \
+      $([ "$arm" = default ] && echo "--profile 8,32" || echo "$arm") --out "$out/decode-$name" > "$out/decode-$name.txt" 2>&1
+    echo "== decode, $arm"; grep -E "batch +[0-9]+:|GPU kernel time|^ +[0-9.]+ us " "$out/decode-$name.txt" | head -60
+  done
+  tar -C "$out" -czf "$out/part11.tgz" decode-* tests-engine.txt ;;
 *) echo "part must be 1 to 11" >&2; exit 2 ;;
 esac
