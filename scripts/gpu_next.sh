@@ -36,9 +36,10 @@
 #   scripts/gpu_next.sh 11 OUT_DIR: the engine's GPU tests (now with the rotary inside the attention
 #     kernel, the default since 2026-12-01), then Llama-3-8B W4 / W4+EC decode at 1, 4, 8, 16 and 32
 #     sequences with a per-kernel profile at 8 and 32 (W4+EC costs +14-16% over W4 at 8-16
-#     sequences, +5% at 32), and the same with --u-split-max 16: at 4-16 tokens the fused launch
-#     has 512 W programs + 32 u programs against 528 resident slots (4 per SM by registers,
-#     benchmarks/kernel_registers.py), so 16 programs run in a second wave; 16 u programs fit one.
+#     sequences, +5% at 32), and the same with 16 u programs at 5-16 tokens (a table whose "tc"
+#     entry has u_split 16): there the fused launch has 512 W programs + 32 u programs against 528
+#     resident slots (4 per SM by registers, benchmarks/kernel_registers.py), so 16 programs run
+#     in a second wave; 16 u programs fit one.
 #   Part 7 adds an arm with that table (--table) when it is there.
 # Triton's compile cache is kept in the working tree (.triton-cache, ignored by git), which the
 # device keeps between the calls of a session, so later calls do not compile again.
@@ -162,8 +163,10 @@ PY
   timeout 200 python -m pytest -v -p no:cacheprovider -p no:logging -o faulthandler_timeout=120 -m gpu \
     tests/serve/test_gpu.py > "$out/tests-engine.txt" 2>&1
   grep -v PASSED "$out/tests-engine.txt" | tail -20
-  for arm in default "--u-split-max 16"; do
-    name=$(echo "$arm" | tr -d ' -')
+  python -c "import json; from spear.kernels import launch
+json.dump({'tc': dict(launch.LAUNCH['tc'], u_split=16)}, open('$out/tc-u16.json', 'w'))"
+  for arm in default "--table $out/tc-u16.json"; do
+    name=$([ "$arm" = default ] && echo default || echo tcu16)
     timeout 150 python benchmarks/bench_decode.py --models Llama-3-8B --batches 1,4,8,16,32 --no-fp16 \
       $([ "$arm" = default ] && echo "--profile 8,32" || echo "$arm") --out "$out/decode-$name" > "$out/decode-$name.txt" 2>&1
     echo "== decode, $arm"; grep -E "batch +[0-9]+:|GPU kernel time|^ +[0-9.]+ us " "$out/decode-$name.txt" | head -60

@@ -69,7 +69,7 @@ LAUNCH = {
 DECODE_MAX_M = 64      # split-K tensor-core tiles up to here, prefill tiles above
 
 # What a launch entry of the table may hold (the sweeps write a subset; BM is the prefill tile's)
-_ENTRY_INTS = ("BM", "BN", "BK", "num_warps", "num_stages", "programs", "pipeline", "max_n")
+_ENTRY_INTS = ("BM", "BN", "BK", "num_warps", "num_stages", "programs", "pipeline", "max_n", "u_split")
 _POW2 = ("BM", "BN", "BK", "num_warps")
 
 
@@ -158,12 +158,12 @@ def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -
         split = _split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=mv,
                       prefetch=bool(kmajor and c.get("prefetch", False)),
-                      pipeline=c.get("pipeline", 1) if kmajor else 1)
+                      pipeline=c.get("pipeline", 1) if kmajor else 1, u_split=c.get("u_split", 0))
     if m <= DECODE_MAX_M:
         c = LAUNCH["tc"] if m <= 16 else LAUNCH.get("tc_wide", LAUNCH["tc"])
         bk = min(c["BK"], kmax)
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         split = _split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])
-        return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"])
+        return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"], u_split=c.get("u_split", 0))
     c = LAUNCH["prefill"]
     return Config(c["BM"], c["BN"], min(c["BK"], kmax), 1, c["num_warps"], c["num_stages"])

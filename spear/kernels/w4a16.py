@@ -288,7 +288,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         # u programs' ranges are much shorter than the W programs' (which many programs per SM
         # and the register prefetch keep streaming); the last u program sums all partials in one
         # round trip
-        u_split = cfg.u_split or min(k // cfg.BK, U_SPLIT_MAX)
+        u_split = min(cfg.u_split, k // cfg.BK) if cfg.u_split else min(k // cfg.BK, U_SPLIT_MAX)
     needs_locks = cfg.split_k > 1 or ec_mode == 1
     if needs_locks and m_tiles * (n_wt + 2) > w.locks.numel():
         raise ValueError(f"split-K/fused EC needs {m_tiles * (n_wt + 2)} lock slots for M={m}, N={n}; "

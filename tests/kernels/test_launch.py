@@ -36,6 +36,7 @@ def test_the_built_in_table_and_a_json_roundtrip_are_valid(tmp_path):
     ({"fma_kmajor_by_mv": {"3": {"BN": 64}}}, "token classes"),
     ({"fma_kmajor_by_mv": {"2": {"BN": 96}}}, r"fma_kmajor_by_mv.2.BN must be a power of two"),
     ({"prefill": None}, "prefill: a launch entry must be an object"),
+    ({"tc": {"u_split": 0}}, "tc.u_split must be a positive integer, got 0"),
 ])
 def test_bad_tables_are_refused_with_the_key(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -67,6 +68,16 @@ def test_use_table_changes_the_dispatch_key_by_key(table, tmp_path):
     with pytest.raises(ValueError, match="power of two"):
         launch.use_table({"tc": {"BN": 100}})
     assert launch.LAUNCH["tc"]["BN"] != 100  # nothing applied from a refused table
+
+
+def test_an_entrys_u_split_reaches_the_fused_launch(table):
+    """A launch entry may cap the fused EC's u programs for its token class only."""
+    assert launch.pick_config(8, 4096, 4096, 128, kmajor=True).u_split == 0  # built in: w4a16.U_SPLIT_MAX
+    launch.use_table({"tc": dict(table["tc"], u_split=16)})
+    assert launch.pick_config(8, 4096, 4096, 128, kmajor=True).u_split == 16
+    assert launch.pick_config(16, 4096, 4096, 128, kmajor=True).u_split == 16
+    assert launch.pick_config(32, 4096, 4096, 128, kmajor=True).u_split == 0  # tc_wide
+    assert launch.pick_config(1, 4096, 4096, 128, kmajor=True).u_split == 0   # the CUDA-core loop
 
 
 def test_the_committed_pipeline_table_is_valid():
