@@ -31,6 +31,7 @@ import argparse
 import copy
 import datetime
 import gc
+import importlib
 import json
 import math
 import platform
@@ -69,6 +70,18 @@ def graph_latency_ms(engine: LLMEngine, batch: int, reps: int) -> float | None:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+# options that set a module constant for the run: (option's dest, module, constant)
+OVERRIDES = (
+    ("u_split_max", "spear.kernels.w4a16", "U_SPLIT_MAX"),
+    ("attn_max_splits", "spear.kernels.attention", "MAX_SPLITS"),
+    ("attn_min_split_tiles", "spear.kernels.attention", "MIN_SPLIT_TILES"),
+    ("gate_programs", "spear.kernels.ec", "GATE_PROGRAMS"),
+    ("fused_max_rank", "spear.kernels.ops", "FUSED_MAX_RANK"),
+    ("rope_in_attention", "spear.serve.model_runner", "ROPE_IN_ATTENTION"),
+    ("fused_max_m", "spear.kernels.ops", "FUSED_MAX_M"),
+)
 
 
 def _batch_list(text: str) -> list[int]:
@@ -256,38 +269,13 @@ def main(argv=None) -> int:
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
     if args.pdl not in ("off", "auto") and device != "cuda":
         p.error("--pdl needs a CUDA GPU")
-    if args.u_split_max is not None:
-        from spear.kernels import w4a16
-
-        w4a16.U_SPLIT_MAX = args.u_split_max
-    if args.attn_max_splits is not None:
-        from spear.kernels import attention
-
-        attention.MAX_SPLITS = args.attn_max_splits
-    if args.attn_min_split_tiles is not None:
-        if args.attn_min_split_tiles < 1:
-            p.error("--attn-min-split-tiles must be >= 1")
-        from spear.kernels import attention
-
-        attention.MIN_SPLIT_TILES = args.attn_min_split_tiles
-    if args.gate_programs is not None:
-        from spear.kernels import ec
-
-        ec.GATE_PROGRAMS = args.gate_programs
-    if args.fused_max_rank is not None:
-        from spear.kernels import ops
-
-        ops.FUSED_MAX_RANK = args.fused_max_rank
-    if args.rope_in_attention is not None:
-        from spear.serve import model_runner
-
-        model_runner.ROPE_IN_ATTENTION = args.rope_in_attention
-    if args.fused_max_m is not None:
-        if args.fused_max_m < 1:
-            p.error("--fused-max-m must be >= 1")
-        from spear.kernels import ops
-
-        ops.FUSED_MAX_M = args.fused_max_m
+    if args.attn_min_split_tiles is not None and args.attn_min_split_tiles < 1:
+        p.error("--attn-min-split-tiles must be >= 1")
+    if args.fused_max_m is not None and args.fused_max_m < 1:
+        p.error("--fused-max-m must be >= 1")
+    for dest, module, name in OVERRIDES:
+        if getattr(args, dest) is not None:
+            setattr(importlib.import_module(module), name, getattr(args, dest))
     header = (f"Decode, {datetime.date.today().isoformat()}, {dev_name}, torch {torch.__version__}, "
               f"{dtype}, prompt {args.prompt_len} tokens, median of {args.gen} steps"
               + (f", {args.layers} layers" if args.layers else "")

@@ -376,3 +376,19 @@ def _sum_partials(ptrs, part_stride, mask, acc, N_PARTS: tl.constexpr, CHUNK: tl
                 acc += tl.load(ptrs + (s0 + j) * part_stride, mask=mask & (s0 + j < N_PARTS), other=0.0,
                                cache_modifier=".cg")
     return acc
+
+
+# The interpreter's fp32 -> bf16 cast truncates; under it, bf16 is rounded to nearest even
+# with integer ops first (the GPU's cast already rounds so).
+_SOFT_BF16: tl.constexpr = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _to(x, dt: tl.constexpr):
+    """fp32 ``x`` rounded to nearest even in ``dt``."""
+    if _SOFT_BF16 and dt == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x == x, b.to(tl.float32, bitcast=True), x).to(dt)
+    else:
+        return x.to(dt)

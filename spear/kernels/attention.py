@@ -63,7 +63,7 @@ import triton.language as tl
 
 from spear.kernels import _common
 from spear.kernels._common import INTERPRET, _pdl_start, _pdl_wait
-from spear.kernels.fused import _cos_sin, _rotate
+from spear.kernels._rotary import _rope_q_write_kv
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
@@ -170,37 +170,6 @@ def _paged_decode_kernel(
                 _merge_partials(head_part, active, o_ptrs, g_mask, offs_g, offs_d, out_ptr, GROUP_PAD, HEAD_DIM,
                                 SPLITS)
                 tl.atomic_xchg(counter, 0)
-
-
-@triton.jit
-def _rope_q_write_kv(q_rows, g_mask, kn_row, vn_row, cos_ptr, sin_ptr, len_ptr, bt_row, k_base, v_base,
-                     stride_kb, stride_kt, stride_vb, stride_vt, owner, GROUP_PAD: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, dt: tl.constexpr):
-    """ROPE: the query group rotated at the new token's position (context length - 1), [GROUP_PAD,
-    HEAD_DIM] in the cache dtype, rounded as ``fused.rope_write_kv`` rounds it. The ``owner`` program (the split holding that
-    position) also writes the new token's rotated k and its v into the cache slot the block table
-    gives, then waits at a barrier so that its own loop reads them back; no other program reads
-    that position."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    offs_h = tl.arange(0, HALF)
-    row = tl.maximum(tl.load(len_ptr).to(tl.int64) - 1, 0)
-    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, row, offs_h, offs_h < HALF, HEAD_DIM)
-    lo, hi = _rotate(q_rows, offs_h[None, :], g_mask[:, None], c1[None, :], c2[None, :], s1[None, :], s2[None, :],
-                     HALF, dt)
-    # [GROUP_PAD, HALF] x 2 -> [GROUP_PAD, HEAD_DIM]: the low half, then the high half
-    q = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (GROUP_PAD, HEAD_DIM))
-    if owner:
-        blk = tl.load(bt_row + row // BLOCK_SIZE).to(tl.int64)
-        tok = row % BLOCK_SIZE
-        k_lo, k_hi = _rotate(kn_row, offs_h, offs_h < HALF, c1, c2, s1, s2, HALF, dt)
-        k_dst = k_base + blk * stride_kb + tok * stride_kt
-        tl.store(k_dst + offs_h, k_lo)
-        tl.store(k_dst + HALF + offs_h, k_hi)
-        offs_d = tl.arange(0, HEAD_DIM)
-        tl.store(v_base + blk * stride_vb + tok * stride_vt + offs_d, tl.load(vn_row + offs_d))
-        # the cache writes of every thread before any thread's loads of the key tiles
-        tl.debug_barrier()
-    return q
 
 
 @triton.jit

@@ -35,11 +35,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from spear.kernels import _common
 from spear.kernels import reference as _reference
-from spear.kernels._common import _pdl_start, _pdl_wait
+from spear.kernels._common import _pdl_start, _pdl_wait, _to
+from spear.kernels._rotary import _cos_sin, _rotate
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -58,25 +58,6 @@ def _norm_warps(block: int) -> int:
     return 1 if block <= 256 else (4 if block <= 2048 else (8 if block <= 8192 else 16))
 
 
-# The interpreter's fp32 -> bf16 cast truncates; under it, bf16 is rounded to nearest even
-# with integer ops first (the GPU's cast already rounds so).
-_SOFT_BF16: tl.constexpr = tl.constexpr(_common.INTERPRET)
-# The interpreter runs every operation as written; compiled, LLVM narrows fp32 arithmetic on
-# fp16 values to fp16 and contracts a product into the next addition (fma.rn.f16), which skips
-# the product's rounding. libdevice's mul_rn is an explicitly rounded multiply that is never
-# contracted; the interpreter has no libdevice, and needs none.
-_PLAIN_MUL: tl.constexpr = tl.constexpr(_common.INTERPRET)
-
-
-@triton.jit
-def _to(x, dt: tl.constexpr):
-    """fp32 ``x`` rounded to nearest even in ``dt``."""
-    if _SOFT_BF16 and dt == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        return tl.where(x == x, b.to(tl.float32, bitcast=True), x).to(dt)
-    else:
-        return x.to(dt)
 
 
 # ---------------------------------------------------------------------------- RMSNorm
@@ -163,38 +144,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 # ---------------------------------------------------------------------------- rotary + KV write
-
-
-@triton.jit
-def _rotate(base_ptr, offs, mask, c1, c2, s1, s2, HALF: tl.constexpr, dt: tl.constexpr):
-    """Both halves of ``x·cos + rotate_half(x)·sin``, rounded where the torch expression rounds."""
-    x1 = tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
-    # rotate_half(x) = (-x2, x1); rounding to nearest is symmetric, so round(-a) = -round(a)
-    lo = _to(_mul(x1, c1), dt).to(tl.float32) - _to(_mul(x2, s1), dt).to(tl.float32)
-    hi = _to(_mul(x2, c2), dt).to(tl.float32) + _to(_mul(x1, s2), dt).to(tl.float32)
-    return _to(lo, dt), _to(hi, dt)
-
-
-@triton.jit
-def _mul(a, b):
-    """fp32 ``a * b`` that is rounded as such in every kernel (see _PLAIN_MUL): the rotary's
-    products must round where torch's do, whichever kernel inlines ``_rotate``."""
-    if _PLAIN_MUL:
-        return a * b
-    else:
-        return libdevice.mul_rn(a, b)
-
-
-@triton.jit
-def _cos_sin(cos_ptr, sin_ptr, row, offs_d, d_mask, D: tl.constexpr):
-    """The rotary table's row ``row`` in fp32, each of cos and sin as its two halves at ``offs_d``."""
-    HALF: tl.constexpr = D // 2
-    c1 = tl.load(cos_ptr + row * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + row * D + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + row * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + row * D + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    return c1, c2, s1, s2
 
 
 @triton.jit

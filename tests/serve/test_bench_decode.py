@@ -42,3 +42,19 @@ def test_bench_decode_refuses_bad_profile_batches(bad, capsys):
         bench.main(["--tiny", "--profile", bad])
     assert e.value.code == 2 and "batch sizes >= 1" in capsys.readouterr().err
     assert bench._batch_list("8, 16") == [8, 16]
+
+
+def test_bench_decode_options_set_the_module_constants(tmp_path, monkeypatch):
+    from spear.kernels import ec, ops
+    from spear.serve import model_runner
+
+    for mod, name in ((ops, "FUSED_MAX_M"), (ec, "GATE_PROGRAMS"), (model_runner, "ROPE_IN_ATTENTION")):
+        monkeypatch.setattr(mod, name, getattr(mod, name))  # restored after the test
+    spec = importlib.util.spec_from_file_location("bench_decode", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--fused-max-m", "0"])
+    assert bench.main(["--tiny", "--batches", "1", "--gen", "2", "--warmup", "1", "--fused-max-m", "8",
+                       "--gate-programs", "3", "--no-rope-in-attention", "--out", str(tmp_path)]) == 0
+    assert (ops.FUSED_MAX_M, ec.GATE_PROGRAMS, model_runner.ROPE_IN_ATTENTION) == (8, 3, False)
