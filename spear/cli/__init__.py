@@ -34,10 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.quiet:  # transformers draws its own bars while it loads weights
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         return int(args.func(args) or 0)
-    except SpearError as exc:
-        print(f"spear {args.command}: error: {exc}", file=sys.stderr)
+    except SpearError as exc:  # one line, whatever the message a library gave us holds
+        print(f"spear {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"spear {args.command}: interrupted", file=sys.stderr)

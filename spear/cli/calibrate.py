@@ -87,7 +87,7 @@ def main(args) -> int:
     from spear.compensate.gate_stats import gate_statistics, plot_gate_vs_error, summary_rows
     from spear.compensate.workflow import attach_ecs, calibrate, calibrate_layerwise, prepare_calibration
     from spear.eval.memory import compensator_bytes, quantized_model_bytes
-    from spear.models.checkpoint import is_checkpoint, save_checkpoint
+    from spear.models.checkpoint import check_output_folder, is_checkpoint, save_checkpoint
     from spear.models.loading import load_model, resolve_model_path
     from spear.quant.api import quantize_model
     from spear.errors import SpearError
@@ -98,6 +98,7 @@ def main(args) -> int:
         raise SpearError("--tune-scales and --tune-norms need end-to-end KL calibration (not --blockwise)")
     if is_checkpoint(resolve_model_path(args.model)):
         raise SpearError(f"{args.model} is already a spear checkpoint; calibrate from its source model")
+    check_output_folder(args.out, args.overwrite)
     progress = not args.quiet
     model, tok = load_model(args.model, device=args.device)
     plan, selection = plan_from_args(args, model, tok, quant, cfg, progress)

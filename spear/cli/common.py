@@ -39,10 +39,14 @@ def positive_float(text: str) -> float:
     return v
 
 
-def add_model_arg(p: argparse.ArgumentParser, default: str | None = DEFAULT_MODEL) -> None:
+def add_model_arg(p: argparse.ArgumentParser, default: str | None = DEFAULT_MODEL, verify: bool = False) -> None:
     p.add_argument("--model", default=default, required=default is None,
                    help=f"a local Hugging Face causal-LM folder, a spear checkpoint folder, or "
                         f"'{DEFAULT_MODEL}' (the embedded default){'' if default is None else ' (default: %(default)s)'}")
+    if verify:
+        p.add_argument("--verify", action="store_true",
+                       help="check every tensor of a spear checkpoint against the SHA-256 recorded when it was "
+                            "written (catches bit flips that leave values finite; reads the file once more)")
 
 
 def add_text_args(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ def register(sub) -> None:
     p = sub.add_parser("eval", help="perplexity of an HF folder, a spear checkpoint or the default model",
                        description="Perplexity with non-overlapping windows (SPEAR.md §4): the last "
                                    "--eval-windows windows of --text, tokenizer-level.")
-    add_model_arg(p)
+    add_model_arg(p, verify=True)
     add_text_args(p)
     p.add_argument("--json", help="also write the result as JSON to this file")
     p.set_defaults(func=main)
@@ -26,7 +26,7 @@ def main(args) -> int:
     from spear.quant import quantized_modules
 
     cfg = eval_config_from(args)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, verify=args.verify)
     split = load_split(tokenizer, cfg)
     res = perplexity(model, split.eval, cfg.batch_size, progress=not args.quiet)
     out = {"model": args.model, "text": split.text_name, **res.to_dict()}

@@ -20,10 +20,11 @@ def main(args) -> int:
     import torch
 
     from spear.eval.memory import quantized_model_bytes
-    from spear.models.checkpoint import save_checkpoint
+    from spear.models.checkpoint import check_output_folder, save_checkpoint
     from spear.quant import quantized_modules
     from spear.quant.hf_import import import_hf_quantized
 
+    check_output_folder(args.out, args.overwrite)
     model, tokenizer, quant, source_cfg = import_hf_quantized(args.model, dtype=getattr(torch, args.dtype))
     meta = {"imported_from": {k: v for k, v in source_cfg.items() if isinstance(v, (str, int, float, bool, type(None)))}}
     out = save_checkpoint(model, tokenizer, args.out, quant, args.model, meta=meta, overwrite=args.overwrite)

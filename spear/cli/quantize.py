@@ -30,7 +30,7 @@ def main(args) -> int:
     from spear.config import StaticCompensationConfig
     from spear.errors import SpearError
     from spear.eval.memory import compensator_bytes, quantized_model_bytes
-    from spear.models.checkpoint import is_checkpoint, save_checkpoint
+    from spear.models.checkpoint import check_output_folder, is_checkpoint, save_checkpoint
     from spear.models.loading import load_model, resolve_model_path
     from spear.models.modules import quantizable_linears
     from spear.pipeline import load_split
@@ -39,6 +39,7 @@ def main(args) -> int:
     quant = quant_config_from(args)
     if is_checkpoint(resolve_model_path(args.model)):
         raise SpearError(f"{args.model} is already a spear checkpoint; quantize its source model instead")
+    check_output_folder(args.out, args.overwrite)
     comp = None if args.compensator == "none" else StaticCompensationConfig(
         method=args.compensator, rank=args.rank, plan=read_plan(args.plan))
     progress = not args.quiet

@@ -14,16 +14,23 @@ Layout::
                         every other model tensor (embeddings, norms...) as is
 
 Loading builds the architecture from config.json with empty weights, swaps in
-quantized shells, and validates every tensor's name, shape and dtype before
-assigning it; nothing is ever unpickled. Writes go to a temporary sibling folder
-that is renamed into place, so a failed write leaves nothing half-written.
+quantized shells, and validates spear_config.json's schema and every tensor's name,
+shape, dtype, finiteness and code range before assigning it; nothing is ever
+unpickled, and a damaged file is a SpearError naming it, never a traceback or random
+weights. spear_config.json records each tensor's SHA-256; ``verify=True``
+(``--verify``) checks them, which also catches bit flips that leave values finite.
+Writes go to a temporary sibling folder that is renamed into place, so a failed
+write leaves nothing half-written; the temporary folders of a killed writer are
+removed by the next write to the same place.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -42,10 +49,17 @@ FORMAT = "spear-checkpoint"
 VERSION = 1
 CONFIG_NAME = "spear_config.json"
 WEIGHTS_NAME = "model.safetensors"
+DTYPES = ("float32", "float16", "bfloat16")
+_OWNER_FILE = ".spear-writer"  # inside a temporary folder: the host and pid writing it
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / CONFIG_NAME).is_file()
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes as stored (row-major, its own dtype)."""
+    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _module_entry(mod: QuantLinear) -> dict:
@@ -100,19 +114,73 @@ def publish_permissions(folder: Path) -> None:
         os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
 
 
-def _write_atomic_folder(target: Path, write, overwrite: bool) -> None:
-    target = target.expanduser()
+def check_output_folder(target: str | os.PathLike, overwrite: bool) -> Path:
+    """Refuse an output folder a write would refuse, before any work is spent on what goes in it."""
+    target = Path(target).expanduser()
     if target.exists() and not target.is_dir():
         raise SpearError(f"output {target} exists and is not a folder")
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise SpearError(f"output folder {target} exists and is not empty (pass --overwrite to replace it)")
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise SpearError(f"cannot write {target}: {parent} is not writable")
+    return target
+
+
+def _writer_alive(folder: Path) -> bool:
+    """The process that made this temporary folder still runs (on this host); unknown counts as dead
+    only when the folder is old enough that no live writer can have left it unmarked."""
+    import time
+
+    try:
+        host, pid = (folder / _OWNER_FILE).read_text().split()
+    except (OSError, ValueError):
+        return time.time() - folder.stat().st_mtime < 60  # made a moment ago: the writer is marking it
+    if host != socket.gethostname():
+        return True  # another machine's writer on a shared disk: not ours to judge
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    return True
+
+
+def clean_stale_temporaries(target: Path) -> list[Path]:
+    """Remove the temporary siblings (``.NAME.tmp-*``, ``.NAME.old-*``) of ``target`` that a killed
+    writer left behind; returns what was removed."""
+    removed = []
+    if not target.parent.is_dir():
+        return removed
+    for pattern in (f".{target.name}.tmp-*", f".{target.name}.old-*"):
+        for folder in target.parent.glob(pattern):
+            if folder.is_dir() and not _writer_alive(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder)
+    return removed
+
+
+def make_temporary(target: Path, kind: str = "tmp") -> Path:
+    """An empty temporary sibling of ``target`` marked with this process as its writer."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{kind}-", dir=target.parent))
+    (tmp / _OWNER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}")
+    return tmp
+
+
+def _write_atomic_folder(target: Path, write, overwrite: bool) -> None:
+    target = check_output_folder(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    clean_stale_temporaries(target)
+    tmp = make_temporary(target)
     try:
         write(tmp)
+        (tmp / _OWNER_FILE).unlink()
         publish_permissions(tmp)
         if target.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            trash = make_temporary(target, "old")
             os.replace(target, trash / "old")
             os.replace(tmp, target)
             shutil.rmtree(trash, ignore_errors=True)
@@ -139,6 +207,7 @@ def save_checkpoint(model: nn.Module, tokenizer, out_dir: str | os.PathLike, qua
         "format": FORMAT, "version": VERSION, "source_model": str(source_model),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "quant": quant.to_dict(), "modules": modules, "meta": meta or {},
+        "sha256": {name: tensor_sha256(t) for name, t in sorted(tensors.items())},
     }
 
     def write(tmp: Path):
@@ -155,22 +224,118 @@ def save_checkpoint(model: nn.Module, tokenizer, out_dir: str | os.PathLike, qua
     return target
 
 
+def _fail(path: Path, message: str):
+    raise SpearError(f"{path / CONFIG_NAME}: {message}")
+
+
+def _check_module_entry(path: Path, name, entry) -> None:
+    if not isinstance(name, str) or not name:
+        _fail(path, f"module names must be non-empty strings, got {name!r}")
+    if not isinstance(entry, dict):
+        _fail(path, f"module {name}: expected an object, got {type(entry).__name__}")
+    for key in ("in_features", "out_features", "bits", "group_size"):
+        v = entry.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "group_size" else 1):
+            _fail(path, f"module {name}: {key} must be a whole number >= {0 if key == 'group_size' else 1}, "
+                        f"got {v!r}")
+    if entry["bits"] not in (2, 3, 4, 8):
+        _fail(path, f"module {name}: bits must be 2, 3, 4 or 8, got {entry['bits']}")
+    for key in ("symmetric", "bias"):
+        if not isinstance(entry.get(key), bool):
+            _fail(path, f"module {name}: {key} must be true or false, got {entry.get(key)!r}")
+    comp = entry.get("compensator")
+    if comp is not None and (not isinstance(comp, dict) or not isinstance(comp.get("kind"), str)):
+        _fail(path, f"module {name}: compensator must be null or an object with a 'kind', got {comp!r}")
+
+
 def read_spear_config(path: str | os.PathLike) -> dict:
+    """spear_config.json, its schema checked (every malformed field is a SpearError naming it)."""
     path = Path(path)
     try:
-        cfg = json.loads((path / CONFIG_NAME).read_text())
+        cfg = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SpearError(f"{path} is not a spear checkpoint (no {CONFIG_NAME})") from None
-    except json.JSONDecodeError as exc:
-        raise SpearError(f"{path / CONFIG_NAME} is not valid JSON: {exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SpearError(f"{path / CONFIG_NAME} is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise SpearError(f"cannot read {path / CONFIG_NAME}: {exc}") from None
+    if not isinstance(cfg, dict):
+        _fail(path, f"expected a JSON object, got {type(cfg).__name__}")
     if cfg.get("format") != FORMAT:
-        raise SpearError(f"{path / CONFIG_NAME}: format is {cfg.get('format')!r}, expected {FORMAT!r}")
-    if cfg.get("version") != VERSION:
-        raise SpearError(f"{path / CONFIG_NAME}: version {cfg.get('version')} is not supported (this spear reads {VERSION})")
+        _fail(path, f"format is {cfg.get('format')!r}, expected {FORMAT!r}")
+    version = cfg.get("version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        _fail(path, f"version must be the whole number {VERSION}, got {version!r} ({type(version).__name__})")
+    if version != VERSION:
+        _fail(path, f"version {version} is not supported; this spear reads version {VERSION}")
     for key in ("quant", "modules", "dtype"):
         if key not in cfg:
-            raise SpearError(f"{path / CONFIG_NAME} lacks the field {key!r}")
+            _fail(path, f"lacks the field {key!r}")
+    if cfg["dtype"] not in DTYPES:
+        _fail(path, f"dtype must be one of {', '.join(DTYPES)}, got {cfg['dtype']!r}")
+    if not isinstance(cfg["quant"], dict):
+        _fail(path, f"quant must be an object, got {type(cfg['quant']).__name__}")
+    try:
+        QuantConfig.from_dict(cfg["quant"])
+    except SpearError as exc:
+        _fail(path, f"quant: {exc}")
+    except (TypeError, ValueError) as exc:
+        _fail(path, f"quant is malformed: {exc}")
+    modules = cfg["modules"]
+    if not isinstance(modules, dict) or not modules:
+        _fail(path, f"modules must be a non-empty object of module name -> entry, got {modules!r:.80}")
+    for name, entry in modules.items():
+        _check_module_entry(path, name, entry)
+    if not isinstance(cfg.get("meta", {}), dict):
+        _fail(path, "meta must be an object")
+    hashes = cfg.get("sha256", {})
+    if not isinstance(hashes, dict) or not all(isinstance(k, str) and isinstance(v, str) and len(v) == 64
+                                               for k, v in hashes.items()):
+        _fail(path, "sha256 must map tensor names to 64-digit hex digests")
     return cfg
+
+
+def _read_tensors(file: Path, expected: dict, hashes: dict, verify: bool) -> dict[str, torch.Tensor]:
+    """Every tensor of ``file``, checked against ``expected`` (name -> (shape, dtype)), for finite
+    values, and with ``verify`` against the recorded digests."""
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(file), framework="pt") as fh:
+            keys = set(fh.keys())
+            missing = sorted(set(expected) - keys)
+            if missing:
+                raise SpearError(f"checkpoint {file} lacks tensor {missing[0]}"
+                                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            unexpected = sorted(keys - set(expected))
+            if unexpected:
+                raise SpearError(f"checkpoint {file} has unexpected tensor {unexpected[0]}"
+                                 + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+            for key in sorted(keys):
+                shape = tuple(fh.get_slice(key).get_shape())
+                want_shape, want_dtype = expected[key]
+                if shape != want_shape:
+                    raise SpearError(f"checkpoint tensor {key}: shape {shape}, expected {want_shape}")
+                t = fh.get_tensor(key)
+                if t.dtype != want_dtype:
+                    raise SpearError(f"checkpoint tensor {key}: dtype {t.dtype}, expected {want_dtype}")
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise SpearError(f"checkpoint tensor {key} holds non-finite values (NaN or inf): the file "
+                                     "is damaged")
+                if verify:
+                    if key not in hashes:
+                        raise SpearError(f"--verify: {file.parent / CONFIG_NAME} records no digest for {key} "
+                                         "(written by an older spear)")
+                    if tensor_sha256(t) != hashes[key]:
+                        raise SpearError(f"--verify: checkpoint tensor {key} does not match its recorded SHA-256: "
+                                         "the file is damaged")
+                state[key] = t
+    except SpearError:
+        raise
+    except Exception as exc:  # safetensors' own errors, a short read, an unreadable file
+        raise SpearError(f"checkpoint {file} is not a readable safetensors file: {exc}") from None
+    return state
 
 
 def _expected(model: nn.Module, modules: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -198,21 +363,31 @@ def _expected(model: nn.Module, modules: dict) -> dict[str, tuple[tuple[int, ...
     return exp
 
 
-def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
-    """Load ``(model, tokenizer)`` from a spear checkpoint folder, validating every tensor."""
+def _hf_config(path: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as exc:  # a missing, malformed or unknown config.json
+        raise SpearError(f"{path / 'config.json'} cannot be read as a transformers model config: {exc}") from None
+
+
+def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                    verify: bool = False):
+    """Load ``(model, tokenizer)`` from a spear checkpoint folder, validating every tensor
+    (``verify``: also against the SHA-256 digests recorded at save)."""
     from accelerate import init_empty_weights
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = Path(path)
     cfg = read_spear_config(path)
-    saved_dtype = getattr(torch, cfg["dtype"], None)
-    if not isinstance(saved_dtype, torch.dtype):
-        raise SpearError(f"{path / CONFIG_NAME}: unknown dtype {cfg['dtype']!r}")
-    QuantConfig.from_dict(cfg["quant"])  # validates
-    hf_config = AutoConfig.from_pretrained(path)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=saved_dtype)
+    saved_dtype = getattr(torch, cfg["dtype"])
+    hf_config = _hf_config(path)
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=saved_dtype)
+    except ValueError as exc:  # not a causal-LM architecture transformers knows
+        raise SpearError(f"{path / 'config.json'}: {exc}") from None
     model.tie_weights()
     for name, entry in cfg["modules"].items():
         try:
@@ -226,40 +401,30 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, d
         q = QuantLinear(entry["in_features"], entry["out_features"], entry["bits"], entry["group_size"],
                         entry["symmetric"], bias=entry["bias"], dtype=saved_dtype, device="meta")
         if entry["compensator"] is not None:
-            q.compensator = build_compensator(entry["compensator"], entry["in_features"], entry["out_features"],
-                                              device="meta", dtype=saved_dtype)
+            try:
+                q.compensator = build_compensator(entry["compensator"], entry["in_features"], entry["out_features"],
+                                                  device="meta", dtype=saved_dtype)
+            except SpearError as exc:
+                raise SpearError(f"{path / CONFIG_NAME}: module {name}: {exc}") from None
+            except (TypeError, ValueError, KeyError) as exc:
+                raise SpearError(f"{path / CONFIG_NAME}: module {name}: malformed compensator spec: {exc}") from None
         set_module(model, name, q)
 
     expected = _expected(model, cfg["modules"])
     file = path / WEIGHTS_NAME
     if not file.is_file():
         raise SpearError(f"checkpoint {path} lacks {WEIGHTS_NAME}")
-    state: dict[str, torch.Tensor] = {}
-    with safe_open(str(file), framework="pt") as fh:
-        keys = set(fh.keys())
-        missing = sorted(set(expected) - keys)
-        if missing:
-            raise SpearError(f"checkpoint {file} lacks tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-        unexpected = sorted(keys - set(expected))
-        if unexpected:
-            raise SpearError(f"checkpoint {file} has unexpected tensor {unexpected[0]}" + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-        for key in sorted(keys):
-            sl = fh.get_slice(key)
-            shape = tuple(sl.get_shape())
-            want_shape, want_dtype = expected[key]
-            if shape != want_shape:
-                raise SpearError(f"checkpoint tensor {key}: shape {shape}, expected {want_shape}")
-            t = fh.get_tensor(key)
-            if t.dtype != want_dtype:
-                raise SpearError(f"checkpoint tensor {key}: dtype {t.dtype}, expected {want_dtype}")
-            state[key] = t
+    state = _read_tensors(file, expected, cfg.get("sha256", {}), verify)
 
     for name, entry in cfg["modules"].items():
         mod: QuantLinear = model.get_submodule(name)
         codes = unpack_codes(state.pop(f"{name}.qweight"), mod.bits, mod.in_features)
         if int(codes.max()) >= 2 ** mod.bits:
-            raise SpearError(f"checkpoint tensor {name}.qweight holds codes beyond {mod.bits} bits")
+            raise SpearError(f"checkpoint tensor {name}.qweight holds codes beyond {mod.bits} bits: the file is damaged")
         state[f"{name}.codes"] = codes
+        if not mod.symmetric and int(state[f"{name}.zeros"].max()) >= 2 ** mod.bits:
+            raise SpearError(f"checkpoint tensor {name}.zeros holds zero points beyond {mod.bits} bits: "
+                             "the file is damaged")
         if mod.symmetric:
             state[f"{name}.zeros"] = torch.full(tuple(mod.zeros.shape), 2 ** (mod.bits - 1), dtype=torch.uint8)
         if mod.compensator is not None:
@@ -286,5 +451,13 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, d
             if isinstance(m, QuantLinear):
                 m.compute_dtype = dtype
     model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
+    return model, load_folder_tokenizer(path)
+
+
+def load_folder_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # missing or malformed tokenizer files
+        raise SpearError(f"cannot load the tokenizer of {path}: {exc}") from None

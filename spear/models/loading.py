@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -54,9 +53,12 @@ def _default_gguf() -> Path:
 def _convert_default(target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from spear.models.checkpoint import clean_stale_temporaries, make_temporary
+
     gguf = _default_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    clean_stale_temporaries(target)
+    tmp = make_temporary(target)
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -68,8 +70,9 @@ def _convert_default(target: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _COMPLETE_MARKER).write_text(json.dumps({"source": str(gguf), "name": DEFAULT_MODEL}))
-        from spear.models.checkpoint import publish_permissions
+        from spear.models.checkpoint import _OWNER_FILE, publish_permissions
 
+        (tmp / _OWNER_FILE).unlink()
         publish_permissions(tmp)
         if target.exists():  # a concurrent conversion finished first
             shutil.rmtree(tmp)
@@ -102,28 +105,82 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
 
 
 def load_tokenizer(model: str | os.PathLike):
-    from transformers import AutoTokenizer
+    from spear.models.checkpoint import load_folder_tokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(model))
+    return load_folder_tokenizer(resolve_model_path(model))
 
 
-def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def _weight_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
+
+
+def _check_plain_folder(path: Path) -> None:
+    """Refuse a folder that transformers would fill with random weights or misread."""
+    files = _weight_files(path)
+    if not files:
+        raise SpearError(f"model folder {path} holds no weights (*.safetensors or *.bin)")
+    quantized = False
+    for f in (f for f in files if f.suffix == ".safetensors"):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                quantized = quantized or any(k.endswith((".qweight", ".qzeros")) for k in fh.keys())
+        except Exception as exc:
+            raise SpearError(f"{f} is not a readable safetensors file: {exc}") from None
+    if quantized:
+        try:
+            hf_quant = json.loads((path / "config.json").read_text()).get("quantization_config")
+        except (OSError, ValueError, AttributeError):
+            hf_quant = None
+        if hf_quant:
+            raise SpearError(f"{path} is a {hf_quant.get('quant_method', 'quantized')} checkpoint of another "
+                             "toolkit; convert it first with `spear import --model "
+                             f"{path} --out FOLDER`")
+        from spear.models.checkpoint import CONFIG_NAME
+
+        raise SpearError(f"{path} holds quantized tensors (*.qweight) but no {CONFIG_NAME}: a spear checkpoint "
+                         f"whose {CONFIG_NAME} is missing cannot be loaded (its weights would be random)")
+
+
+def check_finite(model, where: Path) -> None:
+    """Every floating parameter and buffer is finite (a damaged file can load as NaN or inf)."""
+    import torch
+
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and t.device.type != "meta" and not bool(torch.isfinite(t).all()):
+            raise SpearError(f"{where}: tensor {name} holds non-finite values (NaN or inf): the weights are damaged")
+
+
+def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               verify: bool = False):
     """Load ``(model, tokenizer)`` from the default name, an HF folder, or a spear checkpoint.
 
     A spear checkpoint (a folder with ``spear_config.json``) comes back with its
-    quantized linears and compensators in place.
+    quantized linears and compensators in place (``verify``: its tensors checked
+    against the digests recorded at save). A plain folder must hold every weight of
+    its architecture: a missing one is an error, never a random initialisation.
     """
     path = resolve_model_path(model)
-    from spear.models.checkpoint import is_checkpoint, load_checkpoint
+    from spear.models.checkpoint import _hf_config, is_checkpoint, load_checkpoint, load_folder_tokenizer
 
     if is_checkpoint(path):
-        return load_checkpoint(path, dtype=dtype, device=device)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        return load_checkpoint(path, dtype=dtype, device=device, verify=verify)
+    _check_plain_folder(path)
+    _hf_config(path)
+    from transformers import AutoModelForCausalLM
 
     try:
-        lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except (OSError, ValueError, KeyError) as exc:
-        raise SpearError(f"transformers could not load a causal LM from {path}: {exc}") from exc
+        lm, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+    except Exception as exc:  # unknown architecture, damaged or unreadable weight files
+        raise SpearError(f"transformers could not load a causal LM from {path}: {exc}") from None
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise SpearError(f"{path} lacks weight {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1
+                                                                else "") + ": it would load as random values")
+    mismatched = info.get("mismatched_keys") or []
+    if mismatched:
+        raise SpearError(f"{path}: weight {mismatched[0][0]} has the wrong shape for its config")
+    check_finite(lm, path)
     lm.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return lm, tokenizer
+    return lm, load_folder_tokenizer(path)

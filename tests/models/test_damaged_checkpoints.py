@@ -1,0 +1,247 @@
+"""A damaged checkpoint or model folder is a one-line error and exit code 2, never a traceback,
+random weights or non-finite values loaded silently.
+
+Each case damages a fresh copy of one small spear checkpoint (a tiny random Llama, RTN W4
+per-channel, rank-2 SVD compensators on five modules) or of a plain HF folder, then
+runs ``spear generate`` on it in-process and checks the exit code and stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from spear.cli import main
+from spear.compensate.static import attach_static
+from spear.config import QuantConfig, StaticCompensationConfig
+from spear.errors import SpearError
+from spear.models.checkpoint import CONFIG_NAME, WEIGHTS_NAME, clean_stale_temporaries, save_checkpoint
+from spear.models.loading import load_model
+from spear.models.modules import quantizable_linears
+from spear.quant import quantize_model_rtn
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory, tiny_llama_path):
+    model, tok = load_model(tiny_llama_path)
+    fp = {n: lin.weight.detach().clone() for n, lin in quantizable_linears(model).items()}
+    cfg = QuantConfig(bits=4, group_size=0)
+    mods = quantize_model_rtn(model, cfg, progress=False)
+    attach_static(mods, fp, StaticCompensationConfig(method="identity", plan={n: 2 for n in list(mods)[:5]}),
+                  None, progress=False)
+    return save_checkpoint(model, tok, tmp_path_factory.mktemp("ckpt") / "ckpt", cfg, "tiny")
+
+
+@pytest.fixture()
+def ckpt(pristine, tmp_path):
+    return shutil.copytree(pristine, tmp_path / "ckpt")
+
+
+def run(path, capsys, *extra) -> tuple[int, str]:
+    code = main(["-q", "generate", "--model", str(path), "--prompt", "Hi", "--max-tokens", "2", *extra])
+    return code, capsys.readouterr().err
+
+
+def assert_one_line_error(code, err, fragment):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("spear generate: error: "), err
+    assert "Traceback" not in err and fragment in lines[0], lines[0]
+
+
+def _header_len(path) -> int:
+    with open(path, "rb") as fh:
+        return struct.unpack("<Q", fh.read(8))[0]
+
+
+def _rewrite(path, fn):
+    tensors = load_file(str(path / WEIGHTS_NAME))
+    fn(tensors)
+    save_file(tensors, str(path / WEIGHTS_NAME))
+
+
+def _tensor_offset(path, name) -> int:
+    """Byte offset of tensor ``name``'s data in the file."""
+    n = _header_len(path / WEIGHTS_NAME)
+    with open(path / WEIGHTS_NAME, "rb") as fh:
+        fh.seek(8)
+        header = json.loads(fh.read(n))
+    return 8 + n + header[name]["data_offsets"][0]
+
+
+def _patch_bytes(path, offset, data: bytes):
+    with open(path / WEIGHTS_NAME, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(data)
+
+
+def _truncate(p):
+    f = p / WEIGHTS_NAME
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _bad_header_json(p):
+    n = _header_len(p / WEIGHTS_NAME)
+    _patch_bytes(p, 8, b"{" * n)
+
+
+def _huge_header(p):
+    _patch_bytes(p, 0, struct.pack("<Q", 2**62))
+
+
+def _pickle(p):
+    torch.save({"x": torch.zeros(3)}, p / WEIGHTS_NAME)
+
+
+def _config(value):
+    return lambda p: (p / CONFIG_NAME).write_text(json.dumps(value) if not isinstance(value, str) else value)
+
+
+def _edit_config(fn):
+    def edit(p):
+        cfg = json.loads((p / CONFIG_NAME).read_text())
+        fn(cfg)
+        (p / CONFIG_NAME).write_text(json.dumps(cfg))
+    return edit
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+CASES = {  # name -> (damage, fragment of the one-line error)
+    "truncated": (_truncate, "not a readable safetensors file"),
+    "empty": (lambda p: (p / WEIGHTS_NAME).write_bytes(b""), "not a readable safetensors file"),
+    "header json": (_bad_header_json, "not a readable safetensors file"),
+    "header length 2**62": (_huge_header, "not a readable safetensors file"),
+    "pickle": (_pickle, "not a readable safetensors file"),
+    "no weights file": (lambda p: (p / WEIGHTS_NAME).unlink(), f"lacks {WEIGHTS_NAME}"),
+    "no spear_config": (lambda p: (p / CONFIG_NAME).unlink(), "no spear_config.json"),
+    "config is a list": (_config([1, 2, 3]), "expected a JSON object"),
+    "config is not json": (_config("{nope"), "not valid JSON"),
+    "modules is a string": (_edit_config(lambda c: c.__setitem__("modules", "x")), "modules must be"),
+    "version as a string": (_edit_config(lambda c: c.__setitem__("version", "1")), "version must be the whole number 1"),
+    "version 2": (_edit_config(lambda c: c.__setitem__("version", 2)), "version 2 is not supported"),
+    "dtype": (_edit_config(lambda c: c.__setitem__("dtype", "int8")), "dtype must be one of"),
+    "bits": (_edit_config(lambda c: c["modules"][Q].__setitem__("bits", 5)), "bits must be 2, 3, 4 or 8"),
+    "in_features": (_edit_config(lambda c: c["modules"][Q].__setitem__("in_features", "64")), "in_features"),
+    "compensator spec": (_edit_config(lambda c: c["modules"][Q].__setitem__("compensator", {"kind": "lowrank",
+                                                                                             "bogus": 1})), Q),
+    "unknown compensator": (_edit_config(lambda c: c["modules"][Q].__setitem__("compensator", {"kind": "x"})),
+                            "unknown compensator kind"),
+    "quant": (_edit_config(lambda c: c["quant"].__setitem__("bits", "four")), "quant"),
+    "no config.json": (lambda p: (p / "config.json").unlink(), "config.json"),
+    "garbled config.json": (lambda p: (p / "config.json").write_text("]"), "config.json"),
+    "missing tensor": (lambda p: _rewrite(p, lambda t: t.pop(f"{Q}.scales")), f"lacks tensor {Q}.scales"),
+    "extra tensor": (lambda p: _rewrite(p, lambda t: t.__setitem__("stray", torch.zeros(2))),
+                     "unexpected tensor stray"),
+    "NaN in scales": (lambda p: _rewrite(p, lambda t: t[f"{Q}.scales"].__setitem__(0, float("nan"))),
+                      f"{Q}.scales holds non-finite"),
+    "inf in embeddings": (lambda p: _rewrite(p, lambda t: t["model.embed_tokens.weight"].__setitem__((0, 0),
+                                                                                                     float("inf"))),
+                          "model.embed_tokens.weight holds non-finite"),
+    "NaN bits flipped into scales": (lambda p: _patch_bytes(p, _tensor_offset(p, f"{Q}.scales"), b"\xff\xff"),
+                                     f"{Q}.scales holds non-finite"),
+    "no tokenizer": (lambda p: [f.unlink() for f in p.glob("tokenizer*")], "tokenizer"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_damaged_checkpoint_is_a_one_line_error(ckpt, capsys, case):
+    damage, fragment = CASES[case]
+    damage(ckpt)
+    assert_one_line_error(*run(ckpt, capsys), fragment)
+
+
+def test_pristine_checkpoint_and_extra_files_load(ckpt, capsys):
+    (ckpt / "README.md").write_text("notes")
+    (ckpt / "extra.bin").write_bytes(b"\x00" * 16)
+    code, err = run(ckpt, capsys, "--verify")
+    assert code == 0, err
+
+
+def test_finite_bit_flips_are_caught_by_verify(ckpt, capsys):
+    """A flipped code byte stays a valid 4-bit code: only the recorded digest tells. Without
+    --verify it loads (documented); with it, a one-line error. Catches: digests not recorded at
+    save, or not compared."""
+    off = _tensor_offset(ckpt, f"{Q}.qweight")
+    with open(ckpt / WEIGHTS_NAME, "rb") as fh:
+        fh.seek(off)
+        b = fh.read(1)
+    _patch_bytes(ckpt, off, bytes([b[0] ^ 0x11]))
+    assert run(ckpt, capsys)[0] == 0
+    assert_one_line_error(*run(ckpt, capsys, "--verify"), f"{Q}.qweight does not match its recorded SHA-256")
+
+
+def test_out_of_range_zero_points_are_refused(tmp_path, tiny_llama_path):
+    model, tok = load_model(tiny_llama_path)
+    cfg = QuantConfig(bits=4, group_size=32, symmetric=False)
+    quantize_model_rtn(model, cfg, progress=False)
+    path = save_checkpoint(model, tok, tmp_path / "asym", cfg, "tiny")
+    _rewrite(path, lambda t: t[f"{Q}.zeros"].__setitem__((0, 0), 200))
+    with pytest.raises(SpearError, match="zero points beyond 4 bits"):
+        load_model(path)
+
+
+# ---------------------------------------------------------------------- plain HF folders
+@pytest.fixture()
+def hf_folder(tiny_llama_path, tmp_path):
+    return shutil.copytree(tiny_llama_path, tmp_path / "hf")
+
+
+HF_CASES = {
+    "missing weight": (lambda p: _rewrite(p, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+                       "lacks weight model.layers.1.mlp.up_proj.weight"),
+    "truncated": (_truncate, "not a readable safetensors file"),
+    "no weights": (lambda p: (p / WEIGHTS_NAME).unlink(), "holds no weights"),
+    "NaN": (lambda p: _rewrite(p, lambda t: t["model.norm.weight"].__setitem__(0, float("nan"))),
+            "model.norm.weight holds non-finite"),
+    "spear tensors without spear_config": (lambda p: _rewrite(p, lambda t: t.__setitem__("a.qweight",
+                                                                                          torch.zeros(2, 2))),
+                                           "no spear_config.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_damaged_hf_folder_is_a_one_line_error(hf_folder, capsys, case):
+    damage, fragment = HF_CASES[case]
+    damage(hf_folder)
+    assert_one_line_error(*run(hf_folder, capsys), fragment)
+
+
+# ---------------------------------------------------------------------- writers killed mid-write
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_temporary_folders_of_killed_writers_are_removed(tmp_path):
+    target = tmp_path / "ckpt"
+    dead = tmp_path / ".ckpt.tmp-dead"
+    live = tmp_path / ".ckpt.tmp-live"
+    unrelated = tmp_path / ".other.tmp-x"
+    for folder, pid in ((dead, _dead_pid()), (live, os.getpid()), (unrelated, _dead_pid())):
+        folder.mkdir()
+        (folder / ".spear-writer").write_text(f"{os.uname().nodename} {pid}")
+        (folder / "model.safetensors").write_bytes(b"\x00" * 1024)
+    assert clean_stale_temporaries(target) == [dead]
+    assert not dead.exists() and live.exists() and unrelated.exists()
+
+
+def test_quantize_checks_out_before_the_work(tiny_llama_path, tmp_path, capsys, monkeypatch):
+    """Catches: --out refused only after loading and quantizing the model."""
+    import spear.models.loading as loading
+
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "x").write_text("already here")
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    code = main(["-q", "quantize", "--model", str(tiny_llama_path), "--out", str(out)])
+    assert code == 2 and "exists and is not empty" in capsys.readouterr().err
