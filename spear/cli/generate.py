@@ -47,14 +47,19 @@ def main(args) -> int:
 
     engine = engine_from_args(args)
     if args.chat:
-        tok = engine.tokenizer
-        if not getattr(tok, "chat_template", None):
+        from spear.serve.chat import chat_prompt_ids, has_chat_template
+
+        if not has_chat_template(engine.tokenizer):
             raise SpearError(f"--chat: the model {args.model} has no chat template")
-        inputs = [tok(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                              tokenize=False), add_special_tokens=False).input_ids for p in prompts]
+        inputs = [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     else:
         inputs = prompts
+    failed = 0
     for prompt, out in zip(prompts, engine.generate(inputs, params)):
+        if out.error is not None:
+            failed += 1
+            print(f"spear generate: error: prompt {prompt[:40]!r}: {out.error}", file=sys.stderr)
+            continue
         if args.json:
             print(json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
                               "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens}))
@@ -63,4 +68,4 @@ def main(args) -> int:
             if len(prompts) > 1:
                 print("-" * 40)
     sys.stdout.flush()
-    return 0
+    return 1 if failed else 0

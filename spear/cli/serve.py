@@ -25,7 +25,7 @@ def memory_size(text: str) -> int:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from spear.cli.common import add_model_arg, positive_int
 
-    add_model_arg(p)
+    add_model_arg(p, verify=True)
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                    help="activation / weight dtype; auto = float32 on CPU, float16 on CUDA (default: %(default)s)")
@@ -72,11 +72,12 @@ def engine_from_args(args):
                        cuda_graphs=not args.no_cuda_graphs, pdl=args.pdl, launch_table=args.launch_table,
                        seed=args.seed)
     return LLMEngine.from_pretrained(args.model, cfg, dtype=None if dtype is None else getattr(torch, dtype),
-                                     device=device)
+                                     device=device, verify=args.verify)
 
 
 def register(sub) -> None:
-    from spear.cli.common import positive_float
+    from spear.cli.common import positive_float, positive_int
+    from spear.serve.config import ServerLimits
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)",
                        description="Serve a model with continuous batching over a paged KV cache: "
@@ -90,6 +91,16 @@ def register(sub) -> None:
     s.add_argument("--step-timeout", type=positive_float, default=300.0, metavar="SECONDS",
                    help="/health answers 503 while one engine step has run longer than this, e.g. on a hung GPU "
                         "(default: %(default)s)")
+    limits = ServerLimits()
+    s.add_argument("--shutdown-timeout", type=positive_float, default=limits.shutdown_timeout_s, metavar="SECONDS",
+                   help="on SIGTERM / Ctrl-C, how long open requests may run on before they are cut; a second "
+                        "signal cuts them at once (default: %(default)s)")
+    s.add_argument("--max-body-bytes", type=memory_size, default=limits.max_body_bytes, metavar="SIZE",
+                   help="largest request body, e.g. 8MiB; larger ones get HTTP 413 (default: %(default)s bytes)")
+    s.add_argument("--max-prompt-chars", type=positive_int, default=limits.max_prompt_chars, metavar="N",
+                   help="most characters of a text prompt or of all chat messages together (default: %(default)s)")
+    s.add_argument("--max-stop-chars", type=positive_int, default=limits.max_stop_chars, metavar="N",
+                   help="most characters of one stop string (default: %(default)s)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                    help="server log level (default: %(default)s)")
     p.set_defaults(func=main)
@@ -99,12 +110,16 @@ def main(args) -> int:
     import logging
 
     from spear.serve.async_engine import AsyncEngine
+    from spear.serve.config import ServerLimits
     from spear.serve.server import run_server
 
     logging.getLogger("spear").setLevel(args.log_level.upper())
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                          max_stop_chars=args.max_stop_chars, shutdown_timeout_s=args.shutdown_timeout)
     engine = engine_from_args(args)
     name = args.served_model_name or args.model
     print(f"serving {name} on http://{args.host}:{args.port} (max_model_len {engine.max_model_len}, "
           f"{engine.block_manager.num_blocks} KV blocks of {engine.config.block_size} tokens)", flush=True)
-    run_server(AsyncEngine(engine, step_timeout_s=args.step_timeout), name, args.host, args.port, args.log_level)
+    run_server(AsyncEngine(engine, step_timeout_s=args.step_timeout), name, args.host, args.port, args.log_level,
+               limits)
     return 0

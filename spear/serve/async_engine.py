@@ -71,6 +71,9 @@ class RequestStream:
 # decode step takes milliseconds, a prefill chunk well under a second, and the first steps that
 # compile kernels tens of seconds; a step still running after minutes is a hung GPU or driver.
 STEP_TIMEOUT_S = 300.0
+# This many steps in a row that failed every request they ran mark the engine unhealthy (/health
+# answers 503 until a step succeeds): one bad request fails alone, a broken GPU fails them all.
+FAILING_STEPS = 3
 
 
 class AsyncEngine:
@@ -91,6 +94,8 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="spear-engine", daemon=True)
         self.error: BaseException | None = None
+        self._loop_failures = 0                 # steps in a row that raised out of the engine
+        self.last_failure: str | None = None    # the message of the last failed request or step
 
     # ------------------------------------------------------------------ handler side
     def start(self) -> None:
@@ -111,6 +116,15 @@ class AsyncEngine:
         """How long the step now running has run (0 between steps)."""
         started = self._step_started
         return 0.0 if started is None else time.monotonic() - started
+
+    @property
+    def failed_steps(self) -> int:
+        """Steps in a row that failed every request they ran, or that raised."""
+        return max(self._loop_failures, self.stats.num_failed_steps)
+
+    @property
+    def failing(self) -> bool:
+        return self.failed_steps >= FAILING_STEPS
 
     @property
     def stuck(self) -> bool:
@@ -157,12 +171,17 @@ class AsyncEngine:
                 self._step_started = time.monotonic()
                 try:
                     outputs = self.engine.step()
-                except Exception as exc:  # a failed step fails its requests, not the server
+                except Exception as exc:  # outside any request (the engine isolates theirs): fail all, go on
                     log.exception("engine step failed; failing %d requests", len(self._streams))
+                    self._loop_failures += 1
+                    self.last_failure = repr(exc)
                     self._fail_all(exc)
+                    self.engine.abort_all()  # nothing may stay scheduled that nobody waits for
+                    self._publish_stats()
                     continue
                 finally:
                     self._step_started = None
+                self._loop_failures = 0
                 self._deliver(outputs)
                 self._publish_stats()
         except BaseException as exc:
@@ -206,6 +225,8 @@ class AsyncEngine:
         now = time.monotonic()
         for out in outputs:
             rid = out.request_id
+            if out.error is not None:
+                self.last_failure = out.error
             self.metrics.observe(out, now, self._last_token.get(rid))
             self._last_token[rid] = now
             target = self._streams.get(rid)

@@ -22,7 +22,7 @@ class EngineConfig:
     block_size: int = 16                 # tokens per KV block
     num_blocks: int | None = None        # KV blocks; None: from kv_memory
     kv_memory: int | None = None         # bytes for the KV cache; None: 1 GiB on CPU, 85% of free GPU memory
-    max_waiting: int = 256               # queued requests beyond which add_request raises QueueFull
+    max_waiting: int = 256               # queued requests beyond the free slots; more raise QueueFull
     cuda_graphs: bool = True             # capture decode steps on CUDA (ignored on CPU)
     weight_layout: str = "kmajor"        # packed W4 layout on CUDA: "kmajor" (faster decode) or "nmajor"
     fuse_projections: bool = True        # on CUDA: q/k/v and gate/up as one GEMM each (spear.serve.fusion)
@@ -60,3 +60,25 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise SpearError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence decodes one token per step")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What one HTTP request may hold; beyond these the server answers 413 or 400 before any work.
+
+    The defaults bound a request's parsing and tokenization to well under a second on two CPU
+    cores and its memory to tens of MB, far beyond any prompt an 8k-token context can take."""
+
+    max_body_bytes: int = 8 * 2**20      # request body (HTTP 413 beyond)
+    max_prompt_chars: int = 1_000_000    # characters of a text prompt, or of all chat messages together
+    max_stop_chars: int = 1024           # characters of each stop string
+    max_stop_strings: int = 4            # as OpenAI's API
+    shutdown_timeout_s: float = 30.0     # drain time for in-flight requests on SIGTERM
+
+    def __post_init__(self):
+        for name in ("max_body_bytes", "max_prompt_chars", "max_stop_chars", "max_stop_strings"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpearError(f"{name} must be a whole number >= 1, got {v!r}")
+        if not self.shutdown_timeout_s > 0:
+            raise SpearError(f"shutdown_timeout_s must be > 0, got {self.shutdown_timeout_s!r}")

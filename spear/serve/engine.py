@@ -8,6 +8,13 @@ sampler once and returns a :class:`RequestOutput` (new tokens and text) for ever
 request that produced a token, ``abort`` drops a request and frees its KV blocks.
 The engine is single-threaded; :mod:`spear.serve.async_engine` drives it from one
 background thread for the HTTP server.
+
+Failure isolation: a request is checked whole before anything of it is queued, and a
+step that fails fails only the requests that cause it. When the model raises on a step,
+its chunks run again in halves (recomputing a chunk rewrites the same K/V at the same
+slots, so a retry is exact) until the chunks that fail on their own are found; a row of
+non-finite logits fails its request alone. A failed request finishes with
+``finish_reason == "error"`` and the message in ``RequestOutput.error``.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from spear.serve.config import EngineConfig
 from spear.serve.detokenizer import IncrementalDetokenizer
 from spear.serve.model_runner import ModelRunner, check_supported, kv_bytes_per_block
 from spear.serve.sampling import make_generator, sample
-from spear.serve.scheduler import Scheduler
+from spear.serve.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from spear.serve.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
@@ -47,7 +54,7 @@ class RequestOutput:
     new_token_ids: list[int]      # tokens of this step (all of them for generate())
     new_text: str                 # text of this step that is safe to show (stop strings held back)
     finished: bool
-    finish_reason: str | None     # "stop" | "length" | "abort" once finished
+    finish_reason: str | None     # "stop" | "length" | "abort" | "error" once finished
     num_prompt_tokens: int
     arrival_time: float
     first_token_time: float | None
@@ -55,6 +62,7 @@ class RequestOutput:
     _num_tokens: int = field(repr=False)       # its length at this step
     _text: str = field(repr=False)             # the detokenizer's text at this step
     _text_end: int = field(repr=False)         # characters of it handed out
+    error: str | None = None      # why the request failed (finish_reason "error")
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -78,6 +86,7 @@ class EngineStats:
     kv_usage: float               # fraction of KV blocks in use
     num_free_blocks: int
     num_preemptions: int
+    num_failed_steps: int = 0     # steps in a row in which every request failed (0 after a good one)
 
 
 def eos_token_ids(model: nn.Module, tokenizer) -> set[int]:
@@ -113,19 +122,22 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator | None] = {}
         self._ids = itertools.count()
         self.num_preemptions = 0
+        self.num_failed_steps = 0  # steps in a row in which every request failed
         torch.manual_seed(config.seed)
         log.info("engine: %d KV blocks of %d tokens, max_model_len %d, %s %s", num_blocks, config.block_size,
                  self.max_model_len, device, dtype)
 
     @classmethod
     def from_pretrained(cls, model: str = "smollm2-135m", config: EngineConfig | None = None,
-                        dtype: torch.dtype | None = None, device: str | None = None) -> "LLMEngine":
-        """Load the default model, an HF folder or a spear checkpoint; fp32 on CPU, fp16 on CUDA by default."""
+                        dtype: torch.dtype | None = None, device: str | None = None,
+                        verify: bool = False) -> "LLMEngine":
+        """Load the default model, an HF folder or a spear checkpoint; fp32 on CPU, fp16 on CUDA by default
+        (``verify``: a checkpoint's tensors checked against their recorded digests)."""
         from spear.models.loading import load_model
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
-        lm, tok = load_model(model, dtype=dtype, device=device)
+        lm, tok = load_model(model, dtype=dtype, device=device, verify=verify)
         return cls(lm, tok, config)
 
     def _blocks_from_memory(self, model, device, dtype) -> int:
@@ -166,12 +178,14 @@ class LLMEngine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise SpearError when the request cannot run (empty, too long, out-of-vocabulary ids)."""
+        if not isinstance(params, SamplingParams):
+            raise SpearError(f"params must be SamplingParams, got {type(params).__name__}")
         n = len(prompt_token_ids)
         if n == 0:
             raise SpearError("the prompt is empty")
         vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise SpearError(f"prompt token ids must be in [0, {vocab})")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise SpearError(f"prompt token ids must be whole numbers in [0, {vocab})")
         if n >= self.max_model_len:
             raise SpearError(f"the prompt has {n} tokens; the context is {self.max_model_len} tokens "
                              "and at least one must be left for the output")
@@ -181,18 +195,20 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue a prompt (text or token ids). Raises SpearError for a bad request, QueueFull when full."""
+        """Queue a prompt (text or token ids). Raises SpearError for a bad request, QueueFull when full;
+        either way nothing of the request stays in the engine."""
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
         self.check_request(ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._seqs:
             raise SpearError(f"request id {rid!r} is already in use")
+        # everything that can fail first; the scheduler (which may refuse with QueueFull) last
         seq = Sequence(rid, ids, params, arrival_time=arrival_time or time.monotonic())
-        self.scheduler.add(seq)  # may raise QueueFull
-        self._seqs[rid] = seq
-        self._detok[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        self._generators[rid] = make_generator(params.seed)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        gen = make_generator(params.seed)
+        self.scheduler.add(seq)
+        self._seqs[rid], self._detok[rid], self._generators[rid] = seq, detok, gen
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -204,6 +220,13 @@ class LLMEngine:
         self._forget(request_id)
         return True
 
+    def abort_all(self) -> list[str]:
+        """Drop every request (the engine's last resort when a step failed outside any request)."""
+        rids = list(self._seqs)
+        for rid in rids:
+            self.abort(rid)
+        return rids
+
     def _forget(self, rid: str) -> None:
         self._seqs.pop(rid, None)
         self._detok.pop(rid, None)
@@ -214,33 +237,83 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.block_manager.usage,
-                           self.block_manager.num_free_blocks, self.num_preemptions)
+                           self.block_manager.num_free_blocks, self.num_preemptions, self.num_failed_steps)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample; one output per request that got a token."""
+        """Schedule, run the model, sample; one output per request that got a token or failed."""
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         if not sched:
             return []
-        logits = self.runner.execute(sched)
+        sampled, logits, failed = self._execute(sched)
         self.scheduler.advance(sched)
-        sampled = [c.seq for c in sched.chunks if c.samples]
-        tokens = sample(logits, [s.params for s in sampled], [self._generators[s.request_id] for s in sampled])
+        outputs = [self._fail(seq, f"the model failed on this request: {exc!r}") for seq, exc in failed]
+        tokens = [] if logits is None else sample(
+            logits, [s.params for s in sampled], [self._generators[s.request_id] for s in sampled])
         now = time.monotonic()
-        outputs = []
         for seq, tok in zip(sampled, tokens):
-            seq.append_token(tok)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.last_token_time = now
-            reason = self._stop_reason(seq, tok)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            outputs.append(self._output(seq, [tok]))
+            if tok is None:
+                outputs.append(self._fail(seq, "the model produced non-finite logits for this request"))
+                continue
+            try:
+                seq.append_token(tok)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                seq.last_token_time = now
+                reason = self._stop_reason(seq, tok)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                outputs.append(self._output(seq, [tok]))
+            except Exception as exc:  # e.g. a tokenizer that cannot decode a sampled id: this request only
+                log.exception("request %s failed after sampling", seq.request_id)
+                if not seq.is_finished:
+                    outputs.append(self._fail(seq, f"the request failed after sampling: {exc!r}"))
+                continue
             if reason is not None:
                 self._forget(seq.request_id)
+        everyone_failed = len(outputs) > 0 and all(o.error is not None for o in outputs)
+        self.num_failed_steps = self.num_failed_steps + 1 if everyone_failed else 0
         return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor | None,
+                                                         list[tuple[Sequence, BaseException]]]:
+        """(sequences that sample, their logits rows, (sequence, error) of chunks the model failed on)."""
+        try:
+            return [c.seq for c in sched.chunks if c.samples], self.runner.execute(sched), []
+        except Exception as exc:
+            if len(sched.chunks) == 1:
+                log.exception("engine step failed on request %s", sched.chunks[0].seq.request_id)
+                return [], None, [(sched.chunks[0].seq, exc)]
+            log.warning("engine step of %d chunks failed (%r); running them in parts to find the cause",
+                        len(sched.chunks), exc)
+        rows, failed = self._execute_parts(sched.chunks)
+        if not rows:
+            return [], None, failed
+        return [seq for seq, _ in rows], torch.stack([r for _, r in rows]), failed
+
+    def _execute_parts(self, chunks: list[ScheduledChunk]) -> tuple[list, list]:
+        try:
+            logits = self.runner.execute(SchedulerOutput(list(chunks)))
+            # cloned: the decode graph's output is a buffer the next call overwrites
+            return list(zip([c.seq for c in chunks if c.samples], logits.clone())), []
+        except Exception as exc:
+            if len(chunks) == 1:
+                log.error("request %s fails the model step on its own: %r", chunks[0].seq.request_id, exc)
+                return [], [(chunks[0].seq, exc)]
+        mid = len(chunks) // 2
+        rows_a, failed_a = self._execute_parts(chunks[:mid])
+        rows_b, failed_b = self._execute_parts(chunks[mid:])
+        return rows_a + rows_b, failed_a + failed_b
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        """Finish ``seq`` as failed, free everything it holds; its final output carries ``message``."""
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+        out = self._output(seq, [], final_text=False)
+        out.error = message
+        self._forget(seq.request_id)
+        return out
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -252,9 +325,9 @@ class LLMEngine:
             return "length"
         return None
 
-    def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
+    def _output(self, seq: Sequence, new_ids: list[int], final_text: bool = True) -> RequestOutput:
         detok = self._detok[seq.request_id]
-        new_text = detok.delta(final=seq.is_finished)
+        new_text = detok.delta(final=seq.is_finished) if final_text else ""
         return RequestOutput(seq.request_id, new_ids, new_text, seq.is_finished, seq.finish_reason,
                              seq.num_prompt_tokens, seq.arrival_time, seq.first_token_time,
                              seq.token_ids, seq.num_tokens, detok.text, detok.emitted)

@@ -9,11 +9,12 @@ message that names them. ``top_k`` and ``ignore_eos`` are extensions (as in vLLM
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from spear.serve.sequence import SamplingParams
+from spear.serve.config import ServerLimits
+from spear.serve.sequence import SEED_MAX, SEED_MIN, SamplingParams
 
 
 class RequestError(Exception):
@@ -22,6 +23,20 @@ class RequestError(Exception):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.message, self.param = message, param
+
+
+def _valid_unicode(text: str) -> str:
+    # JSON may carry a lone surrogate ("\\ud800"), which Python keeps in a str but no tokenizer,
+    # UTF-8 encoder or JSON response can take
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text holds an unpaired surrogate (U+{ord(exc.object[exc.start]):04X} at character "
+                         f"{exc.start}), which is not valid Unicode") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class _Strict(BaseModel):
@@ -33,7 +48,7 @@ class StreamOptions(_Strict):
 
 
 class _Sampling(_Strict):
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -41,11 +56,11 @@ class _Sampling(_Strict):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None
+    user: Text | None = None
     ignore_eos: bool = False
 
     def _check_unsupported(self) -> None:
@@ -57,11 +72,13 @@ class _Sampling(_Strict):
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true", "stream_options")
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, limits: ServerLimits = ServerLimits()) -> SamplingParams:
         self._check_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > 4 or any(not s for s in stop):
-            raise RequestError("stop takes up to 4 non-empty strings", "stop")
+        if len(stop) > limits.max_stop_strings or any(not s for s in stop):
+            raise RequestError(f"stop takes up to {limits.max_stop_strings} non-empty strings", "stop")
+        if any(len(s) > limits.max_stop_chars for s in stop):
+            raise RequestError(f"each stop string may hold at most {limits.max_stop_chars} characters", "stop")
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stop), ignore_eos=self.ignore_eos)
 
@@ -71,11 +88,11 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
     def single_prompt(self) -> str | list[int]:
@@ -100,13 +117,13 @@ class CompletionRequest(_Sampling):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

@@ -34,18 +34,27 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` (N, V). Greedy rows take the argmax; ``None`` generators
-    draw from torch's default generator."""
+           generators: list[torch.Generator | None]) -> list[int | None]:
+    """One token per row of ``logits`` (N, V), or None for a row that cannot be sampled (NaN or
+    +inf in it, or nothing but -inf): that request fails alone, the others of the batch are not
+    touched. Greedy rows take the argmax; ``None`` generators draw from torch's default generator."""
     if logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(f"need one SamplingParams and one generator per row; got {logits.shape[0]} rows, "
                          f"{len(params)} params, {len(generators)} generators")
     logits = logits.float()
-    out = logits.max(dim=-1).indices.tolist()  # argmax, 3x slower on the CPU (torch 2.13); first index on ties too
-    rows = [i for i, p in enumerate(params) if not p.greedy]
+    # torch's max propagates NaN, so one reduction gives the argmax and tells the bad rows apart;
+    # argmax alone is 3x slower on the CPU (torch 2.13); the first index wins ties in both
+    top, best = logits.max(dim=-1)
+    ok = torch.isfinite(top)
+    out: list[int | None] = [t if t >= 0 else None for t in torch.where(ok, best, -1).tolist()]
+    rows = [i for i, p in enumerate(params) if not p.greedy and out[i] is not None]
     if not rows:
         return out
-    sub = logits[rows] / torch.tensor([params[i].temperature for i in rows])[:, None].to(logits.device)
+    # Shifted by the row's maximum before dividing: every scaled logit is <= 0 with one at 0, so
+    # softmax neither overflows nor divides by zero at any temperature the params allow.
+    index = torch.tensor(rows, device=logits.device)
+    temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=logits.device)
+    sub = (logits[index] - top[index, None]) / temps[:, None]
     top_k = torch.tensor([params[i].top_k for i in rows], device=logits.device)
     if bool((top_k > 0).any()):
         sub = apply_top_k(sub, top_k)

@@ -14,8 +14,11 @@ A prompt longer than what is left of the budget is split: its first chunk runs
 now, the rest in later steps. When a decode needs a new block and none is free,
 the most recently admitted running sequence is preempted: its blocks are freed
 and it goes back to the front of the queue to be recomputed (prompt plus the
-output so far) once there is room again. The waiting queue is bounded
-(``max_waiting``); :meth:`Scheduler.add` raises :class:`QueueFull` beyond it.
+output so far) once there is room again. The waiting queue is bounded: beyond the
+requests the free sequence slots will take at the next step, at most ``max_waiting``
+more wait; :meth:`Scheduler.add` raises :class:`QueueFull` past that. (Counting the
+free slots matters for a burst that arrives between two steps: all of it is queued
+before the step that admits it.)
 """
 
 from __future__ import annotations
@@ -76,8 +79,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_waiting:
-            raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
+        free_slots = max(0, self.max_num_seqs - len(self.running))
+        if len(self.waiting) >= self.max_waiting + free_slots:
+            raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests beyond the "
+                            f"{free_slots} free sequence slots)")
         seq.status = Status.WAITING
         self.waiting.append(seq)
 

@@ -13,14 +13,25 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from spear.errors import SpearError
 
 
+# The seeds a torch.Generator takes: manual_seed accepts [-2**63, 2**64 - 1] and raises on
+# anything beyond (an OverflowError deep in the engine, once the request is already queued).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Temperatures below this sample as greedy: logits / T overflows fp32 for T of order 1e-38, and a
+# distribution that sharp is the argmax anyway (vLLM uses the same cut).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` is greedy decoding."""
+    """How to pick tokens and when to stop. ``temperature`` below ``GREEDY_BELOW_TEMPERATURE``
+    (0 included) is greedy decoding. Every field is checked here, so a request that was
+    accepted can always be sampled."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -35,20 +46,30 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop, self.stop_token_ids = tuple(self.stop), tuple(self.stop_token_ids)
+        for name in ("max_tokens", "top_k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise SpearError(f"{name} must be a whole number, got {v!r}")
         if self.max_tokens < 1:
             raise SpearError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0:
-            raise SpearError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise SpearError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not (
+                math.isfinite(self.temperature) and self.temperature >= 0):
+            raise SpearError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise SpearError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise SpearError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if any(not s for s in self.stop):
-            raise SpearError("stop strings must be non-empty")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise SpearError(f"seed must be a whole number in [-2**63, 2**64 - 1], got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SpearError("stop strings must be non-empty strings")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise SpearError(f"stop_token_ids must be whole numbers >= 0, got {list(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 class Status(enum.Enum):

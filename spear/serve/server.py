@@ -4,13 +4,20 @@
     GET  /v1/models, /health, /metrics
 
 Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}``:
-400 ``invalid_request_error`` for malformed JSON, unknown fields, wrong types and
-requests that cannot run (empty prompt, prompt or max_tokens beyond the context);
-404 for an unknown model or path; 429 ``rate_limit_error`` when the waiting queue
-is full; 503 when the engine has stopped. ``/health`` also answers 503 while one engine
-step has run longer than the engine's ``step_timeout_s`` (``spear serve --step-timeout``),
-so that a supervisor can restart a server whose GPU hung. A client that disconnects, streaming or
+400 ``invalid_request_error`` for malformed JSON, unknown fields, wrong types, invalid
+Unicode and requests that cannot run (empty prompt, prompt or max_tokens beyond the
+context, a prompt or stop string over the server's limits); 413 for a body over
+``ServerLimits.max_body_bytes``; 404 for an unknown model or path; 429 ``rate_limit_error``
+when the waiting queue is full; 500 ``server_error`` for a request the model failed on
+(that request only); 503 when the engine has stopped. ``/health`` also answers 503 while
+one engine step has run longer than the engine's ``step_timeout_s`` (``spear serve
+--step-timeout``), so that a supervisor can restart a server whose GPU hung, and while the
+engine's steps keep failing for every request. A client that disconnects, streaming or
 not, has its request aborted and its KV blocks freed.
+
+Nothing heavy runs on the event loop: tokenization and chat templates run on one worker
+thread (the tokenizers library releases the GIL while it encodes), so a long prompt never
+holds up /health or other clients' streams.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -29,6 +37,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spear.errors import SpearError
 from spear.serve.async_engine import AsyncEngine, EngineDead, RequestStream
+from spear.serve.chat import chat_prompt_ids, has_chat_template
+from spear.serve.config import ServerLimits
 from spear.serve.engine import RequestOutput
 from spear.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from spear.serve.scheduler import QueueFull
@@ -39,10 +49,52 @@ _DISCONNECT_POLL_S = 0.25
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+def _printable(text: str | None) -> str | None:
+    """``text`` as valid UTF-8: an error message may quote a client's invalid string."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status)
+    return JSONResponse({"error": {"message": _printable(message), "type": type_, "param": _printable(param),
+                                   "code": code}}, status_code=status)
+
+
+def error_event(message: str) -> str:
+    body = {"error": {"message": _printable(message), "type": "server_error", "param": None, "code": None}}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+class BodyTooLarge(Exception):
+    """The request body is over ``ServerLimits.max_body_bytes`` (HTTP 413)."""
+
+
+class BodyLimit:
+    """ASGI middleware: refuses a body over ``limit`` bytes, by its Content-Length before reading
+    anything, or while reading a chunked body, before the whole of it is in memory."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await error_response(413, f"the request body has {int(length)} bytes; this server takes at most "
+                                             f"{self.limit}", code="body_too_large")(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise BodyTooLarge(f"the request body is over {self.limit} bytes, the most this server takes")
+            return message
+
+        return await self.app(scope, limited, send)
 
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
@@ -73,10 +125,19 @@ class _NotFound(Exception):
 class Server:
     """The endpoints over one AsyncEngine serving one model under ``model_name``."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits | None = None):
         self.engine, self.model_name = engine, model_name
+        self.limits = limits or ServerLimits()
         self.llm = engine.engine
         self.created = int(time.time())
+        # one thread: the tokenizer object is shared and its Python side is not reentrant
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spear-tokenize")
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def close(self) -> None:
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ requests
     def _check_model(self, name: str) -> None:
@@ -105,25 +166,40 @@ class Server:
             raise RequestError(str(exc), "prompt") from None
         return await self.engine.submit(ids, params)
 
-    def completion_inputs(self, body: CompletionRequest):
+    def _check_chars(self, n: int, param: str) -> None:
+        if n > self.limits.max_prompt_chars:
+            raise RequestError(f"the prompt has {n} characters; this server takes at most "
+                               f"{self.limits.max_prompt_chars}", param)
+
+    def _sampling(self, body, ids: list[int], max_tokens: int | None):
+        try:
+            return body.sampling_params(self._check_lengths(ids, max_tokens), self.limits)
+        except SpearError as exc:  # a value the engine refuses that the schema let through
+            raise RequestError(str(exc)) from None
+
+    async def completion_inputs(self, body: CompletionRequest):
         self._check_model(body.model)
         prompt = body.single_prompt()
-        ids = self.llm.tokenize(prompt)
-        return ids, body.sampling_params(self._check_lengths(ids, body.max_tokens))
+        if isinstance(prompt, str):
+            self._check_chars(len(prompt), "prompt")
+            ids = await self._off_loop(self.llm.tokenize, prompt)
+        else:
+            ids = list(prompt)
+        return ids, self._sampling(body, ids, body.max_tokens)
 
-    def chat_inputs(self, body: ChatCompletionRequest):
+    async def chat_inputs(self, body: ChatCompletionRequest):
         self._check_model(body.model)
         max_tokens = body.max_tokens_requested()
-        tok = self.llm.tokenizer
-        if not getattr(tok, "chat_template", None):
+        if not has_chat_template(self.llm.tokenizer):
             raise RequestError(f"the model '{self.model_name}' has no chat template; use /v1/completions",
                                "messages")
+        messages = body.chat()
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            text = tok.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # the template itself rejects the conversation (e.g. role order)
-            raise RequestError(f"the chat template rejected the messages: {exc}", "messages") from None
-        ids = tok(text, add_special_tokens=False).input_ids
-        return ids, body.sampling_params(self._check_lengths(ids, max_tokens))
+            ids = await self._off_loop(chat_prompt_ids, self.llm.tokenizer, messages)
+        except SpearError as exc:
+            raise RequestError(str(exc), "messages") from None
+        return ids, self._sampling(body, ids, max_tokens)
 
     # ------------------------------------------------------------------ responses
     @staticmethod
@@ -183,6 +259,10 @@ class Server:
                 yield event([choice(None, None, role=True)])
             out = None
             async for out in stream:
+                if out.error is not None:
+                    yield error_event(out.error)
+                    yield "data: [DONE]\n\n"
+                    return
                 if out.new_text and not out.finished:
                     yield event([choice(out.new_text, None)])
                 elif out.finished:
@@ -192,13 +272,13 @@ class Server:
             yield "data: [DONE]\n\n"
         except Exception as exc:  # a failed engine step: the stream ends with an error event
             log.error("request %s failed: %r", rid, exc)
-            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+            yield error_event(str(exc))
             yield "data: [DONE]\n\n"
         finally:
             stream.abort()  # no-op when finished; frees the KV blocks of a client that left
 
     async def respond(self, request: Request, body, chat: bool):
-        ids, params = self.chat_inputs(body) if chat else self.completion_inputs(body)
+        ids, params = await (self.chat_inputs(body) if chat else self.completion_inputs(body))
         stream = await self._submit(ids, params)
         rid = ("chatcmpl-" if chat else "cmpl-") + stream.request_id
         if body.stream:
@@ -207,12 +287,14 @@ class Server:
         out = await self.collect(stream, request)
         if out is None or not out.finished:  # the client left; nobody reads this
             return error_response(499, "client closed the request", code="client_closed")
+        if out.error is not None:
+            return error_response(500, out.error, "server_error", code="request_failed")
         return JSONResponse(self.chat_body(rid, out) if chat else self.completion_body(rid, out))
 
 
-def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app; it starts the engine thread on startup and stops it on shutdown."""
-    server = Server(engine, model_name)
+    server = Server(engine, model_name, limits)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -220,9 +302,11 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             engine.start()
         yield
         engine.shutdown()
+        server.close()
 
     app = FastAPI(title="spear", description="OpenAI-compatible server for spear models", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(BodyLimit, limit=server.limits.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc):
@@ -231,6 +315,14 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     @app.exception_handler(RequestError)
     async def _bad_request(request, exc):
         return error_response(400, exc.message, param=exc.param)
+
+    @app.exception_handler(SpearError)
+    async def _refused(request, exc):  # the engine refused the request when it was queued
+        return error_response(400, str(exc))
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request, exc):
+        return error_response(413, str(exc), code="body_too_large")
 
     @app.exception_handler(_NotFound)
     async def _not_found(request, exc):
@@ -261,6 +353,9 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             return error_response(503, f"the engine's current step has run for {engine.step_seconds:.0f} s "
                                        f"(limit {engine.step_timeout_s:g} s): the GPU or its driver may be hung",
                                   "server_error")
+        if engine.failing:
+            return error_response(503, f"the engine's last {engine.failed_steps} steps failed for every request: "
+                                       f"{engine.last_failure}", "server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -283,9 +378,30 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     return app
 
 
-def run_server(engine: AsyncEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-               log_level: str = "info") -> None:
-    """Serve until interrupted (blocking)."""
+def _uvicorn_server(config):
     import uvicorn
 
-    uvicorn.run(build_app(engine, model_name), host=host, port=port, log_level=log_level)
+    class _Server(uvicorn.Server):
+        """uvicorn, where a second SIGTERM (not only a second Ctrl-C) stops waiting for open requests."""
+
+        def handle_exit(self, sig, frame):
+            if self.should_exit:
+                self.force_exit = True
+            super().handle_exit(sig, frame)
+
+    return _Server(config)
+
+
+def run_server(engine: AsyncEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+               log_level: str = "info", limits: ServerLimits | None = None) -> None:
+    """Serve until SIGTERM / Ctrl-C (blocking): then stop taking connections, give open requests up
+    to ``limits.shutdown_timeout_s`` to finish (a second signal ends the wait), stop the engine."""
+    import uvicorn
+
+    limits = limits or ServerLimits()
+    config = uvicorn.Config(build_app(engine, model_name, limits), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=limits.shutdown_timeout_s)
+    try:
+        _uvicorn_server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it drained for; the drain is done
+        pass

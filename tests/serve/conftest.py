@@ -37,7 +37,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(engine, model_name: str = "test-model"):
+def running_server(engine, model_name: str = "test-model", limits=None):
     """Serve ``engine`` (an LLMEngine) with uvicorn in a thread; yields (base_url, AsyncEngine)."""
     import uvicorn
 
@@ -46,7 +46,7 @@ def running_server(engine, model_name: str = "test-model"):
 
     async_engine = AsyncEngine(engine)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(async_engine, model_name), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(build_app(async_engine, model_name, limits), host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

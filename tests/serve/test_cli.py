@@ -81,3 +81,70 @@ def test_serve_subprocess_answers_and_stops(tiny_llama_path):
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert f"serving tiny on http://127.0.0.1:{port}" in out
+
+
+def _start_server(tiny_llama_path, *extra):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "spear", "-q", "serve", "--model", str(tiny_llama_path), "--port",
+                             str(port), "--num-blocks", "512", "--served-model-name", "tiny", "--log-level",
+                             "warning", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "spear serve did not come up"
+        time.sleep(0.2)
+
+
+def _long_stream(url, got_tokens):
+    """A stream far longer than the test; records how many events arrived and whether it ended cleanly."""
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got_tokens.append(line)
+    except httpx.TransportError:
+        got_tokens.append("cut")
+
+
+@pytest.mark.parametrize("how", ["second signal", "drain timeout"])
+def test_sigterm_drains_then_a_second_signal_or_the_timeout_ends_it(tiny_llama_path, how):
+    """On SIGTERM the server stops taking connections and lets the open stream run; a second
+    SIGTERM, or --shutdown-timeout, ends the wait. Catches: a drain without a limit (the
+    process outliving both) and a second SIGTERM that is ignored."""
+    import threading
+
+    proc, url = _start_server(tiny_llama_path, "--shutdown-timeout", "2" if how == "drain timeout" else "120")
+    events: list[str] = []
+    try:
+        streamer = threading.Thread(target=_long_stream, args=(url, events))
+        streamer.start()
+        deadline = time.monotonic() + 60
+        while len(events) < 5:
+            assert time.monotonic() < deadline, "the stream never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.poll() is None, "the server quit without draining"
+        n = len(events)
+        time.sleep(0.5)
+        assert len(events) > n, "the open stream stopped at the first SIGTERM"
+        with pytest.raises(httpx.TransportError):  # no new connections while draining
+            httpx.get(url + "/health", timeout=2)
+        started = time.monotonic()
+        if how == "second signal":
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+        assert time.monotonic() - started < (10 if how == "second signal" else 15)
+        streamer.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+    assert events[-1] != "data: [DONE]"  # cut, not finished: 4000 tokens take far longer

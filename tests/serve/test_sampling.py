@@ -74,7 +74,7 @@ def test_greedy_ties_take_the_first_index_as_argmax_does():
     logits = torch.zeros(3, 50000)
     logits[0, [7, 9000, 42000]] = 2.0      # ties far apart (across vectorized chunks)
     logits[1, [49999, 3]] = 1.0
-    logits[2, 12345:12347] = float("inf")
+    logits[2, 12345:12347] = 1e30
     greedy = [SamplingParams(temperature=0)] * 3
     assert sample(logits, greedy, [None] * 3) == logits.argmax(dim=-1).tolist() == [7, 3, 12345]
 

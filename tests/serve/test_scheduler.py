@@ -101,13 +101,18 @@ def test_preempts_the_newest_other_sequence_first():
 
 
 def test_bounded_waiting_queue():
-    s = make(max_waiting=2)
+    """max_waiting bounds the requests beyond the free slots: 1 slot + 2 waiting here."""
+    s = make(max_waiting=2, max_num_seqs=1, budget=4)
     add(s, "a", 3)
     add(s, "b", 3)
-    with pytest.raises(QueueFull):
-        add(s, "c", 3)
-    step(s)  # both admitted: room in the queue again
     add(s, "c", 3)
+    with pytest.raises(QueueFull):
+        add(s, "d", 3)
+    step(s)  # a admitted: its slot is taken, b and c wait, the queue is still full
+    with pytest.raises(QueueFull):
+        add(s, "d", 3)
+    s.finish(s.running[0], "abort")  # a slot frees: one more may queue
+    add(s, "d", 3)
 
 
 def test_abort_frees_blocks_from_either_queue():
