@@ -170,10 +170,17 @@ def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32, dev
     _hf_config(path)
     from transformers import AutoModelForCausalLM
 
+    from transformers.utils import logging as hf_logging
+
+    # transformers prints its own multi-line load report of missing weights; the error below says it
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         lm, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
     except Exception as exc:  # unknown architecture, damaged or unreadable weight files
         raise SpearError(f"transformers could not load a causal LM from {path}: {exc}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         raise SpearError(f"{path} lacks weight {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1

@@ -235,13 +235,13 @@ def test_stale_temporary_folders_of_killed_writers_are_removed(tmp_path):
     assert not dead.exists() and live.exists() and unrelated.exists()
 
 
-def test_quantize_checks_out_before_the_work(tiny_llama_path, tmp_path, capsys, monkeypatch):
-    """Catches: --out refused only after loading and quantizing the model."""
-    import spear.models.loading as loading
-
+def test_quantize_checks_out_before_the_work(hf_folder, tmp_path, capsys):
+    """The model folder is damaged and --out is taken: the --out error comes first, before any
+    loading. Catches: --out refused only after loading and quantizing the model."""
+    _truncate(hf_folder)
     out = tmp_path / "taken"
     out.mkdir()
     (out / "x").write_text("already here")
-    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
-    code = main(["-q", "quantize", "--model", str(tiny_llama_path), "--out", str(out)])
-    assert code == 2 and "exists and is not empty" in capsys.readouterr().err
+    code = main(["-q", "quantize", "--model", str(hf_folder), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "exists and is not empty" in err and "safetensors" not in err, err
