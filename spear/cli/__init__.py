@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.quiet:  # transformers draws its own bars (loading weights) that spear's progress flag does not reach
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         return int(args.func(args) or 0)
     except SpearError as exc:
