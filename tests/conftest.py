@@ -1,9 +1,20 @@
-"""Shared fixtures: the default model's tokenizer and a tiny random Llama that uses it."""
+"""Shared fixtures: the default model's tokenizer and a tiny random Llama that uses it.
+
+Without a CUDA GPU the Triton kernels run through Triton's CPU interpreter. ``triton.jit`` and
+``spear.kernels._common.INTERPRET`` read TRITON_INTERPRET when ``spear.kernels`` is first imported,
+and any test module may import it first, so it is set here, before every test module and every
+other conftest is imported (tests/kernels/test_interpreter.py checks that it took effect).
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

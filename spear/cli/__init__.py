@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    if args.quiet:  # transformers draws its own bars while it loads weights
+    if args.quiet:  # transformers draws its own bars (loading weights) that spear's progress flag does not reach
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()

@@ -62,3 +62,24 @@ def test_spear_calibrate_with_a_w8_head(sharp_tiny_llama_path, tmp_path, monkeyp
     model, _ = load_model(out)
     assert model.lm_head.bits == 8 and model.model.layers[0].mlp.down_proj.bits == 3
     assert model.lm_head.compensator is not None and dict(model.lm_head.named_parameters(recurse=False)) == {}
+
+
+def test_diverged_calibration_exits_2_with_one_line_and_writes_nothing(sharp_tiny_llama_path, tmp_path,
+                                                                      monkeypatch, capsys):
+    """A learning rate that blows the ECs up makes the KL non-finite: exit code 2, one line on stderr
+    naming the step, and neither --out nor a temporary folder beside it.
+
+    Catches: the training loop's ``raise _diagnose(...)`` on a non-finite loss turned into ``break``
+    (the CLI then saves the initial ECs and exits 0; the old CLI tests never diverged), and, before
+    ``-q`` silenced transformers' weight-loading bar, a second stderr line."""
+    monkeypatch.setenv("SPEAR_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "runs" / "ck"
+    out.parent.mkdir()
+    rc = main(["-q", "calibrate", "--model", str(sharp_tiny_llama_path), "--out", str(out), "--bits", "3",
+               "--rank", "2", "--lr", "1e30", "--steps", "6", "--samples", "4", "--val-samples", "2",
+               "--sample-len", "16"])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, captured.err
+    assert lines[0].startswith("spear calibrate: error: calibration diverged at step ") and "Traceback" not in lines[0]
+    assert not out.exists() and list(out.parent.iterdir()) == []

@@ -1,16 +1,8 @@
-"""Kernel tests run on the CPU through Triton's interpreter unless a CUDA GPU is present.
-
-The variable must be set before ``triton.jit`` decorates the kernels, i.e. before the
-first import of ``spear.kernels``; conftest modules load before the tests beside them.
-"""
-
-import os
+"""Kernel tests run on the CPU through Triton's interpreter unless a CUDA GPU is present
+(TRITON_INTERPRET is set once, in tests/conftest.py, before anything imports ``spear.kernels``)."""
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture()

@@ -64,7 +64,7 @@ def test_ec_gate_split_over_k(poisoned, m, k, splits, dtype, h):
     from spear.kernels import ec as ec_mod
 
     e = pack_ec(**make_ec(N_SMALL, k, 8, h, dtype, seed=5))
-    x = torch.randn(m, k, dtype=dtype, device=DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k + splits)).to(dtype).to(DEVICE)
     u = x.float() @ e.a.float().t()
     expect = ref.ec_gate(u, e.w1, e.b1, e.w2, e.b2, e.bound) if h else u
     assert_close(ec_gate(x, e, splits=splits), expect, dtype, f"ec_gate M={m} K={k} splits={splits}")

@@ -106,6 +106,7 @@ def test_pack_w8_matches_quantlinear_dequantization():
 
 
 def test_bad_inputs_raise():
+    torch.manual_seed(0)
     codes = torch.randint(0, 256, (8, 32), dtype=torch.uint8)
     scales = torch.rand(8, 1).half()
     with pytest.raises(ValueError, match="codes must be uint8"):
@@ -141,16 +142,23 @@ def test_bad_inputs_raise():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cpu_fallback_is_the_reference(dtype):
+def test_cpu_fallback_against_fp64(dtype):
+    """The registered op on CPU tensors (its torch fallback) against x (q · scale)ᵀ + bias computed
+    in fp64 from the int8 codes and fp32 scales.
+
+    Catches: ``reference_w8a16`` returning ``y`` without the bias: the fallback is that reference, so
+    the old test (fallback against the same reference, atol 0) passed."""
     q, scale = make_w8(64, 128, seed=3, device="cpu")
-    x = torch.randn(2, 5, 128).to(dtype)
-    bias = torch.randn(64).to(dtype)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 128, generator=g).to(dtype)
+    bias = (torch.randn(64, generator=g) * 4).to(dtype)  # as large as the output: leaving it out fails
+    w = q.double() * scale.double()[:, None]
+    expect = x.double() @ w.t() + bias.double()
     y = w8a16_linear(x, q, scale, bias)
     assert y.shape == (2, 5, 64) and y.dtype == dtype
-    expect = reference_w8a16(x.reshape(10, 128), q, scale, bias).reshape(2, 5, 64).to(dtype)
-    torch.testing.assert_close(y, expect, rtol=0, atol=0)
-    torch.testing.assert_close(w8a16_linear(x, q, scale), reference_w8a16(x, q, scale).to(dtype), rtol=0, atol=0)
-    assert w8a16_linear(torch.randn(0, 128).to(dtype), q, scale).shape == (0, 64)
+    assert_close(y, expect, dtype, "with bias")
+    assert_close(w8a16_linear(x, q, scale), x.double() @ w.t(), dtype, "no bias")
+    assert w8a16_linear(torch.zeros(0, 128).to(dtype), q, scale).shape == (0, 64)
 
 
 def test_launch_table_is_well_formed():

@@ -14,6 +14,14 @@ from tests.conftest import sqnr_db
 @pytest.mark.parametrize("group_size", [0, 16, 32])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_rtn_error_within_half_step(bits, group_size, symmetric):
+    """Every weight within half a step, and the grid spans each group's range exactly: symmetric
+    uses the codes zero ± (2^(b-1) − 1) with the group's largest |w| on the outermost one (the
+    code 0, i.e. −2^(b-1), stays unused so the grid is symmetric about 0); asymmetric uses both ends
+    0 and 2^b − 1.
+
+    Catches: ``scales = (wmax - wmin) / (qmax - 1)`` (asymmetric) or ``amax / (half - 2)``
+    (symmetric, 3-8 bits) in ``compute_qparams``: coarser grids that still keep every error within
+    half of their own step, which the old check (the same bound in both branches) passed."""
     torch.manual_seed(bits * 100 + group_size)
     w = torch.randn(24, 96)
     codes, scales, zeros = rtn(w, bits, group_size, symmetric)
@@ -21,11 +29,15 @@ def test_rtn_error_within_half_step(bits, group_size, symmetric):
     assert scales.shape == zeros.shape == (24, n_groups(96, group_size))
     w_hat = dequantize(codes, scales, zeros, group_size)
     step = scales.repeat_interleave(96 // scales.shape[1], dim=1)
-    err = (w - w_hat).abs()
-    if symmetric:  # the code range is clipped at the negative end only for -2^(b-1)
-        assert (err <= step / 2 + 1e-6).all()
+    assert ((w - w_hat).abs() <= step / 2 + 1e-6).all()
+    g = scales.shape[1]
+    cg = codes.reshape(24, g, -1).long()
+    if symmetric:
+        half = 2 ** (bits - 1)
+        assert (zeros == half).all() and int(cg.min()) >= 1
+        assert ((cg - half).abs().amax(-1) == half - 1).all()
     else:
-        assert (err <= step / 2 + 1e-6).all()
+        assert (cg.amin(-1) == 0).all() and (cg.amax(-1) == 2**bits - 1).all()
 
 
 @pytest.mark.parametrize("bits,floor", [(8, 40.0), (4, 18.0), (3, 12.0)])
@@ -36,7 +48,7 @@ def test_sqnr_floor(bits, floor):
 
 
 def test_symmetric_keeps_zero_exact_and_midpoint_zero():
-    w = torch.randn(8, 32)
+    w = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
     w[:, 5] = 0.0
     codes, scales, zeros = rtn(w, 4, 0, True)
     assert (zeros == 8).all()
@@ -60,7 +72,7 @@ def test_group_size_must_divide():
     with pytest.raises(SpearError, match="group size 100 does not divide in_features=576"):
         n_groups(576, 100)
     with pytest.raises(SpearError):
-        compute_qparams(torch.randn(4, 100), 4, 64, True)
+        compute_qparams(torch.ones(4, 100), 4, 64, True)
 
 
 def test_config_validation():
@@ -74,7 +86,8 @@ def test_config_validation():
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("in_features", [7, 64, 99])
 def test_pack_roundtrip(bits, in_features):
-    codes = torch.randint(0, 2**bits, (5, in_features), dtype=torch.uint8)
+    g = torch.Generator().manual_seed(bits * 1000 + in_features)
+    codes = torch.randint(0, 2**bits, (5, in_features), dtype=torch.uint8, generator=g)
     packed = pack_codes(codes, bits)
     assert packed.shape == (5, (in_features * bits + 7) // 8)
     assert torch.equal(unpack_codes(packed, bits, in_features), codes)
