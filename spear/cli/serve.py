@@ -45,14 +45,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=positive_int, default=256,
                    help="queued requests beyond which new ones are refused (HTTP 429) (default: %(default)s)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
-    g.add_argument("--pdl", choices=["off", "wait", "trigger", "auto"], default="auto",
+    g.add_argument("--pdl", choices=["off", "wait", "auto"], default="auto",
                    help="programmatic dependent launch of the decode kernels (CUDA, Hopper or newer): 'wait' "
                         "lets each kernel load its weights while the one before it finishes; faster at batch "
                         "1, slower at 64 sequences with compensators on an H200; 'auto' uses it for decode "
                         "batches of up to 32 sequences where the GPU has it (default: %(default)s)")
     g.add_argument("--launch-table", metavar="JSON",
-                   help="launch shapes of the W4 kernel for this GPU (a JSON table as benchmarks/bench_gemv.py or "
-                        "bench_kernels.py --tune write it; default: the built-in table, chosen on an H200)")
+                   help="launch shapes of the W4 kernel for this GPU (a JSON table as `spear tune-kernels` writes "
+                        "it; default: the built-in table, chosen on an H200)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed of requests without one (default: %(default)s)")
 
 
@@ -61,6 +61,7 @@ def engine_from_args(args):
 
     from spear.errors import SpearError
     from spear.serve import EngineConfig, LLMEngine
+    from spear.serve.config import kernel_policy
 
     device = None if args.device == "auto" else args.device
     if device and device.startswith("cuda") and not torch.cuda.is_available():
@@ -69,8 +70,8 @@ def engine_from_args(args):
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
                        kv_memory=args.kv_memory, max_waiting=args.max_waiting,
-                       cuda_graphs=not args.no_cuda_graphs, pdl=args.pdl, launch_table=args.launch_table,
-                       seed=args.seed)
+                       cuda_graphs=not args.no_cuda_graphs,
+                       kernels=kernel_policy(pdl=args.pdl, launch_table=args.launch_table), seed=args.seed)
     return LLMEngine.from_pretrained(args.model, cfg, dtype=None if dtype is None else getattr(torch, dtype),
                                      device=device, verify=args.verify)
 

@@ -61,8 +61,7 @@ def main(args) -> int:
     table, rows = tune.tune(shapes, tokens=args.tokens, budget_s=args.budget_s, progress=not args.quiet)
     if not table:
         raise SpearError("no launch was timed on every shape within --budget-s; give it more time")
-    out = dict(launch.LAUNCH, **table)
-    launch.check_table(out)
+    out = {k: launch._thaw(v) for k, v in launch.merged_table(table).items()}
     _write_json(args.out, out)
     print(f"{torch.cuda.get_device_name()}: {len(rows)} shape x token rows on {', '.join(s[0] for s in shapes)}")
     for m in args.tokens:

@@ -26,46 +26,24 @@ def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 # Programmatic dependent launch (Hopper): a kernel launched with it may start while the kernel
-# before it in the stream still runs; it must wait (griddepcontrol.wait) before it reads or
-# writes anything the earlier kernel touches. The decode kernels use the time to load their
-# weights. Off by default; ``set_pdl`` turns it on for the kernels of the decode step (W4 GEMM,
-# RMSNorm, rotary + KV write, SiLU·mul, paged attention). Two levels (the ``PDL`` constexpr):
-#   1 "wait": the next kernel may start as the programs of this one exit;
-#   2 "trigger": as soon as every program of this one has started (griddepcontrol.launch_dependents).
+# before it in the stream still runs, as that kernel's programs exit; it must wait
+# (griddepcontrol.wait) before it reads or writes anything the earlier kernel touches. The decode
+# kernels use the time to load their weights. Each launcher takes the level (0 off, 1 on) from
+# its caller (KernelPolicy.pdl_level), so a CUDA graph captures the level it was recorded with.
 try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    PDL_AVAILABLE = True
+    from triton.language.extra.cuda import gdc_wait
+    PDL_AVAILABLE = not INTERPRET
 except ImportError:  # a Triton without griddepcontrol
     PDL_AVAILABLE = False
-PDL_MODES = {"off": 0, "wait": 1, "trigger": 2}
-_PDL = [0]
 
 
-def set_pdl(mode) -> None:
-    """Launch the decode kernels with programmatic dependent launch (CUDA, Hopper or newer):
-    ``mode`` one of PDL_MODES ("off", "wait", "trigger"; True means "wait", False "off").
-    The engine's output is right under both levels, eagerly and on CUDA graphs
-    (``benchmarks/check_pdl.py``, H200); "trigger" was slower than "wait" (BENCHMARKS.md,
-    "Serving: decode", seventh run). The serving engine sets it from ``EngineConfig.pdl``."""
-    level = {True: 1, False: 0}.get(mode) if isinstance(mode, bool) else PDL_MODES.get(mode)
-    if level is None:
-        raise ValueError(f"PDL mode must be one of {sorted(PDL_MODES)}; got {mode!r}")
-    if level and (INTERPRET or not PDL_AVAILABLE):
-        raise ValueError("programmatic dependent launch needs Triton's griddepcontrol and a GPU "
-                         "(not the interpreter)")
-    _PDL[0] = level
-
-
-def pdl() -> dict:
-    """The ``PDL`` constexpr and launch option of a decode kernel's launch."""
-    return dict(PDL=_PDL[0], launch_pdl=True) if _PDL[0] else dict(PDL=0)
-
-
-@triton.jit
-def _pdl_start(PDL: tl.constexpr):
-    """At PDL 2: let the next kernel's programs start (they wait for this kernel before touching its data)."""
-    if PDL == 2:
-        gdc_launch_dependents()
+def pdl_args(level: int) -> dict:
+    """The ``PDL`` constexpr and launch option of a decode kernel's launch at ``level`` (0 or 1)."""
+    if level not in (0, 1):
+        raise ValueError(f"the PDL level is 0 (off) or 1 (wait), got {level!r}")
+    if level and not PDL_AVAILABLE:
+        raise ValueError("programmatic dependent launch needs Triton's griddepcontrol and a GPU (not the interpreter)")
+    return dict(PDL=1, launch_pdl=True) if level else dict(PDL=0)
 
 
 @triton.jit
@@ -266,9 +244,7 @@ def _ld_v4(ptr, NC: tl.constexpr = True):
     """Four int32 words at each 16-byte-aligned address of ``ptr`` (int32 pointers), one
     vector load each: Triton splits loads of 1-D tensors broadcast across a tile into words.
     ``NC``: through the non-coherent read-only cache, valid only for data no other kernel writes
-    during this kernel's lifetime. A kernel launched at PDL level 2 ("trigger") is resident while
-    the kernels before it still run (and while the memory it will read is still being reused and
-    rewritten), so it must load coherently (NC False)."""
+    during this kernel's lifetime."""
     OP: tl.constexpr = "ld.global.nc.v4.b32" if NC else "ld.global.v4.b32"
     return tl.inline_asm_elementwise(OP + " {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
                                      dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)

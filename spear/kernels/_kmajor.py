@@ -51,7 +51,7 @@ def _w_step(w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, k, k_hi, N, s
 @triton.jit
 def _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs_j, k_lo, k_hi, M, N, stride_xm,
               GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              BM: tl.constexpr, MV: tl.constexpr, PREFETCH: tl.constexpr, PIPELINE: tl.constexpr = 1):
+              BM: tl.constexpr, MV: tl.constexpr, PREFETCH: tl.constexpr):
     if SYMMETRIC:
         z = tl.full((BN,), 8.0, tl.float32)
     else:
@@ -66,7 +66,7 @@ def _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs
         # step k, so every program keeps two steps of code words in flight
         p, s, z = _w_step(w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, N, s, z,
                           GROUP, SYMMETRIC)
-    for k in tl.range(k_lo, k_hi, BK, num_stages=PIPELINE):
+    for k in tl.range(k_lo, k_hi, BK, num_stages=1):  # no software pipelining: the registers hold the prefetch
         if PREFETCH:
             pn, sn, zn = _w_step(w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, k + BK, k_hi, N, s, z,
                                  GROUP, SYMMETRIC)
@@ -174,16 +174,12 @@ def _scale_zero(sz, H: tl.constexpr, BN: tl.constexpr):
 @triton.jit
 def _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, M, N, stride_xm,
               GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              BM: tl.constexpr, MV: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False,
-              PIPELINE: tl.constexpr = 1):
+              BM: tl.constexpr, MV: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
     """The fp16 CUDA loop (module docstring). With PREFETCH, the loads of step k + BK (clamped
     to the last step, so no load is masked by K) are issued before the math of step k; with PDL
-    the first step's weights are loaded before waiting for the kernel that wrote x. PIPELINE > 1
-    (without PREFETCH): Triton's software pipeliner keeps the weight loads (code words, group
-    scales and zero points) of PIPELINE - 1 steps ahead in flight, through shared memory
-    (cp.async) instead of registers; the activations' 16-byte loads (inline PTX) stay in the step."""
+    the first step's weights are loaded before waiting for the kernel that wrote x."""
     H: tl.constexpr = BK // 16
-    NC: tl.constexpr = PDL != 2  # activations through the read-only cache unless launched early (_ld_v4)
+    NC: tl.constexpr = True  # activations through the read-only cache: no kernel writes x meanwhile (_ld_v4)
     rows = tl.arange(0, H)
     w_lo = qw_ptr + rows[:, None] * N + offs_n[None, :]
     w_hi = w_lo + H * N
@@ -209,7 +205,7 @@ def _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, 
         x0, x1, x2, x3, y0, y1, y2, y3 = _token_rows(x_ptr, 0, stride_xm, k0, rows, H, M, NC)
         if MV > 1:
             u0, u1, u2, u3, v0, v1, v2, v3 = _token_rows(x_ptr, 1, stride_xm, k0, rows, H, M, NC)
-    for k in tl.range(k_lo, k_hi, BK, num_stages=PIPELINE):
+    for k in tl.range(k_lo, k_hi, BK, num_stages=1):  # no software pipelining: the registers hold the prefetch
         if PREFETCH:
             kn = tl.minimum(k + BK, k_last)
             pn, qn, szn = _ptx_step(w_lo, w_hi, n_mask2, scales_ptr, zeros_ptr, offs_n, n_mask, kn, N, sz,
@@ -249,7 +245,7 @@ def _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, 
 def _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n0, k_lo, k_hi, M, N, stride_xm,
                      GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      BM: tl.constexpr, MV: tl.constexpr, PTX: tl.constexpr, PREFETCH: tl.constexpr,
-                     PDL: tl.constexpr = False, PIPELINE: tl.constexpr = 1):
+                     PDL: tl.constexpr = False):
     """accT [BN, BM] for output features n0 .. n0 + BN over K range [k_lo, k_hi), scales applied."""
     # Output features are contiguous here: the hints (and no modulo on the offsets) give each
     # thread 16-byte loads; columns past N are masked (only a layer's last tile has any).
@@ -257,9 +253,9 @@ def _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n0, k_lo, k_hi, M, N,
     n_mask = offs_n < N
     if PTX:
         return _ptx_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, offs_n, n_mask, k_lo, k_hi, M, N, stride_xm,
-                         GROUP, SYMMETRIC, BN, BK, BM, MV, PREFETCH, PDL, PIPELINE)
+                         GROUP, SYMMETRIC, BN, BK, BM, MV, PREFETCH, PDL)
     offs_j = tl.arange(0, BK // 8)
     w_ptrs = qw_ptr + offs_j[:, None] * N + offs_n[None, :]
     w_mask = (offs_j[:, None] >= 0) & n_mask[None, :]
     return _fma_loop(x_ptr, w_ptrs, w_mask, scales_ptr, zeros_ptr, offs_n, n_mask, offs_j, k_lo, k_hi, M, N,
-                     stride_xm, GROUP, SYMMETRIC, BN, BK, BM, MV, PREFETCH, PIPELINE)
+                     stride_xm, GROUP, SYMMETRIC, BN, BK, BM, MV, PREFETCH)

@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import INTERPRET, _pdl_start, _pdl_wait
+from spear.kernels._common import INTERPRET, _pdl_wait
 from spear.kernels._rotary import _rope_q_write_kv
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -84,7 +84,6 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP32: tl.constexpr, DOT_F32: tl.constexpr,
     SPLITS: tl.constexpr, MIN_TILES: tl.constexpr = 1, PDL: tl.constexpr = False, ROPE: tl.constexpr = False,
 ):
-    _pdl_start(PDL)
     _pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -283,9 +282,12 @@ def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
         raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")
 
 
-TARGET_PROGRAMS = 256  # split the context until the grid has about this many programs
+# The defaults of KernelPolicy.attention_*: split the context until the grid has about
+# TARGET_PROGRAMS programs, at most MAX_SPLITS splits of at least MIN_SPLIT_TILES key tiles each
+# (a split costs a partial write and the merge).
+TARGET_PROGRAMS = 256
 MAX_SPLITS = 32
-MIN_SPLIT_TILES = 1  # key tiles per split at the least: a split costs a partial write and the merge
+MIN_SPLIT_TILES = 1
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -299,33 +301,36 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def split_config(batch: int, kv_heads: int, max_ctx: int, block_n: int) -> int:
-    """Context splits of a launch: a power of two, at most MAX_SPLITS and at most the key tiles of
-    the block table's width, until the grid has about TARGET_PROGRAMS programs."""
+def split_config(batch: int, kv_heads: int, max_ctx: int, block_n: int, max_splits: int = MAX_SPLITS,
+                 target_programs: int = TARGET_PROGRAMS) -> int:
+    """Context splits of a launch: a power of two, at most ``max_splits`` and at most the key tiles
+    of the block table's width, until the grid has about ``target_programs`` programs."""
     tiles = triton.cdiv(max_ctx, block_n)
     splits = 1
-    while splits * 2 <= min(tiles, MAX_SPLITS) and batch * kv_heads * splits * 2 <= TARGET_PROGRAMS:
+    while splits * 2 <= min(tiles, max_splits) and batch * kv_heads * splits * 2 <= target_programs:
         splits *= 2
     return splits
 
 
-def split_chunk(ctx: int, splits: int, block_n: int, min_tiles: int | None = None) -> int:
+def split_chunk(ctx: int, splits: int, block_n: int, min_tiles: int = MIN_SPLIT_TILES) -> int:
     """Keys per split for a sequence of ``ctx`` keys (the kernel's rule, for tests and planning)."""
-    min_tiles = MIN_SPLIT_TILES if min_tiles is None else min_tiles
     return max(triton.cdiv(triton.cdiv(ctx, block_n), splits), min_tiles) * block_n
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            launch=None, block_n: int | None = None, splits: int | None = None,
-                           rope: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                           rope: tuple[torch.Tensor, ...] | None = None, pdl: int = 0,
+                           max_splits: int = MAX_SPLITS, min_split_tiles: int = MIN_SPLIT_TILES,
+                           target_programs: int = TARGET_PROGRAMS) -> torch.Tensor:
     """Attention of one query per sequence over its paged keys; (B, n_heads · head_dim) in q's dtype.
 
-    Same contract as ``serve.layers.decode_attention_reference``: block table entries past a
+    Same contract as ``decode_attention_reference``: block table entries past a
     sequence's last block are never read, context lengths past the table's width are clamped
     to it. Fixed grid and no host synchronization: safe inside a CUDA graph. ``block_n`` (keys per
     tile, a power of two >= 16) and ``splits`` (context splits, a power of two) override the
-    defaults, for tests.
+    defaults, for tests; ``max_splits``, ``min_split_tiles`` and ``target_programs`` come from the
+    engine's KernelPolicy. ``pdl`` 1: launched with programmatic dependent launch.
 
     ``rope`` = (k_new, v_new, cos, sin): q is not yet rotated, and the new token (position
     context_len - 1) is not yet in the cache. The kernel rotates q and writes the rotated k_new
@@ -350,9 +355,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tile, num_warps = launch_config(q.dtype, head_dim)
     block_n = block_n or tile
     max_ctx = block_tables.shape[1] * block_size
-    n_split = splits or split_config(b, kv_heads, max_ctx, block_n)
-    if MIN_SPLIT_TILES < 1:
-        raise ValueError(f"attention.MIN_SPLIT_TILES must be >= 1; got {MIN_SPLIT_TILES}")
+    n_split = splits or split_config(b, kv_heads, max_ctx, block_n, max_splits, target_programs)
+    if min_split_tiles < 1:
+        raise ValueError(f"min_split_tiles must be >= 1; got {min_split_tiles}")
     if n_split > 1:
         part = _common.alloc((b, kv_heads, n_split, group_pad, head_dim + 2), dtype=torch.float32, device=q.device)
         counters = _counters(q.device, b * kv_heads)
@@ -370,7 +375,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), context_lens.stride(0), k_new.stride(0), v_new.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, IS_FP32=q.dtype == torch.float32, DOT_F32=INTERPRET,
-        SPLITS=n_split, MIN_TILES=MIN_SPLIT_TILES, ROPE=rope is not None, num_warps=num_warps, num_stages=2,
-        **_common.pdl(),
+        SPLITS=n_split, MIN_TILES=min_split_tiles, ROPE=rope is not None, num_warps=num_warps, num_stages=2,
+        **_common.pdl_args(pdl),
     )
     return out

@@ -1,6 +1,6 @@
 """Dequantize the packed W4 layout to fp16/bf16, for the dequantize-then-cuBLAS prefill path.
 
-At M >= ops.DEQUANT_MM_MIN_M a cuBLAS GEMM on the dequantized weight beats the Triton
+At M >= KernelPolicy.dequant_mm_min_m a cuBLAS GEMM on the dequantized weight beats the Triton
 dequant-in-loop GEMM; this pass costs 2 bytes written and 0.52 read per weight.
 Algorithm: one program per [BN, BK] tile: unpack (``_unpack_w4``), apply zero point and
 scale, round once to the activation dtype (as the reference rounds W_hat), store. The

@@ -9,12 +9,6 @@ fusing A x into its K loop would add R/BN of its MMA work to every tile. Instead
 product after both (ops.py). Alternatively the GEMM's epilogue reads v (EC_MODE 2 of
 w4a16.py), which saves the pass over out but must wait for ``ec_gate`` first.
 
-From M = ops.DEQUANT_MM_MIN_M the W4 part is a dequantize pass and a cuBLAS GEMM. There
-``ec_stacked`` replaces both kernels: the EC's A (R rows) is copied under W_hat in the
-dequantized matrix, so the one GEMM also returns u = x Aᵀ as its last R columns (R/N more
-MMA work, and x is not read a second time beside the GEMM), and one pass over that output
-evaluates the gate per tile and adds alpha · v Bᵀ (and the bias, and at act 1 SiLU·mul).
-
 Algorithm of ec_gate: one program per BM tokens walks K in BK steps,
 uT [R, BM] += A[R, BK] · xT[BK, BM] (fp32 accumulation on tensor cores), then evaluates
 the gate on uT (``_ec_gate``) and stores v in the activation dtype. Split over K when the
@@ -32,38 +26,36 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import INTERPRET, _dot, _ec_gate, _sigmoid
+from spear.kernels._common import INTERPRET, _dot, _ec_gate
 from spear.kernels.layout import PackedEC
 
 # Token tile of ec_gate: 16 keeps >= 32 programs in flight from M = 512 on (x is read once,
 # so more programs means more of the memory system busy).
 GATE_BM = 16
-# ec_gate splits K until its programs reach about this many (two per SM of an H200), each
-# split keeping at least GATE_MIN_STEPS steps of BK. Not yet timed against other values.
+# ec_gate splits K until its programs reach about ``programs`` (KernelPolicy.gate_programs;
+# the default: two per SM of an H200), each split keeping at least GATE_MIN_STEPS steps of BK.
 GATE_PROGRAMS = 264
 GATE_MIN_STEPS = 4
 UP_BM, UP_BN = 64, 128
-# ec_stacked's output tile (not yet timed against other shapes)
-STACKED_BM, STACKED_BN = 64, 128
 
 
-def gate_splits(m: int, k: int, bk: int) -> int:
+def gate_splits(m: int, k: int, bk: int, programs: int = GATE_PROGRAMS) -> int:
     """K splits of ec_gate at M tokens: enough programs to keep the memory system busy."""
     tiles = triton.cdiv(m, GATE_BM)
-    return max(1, min(GATE_PROGRAMS // tiles, (k // bk) // GATE_MIN_STEPS))
+    return max(1, min(programs // tiles, (k // bk) // GATE_MIN_STEPS))
 
 
 @triton.jit(do_not_specialize=["M"])
 def _ec_gate_kernel(
-    x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, v_ptr, xo_ptr,
+    x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, v_ptr,
     bound,
-    M, K, stride_xm, steps_per_split, stride_vm, stride_xo,
+    M, K, stride_xm, steps_per_split, stride_vm,
     GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr, COPY: tl.constexpr = False,
+    BM: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (token tiles, SPLIT). SPLIT 1: v for BM tokens (rows stride_vm apart). Otherwise this
     split's share of u = x Aᵀ (steps_per_split steps of BK) into the fp32 workspace at v_ptr,
-    (SPLIT, M, R). COPY: also store the x tiles it reads at xo_ptr (rows stride_xo apart)."""
+    (SPLIT, M, R)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = pid * BM + tl.arange(0, BM)
@@ -76,8 +68,6 @@ def _ec_gate_kernel(
     for k in range(k_lo, k_hi, BK):
         a = tl.load(a_ptr + offs_r[:, None] * K + (k + offs_k)[None, :])
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k + offs_k)[:, None], mask=m_mask[None, :], other=0.0)
-        if COPY:
-            tl.store(xo_ptr + offs_m[None, :] * stride_xo + (k + offs_k)[:, None], xt, mask=m_mask[None, :])
         uT = _dot(a, xt, uT, DOT_F32)
     if SPLIT == 1:
         # torch.compile passes Python floats as fp64 scalars: keep the gate's math fp32
@@ -138,41 +128,6 @@ def _ec_up_kernel(
     tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _ec_stacked_kernel(
-    y_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, b_ptr, bias_ptr, out_ptr,
-    alpha, bound,
-    M, N, stride_ym, stride_om,
-    GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, DOT_F32: tl.constexpr,
-):
-    """out tile = y[:, :N] + alpha · v Bᵀ (+ bias) (SiLU·mul of pairs at ACT 1), v = gamma(u) ⊙ u from
-    u = y[:, N:N + R]: y is the GEMM of x with W_hat and A stacked, (M, N + R)."""
-    tile_n, offs_m, offs_n, offs_r, m_mask, n_mask = _out_tile(M, N, R, BM, BN)
-    dt = out_ptr.dtype.element_ty
-    # every column tile of an m-tile evaluates the gate again: R x BM values and two R x H dots,
-    # small against its BM x BN output tile
-    uT = tl.load(y_ptr + offs_m[None, :] * stride_ym + N + offs_r[:, None], mask=m_mask[None, :], other=0.0)
-    vT = _ec_gate(uT.to(tl.float32), w1_ptr, b1_ptr, w2_ptr, b2_ptr, tl.cast(bound, tl.float32), R, H, BM, GATE,
-                  DOT_F32)
-    bt = tl.load(b_ptr + (offs_n % N)[None, :] * R + offs_r[:, None])  # Bᵀ tile [R, BN]
-    # v in the activation dtype, as ec_gate stores it
-    corr = _dot(tl.trans(vT.to(dt)), bt, tl.zeros((BM, BN), tl.float32), DOT_F32)
-    mask = m_mask[:, None] & n_mask[None, :]
-    y = tl.load(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    y += tl.cast(alpha, tl.float32) * corr
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if ACT == 1:
-        # columns 2i, 2i + 1 are gate and up of output feature tile * BN/2 + i
-        g, u = tl.split(tl.reshape(y, (BM, BN // 2, 2)))
-        offs_h = tile_n * (BN // 2) + tl.arange(0, BN // 2)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_h[None, :], (g * _sigmoid(g) * u).to(dt),
-                 mask=m_mask[:, None] & (2 * offs_h < N)[None, :])
-    else:
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(dt), mask=mask)
-
-
 def _gate_args(ec: PackedEC) -> tuple[tuple, dict]:
     """The gate MLP's four tensors (A in their place when the EC has no gate; never read then) and
     the kernels' GATE / R / H constants."""
@@ -194,12 +149,11 @@ def _check(x: torch.Tensor, ec: PackedEC) -> None:
 
 
 def ec_gate(x: torch.Tensor, ec: PackedEC, out: torch.Tensor | None = None, launch=None,
-            splits: int | None = None, copy_to: torch.Tensor | None = None) -> torch.Tensor:
+            splits: int | None = None, programs: int = GATE_PROGRAMS) -> torch.Tensor:
     """v = gamma(x Aᵀ) ⊙ (x Aᵀ), (M, R) in the activation dtype (R the padded rank).
     ``out``: where to write v, rows of unit stride (e.g. the last R columns of a wider matrix).
-    ``splits``: K splits (default ``gate_splits``); 1 is one program per token tile.
-    ``copy_to``: an (M, K) tensor with rows of unit stride that also receives x, copied on the
-    way (the first K columns of [x, v] for ops' "in" prefill EC)."""
+    ``splits``: K splits (default ``gate_splits`` for about ``programs`` programs); 1 is one
+    program per token tile."""
     _check(x, ec)
     m, k = x.shape
     r = ec.a.shape[0]
@@ -207,12 +161,9 @@ def ec_gate(x: torch.Tensor, ec: PackedEC, out: torch.Tensor | None = None, laun
     if v.shape != (m, r) or v.dtype != x.dtype or v.stride(1) != 1:
         raise ValueError(f"v must be ({m}, {r}) {x.dtype} with rows of unit stride; got {tuple(v.shape)} {v.dtype}, "
                          f"strides {v.stride()}")
-    if copy_to is not None and (copy_to.shape != (m, k) or copy_to.dtype != x.dtype or copy_to.stride(1) != 1):
-        raise ValueError(f"copy_to must be ({m}, {k}) {x.dtype} with rows of unit stride; got {tuple(copy_to.shape)} "
-                         f"{copy_to.dtype}, strides {copy_to.stride()}")
     bk = 128 if k % 128 == 0 else (64 if k % 64 == 0 else 32)
     steps = k // bk
-    splits = gate_splits(m, k, bk) if splits is None else max(1, min(int(splits), steps))
+    splits = gate_splits(m, k, bk, programs) if splits is None else max(1, min(int(splits), steps))
     per = triton.cdiv(steps, splits)
     splits = triton.cdiv(steps, per)  # no empty split
     gate, consts = _gate_args(ec)
@@ -220,10 +171,9 @@ def ec_gate(x: torch.Tensor, ec: PackedEC, out: torch.Tensor | None = None, laun
     tiles = triton.cdiv(m, GATE_BM)
     ws = v if splits == 1 else _common.alloc((splits, m, r), dtype=torch.float32, device=x.device)
     kernel = _ec_gate_kernel if launch is None else launch(_ec_gate_kernel)
-    kernel[(tiles, splits)](x, ec.a, *gate, ws, copy_to if copy_to is not None else x, float(ec.bound), m, k,
-                            x.stride(0), per, v.stride(0) if splits == 1 else r,
-                            copy_to.stride(0) if copy_to is not None else 0, BK=bk, SPLIT=splits,
-                            COPY=copy_to is not None, **consts, num_warps=4, num_stages=3)
+    kernel[(tiles, splits)](x, ec.a, *gate, ws, float(ec.bound), m, k, x.stride(0), per,
+                            v.stride(0) if splits == 1 else r, BK=bk, SPLIT=splits, **consts, num_warps=4,
+                            num_stages=3)
     if splits > 1:
         finish = _ec_gate_finish_kernel if launch is None else launch(_ec_gate_finish_kernel)
         finish[(tiles,)](ws, *gate, v, float(ec.bound), m, v.stride(0), SPLIT=splits, **consts, num_warps=4,
@@ -242,33 +192,5 @@ def ec_up(out: torch.Tensor, v: torch.Tensor, ec: PackedEC, launch=None) -> torc
     kernel[(triton.cdiv(m, UP_BM) * triton.cdiv(n, UP_BN),)](
         v, ec.b, out, float(ec.alpha), m, n, out.stride(0),
         R=r, BM=UP_BM, BN=UP_BN, DOT_F32=INTERPRET, num_warps=4, num_stages=1,
-    )
-    return out
-
-
-def ec_stacked(y: torch.Tensor, n: int, ec: PackedEC, bias: torch.Tensor | None = None, act: int = 0,
-               launch=None) -> torch.Tensor:
-    """The compensated output from ``y`` = x [W_hat; A]ᵀ, (M, N + R): the GEMM of the dequantized
-    weight with the EC's A stacked under it (R rows), so that its last R columns are u = x Aᵀ.
-    Returns y[:, :N] + alpha · (gamma(u) ⊙ u) Bᵀ (+ bias), or with ``act`` 1 the SiLU·mul of its
-    interleaved (gate, up) pairs, (M, N / 2). One pass over y; the gate runs per output tile."""
-    r = ec.a.shape[0]
-    m = y.shape[0]
-    if y.dim() != 2 or y.shape[1] != n + r or y.stride(1) != 1 or ec.b.shape != (n, r):
-        raise ValueError(f"ec_stacked needs y (M, N + R) = (M, {n + r}) with unit inner stride and B ({n}, {r}); "
-                         f"got y {tuple(y.shape)} strides {y.stride()}, B {tuple(ec.b.shape)}")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must have shape ({n},); got {tuple(bias.shape)}")
-    if act and n % 2:
-        raise ValueError(f"act 1 needs an even number of features; got {n}")
-    out = _common.alloc((m, n // 2 if act else n), dtype=y.dtype, device=y.device)
-    if m == 0:
-        return out
-    gate, consts = _gate_args(ec)
-    kernel = _ec_stacked_kernel if launch is None else launch(_ec_stacked_kernel)
-    kernel[(triton.cdiv(m, STACKED_BM) * triton.cdiv(n, STACKED_BN),)](
-        y, *gate, ec.b, bias if bias is not None else ec.b, out, float(ec.alpha), float(ec.bound),
-        m, n, y.stride(0), out.stride(0), **consts, HAS_BIAS=bias is not None, ACT=act,
-        BM=STACKED_BM, BN=STACKED_BN, DOT_F32=INTERPRET, num_warps=4, num_stages=1,
     )
     return out

@@ -9,7 +9,7 @@
 At decode these ops are tiny and each torch op is its own kernel launch (RMSNorm alone is
 about seven elementwise kernels, rotary about ten); here each is one launch.
 
-Numerics follow the torch code of ``spear.serve.layers`` (itself HF's Llama modules): every
+Numerics follow the torch references of ``reference.py`` (HF's Llama modules): every
 value is computed in fp32 from the 16-bit inputs and rounded to the activation dtype exactly
 where the torch ops round. Products and sums of two fp16/bf16 values are exact or correctly
 rounded in fp32 (fp32 has more than twice their precision plus two bits, so rounding twice
@@ -38,7 +38,7 @@ import triton.language as tl
 
 from spear.kernels import _common
 from spear.kernels import reference as _reference
-from spear.kernels._common import _pdl_start, _pdl_wait, _to
+from spear.kernels._common import _pdl_wait, _to
 from spear.kernels._rotary import _cos_sin, _rotate
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -66,7 +66,6 @@ def _norm_warps(block: int) -> int:
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, eps,
                      N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr = False):
-    _pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -107,7 +106,7 @@ def _check_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
             raise ValueError("residual must be contiguous")
 
 
-def _launch_norm(x, residual, weight, eps, launch):
+def _launch_norm(x, residual, weight, eps, launch, pdl):
     n = x.shape[-1]
     rows = x.numel() // n if n else 0
     out = _common.alloc(x.shape, torch.promote_types(x.dtype, weight.dtype), x.device)
@@ -117,30 +116,26 @@ def _launch_norm(x, residual, weight, eps, launch):
         kernel = _rms_norm_kernel if launch is None else launch(_rms_norm_kernel)
         kernel[(rows,)](x, residual if residual is not None else x, weight, s, out, float(eps),
                         N=n, BLOCK=block, HAS_RES=residual is not None, num_warps=_norm_warps(block),
-                        **_common.pdl())
+                        **_common.pdl_args(pdl))
     return s, out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, launch=None) -> torch.Tensor:
-    """RMSNorm over the last dimension of contiguous ``x``; the numerics of ``layers.rms_norm``."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, launch=None, pdl: int = 0) -> torch.Tensor:
+    """RMSNorm over the last dimension of contiguous ``x``; the numerics of ``reference.rms_norm``."""
     _check_norm(x, weight)
     if not _use_kernel(x):
-        from spear.serve.layers import rms_norm as ref
-
-        return ref(x, weight, eps)
-    return _launch_norm(x, None, weight, eps, launch)[1]
+        return _reference.rms_norm(x, weight, eps)
+    return _launch_norm(x, None, weight, eps, launch, pdl)[1]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 launch=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 launch=None, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = residual + x`` (rounded to x's dtype) and ``rms_norm(s)``, in one pass: (s, norm)."""
     _check_norm(x, weight, residual)
     if not _use_kernel(x):
-        from spear.serve.layers import rms_norm as ref
-
         s = residual + x
-        return s, ref(s, weight, eps)
-    return _launch_norm(x, residual, weight, eps, launch)
+        return s, _reference.rms_norm(s, weight, eps)
+    return _launch_norm(x, residual, weight, eps, launch, pdl)
 
 
 # ---------------------------------------------------------------------------- rotary + KV write
@@ -152,7 +147,6 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qo
                     HAS_POS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (t, j): token t; j < cdiv(H, BH) rotates BH query heads, the others rotate BH
     key heads into the cache and copy the matching value heads."""
-    _pdl_start(PDL)
     _pdl_wait(PDL)
     HALF: tl.constexpr = D // 2
     NQB: tl.constexpr = (H + BH - 1) // BH
@@ -233,7 +227,7 @@ def _check_rope(q, k, v, cos, sin, k_cache, v_cache, slots, positions) -> None:
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                  positions: torch.Tensor | None = None, launch=None) -> torch.Tensor:
+                  positions: torch.Tensor | None = None, launch=None, pdl: int = 0) -> torch.Tensor:
     """Rotary on q and k, and the KV cache write, in one launch; returns the rotated q (new tensor).
 
     q (T, n_heads, head_dim), k and v (T, n_kv_heads, head_dim), each token's heads contiguous
@@ -242,16 +236,14 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     block_size + offset). ``cos``/``sin``: with ``positions`` (T,) they are whole rotary tables
     (max_len, head_dim) indexed in the kernel (no gather launch); without, one row per token
     (T, head_dim). All floating tensors share q's dtype. Same results as
-    ``layers.apply_rope`` on q and k followed by ``layers.write_kv``.
+    ``reference.apply_rope`` on q and k followed by ``reference.write_kv``.
     """
     _check_rope(q, k, v, cos, sin, k_cache, v_cache, slots, positions)
     if not _use_kernel(q):
-        from spear.serve.layers import apply_rope, write_kv
-
         if positions is not None:
             cos, sin = cos[positions], sin[positions]
-        q_rot = apply_rope(q, cos, sin)
-        write_kv(k_cache, v_cache, apply_rope(k, cos, sin), v, slots)
+        q_rot = _reference.apply_rope(q, cos, sin)
+        _reference.write_kv(k_cache, v_cache, _reference.apply_rope(k, cos, sin), v, slots)
         return q_rot
     t, h, d = q.shape
     hkv = k.shape[1]
@@ -265,7 +257,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     kernel[grid](q, k, v, cos, sin, positions if positions is not None else slots, slots, q_out, k_cache, v_cache,
                  q.stride(0), k.stride(0), v.stride(0), H=h, HKV=hkv, D=d, BH=bh, BD=bd, HAS_POS=positions is not None, num_warps=4,
                  enable_fp_fusion=False,  # fp32: no FMA contraction, the products round as torch's do
-                 **_common.pdl())
+                 **_common.pdl_args(pdl))
     return q_out
 
 
@@ -278,7 +270,6 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, cols, stride_g, stride_u, BLOCK: 
     """PAIRS False: silu(g) rounded to the dtype, times u (as ``F.silu(gate) * up``). PAIRS True:
     g and u interleaved in one row (g at 2 col, u at 2 col + 1; g_ptr = u_ptr), the product in
     fp32 and rounded once (as the GEMM epilogue's SiLU·mul)."""
-    _pdl_start(PDL)
     _pdl_wait(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -295,7 +286,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, cols, stride_g, stride_u, BLOCK: 
         tl.store(out_ptr + offs, _to(act * u, dt), mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, launch=None) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, launch=None, pdl: int = 0) -> torch.Tensor:
     """``F.silu(gate) * up`` in one pass; 2-D inputs of one shape and dtype whose rows may be strided
     (gate and up can be the two halves of one fused projection). Returns a contiguous tensor."""
     for name, x in (("gate", gate), ("up", up)):
@@ -314,11 +305,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, launch=None) -> torch.Tensor:
     if n:
         kernel = _silu_mul_kernel if launch is None else launch(_silu_mul_kernel)
         kernel[(triton.cdiv(n, SILU_BLOCK),)](gate, up, out, n, gate.shape[1], gate.stride(0), up.stride(0),
-                                              BLOCK=SILU_BLOCK, num_warps=4, **_common.pdl())
+                                              BLOCK=SILU_BLOCK, num_warps=4, **_common.pdl_args(pdl))
     return out
 
 
-def silu_mul_pairs(y: torch.Tensor, launch=None) -> torch.Tensor:
+def silu_mul_pairs(y: torch.Tensor, launch=None, pdl: int = 0) -> torch.Tensor:
     """silu(gate) * up for a 2-D output whose features are interleaved (gate, up) pairs (the fused
     gate/up projection), in one pass: fp32 math, one rounding to y's dtype, as
     ``reference.silu_mul_pairs`` and the W4 GEMM's epilogue. (M, N / 2), contiguous."""
@@ -335,5 +326,5 @@ def silu_mul_pairs(y: torch.Tensor, launch=None) -> torch.Tensor:
     if n:
         kernel = _silu_mul_kernel if launch is None else launch(_silu_mul_kernel)
         kernel[(triton.cdiv(n, SILU_BLOCK),)](y, y, out, n, half, y.stride(0), y.stride(0), BLOCK=SILU_BLOCK,
-                                              num_warps=4, PAIRS=True, **_common.pdl())
+                                              num_warps=4, PAIRS=True, **_common.pdl_args(pdl))
     return out

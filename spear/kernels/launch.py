@@ -3,8 +3,9 @@
 
 Runtime autotuning cannot run inside CUDA-graph capture (it times launches), so the choice is
 a fixed table, picked from sweeps on one H200 (``benchmarks/bench_kernels.py --tune`` and
-``benchmarks/bench_gemv.py`` write the same structure as ``launch_table.json``; the
-benchmarks' ``--table`` loads one into ``LAUNCH``).
+``spear tune-kernels`` write the same structure as ``launch_table.json``). ``BUILTIN`` is that
+table, read-only; a deployment passes its own through ``KernelPolicy.launch``
+(``spear.kernels.policy``), merged key by key over it.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
-import triton
 
 
 @dataclass(frozen=True)
@@ -30,14 +31,11 @@ class Config:
     u_split: int = 0  # K ranges of the fused u = A x programs; 0: one per K step, at most w4a16.U_SPLIT_MAX
     ptx: bool = True  # CUDA-core loop with fp16 activations: the fp16x2 PTX word product
     prefetch: bool = False  # K-major CUDA-core loop: issue step k + 1's loads before step k's math
-    # K-major CUDA-core loop without the register prefetch: K steps whose weight loads are in flight
-    # at once through shared memory (cp.async stages of Triton's software pipeliner); 1: none
-    pipeline: int = 1
 
 
 # Launch shapes by token count. Values from the sweep on one H200, 2026-11-29 (BENCHMARKS.md "Kernels"): geometric mean over
 # 4096x4096, 28672x4096 and 4096x14336 of the best candidate per token class.
-LAUNCH = {
+_BUILTIN = {
     "fma_max_m": 1,                                       # CUDA-core main loop up to here
     "fma": dict(BN=64, BK=128, num_warps=2, num_stages=2, programs=1024),
     # K-major layout: from the GEMV sweeps (BENCHMARKS.md "Decode GEMV study" and "Register
@@ -66,10 +64,17 @@ LAUNCH = {
     "tc_wide": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=256),
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
 }
+
+
+def _frozen(v):
+    return MappingProxyType({k: _frozen(x) for k, x in v.items()}) if isinstance(v, dict) else v
+
+
+BUILTIN = _frozen(_BUILTIN)  # read-only: a table of one's own is merged over it (merged_table)
 DECODE_MAX_M = 64      # split-K tensor-core tiles up to here, prefill tiles above
 
 # What a launch entry of the table may hold (the sweeps write a subset; BM is the prefill tile's)
-_ENTRY_INTS = ("BM", "BN", "BK", "num_warps", "num_stages", "programs", "pipeline", "max_n", "u_split")
+_ENTRY_INTS = ("BM", "BN", "BK", "num_warps", "num_stages", "programs", "max_n", "u_split")
 _POW2 = ("BM", "BN", "BK", "num_warps")
 
 
@@ -88,24 +93,22 @@ def _check_entry(where: str, e) -> dict:
             raise ValueError(f"{where}.{key} must be a power of two, got {v}")
     if not isinstance(e.get("prefetch", False), bool):
         raise ValueError(f"{where}.prefetch must be true or false, got {e['prefetch']!r}")
-    if e.get("prefetch") and e.get("pipeline", 1) > 1:
-        raise ValueError(f"{where}: prefetch and pipeline > 1 are alternatives; set one")
     return e
 
 
 def check_table(table) -> dict:
-    """Validate a launch table (the structure of ``LAUNCH``, all keys optional) and return it."""
-    if not isinstance(table, dict):
+    """Validate a launch table (the structure of ``BUILTIN``, all keys optional) and return it."""
+    if not isinstance(table, (dict, MappingProxyType)):
         raise ValueError(f"a launch table must be a JSON object, got {type(table).__name__}")
     for key, v in table.items():
-        if key not in LAUNCH:
-            raise ValueError(f"unknown launch table key {key!r}; expected some of {', '.join(LAUNCH)}")
+        if key not in BUILTIN:
+            raise ValueError(f"unknown launch table key {key!r}; expected some of {', '.join(BUILTIN)}")
         if key.endswith("_max_m"):
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 4:
                 raise ValueError(f"{key} must be an integer from 0 to 4 (the CUDA-core loop's token counts), "
                                  f"got {v!r}")
         elif key.endswith("_by_mv"):
-            if not isinstance(v, dict) or set(v) - {"2", "4"}:
+            if not isinstance(v, (dict, MappingProxyType)) or set(v) - {"2", "4"}:
                 raise ValueError(f"{key} must map token classes \"2\" and \"4\" to launch entries, got {v!r}")
             for mv, e in v.items():
                 _check_entry(f"{key}.{mv}", e)
@@ -117,9 +120,9 @@ def check_table(table) -> dict:
 
 
 def read_table(table) -> dict:
-    """``table`` (a dict, or the path of a JSON file as the benchmarks write it:
-    ``benchmarks/bench_gemv.py``, ``bench_kernels.py --tune``), checked."""
-    if not isinstance(table, dict):
+    """``table`` (a dict, or the path of a JSON file as ``spear tune-kernels`` and
+    ``benchmarks/bench_kernels.py --tune`` write it), checked."""
+    if not isinstance(table, (dict, MappingProxyType)):
         path = Path(table)
         try:
             table = json.loads(path.read_text())
@@ -130,11 +133,20 @@ def read_table(table) -> dict:
     return check_table(table)
 
 
-def use_table(table) -> None:
-    """Dispatch the W4 kernel with ``table`` (``read_table``'s input) instead of the built-in
-    launches, key by key. Process-wide, like the table it updates; the built-in one was chosen on
-    an H200, so other GPUs may want their own."""
-    LAUNCH.update(read_table(table))
+def merged_table(table=None):
+    """The built-in table with ``table`` (``read_table``'s input) merged over it key by key,
+    read-only."""
+    if table is None:
+        return BUILTIN
+    return _frozen({**{k: _thaw(v) for k, v in BUILTIN.items()}, **_thaw(read_table(table))})
+
+
+def _thaw(v):
+    return {k: _thaw(x) for k, x in v.items()} if isinstance(v, (dict, MappingProxyType)) else v
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _split_for(tiles: int, k: int, bk: int, programs: int) -> int:
@@ -145,25 +157,25 @@ def _split_for(tiles: int, k: int, bk: int, programs: int) -> int:
     return split
 
 
-def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False) -> Config:
+def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False, table=BUILTIN) -> Config:
+    """The launch of an (m, n, k) W4 GEMM under ``table`` (``merged_table``'s result)."""
     kmax = group_size if group_size else k  # BK must divide a group (one scale per step)
     fma = "fma_kmajor" if kmajor else "fma"
-    if m <= LAUNCH[fma + "_max_m"]:
+    if m <= table[fma + "_max_m"]:
         mv = 1 if m == 1 else (2 if m == 2 else 4)
-        c = LAUNCH.get(fma + "_by_mv", {}).get(str(mv), LAUNCH[fma])
-        narrow = LAUNCH.get(fma + "_narrow")
+        c = table.get(fma + "_by_mv", {}).get(str(mv), table[fma])
+        narrow = table.get(fma + "_narrow")
         if mv == 1 and narrow and n <= narrow["max_n"]:
             c = narrow
         bk = min(c["BK"], kmax)
-        split = _split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
+        split = _split_for(_cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=mv,
-                      prefetch=bool(kmajor and c.get("prefetch", False)),
-                      pipeline=c.get("pipeline", 1) if kmajor else 1, u_split=c.get("u_split", 0))
+                      prefetch=bool(kmajor and c.get("prefetch", False)), u_split=c.get("u_split", 0))
     if m <= DECODE_MAX_M:
-        c = LAUNCH["tc"] if m <= 16 else LAUNCH.get("tc_wide", LAUNCH["tc"])
+        c = table["tc"] if m <= 16 else table.get("tc_wide", table["tc"])
         bk = min(c["BK"], kmax)
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        split = _split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])
+        split = _split_for(_cdiv(m, bm) * _cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"], u_split=c.get("u_split", 0))
-    c = LAUNCH["prefill"]
+    c = table["prefill"]
     return Config(c["BM"], c["BN"], min(c["BK"], kmax), 1, c["num_warps"], c["num_stages"])

@@ -1,6 +1,6 @@
 """Plain-torch references for the kernels: the contract every kernel is tested against.
 
-All math is done in fp32 from the stored (fp16/bf16) parameters; callers cast the result.
+The W4 layer's math is done in fp32 from the stored (fp16/bf16) parameters; callers cast the result.
 
   W_hat = (codes - zeros) * scales            per group of ``group_size`` input columns
   y     = x W_hatᵀ (+ bias)
@@ -12,6 +12,7 @@ All math is done in fp32 from the stored (fp16/bf16) parameters; callers cast th
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from spear.kernels.layout import PackedEC, PackedW4, unpack
 
@@ -49,10 +50,45 @@ def w4a16_ec(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: 
     return y
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers' Llama computes it: fp32 statistics, x·rstd rounded to x's dtype,
+    then the product with ``weight`` in their promoted dtype (the fused kernel's contract)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on x (T, heads, head_dim) with cos, sin (T, head_dim) of each token's position, in
+    the activation dtype as transformers' Llama does."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Store each token's k, v (T, kv_heads, head_dim) at its cache slot (block · block_size + offset)."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+
 def silu_mul_pairs(y: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in fp32 for outputs whose features are interleaved (gate, up) pairs."""
     y = y.float()
     return torch.nn.functional.silu(y[..., 0::2]) * y[..., 1::2]
+
+
+def w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``x (qweight * scale[:, None])ᵀ (+ bias)`` for x (..., K): the W8A16 kernel's contract."""
+    y = x.float() @ (qweight.float() * scale.float()[:, None]).t()
+    return y + bias.float() if bias is not None else y
 
 
 def w4a16_ec_packed(x: torch.Tensor, packed: PackedW4, bias: torch.Tensor | None = None,
@@ -63,3 +99,21 @@ def w4a16_ec_packed(x: torch.Tensor, packed: PackedW4, bias: torch.Tensor | None
         return w4a16_ec(x, codes, scales, zeros, packed.group_size, bias)
     return w4a16_ec(x, codes, scales, zeros, packed.group_size, bias, ec.a, ec.b, ec.w1, ec.b1, ec.w2, ec.b2,
                     ec.alpha, ec.bound)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence over its paged keys (the decode attention kernel's contract): gathers
+    the whole block table (O(max_blocks) per sequence), then masked SDPA. q (B, n_heads, head_dim),
+    caches (num_blocks, block_size, n_kv_heads, head_dim), block_tables (B, max_blocks) int64 whose
+    entries past a sequence's last block may point anywhere valid (they are masked), context_lens
+    (B,). Returns (B, n_heads * head_dim)."""
+    b, n_blocks = block_tables.shape
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    length = n_blocks * block_size
+    k = k_cache[block_tables].view(b, length, kv_heads, head_dim).transpose(1, 2)  # (B, Hkv, L, D)
+    v = v_cache[block_tables].view(b, length, kv_heads, head_dim).transpose(1, 2)
+    mask = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                       enable_gqa=kv_heads != q.shape[1])
+    return o.flatten(1)

@@ -1,13 +1,12 @@
 """Launch shapes of the W4 kernel's one-token loops, measured on the GPU at hand.
 
-The built-in table (``launch.LAUNCH``) was chosen on an H200. ``tune`` times the CUDA-core
-loop (M = 1, 2, 4 tokens) over a grid of tile widths, warps, program counts and the two
-ways of keeping loads in flight (register prefetch, shared-memory pipeline), on the layer
-shapes of a model, against the tensor-core tiles, and returns a table in ``LAUNCH``'s
-structure: per token class the launch with the best geometric mean over the shapes, and the
+The built-in table (``launch.BUILTIN``) was chosen on an H200. ``tune`` times the CUDA-core
+loop (M = 1, 2, 4 tokens) over a grid of tile widths, warps, program counts and the
+register prefetch, on the layer shapes of a model, against the tensor-core tiles, and
+returns a table in ``BUILTIN``'s structure: per token class the launch with the best geometric mean over the shapes, and the
 largest token count up to which the loop beats the tiles. ``spear tune-kernels`` writes it;
-``spear serve --launch-table`` and ``EngineConfig.launch_table`` read it
-(``launch.read_table``). benchmarks/bench_gemv.py runs the same sweep beside FP16 cuBLAS.
+``spear serve --launch-table`` and ``KernelPolicy.launch_table`` read it
+(``launch.read_table``).
 
 Protocol: RTN 4-bit, asymmetric, random non-zero weights; every launch checked against the
 fp32 reference first (SQNR > 40 dB); CUDA graphs cycling through weight copies beyond 2x L2,
@@ -24,22 +23,19 @@ import time
 
 import torch
 
-from spear.kernels import launch as _launch
 from spear.kernels import reference
 from spear.kernels.layout import pack
-from spear.kernels.launch import Config, _split_for, pick_config
+from spear.kernels.launch import Config, _split_for, merged_table, pick_config
 from spear.kernels.timing import copies_for, time_calls
 from spear.kernels.w4a16 import w4a16_matmul
 
 GROUP = 128
 LAYOUTS = {"nmajor": False, "kmajor": True}
-# The sweep's grid (each key a list of values); prefetch and pipeline > 1 exclude each other
-GRID = dict(BN=[32, 64, 128, 256], num_warps=[2, 4, 8], programs=[528, 1056, 2112], prefetch=[0], num_stages=[1],
-            pipeline=[1])
+# The sweep's grid (each key a list of values)
+GRID = dict(BN=[32, 64, 128, 256], num_warps=[2, 4, 8], programs=[528, 1056, 2112], prefetch=[0], num_stages=[1])
 # ``spear tune-kernels``'s default grid: the widths, warps and program counts that won somewhere
-# in the H200 sweeps, both ways of keeping loads in flight
-TUNE_GRID = dict(BN=[64, 128], num_warps=[2, 4], programs=[264, 528, 1056], prefetch=[0, 1], num_stages=[1],
-                 pipeline=[1, 3])
+# in the H200 sweeps, with and without the register prefetch
+TUNE_GRID = dict(BN=[64, 128], num_warps=[2, 4], programs=[264, 528, 1056], prefetch=[0, 1], num_stages=[1])
 
 
 def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -54,40 +50,31 @@ def geomean(xs) -> float:
 def tc_config(m: int, n: int, k: int, kmajor: bool) -> Config:
     """The tensor-core launch pick_config makes when the CUDA-core loop is switched off."""
     key = "fma_kmajor_max_m" if kmajor else "fma_max_m"
-    saved = _launch.LAUNCH[key]
-    _launch.LAUNCH[key] = 0
-    try:
-        return pick_config(m, n, k, GROUP, kmajor)
-    finally:
-        _launch.LAUNCH[key] = saved
+    return pick_config(m, n, k, GROUP, kmajor, merged_table({key: 0}))
 
 
 def fma_configs(m: int, n: int, k: int, kmajor: bool, grid=GRID):
-    """The CUDA-core launches of the sweep (register prefetch and the shared-memory pipeline only
-    exist in the K-major loop, and exclude each other)."""
+    """The CUDA-core launches of the sweep (the register prefetch only exists in the K-major loop)."""
     mv = 1 if m == 1 else (2 if m == 2 else 4)
-    for bn, nw, prog, pf, ns, pl in itertools.product(grid["BN"], grid["num_warps"], grid["programs"],
-                                                      grid["prefetch"], grid["num_stages"], grid.get("pipeline", [1])):
-        if (pf or pl > 1) and not kmajor or (pf and pl > 1):
+    for bn, nw, prog, pf, ns in itertools.product(grid["BN"], grid["num_warps"], grid["programs"],
+                                                  grid["prefetch"], grid["num_stages"]):
+        if pf and not kmajor:
             continue
-        yield (dict(BN=bn, num_warps=nw, programs=prog, prefetch=bool(pf), num_stages=ns, pipeline=pl),
-               Config(16, bn, 128, _split_for(-(-n // bn), k, 128, prog), nw, ns, mv=mv, prefetch=bool(pf),
-                      pipeline=pl))
+        yield (dict(BN=bn, num_warps=nw, programs=prog, prefetch=bool(pf), num_stages=ns),
+               Config(16, bn, 128, _split_for(-(-n // bn), k, 128, prog), nw, ns, mv=mv, prefetch=bool(pf)))
 
 
 def launch_key(launch: dict) -> str:
     """The sweep's name of a launch (a sweep launch or a table entry: absent fields take their defaults)."""
-    stages, pipeline = launch.get("num_stages", 1), launch.get("pipeline", 1)
+    stages = launch.get("num_stages", 1)
     return (f"BN{launch['BN']}_w{launch['num_warps']}_p{launch['programs']}" + ("_pf" if launch.get("prefetch") else "")
-            + (f"_s{stages}" if stages != 1 else "") + (f"_pl{pipeline}" if pipeline > 1 else ""))
+            + (f"_s{stages}" if stages != 1 else ""))
 
 
 def _launch_entry(c: dict) -> dict:
     e = dict(BN=c["BN"], BK=128, num_warps=c["num_warps"], num_stages=c.get("num_stages", 1), programs=c["programs"])
     if c.get("prefetch"):
         e["prefetch"] = True
-    if c.get("pipeline", 1) > 1:
-        e["pipeline"] = c["pipeline"]
     return e
 
 
@@ -205,7 +192,7 @@ def tune(shapes, tokens=(1, 2, 4), grid=TUNE_GRID, layout: str = "kmajor", budge
 
 
 def narrow_launch(rows, one_token: dict, max_n: int = 4096) -> dict | None:
-    """The K-major one-token launch for layers of at most ``max_n`` output features (launch.LAUNCH's
+    """The K-major one-token launch for layers of at most ``max_n`` output features (launch.BUILTIN's
     "fma_kmajor_narrow"): the sweep's best on those shapes at M = 1 when it beats ``one_token`` there,
     else None (the one-token launch serves them too)."""
     narrow = [r for r in rows if r["m"] == 1 and r["n"] <= max_n and r["kmajor"].get("sweep")]

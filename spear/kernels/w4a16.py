@@ -60,16 +60,15 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import INTERPRET, _dequant, _dot, _pdl_start, _pdl_wait, _unpack_w4
+from spear.kernels._common import INTERPRET, _dequant, _dot, _pdl_wait, _unpack_w4
 from spear.kernels._ec_programs import _fused_ec, _u_program
 from spear.kernels._epilogue import _epilogue, _finish_tile
 from spear.kernels._kmajor import _kmajor_mainloop
 from spear.kernels._nmajor import _fma_mainloop
 from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
-# the launch shapes (launch.py), re-exported where the kernel's callers look for them
-from spear.kernels.launch import DECODE_MAX_M, LAUNCH, Config, _split_for, pick_config  # noqa: F401
+from spear.kernels.launch import BUILTIN, Config, pick_config
 
-U_SPLIT_MAX = 32       # fused EC: u = A x programs per m-tile (engine A/B in BENCHMARKS.md: 32 best of 8, 16, 32)
+U_SPLIT_MAX = 32  # fused EC: u = A x programs per m-tile at most (KernelPolicy.u_split_max; 32 timed best of 8-32)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -97,13 +96,10 @@ def _w4a16_kernel(
     SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr,
     # 1: the output features are (gate, up) pairs, features 2i and 2i + 1; store silu(gate) * up
     ACT: tl.constexpr = 0,
-    # programmatic dependent launch (_common.set_pdl): start loading weights before the kernel
+    # programmatic dependent launch (KernelPolicy.pdl): start loading weights before the kernel
     # before this one has finished; everything that reads x or writes waits for it
     PDL: tl.constexpr = False,
-    # K-major CUDA-core loop without PREFETCH: K steps in flight through shared memory (Config.pipeline)
-    PIPELINE: tl.constexpr = 1,
 ):
-    _pdl_start(PDL)
     # torch.compile passes Python floats as fp64 scalars; fp32 keeps the accumulators fp32
     alpha = tl.cast(alpha, tl.float32)
     bound = tl.cast(bound, tl.float32)
@@ -135,13 +131,13 @@ def _w4a16_kernel(
                        v_ptr, alpha, SPLIT_K, U_SPLIT, w_local // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
                        w_local % SPLIT_K, M, N, K, stride_xm, stride_om,
                        GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
-                       PREFETCH, ACT, PDL, PIPELINE)
+                       PREFETCH, ACT, PDL)
     else:
         _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
                    alpha, SPLIT_K, U_SPLIT, local // SPLIT_K, n_wt, lock_base, offs_m, m_mask, local % SPLIT_K,
                    M, N, K, stride_xm, stride_om,
                    GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH,
-                   ACT, PDL, PIPELINE)
+                   ACT, PDL)
 
 
 @triton.jit
@@ -152,7 +148,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
                EC_MODE: tl.constexpr, R: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
                PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr, ACT: tl.constexpr,
-               PDL: tl.constexpr, PIPELINE: tl.constexpr = 1):
+               PDL: tl.constexpr):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
     if not (KMAJOR and MV > 0 and PTX and PREFETCH):
         _pdl_wait(PDL)  # the K-major PTX loop waits after loading its first weights
@@ -177,7 +173,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
         zc = zbase + tl.load(zeros_ptr + n_ld).to(tl.float32)
     if KMAJOR and MV > 0:  # scales applied inside
         accT = _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt * BN, k_lo, k_hi, M, N, stride_xm,
-                                GROUP, SYMMETRIC, BN, BK, BM, MV, PTX, PREFETCH, PDL, PIPELINE)
+                                GROUP, SYMMETRIC, BN, BK, BM, MV, PTX, PREFETCH, PDL)
     elif MV > 0:
         accT = _fma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, K, stride_xm,
                              GROUP, SYMMETRIC, BN, BK, BM, MV, PTX)
@@ -253,13 +249,16 @@ def check_act(act: int, n: int) -> None:
 
 def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None, ec: PackedEC | None = None,
                  ec_mode: int | None = None, v: torch.Tensor | None = None, config: Config | None = None,
-                 launch=None, act: int = 0) -> torch.Tensor:
+                 launch=None, act: int = 0, pdl: int = 0, u_split_max: int = U_SPLIT_MAX,
+                 table=BUILTIN) -> torch.Tensor:
     """``out = x W_hatᵀ (+ bias) (+ EC)`` for 2-D ``x``; see the module docstring.
 
     ``ec_mode``: 0 no EC, 1 fused (needs ``ec``), 2 epilogue from ``v`` = gamma(u) ⊙ u (M, R)
-    (needs ``ec`` for B). Defaults to 1 when ``ec`` is given. ``launch`` wraps the kernel
-    (``torch.library.wrap_triton`` inside the registered op). ``act`` 1: the output features
-    are interleaved (gate, up) pairs and the result is silu(gate) * up, (M, N / 2).
+    (needs ``ec`` for B). Defaults to 1 when ``ec`` is given. ``config``: the launch (default:
+    ``pick_config`` from ``table``). ``launch`` wraps the kernel (``torch.library.wrap_triton``
+    inside the registered op). ``act`` 1: the output features are interleaved (gate, up) pairs
+    and the result is silu(gate) * up, (M, N / 2). ``pdl`` 1: launched with programmatic
+    dependent launch (CUDA, Hopper or newer).
     """
     _check(x, w, bias, ec)
     if ec_mode is None:
@@ -269,26 +268,23 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     m, k = x.shape
     n = w.out_features
     check_act(act, n)
-    cfg = config or pick_config(m, n, k, w.group_size, w.kmajor)
+    cfg = config or pick_config(m, n, k, w.group_size, w.kmajor, table)
     # one scale per K step
     if k % cfg.BK or (w.group_size and w.group_size % cfg.BK):
         raise ValueError(f"BK={cfg.BK} must divide in_features={k} and the group size {w.group_size}")
     m_tiles, n_wt = triton.cdiv(m, cfg.BM), triton.cdiv(n, cfg.BN)
-    if cfg.pipeline < 1 or (cfg.pipeline > 1 and cfg.prefetch):
-        raise ValueError(f"pipeline must be >= 1, and 1 with the register prefetch (they are alternatives); got "
-                         f"pipeline={cfg.pipeline}, prefetch={cfg.prefetch}")
     if cfg.mv and (m > cfg.mv or cfg.mv not in (1, 2, 4) or cfg.mv > cfg.BM):
         raise ValueError(f"the CUDA-core main loop takes M <= mv, mv in (1, 2, 4), mv <= BM; got M={m}, "
                          f"mv={cfg.mv}, BM={cfg.BM}")
     r = ec.a.shape[0] if ec is not None else 16
     u_split = 0
     if ec_mode == 1:
-        # as many u programs as K steps allow, up to U_SPLIT_MAX: each is a single program walking
+        # as many u programs as K steps allow, up to u_split_max: each is a single program walking
         # its K range step by step, so u (and then v) is on the W tiles' critical path unless the
         # u programs' ranges are much shorter than the W programs' (which many programs per SM
         # and the register prefetch keep streaming); the last u program sums all partials in one
         # round trip
-        u_split = min(cfg.u_split, k // cfg.BK) if cfg.u_split else min(k // cfg.BK, U_SPLIT_MAX)
+        u_split = min(cfg.u_split, k // cfg.BK) if cfg.u_split else min(k // cfg.BK, u_split_max)
     needs_locks = cfg.split_k > 1 or ec_mode == 1
     if needs_locks and m_tiles * (n_wt + 2) > w.locks.numel():
         raise ValueError(f"split-K/fused EC needs {m_tiles * (n_wt + 2)} lock slots for M={m}, N={n}; "
@@ -319,8 +315,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
         PTX=bool(cfg.mv and cfg.ptx and aligned and x.dtype == torch.float16 and not INTERPRET), KMAJOR=w.kmajor,
         SPLIT_K=cfg.split_k, U_SPLIT=u_split, PREFETCH=bool(cfg.prefetch and w.kmajor and cfg.mv), ACT=act,
-        PIPELINE=cfg.pipeline if w.kmajor and cfg.mv else 1,
-        **_common.pdl(),
+        **_common.pdl_args(pdl),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -37,6 +37,7 @@ so the overlap is only the launch itself (the head's weights are not prefetched)
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Optional
 
 import torch
@@ -45,7 +46,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from spear.kernels import _common
-from spear.kernels._common import INTERPRET, _pdl_start, _pdl_wait
+from spear.kernels import reference
+from spear.kernels._common import INTERPRET, _pdl_wait
 
 # Launch shapes by token count: the entry of the smallest key >= M (the largest key's above it).
 # BM tokens per program (CUDA-core entries skip tokens >= M), BN output features, BK inputs per
@@ -57,12 +59,12 @@ from spear.kernels._common import INTERPRET, _pdl_start, _pdl_wait
 # 186 us at M = 16), where the best CUDA-core launch at M = 4 took 301 us (the first guesses at
 # M = 8, 896 us) and cuBLAS 283 us. M > 16: first guesses, not swept; they stream the weight
 # through cp.async stages into wgmma, the int8 -> fp16 operand in registers.
-LAUNCH = {
-    1: dict(BM=1, BN=16, BK=256, num_warps=4, num_stages=2, dot=False),
-    16: dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3, dot=True),
-    32: dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=3, dot=True),
-    64: dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3, dot=True),
-}
+LAUNCH = MappingProxyType({
+    1: MappingProxyType(dict(BM=1, BN=16, BK=256, num_warps=4, num_stages=2, dot=False)),
+    16: MappingProxyType(dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3, dot=True)),
+    32: MappingProxyType(dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=3, dot=True)),
+    64: MappingProxyType(dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3, dot=True)),
+})
 K_STEP = 16  # in_features must be a multiple of this (16-byte aligned int8 rows)
 _KEYS = ("BM", "BN", "BK", "num_warps", "num_stages", "dot")
 
@@ -88,7 +90,6 @@ def _w8a16_kernel(
     # programmatic dependent launch (_common.set_pdl)
     PDL: tl.constexpr = 0,
 ):
-    _pdl_start(PDL)
     _pdl_wait(PDL)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_mask = offs_n < N
@@ -159,13 +160,6 @@ def pack_w8(codes: torch.Tensor, scales: torch.Tensor,
     return qweight, scales.reshape(n).to(torch.float32).contiguous()
 
 
-def reference_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 ``x (qweight * scale[:, None])ᵀ (+ bias)`` for x (..., K): the contract of the kernel."""
-    y = x.float() @ (qweight.float() * scale.float()[:, None]).t()
-    return y + bias.float() if bias is not None else y
-
-
 def _check(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
     if qweight.dtype != torch.int8 or qweight.dim() != 2 or not qweight.is_contiguous():
         raise ValueError(f"qweight must be contiguous int8 (out_features, in_features) (pack_w8); got "
@@ -200,11 +194,12 @@ def pick_config(m: int) -> dict:
 
 
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 config: dict | None = None, launch=None) -> torch.Tensor:
+                 config: dict | None = None, launch=None, pdl: int = 0) -> torch.Tensor:
     """``(x qweightᵀ) * scale (+ bias)`` for 2-D ``x`` in x's dtype, accumulated in fp32.
 
     ``config`` overrides keys of the ``LAUNCH`` entry for M (BM, BN, BK, num_warps, num_stages,
-    dot); ``launch`` wraps the kernel (``torch.library.wrap_triton`` inside the registered op).
+    dot); ``launch`` wraps the kernel (``torch.library.wrap_triton`` inside the registered op);
+    ``pdl`` 1: launched with programmatic dependent launch.
     """
     _check(x, qweight, scale, bias)
     m, k = x.shape
@@ -229,14 +224,15 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bi
         m, n, k, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
         BM=bm, BN=bn, BK=bk, DOT=dot, DOT_F32=INTERPRET,
-        **_common.pdl(),
+        **_common.pdl_args(pdl),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 
 
 @triton_op("spear::w8a16", mutates_args=())
-def w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
+          pdl: int = 0) -> torch.Tensor:
     """x (..., K) -> (..., N): the Triton kernel on CUDA, the fp32 reference (cast to x's dtype) elsewhere."""
     n, k = qweight.shape
     if x.shape[-1] != k:
@@ -249,13 +245,13 @@ def w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Opt
     if x2.shape[0] == 0:
         return x.new_empty((*lead, n))
     if x.device.type != "cuda":
-        y = reference_w8a16(x2, qweight, scale, bias).to(x.dtype)
+        y = reference.w8a16(x2, qweight, scale, bias).to(x.dtype)
     else:
-        y = w8a16_matmul(x2, qweight, scale, bias, launch=wrap_triton)
+        y = w8a16_matmul(x2, qweight, scale, bias, launch=wrap_triton, pdl=pdl)
     return y.reshape(*lead, n)
 
 
 def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, pdl: int = 0) -> torch.Tensor:
     """``x (qweight * scale)ᵀ (+ bias)`` through ``spear::w8a16``; qweight, scale from :func:`pack_w8`."""
-    return torch.ops.spear.w8a16(x, qweight, scale, bias)
+    return torch.ops.spear.w8a16(x, qweight, scale, bias, pdl)

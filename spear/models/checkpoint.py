@@ -295,15 +295,20 @@ def read_spear_config(path: str | os.PathLike) -> dict:
     return cfg
 
 
-def _read_tensors(file: Path, expected: dict, hashes: dict, verify: bool) -> dict[str, torch.Tensor]:
-    """Every tensor of ``file``, checked against ``expected`` (name -> (shape, dtype)), for finite
-    values, and with ``verify`` against the recorded digests."""
+def read_tensors(file: Path, expected: dict | None = None, hashes: dict | None = None,
+                 verify: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of ``file``, checked for finite values, against ``expected`` (name -> (shape,
+    dtype); None: any names and shapes), and with ``verify`` against the digests ``hashes`` records.
+    Any damage is a SpearError naming the file or the tensor."""
     from safetensors import safe_open
 
+    hashes = hashes or {}
     state: dict[str, torch.Tensor] = {}
     try:
         with safe_open(str(file), framework="pt") as fh:
             keys = set(fh.keys())
+            if expected is None:
+                expected = {key: None for key in keys}
             missing = sorted(set(expected) - keys)
             if missing:
                 raise SpearError(f"checkpoint {file} lacks tensor {missing[0]}"
@@ -314,11 +319,11 @@ def _read_tensors(file: Path, expected: dict, hashes: dict, verify: bool) -> dic
                                  + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
             for key in sorted(keys):
                 shape = tuple(fh.get_slice(key).get_shape())
-                want_shape, want_dtype = expected[key]
+                want_shape, want_dtype = expected[key] or (shape, None)
                 if shape != want_shape:
                     raise SpearError(f"checkpoint tensor {key}: shape {shape}, expected {want_shape}")
                 t = fh.get_tensor(key)
-                if t.dtype != want_dtype:
+                if want_dtype is not None and t.dtype != want_dtype:
                     raise SpearError(f"checkpoint tensor {key}: dtype {t.dtype}, expected {want_dtype}")
                 if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                     raise SpearError(f"checkpoint tensor {key} holds non-finite values (NaN or inf): the file "
@@ -414,7 +419,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     file = path / WEIGHTS_NAME
     if not file.is_file():
         raise SpearError(f"checkpoint {path} lacks {WEIGHTS_NAME}")
-    state = _read_tensors(file, expected, cfg.get("sha256", {}), verify)
+    state = read_tensors(file, expected, cfg.get("sha256", {}), verify)
 
     for name, entry in cfg["modules"].items():
         mod: QuantLinear = model.get_submodule(name)

@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spear.errors import SpearError
-
-# EngineConfig.pdl: the levels of spear.kernels._common.set_pdl, and "auto" ("wait" on the decode
-# graphs of up to PDL_AUTO_MAX_BATCH sequences on a Hopper-or-newer GPU, "off" elsewhere)
-PDL_MODES = ("off", "wait", "trigger", "auto")
-# "wait" against "off" on the H200 (BENCHMARKS.md, "Serving: decode", eighth run): faster for every
-# variant at 1 and 8 sequences and within 0.3% at 32, but 2-4% slower at 64 with compensators
-PDL_AUTO_MAX_BATCH = 32
+from spear.kernels.policy import KernelPolicy
 
 
 @dataclass(slots=True)
@@ -24,18 +18,9 @@ class EngineConfig:
     kv_memory: int | None = None         # bytes for the KV cache; None: 1 GiB on CPU, 85% of free GPU memory
     max_waiting: int = 256               # queued requests beyond the free slots; more raise QueueFull
     cuda_graphs: bool = True             # capture decode steps on CUDA (ignored on CPU)
-    weight_layout: str = "kmajor"        # packed W4 layout on CUDA: "kmajor" (faster decode) or "nmajor"
-    fuse_projections: bool = True        # on CUDA: q/k/v and gate/up as one GEMM each (spear.serve.fusion)
-    # programmatic dependent launch of the decode kernels on CUDA (Hopper or newer): "off", "wait"
-    # or "trigger" (spear.kernels._common.set_pdl), or "auto" (PDL_MODES). Process-wide: the runner
-    # sets it for every kernel launched in this process. "wait" was faster at batch 1 on the H200
-    # (BENCHMARKS.md, "Serving: decode", eighth run) but slower at 64 sequences with ECs; "auto"
-    # (the default) takes it only where it was faster (eleventh run) and is "off" on the CPU
-    pdl: str = "auto"
-    # launch shapes of the W4 kernel on CUDA: the path of a JSON table (benchmarks/bench_gemv.py or
-    # bench_kernels.py --tune write one) or a dict; None: the built-in table, chosen on an H200.
-    # Process-wide, like pdl (spear.kernels.launch.use_table); checked here, applied by the runner
-    launch_table: str | dict | None = None
+    # every threshold, launch table and switch of the kernels (spear.kernels.policy): the engine
+    # hands it to its layers, so engines in one process may differ
+    kernels: KernelPolicy = field(default_factory=KernelPolicy)
     seed: int = 0                        # the generator of requests without a seed
 
     def __post_init__(self):
@@ -46,20 +31,20 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise SpearError(f"{name} must be >= 1 when given, got {v}")
-        if self.pdl not in PDL_MODES:
-            raise SpearError(f"pdl must be 'off', 'wait', 'trigger' or 'auto', got {self.pdl!r}")
-        if self.launch_table is not None:
-            from spear.kernels import launch
-
-            try:
-                self.launch_table = launch.read_table(self.launch_table)
-            except ValueError as e:
-                raise SpearError(f"launch_table: {e}") from None
-        if self.weight_layout not in ("nmajor", "kmajor"):
-            raise SpearError(f"weight_layout must be 'nmajor' or 'kmajor', got {self.weight_layout!r}")
+        if not isinstance(self.kernels, KernelPolicy):
+            raise SpearError(f"kernels must be a KernelPolicy, got {type(self.kernels).__name__}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise SpearError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence decodes one token per step")
+
+
+def kernel_policy(pdl: str = "auto", launch_table=None, **changes) -> KernelPolicy:
+    """A KernelPolicy from user-facing settings (a launch-table path or dict); a bad one is a SpearError."""
+    try:
+        policy = KernelPolicy(pdl=pdl, **changes)
+        return policy if launch_table is None else policy.replace(launch_table=launch_table)
+    except ValueError as e:
+        raise SpearError(f"kernel policy: {e}") from None
 
 
 @dataclass(frozen=True, slots=True)

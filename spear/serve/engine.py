@@ -31,7 +31,8 @@ from spear.errors import SpearError
 from spear.serve.block_manager import BlockManager
 from spear.serve.config import EngineConfig
 from spear.serve.detokenizer import IncrementalDetokenizer
-from spear.serve.model_runner import ModelRunner, check_supported, kv_bytes_per_block
+from spear.serve.llama import build_model, check_supported
+from spear.serve.model_runner import ModelRunner, kv_bytes_per_block
 from spear.serve.sampling import make_generator, sample
 from spear.serve.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from spear.serve.sequence import SamplingParams, Sequence
@@ -89,10 +90,19 @@ class EngineStats:
     num_failed_steps: int = 0     # steps in a row in which every request failed (0 after a good one)
 
 
-def eos_token_ids(model: nn.Module, tokenizer) -> set[int]:
+def _generation_config(path):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except (OSError, ValueError):  # a folder without generation_config.json
+        return None
+
+
+def eos_token_ids(config, generation_config, tokenizer) -> set[int]:
     ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    for source in (getattr(gen, "eos_token_id", None), model.config.eos_token_id, tokenizer.eos_token_id):
+    for source in (getattr(generation_config, "eos_token_id", None), getattr(config, "eos_token_id", None),
+                   getattr(tokenizer, "eos_token_id", None)):
         if isinstance(source, int):
             ids.add(source)
         elif source is not None:
@@ -101,22 +111,60 @@ def eos_token_ids(model: nn.Module, tokenizer) -> set[int]:
 
 
 class LLMEngine:
-    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig | None = None):
+    """The engine over its own model of the checkpoint (spear/serve/llama.py).
+
+    ``LLMEngine(model, tokenizer)`` takes a transformers causal LM in memory (with spear's
+    QuantLinears and compensators where it has them) and reads its weights into the engine's
+    model, on ``device`` and in ``dtype`` (default: the model's); ``from_pretrained`` reads a
+    checkpoint from disk. ``load_report`` lists the quantized layers that run off the kernel
+    path on CUDA, with the reason."""
+
+    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig | None = None,
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+        from spear.serve import loader
+
+        check_supported(model.config)
+        ref = model.get_input_embeddings().weight
+        cfg, quantized, tensors = loader.from_module(model)
+        self._setup(cfg, quantized, tensors, getattr(model, "generation_config", None), tokenizer, config,
+                    torch.device(device) if device is not None else ref.device, dtype or ref.dtype)
+
+    @classmethod
+    def from_pretrained(cls, model: str = "smollm2-135m", config: EngineConfig | None = None,
+                        dtype: torch.dtype | None = None, device: str | None = None,
+                        verify: bool = False) -> "LLMEngine":
+        """Load the default model, an HF folder or a spear checkpoint; fp32 on CPU, fp16 on CUDA by default
+        (``verify``: a checkpoint's tensors checked against their recorded digests)."""
+        from spear.models.checkpoint import load_folder_tokenizer
+        from spear.models.loading import resolve_model_path
+        from spear.serve import loader
+
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
+        path = resolve_model_path(model)
+        cfg, quantized, tensors = loader.from_folder(path, verify)
+        check_supported(cfg)
+        self = cls.__new__(cls)
+        self._setup(cfg, quantized, tensors, _generation_config(path), load_folder_tokenizer(path), config, device,
+                    dtype)
+        return self
+
+    def _setup(self, model_config, quantized, tensors, generation_config, tokenizer, config, device, dtype) -> None:
+        from spear.kernels.layout import MAX_RANK
+
         self.config = config = config or EngineConfig()
-        check_supported(model)
-        self.model, self.tokenizer = model.eval(), tokenizer
-        device = model.get_input_embeddings().weight.device
-        dtype = model.get_input_embeddings().weight.dtype
-        num_blocks = config.num_blocks or self._blocks_from_memory(model, device, dtype)
-        self.max_model_len = self._max_model_len(model, num_blocks)
+        self.model, self.load_report = build_model(model_config, quantized, tensors, device, dtype, MAX_RANK)
+        for layer, reason in self.load_report:
+            log.warning("%s runs off the W4 kernel path: %s", layer, reason)
+        self.tokenizer = tokenizer
+        num_blocks = config.num_blocks or self._blocks_from_memory(model_config, device, dtype)
+        self.max_model_len = self._max_model_len(model_config, num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len, config.max_num_seqs,
-                                  cuda_graphs=config.cuda_graphs, weight_layout=config.weight_layout,
-                                  fuse_projections=config.fuse_projections, pdl=config.pdl,
-                                  launch_table=config.launch_table)
-        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len, config.max_num_seqs,
+                                  config.kernels, cuda_graphs=config.cuda_graphs)
+        self.eos_ids = eos_token_ids(model_config, generation_config, tokenizer)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._generators: dict[str, torch.Generator | None] = {}
@@ -127,21 +175,8 @@ class LLMEngine:
         log.info("engine: %d KV blocks of %d tokens, max_model_len %d, %s %s", num_blocks, config.block_size,
                  self.max_model_len, device, dtype)
 
-    @classmethod
-    def from_pretrained(cls, model: str = "smollm2-135m", config: EngineConfig | None = None,
-                        dtype: torch.dtype | None = None, device: str | None = None,
-                        verify: bool = False) -> "LLMEngine":
-        """Load the default model, an HF folder or a spear checkpoint; fp32 on CPU, fp16 on CUDA by default
-        (``verify``: a checkpoint's tensors checked against their recorded digests)."""
-        from spear.models.loading import load_model
-
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
-        lm, tok = load_model(model, dtype=dtype, device=device, verify=verify)
-        return cls(lm, tok, config)
-
-    def _blocks_from_memory(self, model, device, dtype) -> int:
-        per_block = kv_bytes_per_block(model, self.config.block_size, dtype)
+    def _blocks_from_memory(self, model_config, device, dtype) -> int:
+        per_block = kv_bytes_per_block(model_config, self.config.block_size, dtype)
         budget = self.config.kv_memory
         if budget is None:
             if device.type == "cuda":
@@ -155,8 +190,7 @@ class LLMEngine:
                              f"{self.config.block_size} tokens)")
         return blocks
 
-    def _max_model_len(self, model, num_blocks: int) -> int:
-        cfg = model.config
+    def _max_model_len(self, cfg, num_blocks: int) -> int:
         capacity = num_blocks * self.config.block_size
         limits = {"max_position_embeddings": getattr(cfg, "max_position_embeddings", None) or _DEFAULT_MAX_MODEL_LEN,
                   "KV cache capacity": capacity}

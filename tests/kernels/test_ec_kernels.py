@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spear.kernels import pack_ec
+from spear.kernels.layout import pack_ec
 from spear.kernels import reference as ref
 from spear.kernels.ec import ec_gate, ec_up
 from spear.kernels.w4a16 import Config, w4a16_matmul

@@ -114,7 +114,7 @@ def test_gpu_prefill_ec_dispatch(poisoned, monkeypatch, mode, m, act):
     """The registered op with PREFILL_EC "out" / "in" at a real shape, eagerly and replayed from a CUDA graph."""
     if DEVICE != "cuda":
         pytest.skip("needs CUDA")
-    from spear.kernels import w4a16_linear
+    from spear.kernels.ops import w4a16_linear
 
     monkeypatch.setattr(ops, "PREFILL_EC", mode)
     dtype = torch.float16

@@ -51,10 +51,10 @@ def test_generate_without_prompt_and_impossible_settings(tiny_llama_path, capsys
     assert "exceeds the model's KV cache capacity (32)" in capsys.readouterr().err
     assert main(["generate", "--model", str(tiny_llama_path), "--prompt", "x", "--device", "cpu",
                  "--pdl", "wait"]) == 2
-    assert "programmatic dependent launch (pdl='wait') needs a CUDA GPU" in capsys.readouterr().err
+    assert "programmatic dependent launch (pdl='wait') needs a Hopper" in capsys.readouterr().err
     assert main(["generate", "--model", str(tiny_llama_path), "--prompt", "x", "--launch-table",
                  str(tiny_llama_path / "no-such-table.json")]) == 2
-    assert "launch_table: cannot read the launch table" in capsys.readouterr().err
+    assert "kernel policy: cannot read the launch table" in capsys.readouterr().err
 
 
 def test_serve_subprocess_answers_and_stops(tiny_llama_path):

@@ -139,20 +139,21 @@ def test_step_outputs_are_snapshots(default_model):
 
 def test_bad_engine_settings_are_refused(default_model):
     from spear.errors import SpearError
+    from spear.serve.config import kernel_policy
 
-    with pytest.raises(SpearError, match="pdl must be 'off', 'wait', 'trigger' or 'auto'"):
-        EngineConfig(pdl="sometimes")
-    with pytest.raises(SpearError, match="weight_layout"):
-        EngineConfig(weight_layout="rowwise")
-    with pytest.raises(SpearError, match=r"programmatic dependent launch \(pdl='wait'\) needs a CUDA GPU"):
-        engine(default_model, pdl="wait")
+    with pytest.raises(SpearError, match="pdl must be one of off, wait, auto"):
+        kernel_policy(pdl="sometimes")
+    with pytest.raises(SpearError, match="kernels must be a KernelPolicy"):
+        EngineConfig(kernels="fast")
+    with pytest.raises(SpearError, match=r"programmatic dependent launch \(pdl='wait'\) needs a Hopper"):
+        engine(default_model, kernels=kernel_policy(pdl="wait"))
     # "auto" (the default) is PDL where the hardware has it: nothing on the CPU (no error either)
-    for eng in (engine(default_model, pdl="auto"), engine(default_model)):
-        assert eng.config.pdl == "auto" and not eng.runner.pdl_auto and eng.runner.graph_pdl == {}
-    with pytest.raises(SpearError, match="launch_table: cannot read the launch table"):
-        EngineConfig(launch_table="/nonexistent/launch_table.json")
-    with pytest.raises(SpearError, match="launch_table: fma.BN must be a power of two"):
-        EngineConfig(launch_table={"fma": {"BN": 48}})
+    for eng in (engine(default_model, kernels=kernel_policy(pdl="auto")), engine(default_model)):
+        assert eng.config.kernels.pdl == "auto" and not eng.runner.pdl_ok and eng.runner.eager_ctx.pdl == 0
+    with pytest.raises(SpearError, match="cannot read the launch table"):
+        kernel_policy(launch_table="/nonexistent/launch_table.json")
+    with pytest.raises(SpearError, match="fma.BN must be a power of two"):
+        kernel_policy(launch_table={"fma": {"BN": 48}})
 
 
 # ---------------------------------------------------------------------- quantized models
@@ -204,10 +205,12 @@ def test_spear_checkpoint_loads_and_equals_hf(tiny_llama_path, tmp_path, head_bi
     quantize_model(model, cfg, progress=False)
     save_checkpoint(model, tok, tmp_path / "ckpt", cfg, str(tiny_llama_path))
     eng = LLMEngine.from_pretrained(str(tmp_path / "ckpt"), EngineConfig(num_blocks=64), device="cpu")
-    assert isinstance(eng.model.lm_head, QuantLinear) == bool(head_bits)
+    hf, _ = load_model(tmp_path / "ckpt")  # transformers' model of the same checkpoint: the reference
+    assert isinstance(hf.lm_head, QuantLinear) == bool(head_bits)
+    assert torch.equal(eng.model.lm_head.weight, hf.lm_head.dequantized_weight() if head_bits else hf.lm_head.weight)
     ids = list(range(10, 30))
     assert eng.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].output_token_ids \
-        == hf_greedy(eng.model, tok, ids, 16)
+        == hf_greedy(hf, tok, ids, 16)
 
 
 # ---------------------------------------------------------------------- other Llama-family layouts

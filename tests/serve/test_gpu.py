@@ -49,10 +49,13 @@ def logit_gaps(ref_model, prompt, got):
     return logits.max(-1).values - logits[torch.arange(len(got), device="cuda"), torch.tensor(got, device="cuda")]
 
 
-def _engine(model, graphs=True, pdl="off", launch_table=None):
+def _engine(model, graphs=True, pdl="off", launch_table=None, dtype=None):
+    from spear.serve.config import kernel_policy
+
     return LLMEngine(model, _IdsTokenizer(), EngineConfig(num_blocks=128, block_size=16, max_num_seqs=8,
-                                                          max_num_batched_tokens=64, cuda_graphs=graphs, pdl=pdl,
-                                                          launch_table=launch_table))
+                                                          max_num_batched_tokens=64, cuda_graphs=graphs,
+                                                          kernels=kernel_policy(pdl=pdl, launch_table=launch_table)),
+                     device="cuda", dtype=dtype)
 
 
 @pytest.fixture(autouse=True)
@@ -71,19 +74,7 @@ def test_fp32_graph_decode_equals_hf():
     assert [o.output_token_ids for o in outs] == [_hf_greedy(model, p, 24) for p in PROMPTS]
 
 
-@pytest.fixture
-def pdl(request):
-    """The engine's programmatic dependent launch mode (EngineConfig.pdl) for one test; process-wide,
-    so it is switched off again after the test."""
-    from spear.kernels import _common
-
-    yield request.param
-    _common.set_pdl("off")
-
-
-# "trigger" came out wrong (logit gaps of 2.5 to 7; BENCHMARKS.md, "Serving: decode", sixth run) while
-# the W4 loop read activations through the non-coherent cache; right since the loads are coherent
-@pytest.mark.parametrize("pdl", ["off", "wait", "trigger", "auto"], indirect=True)
+@pytest.mark.parametrize("pdl", ["off", "wait", "auto"])
 @pytest.mark.parametrize("with_ec", [False, True])
 def test_w4_kernels_with_graphs_equal_the_reference_math(with_ec, pdl):
     """fp16 engine on the Triton kernels (graphs on) vs HF generate on the same W4(+EC) model in fp32;
@@ -91,24 +82,10 @@ def test_w4_kernels_with_graphs_equal_the_reference_math(with_ec, pdl):
     _w4_engine_equals_the_reference_math(with_ec, pdl)
 
 
-def test_w4_kernels_with_a_pipelined_launch_table(monkeypatch):
-    """The same with EngineConfig.launch_table: the one-token loops' weight loads pipelined through
-    shared memory (benchmarks/data/pipeline/table-pl3.json) instead of the register prefetch."""
-    import json
-
-    from spear.kernels import launch
-
-    monkeypatch.setattr(launch, "LAUNCH", json.loads(json.dumps(launch.LAUNCH)))  # use_table is process-wide
-    table = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "pipeline" / "table-pl3.json"
-    _w4_engine_equals_the_reference_math(True, "off", launch_table=str(table))
-    assert launch.pick_config(1, 4096, 4096, 128, kmajor=True).pipeline == 3
-
-
-@pytest.mark.parametrize("pdl", ["auto"], indirect=True)
-def test_w8_head_with_graphs_equals_the_reference_math(pdl):
+def test_w8_head_with_graphs_equals_the_reference_math():
     """The same with the output head in W8 per-channel (spear quantize --lm-head-bits 8), served by
     the W8A16 kernel."""
-    _w4_engine_equals_the_reference_math(True, pdl, head_bits=8)
+    _w4_engine_equals_the_reference_math(True, "auto", head_bits=8)
 
 
 def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None, head_bits=0):
@@ -125,24 +102,19 @@ def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None, head_b
             with torch.no_grad():
                 ec.w2.copy_(torch.randn(ec.w2.shape, generator=g) * 0.5)
             q.compensator = ec
-    ref_model = copy.deepcopy(model).cuda()  # fp32; the engine converts and re-wires `model` in place
+    ref_model = model.cuda()  # fp32; the engine reads its weights into its own fp16 model
     refs = [_hf_greedy(ref_model, p, 24) for p in PROMPTS]
-    eng = _engine(model.cuda().half(), pdl=pdl, launch_table=launch_table)
-    if pdl == "auto":  # at most 8 sequences here: every graph with PDL "wait", the process back at "off"
-        from spear.kernels import _common
-
-        assert set(eng.runner.graph_pdl.values()) == {"wait"} and _common._PDL[0] == 0
-    from spear.serve.w4_kernels import W4KernelLinear, W8KernelLinear
-
-    assert isinstance(model.lm_head, W8KernelLinear) == bool(head_bits)
-
-    from spear.serve.fusion import FusedPart
-
-    # q/k/v and gate/up are fused (one packed layer each): count the members behind each
-    packed = [m for m in model.modules() if isinstance(m, W4KernelLinear)]
-    parts = [m for m in model.modules() if isinstance(m, FusedPart)]
-    assert len(packed) + len(parts) - 2 * len(model.model.layers) == len(modules)
-    with_ecs = sum(m.ec is not None for m in packed)
+    eng = _engine(ref_model, pdl=pdl, launch_table=launch_table, dtype=torch.float16)
+    if pdl == "auto":  # at most 8 sequences here: every graph with PDL on, eager steps without
+        assert set(eng.runner.graph_pdl.values()) == {1} and eng.runner.eager_ctx.pdl == 0
+    assert (eng.model.lm_head.kind == "w8") == bool(head_bits)
+    assert eng.load_report == []
+    # q/k/v and gate/up are one packed layer each: 4 W4 layers per decoder layer
+    layers = [lin for layer in eng.model.layers for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                           layer.down_proj)]
+    assert all(lin.kind == "w4" for lin in layers)
+    assert sum(len(lin.names) for lin in layers) == len(modules) - (1 if head_bits else 0)
+    with_ecs = sum(lin.packed_ec is not None for lin in layers)
     assert (with_ecs > 0) == with_ec
     outs = eng.generate(PROMPTS, GREEDY)
     got = [o.output_token_ids for o in outs]

@@ -1,0 +1,184 @@
+"""The kernel policy: every threshold and launch choice of the kernels, in one frozen object.
+
+The serving engine holds one (``EngineConfig.kernels``) and hands it to its layers, which pass
+it to the ops: nothing the kernels decide is read from a module-level setting, so two engines in
+one process may run different policies, and a benchmark variant is another policy object.
+
+``plan(tokens, n, k, group_size, kmajor, rank, policy)`` answers which path a W4 layer call
+takes and with which launch. The registered op ``spear::w4a16_ec`` receives the same policy
+flattened to integers (``KernelPolicy.op_args``) and plans inside, so torch.compile and CUDA
+graphs see one opaque op whatever the token count.
+
+Paths of a W4 layer (CUDA; everywhere else the fp32 torch reference of reference.py runs):
+
+  gemm            the Triton W4 GEMM (split-K at decode)                no EC, M < dequant_mm_min_m
+  dequant_cublas  dequantize the weight, then cuBLAS                     no EC, M >= dequant_mm_min_m
+  fused_ec        the GEMM with u = A x, the gate and alpha B v fused    EC, M <= fused_max_m
+  semi_fused_ec   ec_gate beside the W4 part (gemm or dequant_cublas     EC, M > fused_max_m
+                  by M), then ec_up adds alpha v Bᵀ
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from types import MappingProxyType
+
+from spear.kernels.launch import BUILTIN, Config, _frozen, check_table, merged_table, pick_config
+
+PATHS = ("reference", "gemm", "dequant_cublas", "fused_ec", "semi_fused_ec")
+PDL_MODES = ("off", "wait", "auto")
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """What the kernels do, validated at construction. Defaults: the choices timed fastest on one
+    H200 (BENCHMARKS.md says where each was measured)."""
+
+    fused_max_m: int = 64            # the EC fused into the W4 GEMM up to here, semi-fused above
+    dequant_mm_min_m: int = 128      # from here the W4 part is dequantize + cuBLAS (0.36-0.52x the GEMM's time)
+    semi_fused_overlap: bool = True  # ec_gate on a side stream beside the W4 part (else before it)
+    u_split_max: int = 32            # fused EC: u = A x programs per m-tile at most
+    gate_programs: int = 264         # ec_gate splits K until about this many programs run
+    attention_target_programs: int = 256  # decode attention splits the context until this many programs
+    attention_max_splits: int = 32
+    attention_min_split_tiles: int = 1    # key tiles per split at the least
+    rope_in_attention: bool = True   # decode: the attention kernel rotates q and writes the new k, v
+    # programmatic dependent launch of the decode kernels (Hopper or newer): "wait" lets a kernel
+    # load its weights while the one before it finishes; "auto" uses it on decode graphs of up
+    # to pdl_auto_max_batch sequences (faster there, slower at 64 sequences with ECs)
+    pdl: str = "auto"
+    pdl_auto_max_batch: int = 32
+    # launch shapes of the W4 GEMM: a table (dict or JSON path) merged over the built-in one
+    launch_table: object = field(default_factory=lambda: BUILTIN, compare=False)
+    # the policy as the op's integers (table included): what equality and hashing compare
+    _op_args: tuple = field(init=False, repr=False, compare=True, default=())
+
+    def __post_init__(self):
+        ints = ("fused_max_m", "dequant_mm_min_m", "u_split_max", "gate_programs", "attention_target_programs",
+                "attention_max_splits", "attention_min_split_tiles", "pdl_auto_max_batch")
+        for name in ints:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "fused_max_m" else 1):
+                raise ValueError(f"KernelPolicy.{name} must be a whole number >= "
+                                 f"{0 if name == 'fused_max_m' else 1}, got {v!r}")
+        for name in ("semi_fused_overlap", "rope_in_attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KernelPolicy.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.pdl not in PDL_MODES:
+            raise ValueError(f"KernelPolicy.pdl must be one of {', '.join(PDL_MODES)}, got {self.pdl!r}")
+        if self.fused_max_m > 64:
+            raise ValueError(f"KernelPolicy.fused_max_m is at most 64 (the fused kernel's tiles), got "
+                             f"{self.fused_max_m}")
+        table = self.launch_table
+        if table is not BUILTIN:
+            object.__setattr__(self, "launch_table", merged_table(table))
+        object.__setattr__(self, "_op_args", _encode(self))
+
+    def replace(self, **changes) -> "KernelPolicy":
+        return replace(self, **changes)
+
+    @property
+    def op_args(self) -> tuple[int, ...]:
+        """This policy as the integer list the registered op takes."""
+        return self._op_args
+
+    def pdl_level(self, decode_batch: int | None, available: bool) -> int:
+        """The PDL level (0 or 1) of a step: ``decode_batch`` sequences of a decode graph, None for
+        eager steps; ``available``: the GPU and Triton have programmatic dependent launch."""
+        if not available or self.pdl == "off":
+            return 0
+        if self.pdl == "wait":
+            return 1
+        return int(decode_batch is not None and decode_batch <= self.pdl_auto_max_batch)
+
+
+@dataclass(frozen=True)
+class Plan:
+    path: str                   # one of PATHS
+    config: Config | None       # the W4 GEMM's launch, where the path runs the Triton GEMM
+
+
+def plan(tokens: int, n: int, k: int, group_size: int, kmajor: bool, rank: int, policy: KernelPolicy,
+         cuda: bool = True) -> Plan:
+    """Which path a W4 layer call of ``tokens`` rows takes under ``policy`` (module docstring);
+    ``rank`` 0 means no compensator."""
+    return _plan(tokens, n, k, group_size, kmajor, rank, _settings(policy.op_args), cuda)
+
+
+def _plan(tokens, n, k, group_size, kmajor, rank, s: "_Settings", cuda: bool) -> Plan:
+    if not cuda:
+        return Plan("reference", None)
+    cublas = tokens >= s.dequant_mm_min_m
+    config = None if cublas else pick_config(tokens, n, k, group_size, kmajor, s.table)
+    if rank == 0:
+        return Plan("dequant_cublas" if cublas else "gemm", config)
+    if tokens <= s.fused_max_m:
+        return Plan("fused_ec", config)
+    return Plan("semi_fused_ec", config)
+
+
+# ---------------------------------------------------------------------------- the op's integers
+# The launch table flattened: its scalar keys, then each entry as a presence flag and its fields.
+_SCALARS = ("fma_max_m", "fma_kmajor_max_m")
+_ENTRIES = ("fma", "fma_kmajor", "fma_kmajor_by_mv.2", "fma_kmajor_by_mv.4", "fma_kmajor_narrow", "tc", "tc_wide",
+            "prefill")
+_FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "programs", "max_n", "u_split", "prefetch")
+_VERSION = 1
+
+
+def _entry(table, key):
+    if "." in key:
+        outer, inner = key.split(".")
+        return (table.get(outer) or {}).get(inner)
+    return table.get(key)
+
+
+def _encode(p: KernelPolicy) -> tuple[int, ...]:
+    out = [_VERSION, p.fused_max_m, p.dequant_mm_min_m, int(p.semi_fused_overlap), p.u_split_max, p.gate_programs]
+    table = p.launch_table
+    out += [int(table[key]) for key in _SCALARS]
+    for key in _ENTRIES:
+        e = _entry(table, key)
+        out.append(0 if e is None else 1)
+        out += [0 if e is None else int(e.get(f, 0)) for f in _FIELDS]
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class _Settings:
+    fused_max_m: int
+    dequant_mm_min_m: int
+    semi_fused_overlap: bool
+    u_split_max: int
+    gate_programs: int
+    table: MappingProxyType
+
+
+@lru_cache(maxsize=64)
+def _settings(args: tuple[int, ...]) -> _Settings:
+    """``op_args`` back into what the op reads (cached: a policy's integers are decoded once)."""
+    if not args or args[0] != _VERSION:
+        raise ValueError(f"op policy arguments of an unknown version: {args[:1]}")
+    head, rest = args[1:6], list(args[6:])
+    table: dict = {key: rest.pop(0) for key in _SCALARS}
+    table["fma_kmajor_by_mv"] = {}
+    for key in _ENTRIES:
+        present, values = rest[0], rest[1:1 + len(_FIELDS)]
+        del rest[:1 + len(_FIELDS)]
+        e = None
+        if present:
+            e = {f: v for f, v in zip(_FIELDS, values) if v and f != "prefetch"}
+            if values[_FIELDS.index("prefetch")]:
+                e["prefetch"] = True
+        if "." in key:
+            outer, inner = key.split(".")
+            if e is not None:
+                table[outer][inner] = e
+        else:
+            table[key] = e
+    return _Settings(head[0], head[1], bool(head[2]), head[3], head[4], _frozen(check_table(table)))
+
+
+def settings(args) -> _Settings:
+    return _settings(tuple(int(a) for a in args))

@@ -1,0 +1,8 @@
+"""The engine's layers: linears that own their packed weights and compensators, RMSNorm, rotary,
+paged attention. Each forward takes a ``Context`` (the kernel policy, this step's PDL level).
+
+linear.py     Linear: merged members (q/k/v, gate/up), W4 / W8 kernels or dense, compensators merged
+norm.py       RMSNorm with the residual add fused in
+rotary.py     the rotary tables of a config
+attention.py  PagedAttention: rotary, the cache write, decode / prefill attention over the paged cache
+"""
