@@ -8,14 +8,17 @@ Protocol (SPEAR.md §4): random weights (HF init, never zero), fp16 on CUDA. Var
 one after another on the same weights:
 
   fp16    the HF-initialised model
-  w4      RTN W4 (group 128, symmetric) on every linear but lm_head; on CUDA each QuantLinear
-          is packed once for the Triton W4A16 kernel (spear/serve/w4_kernels.py)
+  w4      RTN W4 (group 128, symmetric) on every linear but lm_head; on CUDA the engine packs
+          each layer once for the Triton W4A16 kernel (spear/serve/layers/linear.py)
   w4+ec   w4 plus gated ECs (rank --ec-rank, gate hidden --ec-hidden) on evenly spread
           linears until the compensators reach --ec-budget of the W4 model's bytes (about
           1%); the kernel runs them fused at decode
   w4+ec-all  (--ec-all) the same ECs on every linear: the worst-case density
   w4 head     (--w4-head) w4 with the output head in W4 g128 too
   w4 w8-head  (--w8-head) w4 with the output head in W8 per-channel (the W8A16 kernel on CUDA)
+
+Kernel options (--fused-max-m, --u-split-max, --pdl, --table, ...) build the engine's
+KernelPolicy (spear/kernels/policy.py): a variant of the kernels is another policy.
 
 Per variant and concurrency (1 and --batches): ``model`` is the median latency of one
 decode step of the captured CUDA graph (CUDA events over replays, after warm-up),
@@ -28,10 +31,8 @@ Prints a Markdown table with date and device; --out also writes results.json / t
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import gc
-import importlib
 import json
 import math
 import platform
@@ -46,13 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_cases import (GROUP, SHAPES, IdsTokenizer, attach_ecs, build_model, remove_ecs,  # noqa: E402
-                          restore_quantlinears)
+from decode_cases import GROUP, SHAPES, IdsTokenizer, attach_ecs, build_model, remove_ecs  # noqa: E402
 from spear.config import QuantConfig  # noqa: E402
+from spear.kernels.policy import PDL_MODES, KernelPolicy  # noqa: E402
 from spear.models.modules import set_module  # noqa: E402
 from spear.quant import quantize_model_rtn  # noqa: E402
 from spear.serve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from spear.serve.config import PDL_MODES  # noqa: E402
 
 def graph_latency_ms(engine: LLMEngine, batch: int, reps: int) -> float | None:
     runner = engine.runner
@@ -72,16 +72,23 @@ def graph_latency_ms(engine: LLMEngine, batch: int, reps: int) -> float | None:
     return statistics.median(times)
 
 
-# options that set a module constant for the run: (option's dest, module, constant)
-OVERRIDES = (
-    ("u_split_max", "spear.kernels.w4a16", "U_SPLIT_MAX"),
-    ("attn_max_splits", "spear.kernels.attention", "MAX_SPLITS"),
-    ("attn_min_split_tiles", "spear.kernels.attention", "MIN_SPLIT_TILES"),
-    ("gate_programs", "spear.kernels.ec", "GATE_PROGRAMS"),
-    ("fused_max_rank", "spear.kernels.ops", "FUSED_MAX_RANK"),
-    ("rope_in_attention", "spear.serve.model_runner", "ROPE_IN_ATTENTION"),
-    ("fused_max_m", "spear.kernels.ops", "FUSED_MAX_M"),
+# options that set a field of the engine's KernelPolicy: (option's dest, policy field)
+POLICY_OPTIONS = (
+    ("u_split_max", "u_split_max"),
+    ("attn_max_splits", "attention_max_splits"),
+    ("attn_min_split_tiles", "attention_min_split_tiles"),
+    ("gate_programs", "gate_programs"),
+    ("rope_in_attention", "rope_in_attention"),
+    ("fused_max_m", "fused_max_m"),
+    ("pdl", "pdl"),
+    ("table", "launch_table"),
 )
+
+
+def policy_from(args) -> KernelPolicy:
+    """The kernel policy the options ask for (the defaults where they are silent)."""
+    return KernelPolicy(**{field: getattr(args, dest) for dest, field in POLICY_OPTIONS
+                           if getattr(args, dest) is not None})
 
 
 def _batch_list(text: str) -> list[int]:
@@ -134,7 +141,7 @@ def run_variant(model, name: str, args, device: str, batches: list[int], vocab: 
     cfg = EngineConfig(max_num_seqs=max(batches), max_num_batched_tokens=max(512, max(batches)),
                        max_model_len=args.max_model_len or max_len, block_size=16,
                        num_blocks=max(batches) * math.ceil(max_len / 16) + 8, cuda_graphs=not args.no_graphs,
-                       weight_layout=args.layout, fuse_projections=not args.no_fuse, pdl=args.pdl)
+                       kernels=args.policy)
     t0 = time.perf_counter()
     engine = LLMEngine(model, IdsTokenizer(), cfg)
     # wall times of the stages, so a run cut short by a time limit shows where its time went
@@ -200,60 +207,47 @@ def main(argv=None) -> int:
     p.add_argument("--ec-budget", type=float, default=0.01, help="EC bytes / W4 model bytes (default: 1%%)")
     p.add_argument("--ec-all", action="store_true", help="also run ECs on every linear")
     p.add_argument("--no-graphs", action="store_true", help="eager decode on CUDA")
-    p.add_argument("--no-fuse", action="store_true", help="q/k/v and gate/up as separate GEMMs")
     p.add_argument("--w4-head", action="store_true",
                    help="one more variant, 'w4 head': W4 with the output head quantized too (spear quantize "
                         "--include-lm-head); the head is the largest single matrix of Llama-3-8B (1 GB in fp16)")
     p.add_argument("--w8-head", action="store_true",
                    help="one more variant, 'w4 w8-head': W4 with the output head in W8 per-channel (spear "
                         "quantize --lm-head-bits 8), served by the W8A16 kernel")
-    p.add_argument("--fused-max-rank", type=int,
-                   help="decode: ECs of a larger padded rank run ec_gate + the GEMM's v-epilogue instead "
-                        "of the one-launch fused kernel (spear.kernels.ops.FUSED_MAX_RANK)")
     p.add_argument("--fused-max-m", type=int,
                    help="decode: up to this many sequences the ECs run in the one-launch fused kernel, above it "
-                        "semi-fused (spear.kernels.ops.FUSED_MAX_M)")
+                        "semi-fused (KernelPolicy.fused_max_m)")
     p.add_argument("--rope-in-attention", action=argparse.BooleanOptionalAction,
                    help="decode: rotary and the new token's cache write inside the attention kernel, or "
-                        "(--no-rope-in-attention) in a launch of their own (default: "
-                        "spear.serve.model_runner.ROPE_IN_ATTENTION)")
-    p.add_argument("--layout", choices=("nmajor", "kmajor"), default="kmajor",
-                   help="packed W4 weight layout of the engine (spear.kernels.layout)")
+                        "(--no-rope-in-attention) in a launch of their own (KernelPolicy.rope_in_attention)")
     p.add_argument("--out", help="folder for results.json and table.md")
     p.add_argument("--u-split-max", type=int,
-                   help="fused EC: at most this many u = A x programs per call (default: "
-                        "spear.kernels.w4a16.U_SPLIT_MAX)")
+                   help="fused EC: at most this many u = A x programs per call (KernelPolicy.u_split_max)")
     p.add_argument("--attn-max-splits", type=int,
                    help="decode attention: at most this many context splits (1: one program per sequence and "
-                        "kv head; default: spear.kernels.attention.MAX_SPLITS)")
+                        "kv head; KernelPolicy.attention_max_splits)")
     p.add_argument("--attn-min-split-tiles", type=int,
-                   help="decode attention: key tiles per context split at the least (default: "
-                        "spear.kernels.attention.MIN_SPLIT_TILES)")
-    p.add_argument("--pdl", nargs="?", const="wait", default="auto", choices=PDL_MODES,
-                   help="launch the decode kernels with programmatic dependent launch (Hopper; "
-                        "EngineConfig.pdl): 'wait' (the bare flag) lets a kernel start as the one before it "
-                        "exits, 'trigger' as soon as that one's programs have started; 'auto' (default) "
+                   help="decode attention: key tiles per context split at the least "
+                        "(KernelPolicy.attention_min_split_tiles)")
+    p.add_argument("--pdl", nargs="?", const="wait", choices=PDL_MODES,
+                   help="programmatic dependent launch of the decode kernels (Hopper; KernelPolicy.pdl): 'wait' "
+                        "(the bare flag) lets a kernel start as the one before it exits; 'auto' (the default) "
                         "'wait' on the decode graphs of up to 32 sequences, 'off' elsewhere")
     p.add_argument("--gate-programs", type=int,
-                   help="semi-fused EC (batches above 16): split ec_gate over K up to about this many programs "
-                        "(0: never split; default: spear.kernels.ec.GATE_PROGRAMS)")
+                   help="semi-fused EC (batches above 64): split ec_gate over K up to about this many programs "
+                        "(KernelPolicy.gate_programs)")
     p.add_argument("--no-fp16", action="store_true",
                    help="skip the FP16 baseline (A/B runs of the W4 kernels; no ratio to FP16)")
     p.add_argument("--profile", nargs="?", const="1", type=_batch_list, metavar="BATCHES",
                    help="also print and store the GPU time per kernel of a decode step (torch.profiler) at these "
                         "comma-separated batch sizes (default with no value: 1)")
-    p.add_argument("--table", help="launch_table.json (bench_kernels.py --tune / bench_gemv.py) for the W4 kernel")
+    p.add_argument("--table", help="launch_table.json (spear tune-kernels / bench_kernels.py --tune) for the W4 kernel")
     args = p.parse_args(argv)
 
     batches = [int(b) for b in args.batches.split(",")]
-    if args.table:
-        from spear.kernels import launch
-
-        try:
-            launch.use_table(args.table)
-        except ValueError as e:
-            p.error(f"--table: {e}")
-        print("launch table:", launch.LAUNCH, flush=True)
+    try:
+        args.policy = policy_from(args)
+    except ValueError as e:
+        p.error(str(e))
     if batches[0] != 1:
         p.error("--batches must start with 1 (the batch-1 latency columns)")
     if args.tiny:
@@ -267,28 +261,21 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown model shape(s) {unknown}; known: {sorted(SHAPES)}")
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
-    if args.pdl not in ("off", "auto") and device != "cuda":
-        p.error("--pdl needs a CUDA GPU")
-    if args.attn_min_split_tiles is not None and args.attn_min_split_tiles < 1:
-        p.error("--attn-min-split-tiles must be >= 1")
-    if args.fused_max_m is not None and args.fused_max_m < 1:
-        p.error("--fused-max-m must be >= 1")
-    for dest, module, name in OVERRIDES:
-        if getattr(args, dest) is not None:
-            setattr(importlib.import_module(module), name, getattr(args, dest))
+    if args.pdl == "wait" and device != "cuda":
+        p.error("--pdl wait needs a CUDA GPU")
     header = (f"Decode, {datetime.date.today().isoformat()}, {dev_name}, torch {torch.__version__}, "
               f"{dtype}, prompt {args.prompt_len} tokens, median of {args.gen} steps"
               + (f", {args.layers} layers" if args.layers else "")
               + (f", max_model_len {args.max_model_len}" if args.max_model_len else "")
-              + f", W4 layout {args.layout}, projections {'separate' if args.no_fuse else 'fused'}"
-              + (f", fused EC up to rank {args.fused_max_rank}" if args.fused_max_rank is not None else "")
               + (f", fused EC up to {args.fused_max_m} tokens" if args.fused_max_m is not None else "")
               + ({True: ", rotary in the attention kernel", False: ", rotary in its own launch", None: ""}
                  [args.rope_in_attention])
               + (f", attention splits <= {args.attn_max_splits}" if args.attn_max_splits is not None else "")
               + (f", u programs <= {args.u_split_max}" if args.u_split_max is not None else "")
               + (f", ec_gate programs <= {args.gate_programs}" if args.gate_programs is not None else "")
-              + (f", programmatic dependent launch ({args.pdl})" if args.pdl != "off" and device == "cuda" else ""))
+              + (f", programmatic dependent launch ({args.policy.pdl})" if args.policy.pdl != "off" and device == "cuda"
+                 else "")
+              + (f", launch table {args.table}" if args.table else ""))
     print(header, flush=True)
     max_len = args.prompt_len + args.warmup + args.gen + 1
     if args.max_model_len is not None and args.max_model_len < max_len:
@@ -300,21 +287,16 @@ def main(argv=None) -> int:
         model = build_model(shape, args.layers, device, dtype)
         print(f"{shape}: weights built in {time.perf_counter() - t0:.1f} s", flush=True)
         vocab = model.config.vocab_size
-        # the engine fuses projections in place: the FP16 run gets its own copy of the weights
-        rows = []
+        rows = []  # the engine reads the model's weights into its own: the model is never changed
         if not args.no_fp16:
-            fp_model = copy.deepcopy(model)
-            rows.append(dict(run_variant(fp_model, "fp16" if dtype == torch.float16 else "fp32", args, device, batches,
+            rows.append(dict(run_variant(model, "fp16" if dtype == torch.float16 else "fp32", args, device, batches,
                                          vocab, max_len), extra_pct=0.0))
-            del fp_model
         t0 = time.perf_counter()
         modules = quantize_model_rtn(model, QuantConfig(bits=4, group_size=GROUP), progress=False)
         print(f"{shape}: RTN W4 in {time.perf_counter() - t0:.1f} s", flush=True)
         rows.append(dict(run_variant(model, "w4", args, device, batches, vocab, max_len), extra_pct=0.0))
-        restore_quantlinears(model, modules)
         ec_runs = [("w4+ec", args.ec_budget)] + ([("w4+ec-all", None)] if args.ec_all else [])
         for name, budget in ec_runs:
-            restore_quantlinears(model, modules)
             n, pct = attach_ecs(modules, args.ec_rank, args.ec_hidden, budget, model)
             row = run_variant(model, name, args, device, batches, vocab, max_len)
             rows.append(dict(row, extra_pct=pct, ec_modules=f"{n}/{len(modules)} r{args.ec_rank}"))
@@ -323,11 +305,9 @@ def main(argv=None) -> int:
         heads = ([("w4 head", QuantConfig(bits=4, group_size=GROUP, include_lm_head=True))] if args.w4_head else []) \
             + ([("w4 w8-head", QuantConfig(bits=8, group_size=0, include_lm_head=True))] if args.w8_head else [])
         for name, head_cfg in heads:
-            restore_quantlinears(model, modules)
             fp_head = model.get_output_embeddings()
             head = quantize_model_rtn(model, head_cfg, progress=False)
             rows.append(dict(run_variant(model, name, args, device, batches, vocab, max_len), extra_pct=0.0))
-            restore_quantlinears(model, {**modules, **head})
             set_module(model, next(iter(head)), fp_head)  # the fp16 head back for the next variant
         fp = None if args.no_fp16 else rows[0]
         w4 = next(r for r in rows if r["variant"] == "w4")
@@ -358,7 +338,8 @@ def main(argv=None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"header": header, "args": vars(args), "results": results},
+        opts = {k: v for k, v in vars(args).items() if k != "policy"}
+        (out / "results.json").write_text(json.dumps({"header": header, "args": opts, "results": results},
                                                      indent=2))
         (out / "table.md").write_text(table + "\n")
     return 0

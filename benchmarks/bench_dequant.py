@@ -2,7 +2,7 @@
 
     python benchmarks/bench_dequant.py --out results/dequant        # H200: ~1 min
 
-At M >= ops.DEQUANT_MM_MIN_M the W4 op dequantizes the packed weight and calls cuBLAS. This
+At M >= KernelPolicy.dequant_mm_min_m the W4 op dequantizes the packed weight and calls cuBLAS. This
 splits that time into its two parts, for the two orientations the K-major words can be
 dequantized to: W_hat (N, K) row-major, as the FP16 weight is stored (``dequantize`` default),
 or W_hatᵀ (K, N) handed to cuBLAS as a transposed view (``kn=True``), which picks another GEMM
@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemv import GROUP, SHAPES  # noqa: E402
 from kernel_timing import ceilings, copies_for, time_calls  # noqa: E402
 
-from spear.kernels import pack, reference  # noqa: E402
+from spear.kernels import reference  # noqa: E402
+from spear.kernels.layout import pack  # noqa: E402
 from spear.kernels.dequant import dequantize  # noqa: E402
 from spear.quant.primitives import rtn  # noqa: E402
 

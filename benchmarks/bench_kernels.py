@@ -5,6 +5,7 @@
     python benchmarks/bench_kernels.py --out results/kernels --models Llama-2-7B,Llama-3-8B  # every M and rank
     python benchmarks/bench_kernels.py --out results/kernels --tune     # launch-shape sweep for w4a16.py
     ... --layout nmajor     # the N-major packed layout instead of the K-major one the engine serves
+    ... --gate-programs 128 --table t.json   # kernel options build the KernelPolicy the variants run under
 
 Protocol (SPEAR.md §4): random non-zero weights quantized with RTN (4 bit, group 128, asym),
 fp16 activations; every variant is first checked against the fp32 reference at real shapes;
@@ -39,8 +40,11 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH, s
 from kernel_cases import DEVICE, GROUP, HIDDEN, MODELS, Layer, layer_shapes, make_ec  # noqa: E402
 from kernel_timing import ceilings, profile_calls, time_calls  # noqa: E402
 
-from spear.kernels import launch, ops, w4a16_linear  # noqa: E402
+from spear.kernels import ops  # noqa: E402
 from spear.kernels.dequant import dequantize  # noqa: E402
+from spear.kernels.launch import pick_config  # noqa: E402
+from spear.kernels.ops import w4a16_linear  # noqa: E402
+from spear.kernels.policy import KernelPolicy  # noqa: E402
 from spear.kernels.w4a16 import w4a16_matmul  # noqa: E402
 
 M_ALL = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
@@ -58,36 +62,42 @@ def naive_ec(y, x, e):
     return torch.addmm(y, gamma * u, e.b.t(), alpha=e.alpha)
 
 
-def variants(layer, m, ranks, ecs):
+def variants(layer, m, ranks, ecs, policy: KernelPolicy):
     """name -> list of zero-arg callables (one per weight copy); x is shared."""
     x = torch.randn(m, layer.k, device=DEVICE).half()
     xb = x.bfloat16()
+    table = policy.launch_table
+    # the W4 part of the semi-fused path: the Triton GEMM below dequant_mm_min_m, cuBLAS above
+    w4_cfg = None if m >= policy.dequant_mm_min_m else pick_config(m, layer.n, layer.k, GROUP, layer.kmajor, table)
     # default arguments bind each copy (and each rank's EC) at definition time
     v = {
         "fp16": [lambda w=w: torch.nn.functional.linear(x, w) for w in layer.fp16],
-        "w4": [lambda w=w: w4a16_linear(x, w) for w in layer.w4],
+        "w4": [lambda w=w: w4a16_linear(x, w, policy=policy) for w in layer.w4],
     }
     if layer.int4 and (m < 1024 or layer.n == layer.k):  # slow at large M: q/o only there
         v["int4mm"] = [lambda w=w: torch._weight_int4pack_mm(xb, w[0], GROUP, w[1]) for w in layer.int4]
     if m >= 128:
-        v["w4_triton"] = [lambda w=w: w4a16_matmul(x, w) for w in layer.w4]
+        v["w4_triton"] = [lambda w=w: w4a16_matmul(x, w, table=table) for w in layer.w4]
         v["w4_dqmm"] = [lambda w=w: torch.nn.functional.linear(x, dequantize(w, x.dtype)) for w in layer.w4]
     for r in ranks:
         e = ecs[r]
-        v[f"ec r{r}"] = [lambda w=w, e=e: w4a16_linear(x, w, None, e) for w in layer.w4]
-        v[f"naive r{r}"] = [lambda w=w, e=e: naive_ec(w4a16_linear(x, w), x, e) for w in layer.w4]
+        v[f"ec r{r}"] = [lambda w=w, e=e: w4a16_linear(x, w, None, e, policy=policy) for w in layer.w4]
+        v[f"naive r{r}"] = [lambda w=w, e=e: naive_ec(w4a16_linear(x, w, policy=policy), x, e) for w in layer.w4]
         if m <= FUSED_MAX_M_TIMED:
-            v[f"fused r{r}"] = [lambda w=w, e=e: w4a16_matmul(x, w, None, e, ec_mode=1) for w in layer.w4]
+            v[f"fused r{r}"] = [lambda w=w, e=e: w4a16_matmul(x, w, None, e, ec_mode=1, table=table,
+                                                               u_split_max=policy.u_split_max) for w in layer.w4]
         if m >= SEMI_MIN_M_TIMED:
-            v[f"semi r{r}"] = [lambda w=w, e=e: ops._semi_fused(x, w, None, e, overlap=True) for w in layer.w4]
+            v[f"semi r{r}"] = [lambda w=w, e=e: ops._semi_fused(x, w, None, e, w4_cfg, True, policy.gate_programs, 0)
+                               for w in layer.w4]
         if m >= SERIAL_MIN_M_TIMED:
-            v[f"serial r{r}"] = [lambda w=w, e=e: ops._semi_fused(x, w, None, e, overlap=False) for w in layer.w4]
+            v[f"serial r{r}"] = [lambda w=w, e=e: ops._semi_fused(x, w, None, e, w4_cfg, False, policy.gate_programs,
+                                                                  0) for w in layer.w4]
     return x, v
 
 
-def check(layer, m, ranks, ecs, log):
+def check(layer, m, ranks, ecs, log, policy):
     """Every variant against the fp32 reference before any timing."""
-    x, v = variants(layer, m, ranks, ecs)
+    x, v = variants(layer, m, ranks, ecs, policy)
     ok = True
     for name, fns in v.items():
         e = ecs[int(name.split("r")[-1])] if " r" in name else None
@@ -108,36 +118,33 @@ def floor_us(n, k, m, bw, peak):
     return max(nbytes / bw, 2 * m * n * k / peak) * 1e6, nbytes, 2 * m * n * k
 
 
-def _warm_one(m, ranks, n, k, table, kmajor):
+def _warm_one(m, ranks, n, k, policy, kmajor):
     """Compile every kernel variant that the sweep will launch at this M (into Triton's disk cache)."""
-    from spear.kernels import w4a16
-    w4a16.LAUNCH.update(table)
     layer = Layer(n, k, 0, with_int4=False, kmajor=kmajor)
     ecs = {r: make_ec(n, k, r) for r in ranks}
-    _, v = variants(layer, m, ranks, ecs)
+    _, v = variants(layer, m, ranks, ecs, policy)
     for fns in v.values():
         fns[0]()
     torch.cuda.synchronize()
     return m
 
 
-def warm_cache(ms, ranks, kmajor):
+def warm_cache(ms, ranks, kmajor, policy):
     """Triton compiles on one CPU thread per process; compile the sweep's kernels in parallel first."""
     import concurrent.futures as cf
     import multiprocessing as mp
     t = time.time()
     try:
         with cf.ProcessPoolExecutor(max_workers=min(12, len(ms)), mp_context=mp.get_context("spawn")) as pool:
-            from spear.kernels import w4a16
             list(pool.map(_warm_one, ms, [ranks] * len(ms), [512] * len(ms), [1024] * len(ms),
-                          [w4a16.LAUNCH] * len(ms), [kmajor] * len(ms)))
+                          [policy] * len(ms), [kmajor] * len(ms)))
     except Exception as exc:  # only a speed-up: the sweep compiles on first use anyway
         print(f"parallel compile pass failed ({type(exc).__name__}: {exc}); compiling on first use", flush=True)
     print(f"compile pass for M in {ms}: {time.time() - t:.0f} s", flush=True)
 
 
 # ----------------------------------------------------------------------------- sweep
-def sweep(args, out_dir):
+def sweep(args, out_dir, policy):
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
     models = args.models.split(",") if args.models else (["Llama-2-7B", "Llama-3-8B"] if args.quick else list(MODELS))
@@ -146,9 +153,9 @@ def sweep(args, out_dir):
     ms = [int(v) for v in args.ms.split(",")] if args.ms else ([1, 4, 16, 64, 512, 2048] if args.quick else M_ALL)
     ranks = [int(v) for v in args.ranks.split(",")] if args.ranks else ([16, 32] if args.quick else RANKS)
     if not args.no_warm:
-        warm_cache(ms, ranks, args.layout == "kmajor")
+        warm_cache(ms, ranks, args.layout == "kmajor", policy)
     bw, peak = ceilings()
-    print("kernels from", Path(ops.__file__).parent, f"(prefill EC: {ops.PREFILL_EC})", flush=True)
+    print("kernels from", Path(ops.__file__).parent, f"({policy})", flush=True)
     print(f"device {props.name}, L2 {l2 >> 20} MB; measured copy {bw / 1e12:.2f} TB/s, fp16 mm {peak / 1e12:.0f} TFLOP/s",
           flush=True)
     has_int4 = hasattr(torch, "_weight_int4pack_mm")
@@ -160,12 +167,12 @@ def sweep(args, out_dir):
         layer = Layer(n, k, l2, with_int4=has_int4, kmajor=args.layout == "kmajor")
         ecs = {r: make_ec(n, k, r) for r in ranks}
         for m in (1, 512):
-            check(layer, m, ranks, ecs, checks)
+            check(layer, m, ranks, ecs, checks, policy)
         for m in ms:
             if time.time() - t_start > args.budget_s:
                 print("time budget reached: stopping the sweep", flush=True)
                 break
-            _, v = variants(layer, m, ranks, ecs)
+            _, v = variants(layer, m, ranks, ecs, policy)
             row = dict(model=model, proj=proj, n=n, k=k, m=m)
             for name, fns in v.items():
                 try:
@@ -187,8 +194,8 @@ def sweep(args, out_dir):
         del layer, ecs
         torch.cuda.empty_cache()
     meta = dict(device=props.name, l2_bytes=l2, copy_bw=bw, fp16_peak=peak, torch=torch.__version__,
-                group_size=GROUP, gate_hidden=HIDDEN, fused_max_m=ops.FUSED_MAX_M,
-                dequant_mm_min_m=ops.DEQUANT_MM_MIN_M, quick=args.quick,
+                group_size=GROUP, gate_hidden=HIDDEN, fused_max_m=policy.fused_max_m,
+                dequant_mm_min_m=policy.dequant_mm_min_m, gate_programs=policy.gate_programs, quick=args.quick,
                 layout=args.layout,
                 date=time.strftime("%Y-%m-%d"))
     (out_dir / "results.json").write_text(json.dumps(dict(meta=meta, results=results, checks=checks), indent=1))
@@ -250,43 +257,31 @@ def main():
     p.add_argument("--no-warm", action="store_true", help="skip the parallel compile pass")
     p.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this many seconds")
     p.add_argument("--gate-programs", type=int,
-                   help="semi-fused EC: split ec_gate over K up to about this many programs (0: never split; "
-                        "default: spear.kernels.ec.GATE_PROGRAMS)")
-    p.add_argument("--prefill-ec", choices=["side", "out", "in", "auto"],
-                   help="the EC from ops.DEQUANT_MM_MIN_M tokens (spear.kernels.ops.PREFILL_EC, whose comment "
-                        "describes the modes; default: its value)")
+                   help="semi-fused EC: split ec_gate over K up to about this many programs "
+                        "(KernelPolicy.gate_programs)")
     p.add_argument("--profile", help="comma-separated variants (e.g. 'w4,ec r32') whose GPU time per call is also "
                                      "split by kernel (torch.profiler over graph replays) and printed per row")
     p.add_argument("--layout", choices=["kmajor", "nmajor"], default="kmajor",
                    help="packed weight layout of the W4 variants (the engine serves K-major; the sweeps of "
                         "2026-11-29 and the quick run of 2026-11-30 used N-major; --tune packs K-major)")
     args = p.parse_args()
-    if args.gate_programs is not None:
-        from spear.kernels import ec
-
-        ec.GATE_PROGRAMS = args.gate_programs
-    if args.prefill_ec is not None:
-        from spear.kernels import ops
-
-        ops.PREFILL_EC = args.prefill_ec
+    try:
+        policy = KernelPolicy(**({} if args.gate_programs is None else {"gate_programs": args.gate_programs}),
+                              **({} if args.table is None else {"launch_table": str(args.table)}))
+    except ValueError as e:
+        p.error(str(e))
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.table:
-        try:
-            launch.use_table(args.table)
-        except ValueError as e:
-            p.error(f"--table: {e}")
-        print("launch table from", args.table, launch.LAUNCH, flush=True)
     if args.tune:
         from bench_kernels_tune import KINDS, tune
 
         kinds = tuple(s.strip() for s in args.tune_kinds.split(",") if s.strip())
         if not kinds or not set(kinds) <= set(KINDS):
             p.error(f"--tune-kinds: expected some of {', '.join(KINDS)}, got {args.tune_kinds!r}")
-        tune(args.out, kinds)
+        tune(args.out, kinds, policy.launch_table)
     else:
-        sweep(args, args.out)
+        sweep(args, args.out, policy)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """``bench_kernels.py --tune``: the launch-table sweep of the W4 kernel (both loops and the
 tensor-core tiles at 4-16 and at 32-64 tokens, N-major packing) that chose the built-in table's
 CUDA-core and tensor-core entries; writes tune.json and launch_table.json. The K-major one-token loop's own sweep is
-``spear.kernels.tune`` (``spear tune-kernels``, ``bench_gemv.py``)."""
+``spear.kernels.tune`` (``spear tune-kernels``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import triton
 from kernel_cases import DEVICE, GROUP, Layer, make_ec
 from kernel_timing import time_calls
 from spear.kernels.dequant import dequantize
-from spear.kernels.w4a16 import Config, pick_config, w4a16_matmul
+from spear.kernels.launch import BUILTIN, Config, _split_for, _thaw, pick_config
+from spear.kernels.w4a16 import w4a16_matmul
 
 TUNE_SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): q/o, 8B gate_up, 8B down
 
@@ -23,15 +24,14 @@ KINDS = ("fma", "tc", "tc_wide")
 KIND_MS = {"fma": (1, 2, 4), "tc": (4, 8, 16), "tc_wide": (32, 64)}
 
 
-def tune(out_dir, kinds=KINDS):
+def tune(out_dir, kinds=KINDS, base_table=BUILTIN):
     """Launch-table sweep for w4a16.pick_config; writes tune.json and launch_table.json.
 
     Candidates are scored by the geometric mean of their time over TUNE_SHAPES (and over M
     within a class); split-K follows from the candidate's target program count. ``kinds`` picks
-    the entries swept (the others keep their built-in values); the full sweep also times
+    the entries swept (the others keep their values in ``base_table``); the full sweep also times
     128-256 tokens and the fused EC.
     """
-    from spear.kernels import w4a16
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
     fma = [dict(BN=bn, BK=128, num_warps=wp, num_stages=st, programs=pg)
@@ -45,10 +45,10 @@ def tune(out_dir, kinds=KINDS):
     def cfg_of(kind, c, m, n, k):
         bk = min(c["BK"], GROUP)
         if kind == "fma":
-            split = w4a16._split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
+            split = _split_for(triton.cdiv(n, c["BN"]), k, bk, c["programs"])
             return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=1 if m == 1 else (2 if m == 2 else 4))
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        split = w4a16._split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])
+        split = _split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"])
 
     full = set(kinds) == set(KINDS)
@@ -97,7 +97,7 @@ def tune(out_dir, kinds=KINDS):
         want = len(TUNE_SHAPES) * len(ms)
         return math.exp(sum(map(math.log, ts)) / len(ts)) if len(ts) == want else float("inf")
 
-    table = dict(w4a16.LAUNCH)
+    table = {key: _thaw(v) for key, v in base_table.items()}
     if "fma" in kinds:  # the CUDA-core loop is a decode (M = 1) path
         table["fma"] = min(fma, key=lambda c: score("fma", c, (1,)))
     if "tc" in kinds:

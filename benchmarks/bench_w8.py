@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_timing import ceilings, copies_for, time_calls  # noqa: E402
 
-from spear.kernels.w8a16 import pick_config, reference_w8a16, w8a16_matmul  # noqa: E402
+from spear.kernels.reference import w8a16 as reference_w8a16  # noqa: E402
+from spear.kernels.w8a16 import pick_config, w8a16_matmul  # noqa: E402
 
 SHAPES = [("Llama-2-7B head", 32000, 4096), ("Llama-3-8B head", 128256, 4096)]
 MS = (1, 2, 4, 8, 16, 32, 64)

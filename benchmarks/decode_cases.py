@@ -1,6 +1,6 @@
 """The random models bench_decode.py serves and the variants it makes of them: Llama-2-7B and
 Llama-3-8B shapes (HF init, never zero weights), RTN W4 g128, gated ECs spread evenly up to a
-memory budget, and the way back from the engine's packed modules to the QuantLinears."""
+memory budget."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import torch
 
 from spear.compensate.ec import GatedCompensator
 from spear.eval.memory import compensator_bytes, quantized_model_bytes
-from spear.models.modules import set_module
-from spear.serve.fusion import GROUPS
 
 SHAPES = {
     "Llama-2-7B": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -79,14 +77,3 @@ def attach_ecs(modules: dict, rank: int, hidden: int, budget: float | None, mode
 def remove_ecs(modules: dict) -> None:
     for q in modules.values():
         q.compensator = None
-
-
-def restore_quantlinears(model, modules: dict) -> None:
-    """The engine swaps QuantLinears for packed kernel modules on CUDA and fuses q/k/v and
-    gate/up (spear.serve.fusion); put the originals back and drop the fused projections."""
-    for name, q in modules.items():
-        set_module(model, name, q)
-    for layer in model.model.layers:
-        for parent_name, _, fused_name in GROUPS:
-            if hasattr(getattr(layer, parent_name), fused_name):
-                delattr(getattr(layer, parent_name), fused_name)

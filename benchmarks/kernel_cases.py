@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from kernel_timing import copies_for
-from spear.kernels import pack, pack_ec, reference
+from spear.kernels import reference
+from spear.kernels.layout import pack, pack_ec
 from spear.kernels.dequant import dequantize
 from spear.quant.primitives import rtn
 

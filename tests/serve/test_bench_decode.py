@@ -44,17 +44,20 @@ def test_bench_decode_refuses_bad_profile_batches(bad, capsys):
     assert bench._batch_list("8, 16") == [8, 16]
 
 
-def test_bench_decode_options_set_the_module_constants(tmp_path, monkeypatch):
-    from spear.kernels import ec, ops
-    from spear.serve import model_runner
+def test_bench_decode_options_build_the_kernel_policy(tmp_path):
+    """Each kernel option reaches the engine as a KernelPolicy field; nothing is set process-wide."""
+    from types import SimpleNamespace
 
-    for mod, name in ((ops, "FUSED_MAX_M"), (ec, "GATE_PROGRAMS"), (model_runner, "ROPE_IN_ATTENTION")):
-        monkeypatch.setattr(mod, name, getattr(mod, name))  # restored after the test
+    from spear.kernels.policy import KernelPolicy
+
     spec = importlib.util.spec_from_file_location("bench_decode", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     with pytest.raises(SystemExit):
-        bench.main(["--tiny", "--fused-max-m", "0"])
+        bench.main(["--tiny", "--fused-max-m", "65"])  # beyond the fused kernel's tiles
+    opts = {dest: None for dest, _ in bench.POLICY_OPTIONS}
+    p = bench.policy_from(SimpleNamespace(**{**opts, "fused_max_m": 8, "gate_programs": 3, "rope_in_attention": False}))
+    assert p == KernelPolicy(fused_max_m=8, gate_programs=3, rope_in_attention=False) != KernelPolicy()
     assert bench.main(["--tiny", "--batches", "1", "--gen", "2", "--warmup", "1", "--fused-max-m", "8",
                        "--gate-programs", "3", "--no-rope-in-attention", "--out", str(tmp_path)]) == 0
-    assert (ops.FUSED_MAX_M, ec.GATE_PROGRAMS, model_runner.ROPE_IN_ATTENTION) == (8, 3, False)
+    assert KernelPolicy().fused_max_m == 64  # the defaults untouched
