@@ -118,6 +118,8 @@ def main(args) -> int:
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                           max_stop_chars=args.max_stop_chars, shutdown_timeout_s=args.shutdown_timeout)
     engine = engine_from_args(args)
+    for layer, reason in engine.load_report:
+        print(f"note: {layer} runs off the W4 kernel path: {reason}", flush=True)
     name = args.served_model_name or args.model
     print(f"serving {name} on http://{args.host}:{args.port} (max_model_len {engine.max_model_len}, "
           f"{engine.block_manager.num_blocks} KV blocks of {engine.config.block_size} tokens)", flush=True)

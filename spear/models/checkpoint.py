@@ -244,8 +244,13 @@ def _check_module_entry(path: Path, name, entry) -> None:
         if not isinstance(entry.get(key), bool):
             _fail(path, f"module {name}: {key} must be true or false, got {entry.get(key)!r}")
     comp = entry.get("compensator")
-    if comp is not None and (not isinstance(comp, dict) or not isinstance(comp.get("kind"), str)):
-        _fail(path, f"module {name}: compensator must be null or an object with a 'kind', got {comp!r}")
+    if comp is not None:
+        from spear.compensate.spec import CompensatorSpec
+
+        try:
+            CompensatorSpec.from_dict(comp)
+        except SpearError as exc:
+            _fail(path, f"module {name}: {exc}")
 
 
 def read_spear_config(path: str | os.PathLike) -> dict:

@@ -11,14 +11,14 @@ BYTES = STORAGE_DTYPE.itemsize
 
 def ec_params(in_features: int, out_features: int, rank: int, hidden: int = 8, gated: bool = False,
               per_rank: bool = True) -> int:
-    """Parameters + buffers of a :class:`~spear.compensate.ec.GatedCompensator` of this shape."""
+    """Parameters + buffers of a :class:`~spear.compensate.ec.GatedCompensator` of this shape (the
+    checkpoint's record of it, :class:`~spear.compensate.spec.CompensatorSpec`, counts them)."""
     if rank == 0:
         return 0
-    n = rank * (in_features + out_features) + 1  # A, B, alpha
-    if gated:
-        g = rank if per_rank else 1
-        n += hidden * rank + hidden + g * hidden + g + rank  # w1, b1, w2, b2, u_scale
-    return n
+    from spear.compensate.spec import CompensatorSpec
+
+    spec = CompensatorSpec("spear-ec", rank, hidden if gated else 0, gated, per_rank=per_rank)
+    return spec.params(in_features, out_features)
 
 
 def ec_bytes(in_features: int, out_features: int, rank: int, hidden: int = 8, gated: bool = False,

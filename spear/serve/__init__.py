@@ -1,18 +1,22 @@
 """Serving: a continuous-batching engine over a paged KV cache and an OpenAI-compatible server.
 
+llama.py          the engine's own Llama-family model (Llama 2/3, SmolLM2, Mistral, Qwen2)
+layers/           its layers: linears owning packed weights and merged ECs, RMSNorm, rotary, attention
+loader.py         weights from a spear checkpoint, an HF folder or a model in memory
 sequence.py       request state and sampling parameters
 block_manager.py  paged KV block allocation
+block_tables.py   the decode step's block tables, kept on the host between steps
 scheduler.py      continuous batching with chunked prefill, admission control, preemption
-layers.py         RMSNorm, rotary, paged attention on flat token batches
-model_runner.py   the Llama-family forward over the cache; CUDA graphs for decode
-w4_kernels.py     QuantLinear -> the W4A16 (+EC) Triton kernels on CUDA
+model_runner.py   one step of the model over the cache; CUDA graphs for decode
 sampling.py       greedy / temperature / top-k / top-p, seeds
 detokenizer.py    incremental text and stop strings
+chat.py           chat templates, message content tokenized as text
 engine.py         LLMEngine: add_request / step / abort / generate
 async_engine.py   the engine in a background thread, for the server
 protocol.py       OpenAI request bodies
 server.py         FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
 metrics.py        Prometheus metrics
+config.py         EngineConfig (with the kernel policy) and ServerLimits
 """
 
 from spear.serve.config import EngineConfig

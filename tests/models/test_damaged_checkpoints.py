@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -139,8 +140,7 @@ CASES = {  # name -> (damage, fragment of the one-line error)
     "no config.json": (lambda p: (p / "config.json").unlink(), "config.json"),
     "garbled config.json": (lambda p: (p / "config.json").write_text("]"), "config.json"),
     "missing tensor": (lambda p: _rewrite(p, lambda t: t.pop(f"{Q}.scales")), f"lacks tensor {Q}.scales"),
-    "extra tensor": (lambda p: _rewrite(p, lambda t: t.__setitem__("stray", torch.zeros(2))),
-                     "unexpected tensor stray"),
+    "extra tensor": (lambda p: _rewrite(p, lambda t: t.__setitem__("stray", torch.zeros(2))), "tensor stray"),
     "NaN in scales": (lambda p: _rewrite(p, lambda t: t[f"{Q}.scales"].__setitem__(0, float("nan"))),
                       f"{Q}.scales holds non-finite"),
     "inf in embeddings": (lambda p: _rewrite(p, lambda t: t["model.embed_tokens.weight"].__setitem__((0, 0),
@@ -154,9 +154,13 @@ CASES = {  # name -> (damage, fragment of the one-line error)
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_damaged_checkpoint_is_a_one_line_error(ckpt, capsys, case):
+    """Through the serving engine's loader (spear generate) and transformers' (load_model, which
+    spear eval and the quality pipeline use): both refuse, naming what is wrong."""
     damage, fragment = CASES[case]
     damage(ckpt)
     assert_one_line_error(*run(ckpt, capsys), fragment)
+    with pytest.raises(SpearError, match=re.escape(fragment) if case != "extra tensor" else "tensor stray"):
+        load_model(ckpt)
 
 
 def test_pristine_checkpoint_and_extra_files_load(ckpt, capsys):
@@ -197,7 +201,7 @@ def hf_folder(tiny_llama_path, tmp_path):
 
 HF_CASES = {
     "missing weight": (lambda p: _rewrite(p, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
-                       "lacks weight model.layers.1.mlp.up_proj.weight"),
+                       "model.layers.1.mlp.up_proj.weight"),
     "truncated": (_truncate, "not a readable safetensors file"),
     "no weights": (lambda p: (p / WEIGHTS_NAME).unlink(), "holds no weights"),
     "NaN": (lambda p: _rewrite(p, lambda t: t["model.norm.weight"].__setitem__(0, float("nan"))),
@@ -213,6 +217,8 @@ def test_damaged_hf_folder_is_a_one_line_error(hf_folder, capsys, case):
     damage, fragment = HF_CASES[case]
     damage(hf_folder)
     assert_one_line_error(*run(hf_folder, capsys), fragment)
+    with pytest.raises(SpearError, match=re.escape(fragment)):
+        load_model(hf_folder)
 
 
 # ---------------------------------------------------------------------- writers killed mid-write
