@@ -245,7 +245,8 @@ def test_reference_equals_the_engines_varlen_attention():
 def test_supports_and_errors():
     def args(**kw):
         a = dict(q=torch.zeros(5, 4, 16), k=torch.zeros(6, 8, 2, 16), v=None,
-                 tables=torch.zeros(2, 3, dtype=torch.int32), qsl=torch.tensor([0, 2, 5], dtype=torch.int32), lens=torch.tensor([4, 9], dtype=torch.int32))
+                 tables=torch.zeros(2, 3, dtype=torch.int32), qsl=torch.tensor([0, 2, 5], dtype=torch.int32),
+                 lens=torch.tensor([4, 9], dtype=torch.int32))
         a.update(kw)
         a["v"] = a["k"] if a["v"] is None else a["v"]
         return {n: (t.to(DEVICE) if torch.is_tensor(t) else t) for n, t in a.items()}
