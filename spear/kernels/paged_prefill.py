@@ -202,15 +202,15 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and kv_heads > 0 and q.shape[1] % kv_heads == 0 and q.shape[2] == head_dim)
 
 
-def launch_config(dtype: torch.dtype, head_dim: int, group: int, max_query_len: int) -> tuple[int, int, int]:
-    """(rows per tile BLOCK_M, keys per tile BLOCK_N, warps). The rows hold at least one query's
-    GROUP heads and at least 16 (``tl.dot``'s smallest M); with longer chunks up to 64 (64
-    queries · heads × 64 keys fp16 at head_dim 128: Q, K and V tiles of 16 KiB each, the S tile
-    and the fp32 accumulator fit 4 warps). head_dim 256 halves the key tile to bound shared
+def launch_config(dtype: torch.dtype, head_dim: int, group: int, max_query_len: int) -> tuple[int, int, int, int]:
+    """(rows per tile BLOCK_M, keys per tile BLOCK_N, warps, pipeline stages). The rows hold at
+    least one query's GROUP heads and at least 16 (``tl.dot``'s smallest M); with longer chunks up
+    to 64 (64 queries · heads × 64 keys fp16 at head_dim 128: Q, K and V tiles of 16 KiB each, the
+    S tile and the fp32 accumulator fit 4 warps). head_dim 256 halves the key tile to bound shared
     memory and registers; fp32 takes the FMA path of ``tl.dot``, which needs 8 warps."""
     least = max(16, triton.next_power_of_2(group))
     block_m = min(max(triton.next_power_of_2(max(max_query_len, 1) * group), least), max(64, least))
-    return block_m, (64 if head_dim <= 128 else 32), (8 if dtype == torch.float32 or head_dim > 128 else 4)
+    return block_m, (64 if head_dim <= 128 else 32), (8 if dtype == torch.float32 or head_dim > 128 else 4), 2
 
 
 def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len) -> None:
@@ -270,7 +270,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_tokens, n_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = n_heads // kv_heads
-    tile_m, tile_n, num_warps = launch_config(q.dtype, head_dim, group,
+    tile_m, tile_n, num_warps, num_stages = launch_config(q.dtype, head_dim, group,
                                               num_tokens if max_query_len is None else max_query_len)
     if block_m is not None and not (_pow2(block_m) and block_m >= max(16, group)):
         raise ValueError(f"block_m must be a power of two >= max(16, n_heads // n_kv_heads = {group}); got {block_m}")
@@ -291,7 +291,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1), query_start_loc.stride(0), seq_lens.stride(0),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, IS_FP32=q.dtype == torch.float32, DOT_F32=INTERPRET, num_warps=num_warps, num_stages=2,
+        BLOCK_N=block_n, IS_FP32=q.dtype == torch.float32, DOT_F32=INTERPRET, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

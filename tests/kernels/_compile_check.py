@@ -141,13 +141,13 @@ def compile_prefill(dtype, head_dim, block_size, group, max_query_len=512, table
                 lens_ptr="*i32", out_ptr="*" + dtype)
     div16 = list(ptrs) + [n for n in fn.arg_names if n.startswith(("stride_q", "stride_o", "stride_k", "stride_v"))
                           and n != "stride_qsl"]
-    block_m, block_n, num_warps = prefill_config(
+    block_m, block_n, num_warps, num_stages = prefill_config(
         getattr(torch, dict(fp16="float16", bf16="bfloat16", fp32="float32")[dtype]), head_dim, group, max_query_len)
     c = dict(GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_m // group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
              BLOCK_N=block_n, IS_FP32=dtype == "fp32", DOT_F32=False)
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
     src = ASTSource(fn, sig(fn, ptrs, ("qk_scale",), c), c, attrs)
-    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=2))
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 if __name__ == "__main__":
