@@ -5,20 +5,20 @@ over its cached keys, causal within the chunk, in one launch.
 
 Layout (serve/layers.py): q (T, n_heads, head_dim), the flat batch of every scheduled token, any
 strides with unit stride along head_dim (a column slice of the fused qkv output). Sequence ``b``'s
-queries are rows ``query_start_loc[b] : query_start_loc[b + 1]`` (int32 cumulative counts, B + 1
-entries, from 0); rows from ``query_start_loc[B]`` to T are padding and come out as zeros. A layer's
-caches (num_blocks, block_size, n_kv_heads, head_dim); token ``t`` of sequence ``b`` sits in block
-``block_tables[b, t // block_size]`` at offset ``t % block_size`` (int32 or int64 tables), and the
-chunk's own keys and values are already there. Sequence ``b`` has ``seq_lens[b]`` keys; its chunk of
-``n_b`` queries holds its last ``n_b`` tokens, so query ``i`` sits at position ``seq_lens[b] - n_b + i``
-and sees keys 0 .. that position. Query head ``h`` reads kv head ``h // (n_heads // n_kv_heads)``
-(grouped-query attention). Output (T, n_heads · head_dim) in q's dtype, as the o_proj input.
+queries are rows ``query_start_loc[b] : query_start_loc[b + 1]`` (cumulative counts, B + 1 entries
+from 0); rows from ``query_start_loc[B]`` to T are padding and come out as zeros. A layer's caches
+(num_blocks, block_size, n_kv_heads, head_dim); token ``t`` of sequence ``b`` sits in block
+``block_tables[b, t // block_size]`` at offset ``t % block_size``, and the chunk's own keys and
+values are already there. Sequence ``b`` has ``seq_lens[b]`` keys; its chunk of ``n_b`` queries
+holds its last ``n_b`` tokens, so query ``i`` sits at position ``seq_lens[b] - n_b + i`` and sees
+keys 0 .. that position. The three index tensors may be int32 or int64, with any strides. Query
+head ``h`` reads kv head ``h // (n_heads // n_kv_heads)`` (grouped-query attention). Output
+(T, n_heads · head_dim) in q's dtype, contiguous, as the o_proj input.
 
 Algorithm (the "unified attention" scheme of vLLM's Triton backend): a program computes a tile of
 BLOCK_Q consecutive queries of one sequence for the GROUP query heads of one kv head, packed into
 the BLOCK_M = BLOCK_Q · GROUP rows of the tile's M dimension (query-major, head fastest), so each
-K/V tile is read once for the group and a decode's GROUP heads fill a tensor-core tile as they do in
-the decode kernel. The grid is (T // BLOCK_Q + B + 1, n_kv_heads): sequence ``b``'s query tiles are
+K/V tile is read once for the group. The grid is (T // BLOCK_Q + B + 1, n_kv_heads): sequence ``b``'s query tiles are
 numbered from ``query_start_loc[b] // BLOCK_Q + b``, which leaves room for its cdiv(n_b, BLOCK_Q)
 tiles whatever the chunk lengths, and the padding rows are numbered as a sequence B. Each program
 finds its sequence by a binary search over query_start_loc on the device; tile numbers a sequence
@@ -39,10 +39,14 @@ dtype for the P V product, as flash attention does. fp32 takes IEEE dots (no TF3
 interpreter (DOT_F32) the dots run on fp32 copies of the same rounded operands. A row that sees no
 key (only a chunk longer than its sequence, outside the contract) comes out as zeros.
 
+Inputs outside the contract (a decreasing query_start_loc, a chunk longer than its sequence, a
+sequence longer than its table row) give unspecified rows, but no access outside q, the output and
+the table rows; the block ids themselves must be valid.
+
 Shapes: head_dim a power of two from 16 to 256, block_size a power of two; anything else raises
-ValueError (``supports`` tells the caller beforehand). ``max_query_len`` (an upper bound on the
-chunk lengths, known to the scheduler) only picks the tile's query count: a decode-heavy launch
-takes the smallest tile the group allows; any value (or None: T) gives the same result.
+ValueError (``supports`` tells the caller beforehand). ``max_query_len``, an upper bound on the
+chunk lengths that the scheduler knows, is checked but changes nothing today: one tile shape
+serves decodes and prefill chunks (``launch_config``).
 
 Why hand-written: the paged prefill kernels published as Python packages (flash-attn's varlen
 kernels with a block table, FlashInfer, vLLM's) are CUDA binaries with their own page-size and
@@ -150,7 +154,7 @@ def _paged_prefill_kernel(
     heads = kvh * GROUP + offs_m % GROUP
     rows = q_start + q_local                     # the row's token in the flat batch
     # rows past BLOCK_Q · GROUP (a group that does not divide BLOCK_M) belong to the next tile
-    in_tile = (offs_m < BLOCK_Q * GROUP) & (rows < num_tokens)
+    in_tile = (offs_m < BLOCK_Q * GROUP) & (rows >= 0) & (rows < num_tokens)
     o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + heads[:, None] * HEAD_DIM + offs_d[None, :]
 
     if b == num_seqs:
@@ -202,14 +206,14 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and kv_heads > 0 and q.shape[1] % kv_heads == 0 and q.shape[2] == head_dim)
 
 
-def launch_config(dtype: torch.dtype, head_dim: int, group: int, max_query_len: int) -> tuple[int, int, int, int]:
-    """(rows per tile BLOCK_M, keys per tile BLOCK_N, warps, pipeline stages). The rows hold at
-    least one query's GROUP heads and at least 16 (``tl.dot``'s smallest M); with longer chunks up
-    to 64 (64 queries · heads × 64 keys fp16 at head_dim 128: Q, K and V tiles of 16 KiB each, the
-    S tile and the fp32 accumulator fit 4 warps). head_dim 256 halves the key tile to bound shared
-    memory and registers; fp32 takes the FMA path of ``tl.dot``, which needs 8 warps."""
-    least = max(16, triton.next_power_of_2(group))
-    block_m = min(max(triton.next_power_of_2(max(max_query_len, 1) * group), least), max(64, least))
+def launch_config(dtype: torch.dtype, head_dim: int, group: int) -> tuple[int, int, int, int]:
+    """(rows per tile BLOCK_M, keys per tile BLOCK_N, warps, pipeline stages). 64 rows (or the group,
+    if larger): Hopper's warp-group MMA takes M = 64, and 16-row tiles (mma.sync) timed slower on the
+    H200 even where every sequence is a decode. 64 keys fp16 at head_dim 128: Q, K and V tiles of
+    16 KiB each, the S tile and the fp32 accumulator fit 4 warps; wider or narrower tiles and a third
+    stage timed slower on mixed steps. head_dim 256 halves the key tile to bound shared memory and
+    registers; fp32 takes the FMA path of ``tl.dot``, which needs 8 warps."""
+    block_m = max(64, triton.next_power_of_2(group))
     return block_m, (64 if head_dim <= 128 else 32), (8 if dtype == torch.float32 or head_dim > 128 else 4), 2
 
 
@@ -262,16 +266,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """Causal attention of every sequence's chunk over its paged keys, one launch; (T, n_heads · head_dim)
     in q's dtype, padding rows (from ``query_start_loc[B]``) zero. Layouts: the module docstring.
 
-    Fixed grid for given T, B and ``max_query_len``, no host synchronization: safe inside a CUDA
-    graph. ``block_m`` (rows per tile, a power of two >= 16 and >= the GQA group) and ``block_n``
-    (keys per tile, a power of two >= 16) override the defaults, for tests; ``launch`` wraps the
-    kernel (``wrap_triton``)."""
+    Fixed grid for given T and B, no host synchronization: safe inside a CUDA graph. ``block_m``
+    (rows per tile, a power of two >= 16 and >= the GQA group) and ``block_n`` (keys per tile, a
+    power of two >= 16) override the defaults, for tests; ``launch`` wraps the kernel
+    (``wrap_triton``)."""
     _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len)
     num_tokens, n_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = n_heads // kv_heads
-    tile_m, tile_n, num_warps, num_stages = launch_config(q.dtype, head_dim, group,
-                                              num_tokens if max_query_len is None else max_query_len)
+    tile_m, tile_n, num_warps, num_stages = launch_config(q.dtype, head_dim, group)
     if block_m is not None and not (_pow2(block_m) and block_m >= max(16, group)):
         raise ValueError(f"block_m must be a power of two >= max(16, n_heads // n_kv_heads = {group}); got {block_m}")
     if block_n is not None and not (_pow2(block_n) and block_n >= 16):

@@ -192,12 +192,13 @@ def test_mixed_batch(poisoned, chunks, block_size, group, head_dim, dtype, table
 @pytest.mark.parametrize("group,dtype", [(2, torch.float16), (4, torch.float32)])
 def test_program_order_and_tile_shapes(poisoned, grid_order, group, dtype):
     """Each tile's sequence comes from its own search, in either program order; the query tile's
-    size (every ``max_query_len`` hint, from one query per tile up) changes nothing but the grid."""
+    size (16 rows up to the default 64) changes the grid, not the result, and so does no
+    ``max_query_len`` hint."""
     batch = make_batch(MIXED, 2 * group, 2, 32, 8, dtype, seed=group, pad_rows=5)
     scale = 32 ** -0.5
     ref = reference(batch, scale).cpu()
     args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, scale)
-    for hint, block_m in ((None, None), (1, None), (17, None), (None, 32)):
+    for hint, block_m in ((None, None), (1, 16), (17, 32)):
         out = paged_prefill_attention(*args, max_query_len=hint, block_m=block_m, block_n=16)
         check(out, batch, scale, dtype, f"gqa={group} {dtype} {grid_order} max_query_len={hint} block_m={block_m}",
               ref=ref)
@@ -311,7 +312,7 @@ def test_random_batches_sweep(poisoned, seed):
         chunks.append((n, n + pick([0, 0, 1, 7, 16, 40, 129])))
     group, head_dim, block_size = pick([1, 2, 3, 4, 8]), pick([16, 32, 64, 128]), pick([1, 4, 8, 16, 32, 64])
     dtype = pick([torch.float16, torch.bfloat16, torch.float32])
-    block_m = pick([None, max(16, 1 << (group - 1).bit_length()) * 2])
+    block_m = pick([None, 16 if group <= 16 else None, 32 if group <= 32 else None])
     block_n = pick([None, 16, 32])
     batch = make_batch(chunks, 2 * group, 2, head_dim, block_size, dtype, seed=seed, pad_rows=pick([0, 1, 9]),
                        table_dtype=pick([torch.int32, torch.int64, "int64-colmajor"]),
