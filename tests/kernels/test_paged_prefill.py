@@ -161,9 +161,10 @@ def grid_order(request, monkeypatch):
 
 
 # (chunks, block_size, GQA group, head_dim, dtype, table dtype, q layout, rows per tile, keys per tile):
-# key tiles spanning two blocks (8 / 16, 16 / 32), one block, half a block (16 / 8 is not allowed:
-# tiles hold >= 16 keys), the default tiles; query tiles of 16 queries, of 4 (group 4 in 16 rows),
-# of 5 with a spare row (group 3: the default model's 9 heads over 3 kv heads)
+# key tiles over two blocks (8 / 16, 16 / 32), four and eight (the default 64 keys over blocks of 16
+# and 8), half a block (32 / 16); query tiles of 16 queries (group 1 in 16 rows), 4 (group 4 in 16),
+# 5 with a spare row (group 3: the default model's 9 heads over 3 kv heads), 32 (the default 64 rows
+# over group 2), 16 (64 over group 4) and 32 (group 1 in 32)
 CASES = [
     (MIXED, 8, 1, 32, torch.float32, torch.int32, "contiguous", 16, 16),
     (MIXED, 16, 2, 32, torch.float16, "int64-colmajor", "qkv", None, None),
@@ -171,7 +172,7 @@ CASES = [
     (MIXED, 16, 3, 64, torch.float16, torch.int32, "qkv", 16, 32),
     (LONG, 16, 4, 32, torch.float16, torch.int32, "qkv", 64, 32),
     (LONG, 8, 2, 64, torch.float32, torch.int64, "contiguous", None, None),
-    (LONG, 16, 1, 32, torch.bfloat16, torch.int64, "heads", 32, 16),
+    (LONG, 32, 1, 32, torch.bfloat16, torch.int64, "heads", 32, 16),
 ]
 
 
@@ -192,13 +193,13 @@ def test_mixed_batch(poisoned, chunks, block_size, group, head_dim, dtype, table
 @pytest.mark.parametrize("group,dtype", [(2, torch.float16), (4, torch.float32)])
 def test_program_order_and_tile_shapes(poisoned, grid_order, group, dtype):
     """Each tile's sequence comes from its own search, in either program order; the query tile's
-    size (16 rows up to the default 64) changes the grid, not the result, and so does no
+    size (16 rows or the default 64) changes the grid, not the result, and so does no
     ``max_query_len`` hint."""
     batch = make_batch(MIXED, 2 * group, 2, 32, 8, dtype, seed=group, pad_rows=5)
     scale = 32 ** -0.5
     ref = reference(batch, scale).cpu()
     args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, scale)
-    for hint, block_m in ((None, None), (1, 16), (17, 32)):
+    for hint, block_m in ((None, None), (1, 16)):
         out = paged_prefill_attention(*args, max_query_len=hint, block_m=block_m, block_n=16)
         check(out, batch, scale, dtype, f"gqa={group} {dtype} {grid_order} max_query_len={hint} block_m={block_m}",
               ref=ref)
