@@ -16,6 +16,8 @@ from spear.kernels.attention import _paged_decode_kernel, launch_config
 from spear.kernels.dequant import _dequant_kernel, _dequant_kmajor_kernel
 from spear.kernels.ec import _ec_gate_finish_kernel, _ec_gate_kernel, _ec_stacked_kernel, _ec_up_kernel
 from spear.kernels.fused import _silu_mul_kernel
+from spear.kernels.paged_prefill import _paged_prefill_kernel
+from spear.kernels.paged_prefill import launch_config as prefill_config
 from spear.kernels.w4a16 import _w4a16_kernel
 
 TARGET = GPUTarget("cuda", 90, 128)
@@ -131,6 +133,23 @@ def compile_attention(dtype, head_dim, block_size, group, splits=8, pdl=False, r
     return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=2))
 
 
+def compile_prefill(dtype, head_dim, block_size, group, table="i32"):
+    """The paged prefill kernel as ``paged_prefill_attention`` specializes it (default tiles): pointers
+    16-byte aligned, q/out/cache strides multiples of head_dim >= 16."""
+    fn = _paged_prefill_kernel
+    ptrs = dict(q_ptr="*" + dtype, k_ptr="*" + dtype, v_ptr="*" + dtype, bt_ptr="*" + table, qsl_ptr="*i32",
+                lens_ptr="*i32", out_ptr="*" + dtype)
+    div16 = list(ptrs) + [n for n in fn.arg_names if n.startswith(("stride_q", "stride_o", "stride_k", "stride_v"))
+                          and n != "stride_qsl"]
+    block_m, block_n, num_warps, num_stages = prefill_config(
+        getattr(torch, dict(fp16="float16", bf16="bfloat16", fp32="float32")[dtype]), head_dim, group)
+    c = dict(GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_m // group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+             BLOCK_N=block_n, IS_FP32=dtype == "fp32", DOT_F32=False)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in div16}
+    src = ASTSource(fn, sig(fn, ptrs, ("qk_scale",), c), c, attrs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
 if __name__ == "__main__":
     bf16 = sys.argv[1] == "bf16"
     for ec_mode, mv, bm in ((0, 0, 64), (1, 1, 16), (1, 0, 16), (2, 0, 64)):
@@ -164,4 +183,14 @@ if __name__ == "__main__":
         # the rotary's products are rounded as torch rounds them (rope_write_kv, bit for bit), not
         # contracted into a half-precision fma with the sum
         assert not re.search(r"fma\.rn(\.ftz)?\.(f16|bf16)", ptx), "the rotary's product was contracted into an fma"
+    # mixed-step attention: Llama-3-8B (GQA 4), the default model's group of 3 (a spare row per tile),
+    # a group filling the tile with one query, fp32; MHA over int64 tables and head_dim 256 in bf16
+    if bf16:
+        compile_prefill("bf16", 128, 8, 1, table="i64")
+        compile_prefill("bf16", 256, 16, 4)
+    else:
+        compile_prefill("fp16", 128, 16, 4)
+        compile_prefill("fp16", 64, 16, 3)
+        compile_prefill("fp16", 64, 32, 64, table="i64")
+        compile_prefill("fp32", 64, 16, 3)
     print("ok")
