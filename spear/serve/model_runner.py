@@ -16,7 +16,7 @@ import torch
 
 from spear.errors import SpearError
 from spear.serve.block_tables import BlockTables
-from spear.serve.layers.attention import AttentionMetadata, ChunkMeta
+from spear.serve.layers.attention import AttentionMetadata
 from spear.serve.layers.linear import Context
 from spear.serve.layers.rotary import rotary_tables
 from spear.serve.llama import LlamaForCausalLM, head_dim
@@ -79,12 +79,6 @@ class ModelRunner:
         return [v for _, v in self.kv_caches]
 
     # ------------------------------------------------------------------ one step
-    def _context_slots(self, block_table: list[int], end: int) -> torch.Tensor:
-        """Cache slots of positions 0 .. end - 1 of a sequence (CPU, int64)."""
-        bs = self.block_size
-        blocks = torch.tensor(block_table[:-(-end // bs)], dtype=torch.long)
-        return (blocks[:, None] * bs + torch.arange(bs)).flatten()[:end]
-
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the scheduled chunks; logits (n, vocab) fp32 for each chunk that samples, in order.
@@ -92,19 +86,35 @@ class ModelRunner:
         next call: read them before calling again."""
         if out.is_decode_only:
             return self._execute_decode(out)
-        ids, pos, slots, chunks, rows = [], [], [], [], []
-        for c in out.chunks:
-            end = c.start + c.num_tokens
-            seq_slots = self._context_slots(c.seq.block_table, end)
-            chunks.append(ChunkMeta(len(ids), c.num_tokens, end, seq_slots.to(self.device)))
-            ids += c.seq.token_ids[c.start:end]
-            pos += range(c.start, end)
-            slots.append(seq_slots[c.start:end])
-            if c.samples:
-                rows.append(len(ids) - 1)
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        meta = AttentionMetadata(t(pos), torch.cat(slots).to(self.device), self.cos, self.sin, chunks=chunks)
-        return self.model(t(ids), self.kv_caches, meta, self.eager_ctx, rows=t(rows))
+        ids, meta, rows = self.mixed_inputs(out)
+        return self.model(ids, self.kv_caches, meta, self.eager_ctx, rows=rows)
+
+    def mixed_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(token ids, attention metadata, rows that sample) of a step of any composition, on the
+        device. Host work is O(sequences) in Python: the tokens' positions and slots come from
+        vectorized ops over the block tables that BlockTables keeps between steps."""
+        chunks = out.chunks
+        seqs = [c.seq for c in chunks]
+        n = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
+        start = torch.tensor([c.start for c in chunks], dtype=torch.long)
+        qsl = torch.zeros(len(chunks) + 1, dtype=torch.long)
+        torch.cumsum(n, 0, out=qsl[1:])
+        total = int(qsl[-1])
+        ids: list[int] = []
+        for c in chunks:  # list slices: C loops, not per-token Python
+            ids += c.seq.token_ids[c.start:c.start + c.num_tokens]
+        tables, used = self._block_tables.gather(seqs, len(seqs))
+        tables = tables[:, :max(used)]
+        seq = torch.repeat_interleave(torch.arange(len(chunks)), n)
+        pos = torch.arange(total) - qsl[:-1][seq] + start[seq]
+        bs = self.block_size
+        slots = tables[seq, pos // bs] * bs + pos % bs
+        rows = (qsl[1:] - 1)[torch.tensor([c.samples for c in chunks], dtype=torch.bool)]
+        dev = self.device
+        meta = AttentionMetadata(pos.to(dev), slots.to(dev), self.cos, self.sin, block_tables=tables.to(dev),
+                                 seq_lens=(start + n).to(dev), query_start_loc=qsl.to(dev, torch.int32),
+                                 max_query_len=int(n.max()))
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta, rows.to(dev)
 
     def _decode_inputs(self, out: SchedulerOutput, batch: int, n_blocks: int) -> tuple[torch.Tensor, ...]:
         """(ids, positions, slots, block tables, context lengths) padded to ``batch`` rows; padding
@@ -128,8 +138,8 @@ class ModelRunner:
             tables, torch.tensor(lens, dtype=torch.long))
 
     def forward_decode(self, ids, positions, slots, block_tables, context_lens, ctx: Context) -> torch.Tensor:
-        meta = AttentionMetadata(positions, slots, self.cos, self.sin, decode=True, block_tables=block_tables,
-                                 context_lens=context_lens)
+        meta = AttentionMetadata(positions, slots, self.cos, self.sin, block_tables=block_tables,
+                                 seq_lens=context_lens, decode=True)
         return self.model(ids, self.kv_caches, meta, ctx)
 
     def _execute_decode(self, out: SchedulerOutput) -> torch.Tensor:
