@@ -13,7 +13,7 @@ programmatic-dependent-launch level of this call (0 or 1). Use :func:`w4a16_line
 than spelling the arguments out.
 
 The path by M = number of tokens is ``policy.plan`` (see spear/kernels/policy.py): the Triton
-GEMM, dequantize + cuBLAS, the fused EC, or the semi-fused EC (ec_gate on a side stream,
+GEMM, dequantize + cuBLAS or the prefill GEMM, the fused EC, or the semi-fused EC (ec_gate on a side stream,
 overlapped with the W4 part, then ec_up adds alpha · v Bᵀ; inside CUDA-graph capture the fork
 and join are captured as graph edges; while torch.compile traces the op, which has no streams,
 the serial variant runs: ec_gate, then the GEMM with the v-epilogue). On any other device
@@ -36,9 +36,11 @@ from spear.kernels import ec as ec_kernels
 from spear.kernels import fused
 from spear.kernels import reference
 from spear.kernels.dequant import dequantize
+from spear.kernels.launch import Config, PrefillConfig
 from spear.kernels.layout import PackedEC, PackedW4
 from spear.kernels.policy import KernelPolicy, _plan, settings
 from spear.kernels.w4a16 import check_act, w4a16_matmul
+from spear.kernels.w4a16_prefill import w4a16_prefill_matmul
 
 DEFAULT_POLICY = KernelPolicy()
 
@@ -58,10 +60,13 @@ def _silu_mul_pairs(y: torch.Tensor) -> torch.Tensor:
 
 
 def _w4_part(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], config, pdl: int, act: int = 0):
-    """The W4 product alone: the Triton GEMM with ``config``, or dequantize + cuBLAS (config None)."""
+    """The W4 product alone: the decode GEMM with a ``Config``, the prefill GEMM with a
+    ``PrefillConfig``, or dequantize + cuBLAS (None)."""
     if config is None:
         y = torch.nn.functional.linear(x, dequantize(w, x.dtype, launch=wrap_triton), bias)
         return _silu_mul_pairs(y) if act else y
+    if isinstance(config, PrefillConfig):
+        return w4a16_prefill_matmul(x, w, bias, config=config, act=act, launch=wrap_triton)
     return w4a16_matmul(x, w, bias, config=config, launch=wrap_triton, act=act, pdl=pdl)
 
 
@@ -87,10 +92,10 @@ def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: P
 
     if not overlap:
         gate()
-        if config is not None:  # the GEMM's epilogue adds alpha · v Bᵀ
+        if isinstance(config, Config):  # the decode GEMM's epilogue adds alpha · v Bᵀ
             return w4a16_matmul(x, w, bias, e, ec_mode=2, v=v, config=config, launch=wrap_triton, act=act,
                                 pdl=pdl)
-        y = ec_kernels.ec_up(_w4_part(x, w, bias, None, pdl), v, e, launch=wrap_triton)
+        y = ec_kernels.ec_up(_w4_part(x, w, bias, config, pdl), v, e, launch=wrap_triton)
         return _silu_mul_pairs(y) if act else y
     join = _beside(x.device, gate)
     out = _w4_part(x, w, bias, config, pdl)
@@ -128,7 +133,7 @@ def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         return (reference.silu_mul_pairs(y) if act else y).to(x.dtype).reshape(*lead, n_out)
     s = settings(policy)
     p = _plan(m, n, k, group_size, kmajor, 0 if e is None else e.a.shape[0], s, cuda=True)
-    if p.path in ("gemm", "dequant_cublas"):
+    if p.path in ("gemm", "dequant_cublas", "prefill_gemm"):
         y = _w4_part(x2, w, bias, p.config, pdl, act)
     elif p.path == "fused_ec":
         y = w4a16_matmul(x2, w, bias, e, ec_mode=1, config=p.config, launch=wrap_triton, act=act, pdl=pdl,

@@ -175,6 +175,19 @@ class LLMEngine:
         log.info("engine: %d KV blocks of %d tokens, max_model_len %d, %s %s", num_blocks, config.block_size,
                  self.max_model_len, device, dtype)
 
+    def warmup(self) -> float:
+        """Compile every kernel variant a step can meet (one prefill step per distinct kernel
+        signature up to the token budget; the decode graphs are captured at construction), so that
+        no request pays a compilation. Seconds taken; nothing to do off CUDA."""
+        if self.runner.device.type != "cuda":
+            return 0.0
+        t0 = time.perf_counter()
+        counts = self.runner.warmup_token_counts(self.config.max_num_batched_tokens)
+        self.runner.warmup(counts)
+        seconds = time.perf_counter() - t0
+        log.info("warm-up: %d step shapes (%s tokens) in %.1f s", len(counts), counts, seconds)
+        return seconds
+
     def _blocks_from_memory(self, model_config, device, dtype) -> int:
         per_block = kv_bytes_per_block(model_config, self.config.block_size, dtype)
         budget = self.config.kv_memory

@@ -157,6 +157,74 @@ class ModelRunner:
         inputs = [x.to(self.device) for x in self._decode_inputs(out, n, n_blocks)]
         return self.forward_decode(*inputs, Context(self.policy, self.policy.pdl_level(n, self.pdl_ok)))
 
+    # ------------------------------------------------------------------ warm-up
+    def kernel_signature(self, tokens: int) -> tuple:
+        """Everything that decides which kernel variants a step of ``tokens`` tokens compiles: each
+        distinct W4 layer's path and launch (and the compensator's ec_gate split) and the W8
+        head's launch. Token counts with the same signature run the same compiled kernels."""
+        from spear.kernels.policy import plan
+
+        sig = []
+        for shape in self._w4_shapes:
+            p = plan(tokens, *shape, self.policy)
+            split = None
+            if p.path == "semi_fused_ec":
+                from spear.kernels.ec import gate_splits
+
+                k = shape[1]
+                split = gate_splits(tokens, k, 128 if k % 128 == 0 else (64 if k % 64 == 0 else 32),
+                                    self.policy.gate_programs)
+            sig.append((p.path, p.config, split))
+        if self._w8:
+            from spear.kernels.w8a16 import pick_config as w8_config
+
+            sig.append(tuple(sorted(w8_config(tokens).items())))
+        return tuple(sig)
+
+    @property
+    def _w4_shapes(self) -> list[tuple]:
+        shapes = set()
+        for layer in self.model.layers:
+            for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                if lin.kind == "w4":
+                    w, e = lin.packed, lin.packed_ec
+                    shapes.add((w.out_features, w.in_features, w.group_size, w.kmajor, 0 if e is None else e.a.shape[0]))
+        return sorted(shapes)
+
+    @property
+    def _w8(self) -> bool:
+        return self.model.lm_head.kind == "w8"
+
+    def warmup_token_counts(self, max_tokens: int) -> list[int]:
+        """The smallest token count of each kernel signature up to ``max_tokens`` (and ``max_tokens``)."""
+        seen, counts = set(), []
+        for t in range(1, max_tokens + 1):
+            sig = self.kernel_signature(t)
+            if sig not in seen:
+                seen.add(sig)
+                counts.append(t)
+        return counts if counts and counts[-1] == max_tokens else counts + [max_tokens]
+
+    @torch.inference_mode()
+    def warmup(self, token_counts: list[int]) -> None:
+        """Run one prefill step of each token count on scratch state, so that every kernel those
+        steps launch is compiled before a request meets it. The cache blocks it writes belong to no
+        sequence (a sequence writes each position before it reads it)."""
+        from types import SimpleNamespace
+
+        from spear.serve.scheduler import ScheduledChunk
+
+        bs = self.block_size
+        for t in token_counts:
+            blocks = -(-t // bs)
+            if blocks > self.num_blocks or t > self.max_model_len:
+                continue
+            seq = SimpleNamespace(request_id=f"warmup-{t}", token_ids=[0] * t, block_table=list(range(blocks)),
+                                  num_tokens=t, num_output_tokens=0)
+            self.execute(SchedulerOutput([ScheduledChunk(seq, 0, t)]))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
     # ------------------------------------------------------------------ CUDA graphs
     def _capture_graphs(self, eager: bool = False) -> None:
         """One graph per padded batch size over static input buffers. ``eager`` records the same
