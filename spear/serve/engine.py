@@ -81,6 +81,17 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
+class StepRecord:
+    """What the last step ran: scheduled tokens and sequences, whether every one was a decode, and
+    its wall time in seconds (model, sampling and outputs)."""
+
+    num_tokens: int
+    num_seqs: int
+    decode_only: bool
+    seconds: float
+
+
+@dataclass(slots=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -171,6 +182,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.num_failed_steps = 0  # steps in a row in which every request failed
+        self.last_step: StepRecord | None = None
         torch.manual_seed(config.seed)
         log.info("engine: %d KV blocks of %d tokens, max_model_len %d, %s %s", num_blocks, config.block_size,
                  self.max_model_len, device, dtype)
@@ -289,6 +301,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample; one output per request that got a token or failed."""
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         if not sched:
@@ -321,6 +334,8 @@ class LLMEngine:
                 self._forget(seq.request_id)
         everyone_failed = len(outputs) > 0 and all(o.error is not None for o in outputs)
         self.num_failed_steps = self.num_failed_steps + 1 if everyone_failed else 0
+        self.last_step = StepRecord(sched.num_tokens, len(sched.chunks), sched.is_decode_only,
+                                    time.perf_counter() - t0)
         return outputs
 
     def _execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor | None,
