@@ -41,3 +41,17 @@ def test_prefill_gemm_refuses_what_it_cannot_take():
         w4a16_prefill_matmul(x.float(), w)
     with pytest.raises(ValueError, match="in_features"):
         w4a16_prefill_matmul(x[:, :128], w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [128, 512, 2048])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (28672, 4096), (4096, 14336)])
+def test_prefill_gemm_at_llama_shapes(m, n, k):
+    """The built-in prefill launch at Llama-3-8B's layer shapes on the GPU, K-major g128 as served."""
+    from spear.kernels.launch import BUILTIN
+
+    e = BUILTIN["prefill_mm"]
+    cfg = PrefillConfig(e["BM"], e["BN"], e["BK"], e["num_warps"], e["num_stages"])
+    x, w, bias, _, expect = setup_case(m, k, n, 128, False, torch.float16, seed=1, bias=True, kmajor=True)
+    assert_close(w4a16_prefill_matmul(x, w, bias, config=cfg), expect, torch.float16, f"{n}x{k} M={m}")
