@@ -63,20 +63,7 @@ _BUILTIN = {
     # Llama-3-8B W4 decode 10,338 -> 11,377 tok/s at 64 sequences, 7,331 -> 7,680 at 32.
     "tc_wide": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=256),
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
-    # the prefill GEMM (w4a16_prefill.py, KernelPolicy.prefill_gemm) from dequant_mm_min_m tokens
-    "prefill_mm": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
 }
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    """One launch of the prefill GEMM (w4a16_prefill.py); the table's ``prefill_mm`` entry."""
-    BM: int = 128
-    BN: int = 128
-    BK: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-    GROUP_M: int = 8  # row tiles per group of programs that share weight columns in L2
 
 
 def _frozen(v):

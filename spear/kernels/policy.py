@@ -13,10 +13,8 @@ Paths of a W4 layer (CUDA; everywhere else the fp32 torch reference of reference
 
   gemm            the Triton W4 GEMM (split-K at decode)                no EC, M < dequant_mm_min_m
   dequant_cublas  dequantize the weight, then cuBLAS                     no EC, M >= dequant_mm_min_m
-  prefill_gemm    the prefill GEMM dequantizing tiles on chip             no EC, M >= dequant_mm_min_m,
-                  (w4a16_prefill.py) instead                             with KernelPolicy.prefill_gemm
   fused_ec        the GEMM with u = A x, the gate and alpha B v fused    EC, M <= fused_max_m
-  semi_fused_ec   ec_gate beside the W4 part (one of the three above     EC, M > fused_max_m
+  semi_fused_ec   ec_gate beside the W4 part (one of the two above       EC, M > fused_max_m
                   by M), then ec_up adds alpha v Bᵀ
 """
 
@@ -26,9 +24,9 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from types import MappingProxyType
 
-from spear.kernels.launch import BUILTIN, PrefillConfig, _frozen, check_table, merged_table, pick_config
+from spear.kernels.launch import BUILTIN, _frozen, check_table, merged_table, pick_config
 
-PATHS = ("reference", "gemm", "dequant_cublas", "prefill_gemm", "fused_ec", "semi_fused_ec")
+PATHS = ("reference", "gemm", "dequant_cublas", "fused_ec", "semi_fused_ec")
 PDL_MODES = ("off", "wait", "auto")
 
 
@@ -40,7 +38,6 @@ class KernelPolicy:
     fused_max_m: int = 64            # the EC fused into the W4 GEMM up to here, semi-fused above
     dequant_mm_min_m: int = 128      # from here the W4 part is dequantize + cuBLAS (0.36-0.52x the GEMM's time)
     semi_fused_overlap: bool = True  # ec_gate on a side stream beside the W4 part (else before it)
-    prefill_gemm: bool = False       # from dequant_mm_min_m tokens the on-chip-dequantizing GEMM, not cuBLAS
     u_split_max: int = 32            # fused EC: u = A x programs per m-tile at most
     gate_programs: int = 264         # ec_gate splits K until about this many programs run
     attention_target_programs: int = 256  # decode attention splits the context until this many programs
@@ -65,7 +62,7 @@ class KernelPolicy:
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "fused_max_m" else 1):
                 raise ValueError(f"KernelPolicy.{name} must be a whole number >= "
                                  f"{0 if name == 'fused_max_m' else 1}, got {v!r}")
-        for name in ("semi_fused_overlap", "rope_in_attention", "prefill_gemm"):
+        for name in ("semi_fused_overlap", "rope_in_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelPolicy.{name} must be True or False, got {getattr(self, name)!r}")
         if self.pdl not in PDL_MODES:
@@ -77,6 +74,7 @@ class KernelPolicy:
         if table is not BUILTIN:
             object.__setattr__(self, "launch_table", merged_table(table))
         object.__setattr__(self, "_op_args", _encode(self))
+        object.__setattr__(self, "_settings", None)
 
     def replace(self, **changes) -> "KernelPolicy":
         return replace(self, **changes)
@@ -85,6 +83,13 @@ class KernelPolicy:
     def op_args(self) -> tuple[int, ...]:
         """This policy as the integer list the registered op takes."""
         return self._op_args
+
+    @property
+    def settings(self) -> "_Settings":
+        """What the op reads of this policy, decoded once."""
+        if self._settings is None:
+            object.__setattr__(self, "_settings", _settings(self._op_args))
+        return self._settings
 
     def pdl_level(self, decode_batch: int | None, available: bool) -> int:
         """The PDL level (0 or 1) of a step: ``decode_batch`` sequences of a decode graph, None for
@@ -99,8 +104,8 @@ class KernelPolicy:
 @dataclass(frozen=True)
 class Plan:
     path: str                   # one of PATHS
-    # the W4 part's launch: a Config (the Triton GEMM), a PrefillConfig (the prefill GEMM) or None
-    # (dequantize + cuBLAS); for semi_fused_ec, the W4 part beside the compensator's kernels
+    # the W4 part's launch: a Config (the Triton GEMM) or None (dequantize + cuBLAS); for
+    # semi_fused_ec, the W4 part beside the compensator's kernels
     config: object | None
 
 
@@ -111,15 +116,12 @@ def plan(tokens: int, n: int, k: int, group_size: int, kmajor: bool, rank: int, 
     return _plan(tokens, n, k, group_size, kmajor, rank, _settings(policy.op_args), cuda)
 
 
+@lru_cache(maxsize=4096)
 def _plan(tokens, n, k, group_size, kmajor, rank, s: "_Settings", cuda: bool) -> Plan:
     if not cuda:
         return Plan("reference", None)
     if tokens < s.dequant_mm_min_m:
         config, w4 = pick_config(tokens, n, k, group_size, kmajor, s.table), "gemm"
-    elif s.prefill_gemm:
-        e = s.table["prefill_mm"]
-        bk = min(e["BK"], group_size) if group_size else e["BK"]
-        config, w4 = PrefillConfig(e["BM"], e["BN"], bk, e["num_warps"], e["num_stages"]), "prefill_gemm"
     else:
         config, w4 = None, "dequant_cublas"
     if rank == 0:
@@ -133,9 +135,9 @@ def _plan(tokens, n, k, group_size, kmajor, rank, s: "_Settings", cuda: bool) ->
 # The launch table flattened: its scalar keys, then each entry as a presence flag and its fields.
 _SCALARS = ("fma_max_m", "fma_kmajor_max_m")
 _ENTRIES = ("fma", "fma_kmajor", "fma_kmajor_by_mv.2", "fma_kmajor_by_mv.4", "fma_kmajor_narrow", "tc", "tc_wide",
-            "prefill", "prefill_mm")
+            "prefill")
 _FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "programs", "max_n", "u_split", "prefetch")
-_VERSION = 2
+_VERSION = 1
 
 
 def _entry(table, key):
@@ -146,8 +148,7 @@ def _entry(table, key):
 
 
 def _encode(p: KernelPolicy) -> tuple[int, ...]:
-    out = [_VERSION, p.fused_max_m, p.dequant_mm_min_m, int(p.semi_fused_overlap), p.u_split_max, p.gate_programs,
-           int(p.prefill_gemm)]
+    out = [_VERSION, p.fused_max_m, p.dequant_mm_min_m, int(p.semi_fused_overlap), p.u_split_max, p.gate_programs]
     table = p.launch_table
     out += [int(table[key]) for key in _SCALARS]
     for key in _ENTRIES:
@@ -157,15 +158,22 @@ def _encode(p: KernelPolicy) -> tuple[int, ...]:
     return tuple(out)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Settings:
+    """The op's view of a policy (from its integers); hashed by them, so plans can be cached."""
+    key: tuple
     fused_max_m: int
     dequant_mm_min_m: int
     semi_fused_overlap: bool
     u_split_max: int
     gate_programs: int
-    prefill_gemm: bool
     table: MappingProxyType
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Settings) and self.key == other.key
 
 
 @lru_cache(maxsize=64)
@@ -173,7 +181,7 @@ def _settings(args: tuple[int, ...]) -> _Settings:
     """``op_args`` back into what the op reads (cached: a policy's integers are decoded once)."""
     if not args or args[0] != _VERSION:
         raise ValueError(f"op policy arguments of an unknown version: {args[:1]}")
-    head, rest = args[1:7], list(args[7:])
+    head, rest = args[1:6], list(args[6:])
     table: dict = {key: rest.pop(0) for key in _SCALARS}
     table["fma_kmajor_by_mv"] = {}
     for key in _ENTRIES:
@@ -190,7 +198,7 @@ def _settings(args: tuple[int, ...]) -> _Settings:
                 table[outer][inner] = e
         else:
             table[key] = e
-    return _Settings(head[0], head[1], bool(head[2]), head[3], head[4], bool(head[5]), _frozen(check_table(table)))
+    return _Settings(args, head[0], head[1], bool(head[2]), head[3], head[4], _frozen(check_table(table)))
 
 
 def settings(args) -> _Settings:

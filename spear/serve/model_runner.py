@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from spear.errors import SpearError
@@ -91,30 +92,31 @@ class ModelRunner:
 
     def mixed_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(token ids, attention metadata, rows that sample) of a step of any composition, on the
-        device. Host work is O(sequences) in Python: the tokens' positions and slots come from
-        vectorized ops over the block tables that BlockTables keeps between steps."""
+        device. Host work is O(sequences) in Python: the tokens' positions and slots come from numpy
+        over the block tables that BlockTables keeps between steps (torch's CPU indexing ops cost
+        milliseconds a step here; numpy's, microseconds)."""
         chunks = out.chunks
-        seqs = [c.seq for c in chunks]
-        n = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
-        start = torch.tensor([c.start for c in chunks], dtype=torch.long)
-        qsl = torch.zeros(len(chunks) + 1, dtype=torch.long)
-        torch.cumsum(n, 0, out=qsl[1:])
-        total = int(qsl[-1])
+        n = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
+        start = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+        qsl = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(n, out=qsl[1:])
         ids: list[int] = []
         for c in chunks:  # list slices: C loops, not per-token Python
             ids += c.seq.token_ids[c.start:c.start + c.num_tokens]
-        tables, used = self._block_tables.gather(seqs, len(seqs))
+        tables, used = self._block_tables.gather([c.seq for c in chunks], len(chunks))
         tables = tables[:, :max(used)]
-        seq = torch.repeat_interleave(torch.arange(len(chunks)), n)
-        pos = torch.arange(total) - qsl[:-1][seq] + start[seq]
+        table_np = tables.numpy()
+        seq = np.repeat(np.arange(len(chunks)), n)
+        pos = np.arange(int(qsl[-1])) - qsl[:-1][seq] + start[seq]
         bs = self.block_size
-        slots = tables[seq, pos // bs] * bs + pos % bs
-        rows = (qsl[1:] - 1)[torch.tensor([c.samples for c in chunks], dtype=torch.bool)]
+        slots = table_np[seq, pos // bs] * bs + pos % bs
+        rows = (qsl[1:] - 1)[np.fromiter((c.samples for c in chunks), dtype=bool, count=len(chunks))]
         dev = self.device
-        meta = AttentionMetadata(pos.to(dev), slots.to(dev), self.cos, self.sin, block_tables=tables.to(dev),
-                                 seq_lens=(start + n).to(dev), query_start_loc=qsl.to(dev, torch.int32),
+        t = lambda a, dtype=torch.long: torch.from_numpy(a).to(dev, dtype)  # noqa: E731
+        meta = AttentionMetadata(t(pos), t(slots), self.cos, self.sin, block_tables=tables.to(dev),
+                                 seq_lens=t(start + n), query_start_loc=t(qsl, torch.int32),
                                  max_query_len=int(n.max()))
-        return torch.tensor(ids, dtype=torch.long, device=dev), meta, rows.to(dev)
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta, t(rows)
 
     def _decode_inputs(self, out: SchedulerOutput, batch: int, n_blocks: int) -> tuple[torch.Tensor, ...]:
         """(ids, positions, slots, block tables, context lengths) padded to ``batch`` rows; padding
