@@ -45,7 +45,7 @@ def test_the_built_in_table_is_read_only():
     ({"tc": {"num_stages": 2.5}}, "tc.num_stages must be a positive integer"),
     ({"tc": {"num_stages": True}}, "tc.num_stages must be a positive integer"),
     ({"fma_kmajor": {"prefetch": "yes"}}, "fma_kmajor.prefetch must be true or false"),
-    # the shared-memory pipelined loop is gone: a table of its era is refused, not half applied
+    # a field the kernel does not take (the pipeline depth) is refused, not ignored
     ({"fma_kmajor": {"BN": 64, "pipeline": 3}}, r"fma_kmajor: unknown field\(s\) \['pipeline'\]"),
     ({"fma_kmajor_by_mv": {"2": {"BN": 64, "pipeline": 3}}}, r"fma_kmajor_by_mv.2: unknown field\(s\) \['pipeline'\]"),
     ({"fma_kmajor_max_m": 8}, "fma_kmajor_max_m must be an integer from 0 to 4"),
