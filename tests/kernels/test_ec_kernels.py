@@ -68,9 +68,11 @@ def test_ec_gate_split_over_k(poisoned, m, k, splits, dtype, h):
     u = x.float() @ e.a.float().t()
     expect = ref.ec_gate(u, e.w1, e.b1, e.w2, e.b2, e.bound) if h else u
     assert_close(ec_gate(x, e, splits=splits), expect, dtype, f"ec_gate M={m} K={k} splits={splits}")
-    # the split count the launcher picks: more programs at few token tiles, each with >= GATE_MIN_STEPS
+    # the split count the launcher picks: more programs at few token tiles, each with >= GATE_MIN_STEPS,
+    # rounded down to a power of two (a constexpr: few compiled variants)
     assert ec_mod.gate_splits(512, 11008, 128) == 8 and ec_mod.gate_splits(4096, 4096, 128) == 1
-    assert ec_mod.gate_splits(64, 14336, 128) == 28
+    assert ec_mod.gate_splits(64, 14336, 128) == 16  # min(264 // 4, 112 // 4) = 28 -> 16
+    assert ec_mod.gate_splits(64, 14336, 128, programs=40) == 8  # 40 // 4 = 10 -> 8
 
 
 @pytest.mark.parametrize("m,dtype,h", [(17, torch.float16, 12), (33, torch.bfloat16, None)])
