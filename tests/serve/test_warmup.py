@@ -1,4 +1,5 @@
-"""The warm-up's token counts cover every kernel signature a step can meet, with one count each.
+"""The kernels' packed model forms on the CPU: the warm-up's token counts cover every kernel
+signature a step can meet, one count each; the packed model computes what the dense one does.
 
 The model's linears are packed for the kernels on the CPU too (the ops then run their torch
 references), so the runner plans as it would on a GPU: the W4 paths and launches by token count,
@@ -54,3 +55,36 @@ def test_warmup_steps_leave_the_engine_serving_the_same(tiny_llama_path):
     eng.runner.warmup(eng.runner.warmup_token_counts(64))
     assert eng.generate([list(range(5, 40))], params)[0].output_token_ids == before
     assert eng.stats().kv_usage == 0.0
+
+
+def test_the_packed_model_computes_the_dense_one(tiny_llama_path):
+    """The same checkpoint built in the kernels' packed forms (merged q/k/v and gate/up codes,
+    block-diagonal ECs, interleaved gate/up with the SiLU·mul epilogue; the ops' references on the
+    CPU, in fp16) and in the dense form (fp32) give the same greedy tokens.
+    Catches: a member's rows out of order in a merged pack, the interleave of gate/up, the merged
+    compensator's blocks."""
+    eng = _kernel_engine(tiny_llama_path, KernelPolicy())
+    from spear.kernels.layout import MAX_RANK
+    from spear.models.loading import load_model
+    from spear.serve import loader
+    from spear.serve.llama import build_model
+
+    assert all(lin.kind == "w4" for layer in eng.model.layers
+               for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+    assert eng.model.layers[0].gate_up_proj.interleaved
+    model, _ = load_model(tiny_llama_path)
+    mods = quantize_model_rtn(model, QuantConfig(bits=4, group_size=32), progress=False)
+    from spear.compensate.lowrank import LowRankCompensator
+
+    g = torch.Generator().manual_seed(0)
+    for q in list(mods.values())[::3]:
+        q.compensator = LowRankCompensator(torch.randn(4, q.in_features, generator=g) * 0.01,
+                                           torch.randn(q.out_features, 4, generator=g) * 0.01)
+    dense, _ = build_model(*loader.from_module(model), "cpu", torch.float32, MAX_RANK, kernels=False)
+    ids = list(range(5, 40))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    packed_tokens = eng.generate([ids], params)[0].output_token_ids
+    eng.model, eng.runner.model = dense, dense
+    eng.runner.kv_caches = [(k.float(), v.float()) for k, v in eng.runner.kv_caches]
+    eng.runner.cos, eng.runner.sin = eng.runner.cos.float(), eng.runner.sin.float()
+    assert eng.generate([ids], params)[0].output_token_ids == packed_tokens
