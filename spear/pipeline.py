@@ -142,7 +142,8 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
         if cfg.tune_norms:
             norms.load_state(norm_snap)
     fill_gap(rows, fp.ppl, base.ppl)
-    header = {"placement": where, "model": model_name, "text": split.text_name, "quant": quant.label, "seq_len": split.seq_len,
+    header = {"placement": where, "model": model_name, "text": split.text_name, "text_split": split.describe(),
+              "quant": quant.label, "seq_len": split.seq_len,
               "eval_windows": split.eval.shape[0], "tokens_scored": fp.tokens,
               "calib_windows": split.calib.shape[0], "quantized_model_bytes": total,
               "modules": len(modules), "torch": torch.__version__}
