@@ -34,7 +34,7 @@ from spear.compensate.registry import STORAGE_DTYPE as COMPENSATOR_DTYPE
 from spear.compensate.registry import build_compensator, compensator_spec
 from spear.config import QuantConfig
 from spear.errors import SpearError
-from spear.models.modules import set_module
+from spear.models.modules import linearize_conv1d, set_module
 from spear.quant.linear import QuantLinear
 from spear.quant.primitives import n_groups, pack_codes, unpack_codes
 
@@ -213,6 +213,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     hf_config = AutoConfig.from_pretrained(path)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=saved_dtype)
+    linearize_conv1d(model)  # the saved model's Conv1D (GPT-2) were nn.Linear when it was written
     model.tie_weights()
     for name, entry in cfg["modules"].items():
         try:

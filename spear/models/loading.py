@@ -124,6 +124,9 @@ def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32, dev
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
         raise SpearError(f"transformers could not load a causal LM from {path}: {exc}") from exc
+    from spear.models.modules import linearize_conv1d
+
+    linearize_conv1d(lm)  # GPT-2's Conv1D as nn.Linear: FP rows run the modules that get quantized
     lm.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return lm, tokenizer
