@@ -130,9 +130,12 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
             (" + tuned scales" if cfg.tune_scales else "") + (" + tuned norms" if cfg.tune_norms else "")
         res = ppl(label)
         log(f"{label} ppl {res.ppl:.3f}, +{100 * extra / total:.2f}% memory, val KL "
-            f"{report.initial_val_kl:.4f} -> {report.best_val_kl:.4f} in {report.seconds:.0f} s")
+            f"{report.initial_val_kl:.4f} (start) -> {report.best_val_kl:.4f}"
+            + (" (the start is kept)" if report.kept == "init" else f" (step {report.best_step})")
+            + f" in {report.seconds:.0f} s")
         rows.append(Row(label, res.ppl, 100.0 * extra / total, extra,
                         details={"variant": variant, "modules": len(applied), "val_kl": report.best_val_kl,
+                                 "initial_val_kl": report.initial_val_kl, "kept": report.kept,
                                  "calibration_seconds": report.seconds, "steps": report.steps_run,
                                  "seed": cfg.seed, "tune_scales": cfg.tune_scales,
                                  "tune_norms": cfg.tune_norms}))

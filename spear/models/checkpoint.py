@@ -71,11 +71,10 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
                 out[f"{name}.compensator.{k}"] = t.to(COMPENSATOR_DTYPE) if t.is_floating_point() else t
     prefixes = tuple(f"{n}." for n in quant)
     seen: set[int] = set()
+    skip = _non_persistent(model)
     # named_parameters dedupes tied tensors (tie_weights restores them at load).
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.startswith(prefixes) or id(t) in seen:
-            continue
-        if name.rsplit(".", 1)[0] in _non_persistent(model):
+        if name.startswith(prefixes) or id(t) in seen or name in skip:
             continue
         seen.add(id(t))
         out[name] = t.data
@@ -83,11 +82,12 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _non_persistent(model: nn.Module) -> set[str]:
-    """Module names whose buffers are non-persistent (e.g. rotary ``inv_freq``): recomputed, never saved."""
+    """Qualified names of non-persistent buffers (rotary ``inv_freq``, Gemma's ``embed_scale``): recomputed,
+    never saved. Only the buffers: a module holding one (Gemma's scaled embedding) still saves its weight."""
     names = set()
     for mname, mod in model.named_modules():
-        if getattr(mod, "_non_persistent_buffers_set", None):
-            names.add(mname)
+        for b in getattr(mod, "_non_persistent_buffers_set", ()):
+            names.add(f"{mname}.{b}" if mname else b)
     return names
 
 
@@ -191,7 +191,7 @@ def _expected(model: nn.Module, modules: dict) -> dict[str, tuple[tuple[int, ...
     skip = _non_persistent(model)
     seen: set[int] = set()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.startswith(prefixes) or name.rsplit(".", 1)[0] in skip or id(t) in seen:
+        if name.startswith(prefixes) or name in skip or id(t) in seen:
             continue
         seen.add(id(t))
         exp[name] = (tuple(t.shape), t.dtype)
