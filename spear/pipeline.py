@@ -90,7 +90,7 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
                                          progress=progress)
     calib_data = None
     if spear_variants:
-        calib_cfg = calib_cfg or CalibrationConfig()
+        calib_cfg = (calib_cfg or CalibrationConfig()).for_model(model)
         calib_data = prepare_calibration(model, tokenizer, calib_cfg, quant.include_lm_head, progress=progress)
     channel_scales: dict = {}
     modules = quantize_model(model, quant, calib=split.calib if quant.calib.source == "text" else None,
@@ -151,6 +151,8 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
               "calib_windows": split.calib.shape[0], "quantized_model_bytes": total,
               "modules": len(modules), "torch": torch.__version__}
     if spear_variants:
+        teacher = f"top-{calib_cfg.teacher_top_k} teacher" if calib_cfg.teacher_top_k else "full teacher"
         header["calibration"] = (f"{calib_cfg.n_samples}+{calib_cfg.val_samples} self-samples x "
-                                 f"{calib_cfg.sample_len} tokens, {calib_cfg.steps} steps, seed {calib_cfg.seed}")
+                                 f"{calib_cfg.sample_len} tokens, {teacher}, {calib_cfg.steps} steps, "
+                                 f"seed {calib_cfg.seed}")
     return JobResult(rows, header)

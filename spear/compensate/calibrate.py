@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +67,9 @@ class CalibrationConfig:
     bound: float = 1.0
     gate_per_rank: bool = True  # one γ per rank component (False: one per module)
     init: str = "qera-approx"  # static solution the ECs start from
-    teacher_top_k: int = 0  # 0: the full teacher distribution; k: its top k tokens + the rest (TopKTeacher)
+    # None: follow the vocabulary (the full distribution while it takes at most FULL_TEACHER_MAX_BYTES,
+    # else its top AUTO_TOP_K tokens; see for_model); 0: the full teacher; k: its top k + the rest
+    teacher_top_k: int | None = None
     # Also KL-train every quantized linear's scales (a log-factor per scale, folded into the
     # fp16 scales at the end; spear/compensate/scales.py). Off: only the ECs train.
     tune_scales: bool = False
@@ -88,13 +90,43 @@ class CalibrationConfig:
                 raise SpearError(f"calibration {name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.warmup < 1:
             raise SpearError(f"warmup must be a fraction in [0, 1), got {self.warmup}")
-        if self.teacher_top_k < 0:
-            raise SpearError(f"teacher_top_k must be 0 (full distribution) or >= 1, got {self.teacher_top_k}")
+        if self.teacher_top_k is not None and self.teacher_top_k < 0:
+            raise SpearError(f"teacher_top_k must be 0 (full distribution), >= 1, or None (by vocabulary); "
+                             f"got {self.teacher_top_k}")
         if self.init not in ("identity", "lqer", "qera-approx", "qera-exact"):
             raise SpearError(f"init must be identity, lqer, qera-approx or qera-exact; got {self.init!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def teacher_bytes(self, vocab_size: int) -> int:
+        """Bytes of the teacher for every self-sample: fp16 log-probabilities, or the top-k form."""
+        positions = (self.n_samples + self.val_samples) * self.sample_len
+        k = self.teacher_top_k
+        return positions * (2 * vocab_size if not k else 6 * min(k, vocab_size) + 4)
+
+    def for_vocab(self, vocab_size: int) -> "CalibrationConfig":
+        """This config with the settings that follow the model resolved: ``teacher_top_k=None`` becomes 0
+        (the full teacher) while that takes at most FULL_TEACHER_MAX_BYTES, else AUTO_TOP_K."""
+        if self.teacher_top_k is not None:
+            return self
+        full = replace(self, teacher_top_k=0)
+        if full.teacher_bytes(vocab_size) <= FULL_TEACHER_MAX_BYTES:
+            return full
+        return replace(self, teacher_top_k=min(AUTO_TOP_K, vocab_size))
+
+    def for_model(self, model: nn.Module) -> "CalibrationConfig":
+        """:meth:`for_vocab` with the width of ``model``'s logits."""
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        vocab = head.out_features if head is not None and hasattr(head, "out_features") else model.config.vocab_size
+        return self.for_vocab(vocab)
+
+
+# A full fp16 teacher up to this size (the default model's 80 x 128 self-samples over 49,152
+# tokens: 0.94 GiB); past it the top-AUTO_TOP_K form. BENCHMARKS.md, "Calibration on a large
+# vocabulary": on Gemma-3-270M (262,144 tokens) the top 64 lose most of the gain, the top 1024 keep it.
+FULL_TEACHER_MAX_BYTES = 2**30
+AUTO_TOP_K = 1024
 
 
 @dataclass

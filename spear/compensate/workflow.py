@@ -42,7 +42,9 @@ class CalibrationData:
 def prepare_calibration(model: nn.Module, tokenizer, cfg: CalibrationConfig, include_lm_head: bool = False,
                         progress: bool = True, teacher: bool = True) -> CalibrationData:
     """Everything calibration needs from the FP model (call before quantizing it).
-    ``teacher=False`` skips the teacher log-probabilities (blockwise mode needs none)."""
+    ``teacher=False`` skips the teacher log-probabilities (blockwise mode needs none). Settings that
+    follow the model (``teacher_top_k=None``) are resolved with :meth:`CalibrationConfig.for_model`."""
+    cfg = cfg.for_model(model)
     n = cfg.n_samples + cfg.val_samples
     ids = sample_sequences(model, tokenizer, SampleConfig(n=n, length=cfg.sample_len, temperature=cfg.temperature,
                                                           top_p=cfg.top_p, seed=cfg.seed), progress=progress)

@@ -151,11 +151,12 @@ def load_text(spec: str | os.PathLike = DEFAULT_TEXT) -> TextSource:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise SpearError(f"text file {path} is not UTF-8 ({exc.reason} at byte {exc.start})") from exc
-    articles = split_articles(text)
-    if not articles:
+    if not text.strip():
         raise SpearError(f"text file {path} is empty")
     label = "wikitext-2 " + path.name if path.name.startswith("wiki.") else path.name
-    return TextSource(f"{label} (file)", articles, by_article=has_article_markers(text))
+    if not has_article_markers(text):  # one stream of tokens, split by window as it is
+        return TextSource(f"{label} (file)", (text,), by_article=False)
+    return TextSource(f"{label} (file)", split_articles(text))
 
 
 def _tokenize(tokenizer, text: str) -> torch.Tensor:
