@@ -388,7 +388,9 @@ def _optimise(model: nn.Module, ecs: dict[str, nn.Module], scales: ScaleFactors 
             norms.load_state(state_norms)
 
     kept = "init"
-    if best_step > 0:  # the start is already in storage precision; a trained state is rounded now
+    # attach_ecs stored the start's A and B in fp16 (its gate, W2 = 0, is the identity at any precision);
+    # a trained state is balanced and rounded now, as a checkpoint will hold it
+    if best_step > 0:
         load(best_state)
         _to_storage(ecs)
         best = val_kl(model, val_ids, val_teacher, cfg.batch_size)
