@@ -37,7 +37,9 @@ def _config(arch: str, tok):
     import transformers as tf
 
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.eos_token_id}
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    # one decoder layer, two for Gemma-3 (a sliding-window layer and a full one)
+    layers = 2 if arch == "gemma3" else 1
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   initializer_range=0.1, **ids)
     if arch == "llama":
@@ -55,10 +57,10 @@ def _config(arch: str, tok):
     if arch == "phi3":
         return tf.Phi3Config(**common)
     if arch == "gpt2":
-        return tf.GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=64, n_layer=2, n_head=4,
+        return tf.GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=64, n_layer=layers, n_head=4,
                              initializer_range=0.1, **ids)
     if arch == "opt":
-        return tf.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+        return tf.OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=layers,
                             num_attention_heads=4, word_embed_proj_dim=64, max_position_embeddings=256,
                             init_std=0.1, **ids)
     raise AssertionError(arch)
@@ -136,7 +138,7 @@ def test_quality_pipeline_on_architecture(arch, folders, tmp_path, monkeypatch):
     assert (data.stats[mlp_in].mean_abs[ZERO] == 0).all()  # the zero-channel case is really there
     targets = quantizable_linears(model)
     assert all(type(m) is torch.nn.Linear for m in targets.values())  # GPT-2's Conv1D included
-    n_linears = {"phi3": 4, "gpt2": 4, "opt": 6}.get(arch, 7) * 2
+    n_linears = {"phi3": 4, "gpt2": 4, "opt": 6}.get(arch, 7) * len(_layers(model))
     assert len(targets) == n_linears
 
     stats = collect_activation_stats(model, targets, data.train_ids[:4], outer=True, progress=False)  # QERA-exact
@@ -151,7 +153,7 @@ def test_quality_pipeline_on_architecture(arch, folders, tmp_path, monkeypatch):
     base = kl()
     assert base > 0
     for method in STATIC_METHODS:
-        attach_static(mods, data.fp_weights, StaticCompensationConfig(method=method, rank=2), stats,
+        attach_static(mods, data.fp_weights, StaticCompensationConfig(method=method, rank=2, loftq_iters=2), stats,
                       progress=False)
         for name, mod in mods.items():
             assert torch.isfinite(mod.compensator.A).all() and torch.isfinite(mod.compensator.B).all(), name
