@@ -90,7 +90,7 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
                                          progress=progress)
     calib_data = None
     if spear_variants:
-        calib_cfg = calib_cfg or CalibrationConfig()
+        calib_cfg = (calib_cfg or CalibrationConfig()).for_model(model)
         calib_data = prepare_calibration(model, tokenizer, calib_cfg, quant.include_lm_head, progress=progress)
     channel_scales: dict = {}
     modules = quantize_model(model, quant, calib=split.calib if quant.calib.source == "text" else None,
@@ -130,9 +130,12 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
             (" + tuned scales" if cfg.tune_scales else "") + (" + tuned norms" if cfg.tune_norms else "")
         res = ppl(label)
         log(f"{label} ppl {res.ppl:.3f}, +{100 * extra / total:.2f}% memory, val KL "
-            f"{report.initial_val_kl:.4f} -> {report.best_val_kl:.4f} in {report.seconds:.0f} s")
+            f"{report.initial_val_kl:.4f} (start) -> {report.best_val_kl:.4f}"
+            + (" (the start is kept)" if report.kept == "init" else f" (step {report.best_step})")
+            + f" in {report.seconds:.0f} s")
         rows.append(Row(label, res.ppl, 100.0 * extra / total, extra,
                         details={"variant": variant, "modules": len(applied), "val_kl": report.best_val_kl,
+                                 "initial_val_kl": report.initial_val_kl, "kept": report.kept,
                                  "calibration_seconds": report.seconds, "steps": report.steps_run,
                                  "seed": cfg.seed, "tune_scales": cfg.tune_scales,
                                  "tune_norms": cfg.tune_norms}))
@@ -142,11 +145,14 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
         if cfg.tune_norms:
             norms.load_state(norm_snap)
     fill_gap(rows, fp.ppl, base.ppl)
-    header = {"placement": where, "model": model_name, "text": split.text_name, "quant": quant.label, "seq_len": split.seq_len,
+    header = {"placement": where, "model": model_name, "text": split.text_name, "text_split": split.describe(),
+              "quant": quant.label, "seq_len": split.seq_len,
               "eval_windows": split.eval.shape[0], "tokens_scored": fp.tokens,
               "calib_windows": split.calib.shape[0], "quantized_model_bytes": total,
               "modules": len(modules), "torch": torch.__version__}
     if spear_variants:
+        teacher = f"top-{calib_cfg.teacher_top_k} teacher" if calib_cfg.teacher_top_k else "full teacher"
         header["calibration"] = (f"{calib_cfg.n_samples}+{calib_cfg.val_samples} self-samples x "
-                                 f"{calib_cfg.sample_len} tokens, {calib_cfg.steps} steps, seed {calib_cfg.seed}")
+                                 f"{calib_cfg.sample_len} tokens, {teacher}, {calib_cfg.steps} steps, "
+                                 f"seed {calib_cfg.seed}")
     return JobResult(rows, header)

@@ -27,10 +27,13 @@ def add_calibration_args(p, with_gate_flag: bool = True) -> None:
     g.add_argument("--lr", type=float, default=d.lr, help="learning rate of A, B (default: %(default)s)")
     g.add_argument("--gate-lr", type=float, default=d.gate_lr, help="learning rate of the gate (default: %(default)s)")
     g.add_argument("--seed", type=nonneg_int, default=d.seed, help="sampling, init and data-order seed (default: %(default)s)")
+    from spear.compensate.calibrate import AUTO_TOP_K, FULL_TEACHER_MAX_BYTES
+
     g.add_argument("--teacher-top-k", type=nonneg_int, default=d.teacher_top_k, metavar="K",
                    help="keep only the teacher's K most likely tokens per position (plus the rest's mass) "
-                        "instead of the whole distribution: bounded memory for many samples or large "
-                        "vocabularies (default: %(default)s = whole distribution)")
+                        "instead of the whole distribution (0): bounded memory for many samples or large "
+                        f"vocabularies (default: the whole distribution while it takes at most "
+                        f"{FULL_TEACHER_MAX_BYTES / 2**30:g} GiB, else K = {AUTO_TOP_K})")
     g.add_argument("--tune-scales", action="store_true",
                    help="also KL-train the quantization scales of every quantized linear (a log-factor per "
                         "stored scale, folded into the fp16 scales afterwards: no extra memory); end-to-end "
@@ -101,6 +104,7 @@ def main(args) -> int:
     check_output_folder(args.out, args.overwrite)
     progress = not args.quiet
     model, tok = load_model(args.model, device=args.device)
+    cfg = cfg.for_model(model)  # the teacher's form follows the vocabulary; the checkpoint records it
     plan, selection = plan_from_args(args, model, tok, quant, cfg, progress)
     data = prepare_calibration(model, tok, cfg, quant.include_lm_head, progress=progress, teacher=not args.blockwise)
     channel_scales: dict = {}

@@ -6,10 +6,14 @@ of sequences the FP model sampled itself. Teacher log-probabilities are computed
 once, before the model is quantized, and kept in fp16 (the default model's 64 x 128
 samples take ~0.8 GB), or, with ``teacher_top_k = k``, only the teacher's k most likely
 tokens per position plus the probability left over (:class:`TopKTeacher`: 6k + 4 bytes
-per position instead of 2 x vocab), for many samples or large vocabularies. A held-out set of self-samples gives the validation KL used
-for early stopping; the best EC state seen is restored at the end. A non-finite
-loss stops the run with an error naming the step and the first module whose
-parameters or gradients went non-finite, so no checkpoint is written from it.
+per position instead of 2 x vocab), for many samples or large vocabularies. A held-out set
+of self-samples gives the validation KL used for early stopping. The starting state (the
+closed-form init) is a candidate like any evaluated step: the best one is restored at the end,
+balanced and rounded to the compensators' fp16 storage, and evaluated again; if the rounded
+state is worse than the start, the start is handed back, so calibration never returns a
+model worse than it received (on the held-out self-samples). A non-finite loss stops the run
+with an error naming the step and the first module whose parameters, gradients or outputs
+went non-finite, so no checkpoint is written from it.
 
 ``tune_scales`` (off by default, so the ECs' own contribution stays measurable) also
 trains the quantization scales of every quantized linear under the same loss: a
@@ -24,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +67,9 @@ class CalibrationConfig:
     bound: float = 1.0
     gate_per_rank: bool = True  # one γ per rank component (False: one per module)
     init: str = "qera-approx"  # static solution the ECs start from
-    teacher_top_k: int = 0  # 0: the full teacher distribution; k: its top k tokens + the rest (TopKTeacher)
+    # None: follow the vocabulary (the full distribution while it takes at most FULL_TEACHER_MAX_BYTES,
+    # else its top AUTO_TOP_K tokens; see for_model); 0: the full teacher; k: its top k + the rest
+    teacher_top_k: int | None = None
     # Also KL-train every quantized linear's scales (a log-factor per scale, folded into the
     # fp16 scales at the end; spear/compensate/scales.py). Off: only the ECs train.
     tune_scales: bool = False
@@ -84,13 +90,44 @@ class CalibrationConfig:
                 raise SpearError(f"calibration {name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.warmup < 1:
             raise SpearError(f"warmup must be a fraction in [0, 1), got {self.warmup}")
-        if self.teacher_top_k < 0:
-            raise SpearError(f"teacher_top_k must be 0 (full distribution) or >= 1, got {self.teacher_top_k}")
+        if self.teacher_top_k is not None and self.teacher_top_k < 0:
+            raise SpearError(f"teacher_top_k must be 0 (full distribution), >= 1, or None (by vocabulary); "
+                             f"got {self.teacher_top_k}")
         if self.init not in ("identity", "lqer", "qera-approx", "qera-exact"):
             raise SpearError(f"init must be identity, lqer, qera-approx or qera-exact; got {self.init!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def teacher_bytes(self, vocab_size: int) -> int:
+        """Bytes of the teacher for every self-sample: fp16 log-probabilities, or the top-k form."""
+        positions = (self.n_samples + self.val_samples) * self.sample_len
+        k = self.teacher_top_k
+        return positions * (2 * vocab_size if not k else 6 * min(k, vocab_size) + 4)
+
+    def for_vocab(self, vocab_size: int) -> "CalibrationConfig":
+        """This config with the settings that follow the model resolved: ``teacher_top_k=None`` becomes 0
+        (the full teacher) while that takes at most FULL_TEACHER_MAX_BYTES, else AUTO_TOP_K."""
+        if self.teacher_top_k is not None:
+            return self
+        full = replace(self, teacher_top_k=0)
+        if full.teacher_bytes(vocab_size) <= FULL_TEACHER_MAX_BYTES:
+            return full
+        return replace(self, teacher_top_k=min(AUTO_TOP_K, vocab_size))
+
+    def for_model(self, model: nn.Module) -> "CalibrationConfig":
+        """:meth:`for_vocab` with the width of ``model``'s logits."""
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        vocab = head.out_features if head is not None and hasattr(head, "out_features") else model.config.vocab_size
+        return self.for_vocab(vocab)
+
+
+# A full fp16 teacher up to this size (the default model's 80 x 128 self-samples over 49,152
+# tokens: 0.94 GiB); past it the top-AUTO_TOP_K form (25 KB a position). BENCHMARKS.md, "Calibration
+# on a large vocabulary": on Gemma-3-270M (262,144 tokens) the top 64 leave 21% of real text's next
+# tokens and 14% of the W4 model's KL outside the objective, the top 4096 4% and 1%.
+FULL_TEACHER_MAX_BYTES = 2**30
+AUTO_TOP_K = 4096
 
 
 @dataclass
@@ -101,6 +138,7 @@ class CalibrationReport:
     initial_val_kl: float
     seconds: float
     history: list[dict] = field(default_factory=list)  # {"step", "train_kl", "val_kl"?}
+    kept: str = "trained"  # "init": no trained state (rounded to storage) beat the starting one
 
 
 class CalibrationDiverged(SpearError):
@@ -181,13 +219,22 @@ def ec_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 @torch.no_grad()
-def val_kl(model: nn.Module, ids: torch.Tensor, teacher: torch.Tensor, batch_size: int) -> float:
+def val_kl(model: nn.Module, ids: torch.Tensor, teacher: torch.Tensor, batch_size: int, check: bool = True) -> float:
+    """Mean KL to ``teacher`` on ``ids``; with ``check``, a SpearError naming the first non-finite module
+    if it is not finite."""
     device = next(model.parameters()).device
     total, n = 0.0, 0
     for i in range(0, ids.shape[0], batch_size):
         logits = model(input_ids=ids[i:i + batch_size].to(device), use_cache=False).logits
         k = ids[i:i + batch_size].shape[0]
-        total += kl_loss(logits, teacher[i:i + batch_size].to(device)).item() * k
+        kl = kl_loss(logits, teacher[i:i + batch_size].to(device)).item()
+        if check and not math.isfinite(kl):
+            from spear.eval.finite import first_nonfinite_module
+
+            where = first_nonfinite_module(model, ids[i:i + batch_size])
+            raise CalibrationDiverged(f"the validation KL of self-samples {i}-{i + k - 1} is {kl}"
+                                      + (f"; the first non-finite output is {where}'s" if where else ""))
+        total += kl * k
         n += k
     return total / n
 
@@ -208,7 +255,8 @@ def _param_groups(ecs: dict[str, nn.Module], cfg: CalibrationConfig,
     return [g for g in groups if g["params"]]
 
 
-def _diagnose(ecs: dict[str, nn.Module], step: int, *tuners) -> CalibrationDiverged:
+def _diagnose(ecs: dict[str, nn.Module], step: int, *tuners, model: nn.Module | None = None,
+              ids: torch.Tensor | None = None) -> CalibrationDiverged:
     named = [(f"{name}.{pname}", p) for name, ec in ecs.items() for pname, p in ec.named_parameters()]
     for tuner in tuners:
         if tuner is not None:
@@ -218,8 +266,27 @@ def _diagnose(ecs: dict[str, nn.Module], step: int, *tuners) -> CalibrationDiver
             return CalibrationDiverged(f"calibration diverged at step {step}: {name} is non-finite")
         if p.grad is not None and not torch.isfinite(p.grad).all():
             return CalibrationDiverged(f"calibration diverged at step {step}: gradient of {name} is non-finite")
+    where = None
+    if model is not None and ids is not None:
+        from spear.eval.finite import first_nonfinite_module
+
+        where = first_nonfinite_module(model, ids)
     return CalibrationDiverged(f"calibration diverged at step {step}: the KL loss is non-finite "
-                               "(every trained parameter is finite; try a lower --lr)")
+                               + (f"(the first non-finite output is {where}'s; " if where else "(")
+                               + "every trained parameter is finite; try a lower --lr)")
+
+
+@torch.no_grad()
+def _to_storage(ecs: dict[str, nn.Module]) -> None:
+    """Balance each EC's factors and round its tensors to the storage dtype, as a checkpoint keeps them."""
+    from spear.compensate.registry import stored_checked
+
+    for name, ec in ecs.items():
+        if hasattr(ec, "balance_"):
+            ec.balance_()
+        for tname, t in list(ec.named_parameters()) + list(ec.named_buffers()):
+            if t.is_floating_point():
+                t.copy_(stored_checked(t, t.dtype, f"{name}.{tname}"))
 
 
 def train_ecs(model: nn.Module, train_ids: torch.Tensor, train_teacher: torch.Tensor, val_ids: torch.Tensor,
@@ -268,9 +335,10 @@ def _optimise(model: nn.Module, ecs: dict[str, nn.Module], scales: ScaleFactors 
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(cfg.seed)
     start = time.perf_counter()
-    initial = val_kl(model, val_ids, val_teacher, cfg.batch_size)
+    # unchecked: a start that is already non-finite fails at step 1, where the parameter is named
+    initial = val_kl(model, val_ids, val_teacher, cfg.batch_size, check=False)
     best, best_step, bad = initial, 0, 0
-    best_state = snapshot()
+    best_state = initial_state = snapshot()
     history = [{"step": 0, "val_kl": initial}]
     order = torch.empty(0, dtype=torch.long)
     running = None
@@ -284,7 +352,7 @@ def _optimise(model: nn.Module, ecs: dict[str, nn.Module], scales: ScaleFactors 
         logits = model(input_ids=train_ids[idx].to(device), use_cache=False).logits
         loss = kl_loss(logits, train_teacher[idx].to(device))
         if not torch.isfinite(loss):
-            raise _diagnose(ecs, step, scales, norms)
+            raise _diagnose(ecs, step, scales, norms, model=model, ids=train_ids[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         params = [p for g in opt.param_groups for p in g["params"]]
@@ -298,7 +366,7 @@ def _optimise(model: nn.Module, ecs: dict[str, nn.Module], scales: ScaleFactors 
         if step % cfg.eval_every == 0 or step == cfg.steps:
             v = val_kl(model, val_ids, val_teacher, cfg.batch_size)
             entry["val_kl"] = v
-            if v < best:
+            if v < best or not math.isfinite(best):  # a non-finite start is never kept
                 best, best_step, bad = v, step, 0
                 best_state = snapshot()
             else:
@@ -311,13 +379,30 @@ def _optimise(model: nn.Module, ecs: dict[str, nn.Module], scales: ScaleFactors 
             bar.set_postfix(kl=f"{running:.4f}")
         history.append(entry)
     bar.close()
-    best_ecs, best_scales, best_norms = best_state
-    with torch.no_grad():
-        for n, ec in ecs.items():
-            ec.load_state_dict(best_ecs[n])
-    if scales is not None:
-        scales.load_state(best_scales)
-    if norms is not None:
-        norms.load_state(best_norms)
+
+    def load(state):
+        state_ecs, state_scales, state_norms = state
+        with torch.no_grad():
+            for n, ec in ecs.items():
+                ec.load_state_dict(state_ecs[n])
+        if scales is not None:
+            scales.load_state(state_scales)
+        if norms is not None:
+            norms.load_state(state_norms)
+
+    kept = "init"
+    # attach_ecs stored the start's A and B in fp16 (its gate, W2 = 0, is the identity at any precision);
+    # a trained state is balanced and rounded now, as a checkpoint will hold it
+    if best_step > 0:
+        load(best_state)
+        _to_storage(ecs)
+        best = val_kl(model, val_ids, val_teacher, cfg.batch_size)
+        if best <= initial or not math.isfinite(initial):
+            kept = "trained"
+        else:  # the rounding cost more than the training gained
+            load(initial_state)
+            best, best_step = initial, 0
+    else:
+        load(initial_state)
     return CalibrationReport(steps_run=step, best_step=best_step, best_val_kl=best, initial_val_kl=initial,
-                             seconds=time.perf_counter() - start, history=history)
+                             seconds=time.perf_counter() - start, history=history, kept=kept)

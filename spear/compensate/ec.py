@@ -97,6 +97,20 @@ class GatedCompensator(nn.Module):
             self.u_scale.copy_(1.0 / u_rms.clamp(min=1e-8).to(self.u_scale))
 
     @torch.no_grad()
+    def balance_(self) -> None:
+        """Rescale each rank component so that ‖A_i‖ = ‖B_i‖, leaving the function unchanged:
+        u_i grows by c_i, the gate's input scale shrinks by c_i (γ sees the same input) and
+        B_i shrinks by c_i. Done before rounding to fp16 so neither factor holds the whole range."""
+        from spear.compensate.svd_init import balance
+
+        a, b = balance(self.A.double(), self.B.double())
+        if self.gated:
+            c = a.norm(dim=1) / self.A.double().norm(dim=1).clamp(min=1e-300)
+            self.u_scale.copy_((self.u_scale.double() / torch.where(c > 0, c, torch.ones_like(c))).to(self.u_scale))
+        self.A.copy_(a.to(self.A))
+        self.B.copy_(b.to(self.B))
+
+    @torch.no_grad()
     def export_gate(self) -> dict[str, torch.Tensor | float]:
         """Gate weights in the kernel's form (input scale folded into W1; α and bound as floats)."""
         out = {"A": self.A.detach(), "B": self.B.detach(), "alpha": float(self.alpha), "bound": self.bound}

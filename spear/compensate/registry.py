@@ -18,6 +18,16 @@ def as_stored(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(STORAGE_DTYPE).to(dtype)
 
 
+def stored_checked(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """:func:`as_stored`, raising a SpearError naming ``what`` when the rounding leaves a non-finite value."""
+    out = as_stored(t, dtype)
+    if not torch.isfinite(out).all():
+        big = t.detach().abs().max().item()
+        raise SpearError(f"{what} is not finite in {str(STORAGE_DTYPE).replace('torch.', '')} "
+                         f"(largest magnitude {big:.3g}; the format holds up to {torch.finfo(STORAGE_DTYPE).max:g})")
+    return out
+
+
 COMPENSATOR_KINDS: dict[str, type[nn.Module]] = {LowRankCompensator.kind: LowRankCompensator}
 
 

@@ -12,13 +12,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from spear.compensate.lowrank import LowRankCompensator
-from spear.compensate.registry import as_stored
+from spear.compensate.registry import stored_checked
 from spear.compensate.stats import ActivationStats
 from spear.compensate.svd_init import ScalingCache, error_factors, low_rank_factors
+from spear.errors import SpearError
 from spear.config import StaticCompensationConfig
 from spear.quant.linear import QuantLinear
 from spear.quant.primitives import compute_qparams, quantize
-
 
 
 @torch.no_grad()
@@ -54,11 +54,16 @@ def attach_static(modules: dict[str, QuantLinear], fp_weights: dict[str, torch.T
             continue
         w = fp_weights[name]
         if cfg.method == "loftq":
-            a, b = loftq(w, mod, rank, cfg.loftq_iters)
+            try:
+                a, b = loftq(w, mod, rank, cfg.loftq_iters)
+            except FloatingPointError as exc:
+                raise SpearError(f"{name}: {exc} (LoftQ)") from exc
         else:
-            a, b = error_factors(w, mod, rank, scale(name))
+            a, b = error_factors(w, mod, rank, scale(name), name)
         dtype = mod.compute_dtype
-        mod.compensator = LowRankCompensator(as_stored(a, dtype), as_stored(b, dtype)).to(mod.codes.device)
+        mod.compensator = LowRankCompensator(stored_checked(a, dtype, f"{name}: {cfg.method} factor A"),
+                                             stored_checked(b, dtype, f"{name}: {cfg.method} factor B")
+                                             ).to(mod.codes.device)
         applied[name] = rank
     return applied
 

@@ -9,6 +9,12 @@ One routine serves every static method; they differ only in the input scaling S
 S = I gives ZeroQuant-V2 / LQER-plain; diag(mean|x|) L²QER (LQER); diag(√E[x²])
 QERA-approx; E[xxᵀ]^½ QERA-exact. Everything runs in fp64: the error is small
 relative to W and the scalings span orders of magnitude.
+
+Two guards keep the factors representable in their fp16 storage. S is floored at
+``SCALE_FLOOR`` times its largest value (its largest eigenvalue for a matrix S): a
+channel that never carries signal (mean |x| = 0, e.g. behind a norm weight of 0)
+would otherwise give 1/S ~ 1e8 in A. And each rank component is balanced, ‖A_i‖ = ‖B_i‖
+(the product B A is unchanged), so neither factor holds the whole dynamic range.
 """
 
 from __future__ import annotations
@@ -16,6 +22,11 @@ from __future__ import annotations
 import torch
 
 from spear.compensate.stats import ActivationStats
+from spear.errors import SpearError
+
+# Smallest scaling relative to the largest. A channel floored here weighs 1e-5 of the
+# strongest in the objective (nothing, in practice) and 1/S stays within 1e5 of 1/max S.
+SCALE_FLOOR = 1e-5
 
 
 def _check_finite(name: str, t: torch.Tensor) -> None:
@@ -74,29 +85,49 @@ def low_rank_factors(error: torch.Tensor, rank: int, scale: torch.Tensor | None 
             raise ValueError("matrix scaling must be positive definite")
         u, s, v = top_singular(sm @ et, rank)
         a = torch.cholesky_solve(u, chol).T
-    b = v * s
+    a, b = balance(a, v * s)
     _check_finite("low-rank factor A", a)
     _check_finite("low-rank factor B", b)
     return a.contiguous(), b.contiguous()
 
 
-def scaling_for(method: str, stats: ActivationStats | None, damp: float = 1e-6) -> torch.Tensor | None:
-    """The input scaling S of a static method (see module docstring)."""
+def balance(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, B)`` rescaled per rank component so that ‖A_i,:‖ = ‖B_:,i‖; ``B @ A`` is unchanged.
+
+    A component with a zero factor is left as it is (its product is zero either way).
+    """
+    na, nb = a.norm(dim=1), b.norm(dim=0)
+    ok = (na > 0) & (nb > 0)
+    c = torch.where(ok, torch.sqrt(nb / torch.where(ok, na, torch.ones_like(na))), torch.ones_like(na))
+    return a * c[:, None], b / c[None, :]
+
+
+def floored(v: torch.Tensor, floor: float = SCALE_FLOOR) -> torch.Tensor:
+    """``v`` (non-negative) clamped from below at ``floor`` times its maximum (1 where it is all zero)."""
+    top = v.max()
+    if not top > 0:
+        return torch.ones_like(v)
+    return v.clamp(min=floor * top)
+
+
+def scaling_for(method: str, stats: ActivationStats | None, damp: float = 1e-6,
+                floor: float = SCALE_FLOOR) -> torch.Tensor | None:
+    """The input scaling S of a static method (see module docstring), floored relative to its maximum."""
     if method in ("identity", "loftq"):
         return None
     if stats is None:
         raise ValueError(f"method {method!r} needs activation statistics")
-    eps = torch.finfo(torch.float64).eps
     if method == "lqer":
-        m = stats.mean_abs.clamp(min=eps)
+        m = floored(stats.mean_abs.double(), floor)
         return m / torch.sqrt(m.min() * m.max())
     if method == "qera-approx":
-        return stats.mean_sq.sqrt().clamp(min=eps)
+        return floored(stats.mean_sq.double().sqrt(), floor)
     if method == "qera-exact":
-        r = stats.second_moment
+        r = stats.second_moment.double()
         r = r + damp * r.diagonal().mean() * torch.eye(r.shape[0], dtype=r.dtype, device=r.device)
         evals, evecs = torch.linalg.eigh(r)
-        return (evecs * evals.clamp(min=eps).sqrt()) @ evecs.T
+        # S = R^½: its eigenvalues are √evals, floored like a diagonal S
+        return (evecs * floored(evals.clamp(min=0).sqrt(), floor)) @ evecs.T
     raise ValueError(f"unknown static method {method!r}")
 
 
@@ -113,6 +144,9 @@ class ScalingCache:
         return self._cache[id(st)]
 
 
-def error_factors(fp_weight: torch.Tensor, module, rank: int, scale: torch.Tensor | None):
-    """Closed-form ``(A, B)`` for the quantization error of ``module`` (a QuantLinear)."""
-    return low_rank_factors(fp_weight.double() - module.dequantized_weight(torch.float64), rank, scale)
+def error_factors(fp_weight: torch.Tensor, module, rank: int, scale: torch.Tensor | None, name: str = "module"):
+    """Closed-form ``(A, B)`` for the quantization error of ``module`` (a QuantLinear) called ``name``."""
+    try:
+        return low_rank_factors(fp_weight.double() - module.dequantized_weight(torch.float64), rank, scale)
+    except FloatingPointError as exc:
+        raise SpearError(f"{name}: {exc} (static low-rank initialisation)") from exc

@@ -20,7 +20,7 @@ from torch import nn
 from spear.compensate.calibrate import (CalibrationConfig, CalibrationReport, TopKTeacher, ec_modules, teacher_logprobs,
                                        train_ecs)
 from spear.compensate.ec import GatedCompensator
-from spear.compensate.registry import as_stored
+from spear.compensate.registry import stored_checked
 from spear.compensate.stats import ActivationStats, collect_activation_stats
 from spear.compensate.svd_init import ScalingCache, error_factors
 from spear.data.selfsample import SampleConfig, sample_sequences
@@ -42,7 +42,9 @@ class CalibrationData:
 def prepare_calibration(model: nn.Module, tokenizer, cfg: CalibrationConfig, include_lm_head: bool = False,
                         progress: bool = True, teacher: bool = True) -> CalibrationData:
     """Everything calibration needs from the FP model (call before quantizing it).
-    ``teacher=False`` skips the teacher log-probabilities (blockwise mode needs none)."""
+    ``teacher=False`` skips the teacher log-probabilities (blockwise mode needs none). Settings that
+    follow the model (``teacher_top_k=None``) are resolved with :meth:`CalibrationConfig.for_model`."""
+    cfg = cfg.for_model(model)
     n = cfg.n_samples + cfg.val_samples
     ids = sample_sequences(model, tokenizer, SampleConfig(n=n, length=cfg.sample_len, temperature=cfg.temperature,
                                                           top_p=cfg.top_p, seed=cfg.seed), progress=progress)
@@ -68,9 +70,11 @@ def attach_ecs(modules: dict[str, QuantLinear], fp_weights: dict[str, torch.Tens
         if rank == 0:
             mod.compensator = None
             continue
-        a, b = error_factors(fp_weights[name], mod, rank, scale(name))
+        a, b = error_factors(fp_weights[name], mod, rank, scale(name), name)
         dt = mod.compute_dtype
-        mod.compensator = GatedCompensator(as_stored(a, dt), as_stored(b, dt), hidden=cfg.hidden,
+        a = stored_checked(a, dt, f"{name}: {cfg.init} factor A")
+        b = stored_checked(b, dt, f"{name}: {cfg.init} factor B")
+        mod.compensator = GatedCompensator(a, b, hidden=cfg.hidden,
                                            gated=cfg.gated, bound=cfg.bound, seed=cfg.seed * 7919 + i,
                                            per_rank=cfg.gate_per_rank).to(mod.codes.device)
         applied[name] = rank

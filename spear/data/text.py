@@ -10,6 +10,11 @@ evaluation takes the trailing articles that hold the requested windows,
 calibration the articles before them. Perplexity then scores the *last*
 ``eval_windows`` windows of the evaluation part and activation statistics use the
 *first* ``calib_windows`` windows of the calibration part (SPEAR.md §4).
+
+A file with neither headings nor blank lines (one document per line, say) has no
+article boundaries to honour; it is split by window instead: the whole text is
+tokenized once, evaluation takes its last ``eval_windows`` windows and calibration
+its first ``calib_windows``, which never overlap. The split says which rule it used.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class TextSource:
 
     name: str
     articles: tuple[str, ...]
+    # False: the text had no article markers (headings, blank lines); split it by window
+    by_article: bool = True
 
     @property
     def text(self) -> str:
@@ -51,13 +58,27 @@ class TokenSplit:
     eval: torch.Tensor  # (n_eval, seq_len) int64
     calib_articles: int
     eval_articles: int
+    by_article: bool = True  # False: no article markers; calibration from the start, evaluation from the end
+
+    @property
+    def how(self) -> str:
+        """How the text was split, for reports."""
+        return "by article" if self.by_article else "by window (no article markers)"
 
     def describe(self) -> str:
+        if not self.by_article:
+            return (f"{self.text_name}: split by window (no article markers): eval the last {self.eval.shape[0]} x "
+                    f"{self.seq_len} tokens, calibration the first {self.calib.shape[0]} x {self.seq_len}")
         return (
             f"{self.text_name}: eval {self.eval.shape[0]} x {self.seq_len} tokens "
             f"(last windows of {self.eval_articles} articles), calibration {self.calib.shape[0]} x "
             f"{self.seq_len} (first windows of {self.calib_articles} other articles)"
         )
+
+
+def has_article_markers(text: str) -> bool:
+    """Whether ``text`` has WikiText headings or blank lines between paragraphs."""
+    return bool(_HEADING.search(text)) or bool(re.search(r"\n\s*\n", text.strip()))
 
 
 def split_articles(text: str) -> tuple[str, ...]:
@@ -130,11 +151,12 @@ def load_text(spec: str | os.PathLike = DEFAULT_TEXT) -> TextSource:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise SpearError(f"text file {path} is not UTF-8 ({exc.reason} at byte {exc.start})") from exc
-    articles = split_articles(text)
-    if not articles:
+    if not text.strip():
         raise SpearError(f"text file {path} is empty")
     label = "wikitext-2 " + path.name if path.name.startswith("wiki.") else path.name
-    return TextSource(f"{label} (file)", articles)
+    if not has_article_markers(text):  # one stream of tokens, split by window as it is
+        return TextSource(f"{label} (file)", (text,), by_article=False)
+    return TextSource(f"{label} (file)", split_articles(text))
 
 
 def _tokenize(tokenizer, text: str) -> torch.Tensor:
@@ -153,6 +175,8 @@ def make_split(source: TextSource, tokenizer, seq_len: int = 512, eval_windows: 
     if calib_windows < 0:
         raise SpearError(f"--calib-windows must be >= 0, got {calib_windows}")
     need = eval_windows * seq_len
+    if not source.by_article:
+        return _split_by_window(source, tokenizer, seq_len, eval_windows, calib_windows)
     articles = source.articles
     counts = [len(_tokenize(tokenizer, a)) for a in articles]
     # Walk back from the end until the evaluation articles hold enough tokens;
@@ -181,3 +205,22 @@ def make_split(source: TextSource, tokenizer, seq_len: int = 512, eval_windows: 
         calib_articles=len(articles) - n_eval,
         eval_articles=n_eval,
     )
+
+
+def _split_by_window(source: TextSource, tokenizer, seq_len: int, eval_windows: int,
+                     calib_windows: int) -> TokenSplit:
+    """Evaluation from the end of the token stream, calibration from its start, never overlapping."""
+    ids = _tokenize(tokenizer, source.text)
+    need_eval, need_calib = eval_windows * seq_len, calib_windows * seq_len
+    if ids.numel() < need_eval:
+        raise SpearError(f"text '{source.name}' has {ids.numel()} tokens; {eval_windows} "
+                         f"evaluation windows of {seq_len} need {need_eval}")
+    if ids.numel() < need_eval + need_calib:
+        raise SpearError(
+            f"text '{source.name}' (split by window: no article markers) leaves {ids.numel() - need_eval} "
+            f"calibration tokens before its {eval_windows} evaluation windows; {calib_windows} calibration "
+            f"windows of {seq_len} need {need_calib} (use a longer text or fewer windows)")
+    return TokenSplit(text_name=source.name, seq_len=seq_len,
+                      calib=ids[:need_calib].view(calib_windows, seq_len),
+                      eval=ids[ids.numel() - need_eval:].view(eval_windows, seq_len),
+                      calib_articles=0, eval_articles=0, by_article=False)

@@ -2,6 +2,8 @@
 
 Tokenizer-level, non-overlapping windows of ``seq_len``; every window scores its
 ``seq_len - 1`` next-token predictions; ppl = exp(mean NLL over all scored tokens).
+A window whose loss is not finite stops the evaluation with an error naming the first
+module whose output went non-finite (a NaN is never reported as a perplexity).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+
+from spear.errors import SpearError
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,13 @@ def perplexity(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 
         logits = model(input_ids=ids, use_cache=False).logits
         nll = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                               reduction="sum")
+        if not torch.isfinite(nll):
+            from spear.eval.finite import first_nonfinite_module
+
+            bar.close()
+            where = first_nonfinite_module(model, ids)
+            raise SpearError(f"{desc}: the loss of window {start} is not finite"
+                             + (f"; the first non-finite output is {where}'s" if where else ""))
         total += nll.item()
         count += ids[:, 1:].numel()
         bar.update(ids.shape[0])

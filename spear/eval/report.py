@@ -47,11 +47,19 @@ def machine_label() -> str:
 
 
 def markdown_table(rows: list[Row]) -> str:
-    lines = ["| method | ppl | gap recovered | extra memory |", "|---|---:|---:|---:|"]
+    """The results table; calibrated rows add their held-out self-sample KL at the start and the end."""
+    kl = any("initial_val_kl" in r.details for r in rows)
+    lines = ["| method | ppl | gap recovered | extra memory |" + (" val KL start → end |" if kl else ""),
+             "|---|---:|---:|---:|" + ("---:|" if kl else "")]
     for r in rows:
         gap = "—" if r.gap_recovered is None else f"{r.gap_recovered:.1f}%"
         mem = "—" if not r.extra_bytes else f"{r.memory_pct:.2f}% ({r.extra_bytes / 2**20:.2f} MiB)"
-        lines.append(f"| {r.method} | {r.ppl:.2f} | {gap} | {mem} |")
+        line = f"| {r.method} | {r.ppl:.2f} | {gap} | {mem} |"
+        if kl:
+            d = r.details
+            line += (f" {d['initial_val_kl']:.4f} → {d['val_kl']:.4f}" + (" (start kept)" if d.get("kept") == "init" else "")
+                     + " |") if "initial_val_kl" in d else " — |"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -41,7 +41,7 @@ from spear.compensate.registry import STORAGE_DTYPE as COMPENSATOR_DTYPE
 from spear.compensate.registry import build_compensator, compensator_spec
 from spear.config import QuantConfig
 from spear.errors import SpearError
-from spear.models.modules import set_module
+from spear.models.modules import linearize_conv1d, set_module
 from spear.quant.linear import QuantLinear
 from spear.quant.primitives import n_groups, pack_codes, unpack_codes
 
@@ -85,11 +85,10 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
                 out[f"{name}.compensator.{k}"] = t.to(COMPENSATOR_DTYPE) if t.is_floating_point() else t
     prefixes = tuple(f"{n}." for n in quant)
     seen: set[int] = set()
+    skip = _non_persistent(model)
     # named_parameters dedupes tied tensors (tie_weights restores them at load).
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.startswith(prefixes) or id(t) in seen:
-            continue
-        if name.rsplit(".", 1)[0] in _non_persistent(model):
+        if name.startswith(prefixes) or id(t) in seen or name in skip:
             continue
         seen.add(id(t))
         out[name] = t.data
@@ -97,11 +96,12 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _non_persistent(model: nn.Module) -> set[str]:
-    """Module names whose buffers are non-persistent (e.g. rotary ``inv_freq``): recomputed, never saved."""
+    """Qualified names of non-persistent buffers (rotary ``inv_freq``, Gemma's ``embed_scale``): recomputed,
+    never saved. Only the buffers: a module holding one (Gemma's scaled embedding) still saves its weight."""
     names = set()
     for mname, mod in model.named_modules():
-        if getattr(mod, "_non_persistent_buffers_set", None):
-            names.add(mname)
+        for b in getattr(mod, "_non_persistent_buffers_set", ()):
+            names.add(f"{mname}.{b}" if mname else b)
     return names
 
 
@@ -366,7 +366,7 @@ def _expected(model: nn.Module, modules: dict) -> dict[str, tuple[tuple[int, ...
     skip = _non_persistent(model)
     seen: set[int] = set()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.startswith(prefixes) or name.rsplit(".", 1)[0] in skip or id(t) in seen:
+        if name.startswith(prefixes) or name in skip or id(t) in seen:
             continue
         seen.add(id(t))
         exp[name] = (tuple(t.shape), t.dtype)
@@ -398,6 +398,7 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, d
             model = AutoModelForCausalLM.from_config(hf_config, dtype=saved_dtype)
     except ValueError as exc:  # not a causal-LM architecture transformers knows
         raise SpearError(f"{path / 'config.json'}: {exc}") from None
+    linearize_conv1d(model)  # the saved model's Conv1D (GPT-2) were nn.Linear when it was written
     model.tie_weights()
     for name, entry in cfg["modules"].items():
         try:

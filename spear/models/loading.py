@@ -189,5 +189,8 @@ def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32, dev
     if mismatched:
         raise SpearError(f"{path}: weight {mismatched[0][0]} has the wrong shape for its config")
     check_finite(lm, path)
+    from spear.models.modules import linearize_conv1d
+
+    linearize_conv1d(lm)  # GPT-2's Conv1D as nn.Linear: FP rows run the modules that get quantized
     lm.to(device).eval()
     return lm, load_folder_tokenizer(path)

@@ -84,3 +84,32 @@ def test_selfsample_is_seeded_cached_and_full_length(tiny_llama, tmp_path, monke
     assert torch.equal(a, b)
     c = sample_sequences(model, tok, SampleConfig(n=3, length=12, seed=8, batch_size=2), cache=False, progress=False)
     assert not torch.equal(a, c)
+
+
+def test_text_without_article_markers_is_split_by_window(tokenizer, article_text, tmp_path):
+    # one article per line and no blank lines: nothing to split by article
+    lines = [" ".join(a.split()) for a in load_text("wikipedia").articles[:12]]
+    path = tmp_path / "one_per_line.txt"
+    path.write_text("\n".join(lines) + "\n")
+    src = load_text(path)
+    assert not src.by_article and len(src.articles) == 1
+    sp = make_split(src, tokenizer, seq_len=256, eval_windows=4, calib_windows=3)
+    assert not sp.by_article and sp.how == "by window (no article markers)"
+    assert "split by window" in sp.describe()
+    ids = tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]
+    assert sp.eval.reshape(-1).tolist() == ids[-4 * 256:]  # evaluation: the end of the text
+    assert sp.calib.reshape(-1).tolist() == ids[: 3 * 256]  # calibration: its start
+    assert len(ids) >= 7 * 256  # so the two never overlap
+    # the same text with blank lines between the articles is still split by article
+    marked = tmp_path / "marked.txt"
+    marked.write_text("\n\n".join(lines) + "\n")
+    assert load_text(marked).by_article and make_split(load_text(marked), tokenizer, 256, 4, 3).by_article
+
+
+def test_window_split_refuses_overlap(tokenizer, tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text(" ".join(["word"] * 300))  # ~300 tokens, one line
+    src = load_text(path)
+    assert make_split(src, tokenizer, seq_len=64, eval_windows=2, calib_windows=2).calib.shape == (2, 64)
+    with pytest.raises(SpearError, match=r"split by window.*calibration windows of 64 need"):
+        make_split(src, tokenizer, seq_len=64, eval_windows=3, calib_windows=3)
