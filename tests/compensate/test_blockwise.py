@@ -50,13 +50,15 @@ def test_a_layer_that_trains_worse_keeps_its_init(setup):
     for e in report.layers:
         if e.get("kept") == "init":
             assert e["val_after"] >= e["val_before"]
-    assert any(e.get("kept") == "init" for e in report.layers)
     kept = [e["layer"] for e in report.layers if e.get("kept") == "init"]
     now = model.state_dict()
     for n, t in init.items():
         if int(n.split(".")[2]) in kept:
             assert torch.equal(now[n], t)
-    assert _kl(model, data, fp_logits) <= before * 1.5
+    # lr 1.0 blows every layer up (its output error went from ~0.4 to ~1e11 on this CPU), so every
+    # layer keeps its init and the model is exactly the one before: the same KL, not "at most 50% worse"
+    assert all(e.get("kept") == "init" for e in report.layers)
+    assert _kl(model, data, fp_logits) == before
 
 
 def test_blockwise_divergence_names_the_layer(setup):
