@@ -225,10 +225,14 @@ def test_unpack_int32_handles_the_sign_bit():
         unpack_int32(word.long(), 4, 1)
 
 
+def _words(vals) -> torch.Tensor:
+    """Unsigned 32-bit words as the int32 tensors the files hold (two's complement)."""
+    w = torch.tensor(vals, dtype=torch.int64)
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
 def _golden_tensors(name, qweight, qzeros, n_out):
-    words = lambda vals: torch.tensor(vals, dtype=torch.int64).sub_(  # noqa: E731 (unsigned words as int32)
-        torch.tensor(vals, dtype=torch.int64).ge(2**31).long() * 2**32).to(torch.int32)
-    return {f"{name}.qweight": words(qweight), f"{name}.qzeros": words(qzeros),
+    return {f"{name}.qweight": _words(qweight), f"{name}.qzeros": _words(qzeros),
             f"{name}.scales": torch.full((1, n_out), 0.5, dtype=torch.float16)}
 
 
