@@ -42,6 +42,10 @@ def test_blockwise_lowers_the_final_kl_and_trains_only_ecs(setup):
 
 
 def test_a_layer_that_trains_worse_keeps_its_init(setup):
+    """Catches: blockwise training that also moves the layer's norm weights (one line in
+    ``_train_layer``: ``params["alpha"] += [p.requires_grad_(True) for n, p in
+    layer.named_parameters() if "norm" in n]``): restoring the ECs then leaves a changed model,
+    whose KL the old bound (at most 1.5x the KL before) let through."""
     model, data, cfg, fp_logits = setup
     before = _kl(model, data, fp_logits)
     init = {n: t.clone() for n, t in model.state_dict().items() if ".compensator." in n}
