@@ -1,10 +1,12 @@
 """The ``spear`` command: help, one-line errors, and a real quantize -> eval round trip."""
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from spear.cli import main
 
@@ -36,6 +38,11 @@ def test_bad_arguments_give_one_line_errors(argv, message):
 
 
 def test_quantize_then_eval(tiny_llama_path, article_text, tmp_path, capsys):
+    """``spear eval`` on the checkpoint reports exp(mean NLL) of the evaluation windows, computed
+    here from the loaded checkpoint's logits in float64.
+
+    Catches: ``perplexity`` scoring ``logits[:, 1:]`` against ``ids[:, 1:]`` (no next-token shift),
+    which the old ``ppl > 1`` passed."""
     text = tmp_path / "wiki.test.raw"
     text.write_text(article_text)
     out = tmp_path / "ckpt"
@@ -47,7 +54,17 @@ def test_quantize_then_eval(tiny_llama_path, article_text, tmp_path, capsys):
     assert cfg["meta"]["compensation"]["method"] == "qera-approx"
     assert main(["-q", "eval", "--model", str(out), "--json", str(tmp_path / "r.json"), *common]) == 0
     res = json.loads((tmp_path / "r.json").read_text())
-    assert res["tokens"] == 2 * 127 and res["memory_pct"] > 0 and res["ppl"] > 1
+    assert res["tokens"] == 2 * 127 and res["memory_pct"] > 0
+    from spear.config import EvalConfig
+    from spear.models.loading import load_model
+    from spear.pipeline import load_split
+
+    model, tok = load_model(out)
+    ids = load_split(tok, EvalConfig(text=str(text), seq_len=128, eval_windows=2, calib_windows=2)).eval
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits.double(), -1)
+    nll = -logp[:, :-1].gather(-1, ids[:, 1:, None]).mean()
+    assert res["ppl"] == pytest.approx(math.exp(nll), rel=1e-4)
     # Writing over an existing checkpoint needs --overwrite.
     assert main(["-q", "quantize", "--model", str(tiny_llama_path), "--out", str(out), *common]) == 2
     assert "--overwrite" in capsys.readouterr().err

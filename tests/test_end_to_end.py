@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from spear.cli import main
 from spear.compensate.calibrate import CalibrationConfig
@@ -25,7 +26,9 @@ def test_default_job_small(tmp_path):
     # W4 damage is diffuse, so most modules get an EC (all of them from >= 1024 scoring tokens;
     # this test scores only 64, which makes the damage look more concentrated than it is)
     assert ec.details["modules"] == lqer.details["modules"] >= 150
-    assert 15 < fp.ppl < 40  # the dequantized Q4_1 SmolLM2 on Wikipedia text
+    # the dequantized Q4_1 SmolLM2 on the last 4 windows of the Wikipedia text: 26.45 (perplexity()
+    # alone on this split, 2-core CPU, 2026-12-01); the old band 15-40 let other windows pass
+    assert fp.ppl == pytest.approx(26.45, rel=0.01)
     assert w4.ppl > 1.3 * fp.ppl  # per-channel W4 RTN hurts a 135M model a lot
     assert fp.ppl < lqer.ppl < w4.ppl
     assert res.header["modules"] == 210 and res.header["tokens_scored"] == 4 * 511
@@ -43,7 +46,7 @@ def test_wikitext_file_with_seq_len_2048(article_text, tmp_path):
     assert run["tokens_scored"] == 2 * 2047
     fp, w4, lqer = (r["ppl"] for r in run["rows"])
     assert 2.1 < run["rows"][2]["memory_pct"] < 2.3  # rank 4 on 210 linears ≈ 2.2% of the W4 model
-    assert 5 < fp < 60 and fp < lqer < w4
+    assert fp == pytest.approx(22.17, rel=0.01) and fp < lqer < w4  # 22.17: as above, 2 x 2048 tokens
     assert (tmp_path / "run" / "run.md").read_text().count("|") > 12
     out = tmp_path / "r.json"
     assert main(["-q", "eval", *window, "--json", str(out)]) == 0
@@ -59,3 +62,76 @@ def test_acceptance_numbers_full_protocol(tmp_path):
     assert abs(fp.ppl / 24.80 - 1) < 0.03
     assert abs(w4.ppl / 48.24 - 1) < 0.03
     assert abs(lqer.ppl / 37.97 - 1) < 0.03
+
+
+@pytest.mark.slow
+def test_default_job_headline_claims():
+    """`spear run` with its defaults (selection at 1%, static LQER and QERA-approx at that
+    selection, the ungated EC KL-calibrated for 240 steps on 64 + 16 self-samples, seed 0) on the
+    full protocol (24 x 512-token evaluation windows) reproduces README "Results": SPEAR recovers
+    >= 2x the gap of each static row at the same memory, and lands within +-3 points of the
+    README's 64.5% (that row's seed spread is +-0.5; seed 0 on this CPU draws other self-samples
+    than on the H200 the README figure comes from).
+
+    Catches: calibrate() returning before its first optimiser step (the EC stays at its static
+    QERA-approx init: about 35% instead of 64.5%), or a selection that ignores the budget."""
+    res = run_job("smollm2-135m", QuantConfig(), EvalConfig(), ["lqer", "qera-approx"], progress=False,
+                  log=lambda *_: None, spear_variants=("nogate",), calib_cfg=CalibrationConfig(seed=0),
+                  budget="1%")
+    fp, w4, lqer, qera, ec = res.rows
+    assert ec.method == "SPEAR EC (KL, no gate) cka@1%"
+    assert abs(fp.ppl / 24.73 - 1) < 0.02 and abs(w4.ppl / 47.79 - 1) < 0.02
+    for static in (lqer, qera):
+        assert 0.9 < static.memory_pct <= ec.memory_pct <= 1.0
+        assert ec.memory_pct - static.memory_pct < 0.01  # the same A, B; only alpha is extra
+        assert ec.gap_recovered >= 2 * static.gap_recovered, (ec, static)
+    assert abs(qera.gap_recovered - 34.7) < 3
+    assert abs(ec.gap_recovered - 64.5) <= 3, ec
+
+
+def test_kl_calibrated_ecs_beat_static_lqer_at_equal_memory(sharp_tiny_llama_path, tmp_path, monkeypatch):
+    """The headline claim at toy scale, in the default run: on the 2-layer tiny Llama at RTN W3
+    per-channel, rank-2 ECs on all 14 linears KL-calibrated for 40 steps on 16 self-samples end
+    closer to the FP model than static LQER with the same ranks (same A, B shapes; alpha's 2 bytes
+    per module extra), measured as KL(p_FP ‖ p) on held-out self-samples the calibration never saw.
+    Measured on the 2-core x86-64 CPU, 2026-12-01: KL 0.158 (W3), 0.135 (LQER), 0.117
+    (KL-calibrated, 13% below LQER); the test asks for at least 10% below LQER.
+
+    Catches: ``calibrate`` leaving the ECs at their QERA-approx init (``best_state = snapshot()`` on
+    a better validation KL replaced by ``pass``: the step-0 state is restored); the old default-run
+    check, ``ec.ppl < w4.ppl``, asks no more than the static init already gives."""
+    from spear.compensate.calibrate import kl_loss
+    from spear.compensate.static import attach_static, remove_compensators
+    from spear.compensate.workflow import attach_ecs, calibrate, prepare_calibration, uniform_plan
+    from spear.config import StaticCompensationConfig
+    from spear.data.selfsample import SampleConfig, sample_sequences
+    from spear.eval.memory import compensator_bytes
+    from spear.models.loading import load_model
+    from spear.quant import quantize_model_rtn
+
+    monkeypatch.setenv("SPEAR_CACHE", str(tmp_path / "cache"))
+    model, tok = load_model(sharp_tiny_llama_path)
+    cfg = CalibrationConfig(n_samples=16, val_samples=4, sample_len=32, steps=40, batch_size=4, eval_every=10,
+                            patience=5, lr=5e-3)
+    data = prepare_calibration(model, tok, cfg, progress=False)
+    # held out: other self-samples of the FP model (a random model's own distribution; real text is
+    # not what it predicts), drawn with another seed
+    held = sample_sequences(model, tok, SampleConfig(n=8, length=32, seed=7), cache=False, progress=False)
+    with torch.no_grad():
+        fp_logp = torch.log_softmax(model(input_ids=held).logits.float(), -1)
+
+    def kl():
+        with torch.no_grad():
+            return kl_loss(model(input_ids=held).logits, fp_logp).item()
+
+    mods = quantize_model_rtn(model, QuantConfig(bits=3), progress=False)
+    kl_w3 = kl()
+    attach_static(mods, data.fp_weights, StaticCompensationConfig(method="lqer", rank=2), data.stats, progress=False)
+    kl_lqer, bytes_lqer = kl(), compensator_bytes(model)
+    remove_compensators(model)
+    attach_ecs(mods, data.fp_weights, uniform_plan(mods, 2), cfg, data.stats)
+    calibrate(model, data, cfg, progress=False)
+    kl_ec, bytes_ec = kl(), compensator_bytes(model)
+    assert len(mods) == 14 and 0 < bytes_ec - bytes_lqer <= 2 * len(mods)
+    assert kl_lqer < kl_w3
+    assert kl_ec < 0.9 * kl_lqer, (kl_w3, kl_lqer, kl_ec)

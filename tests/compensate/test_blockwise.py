@@ -42,6 +42,10 @@ def test_blockwise_lowers_the_final_kl_and_trains_only_ecs(setup):
 
 
 def test_a_layer_that_trains_worse_keeps_its_init(setup):
+    """Catches: blockwise training that also moves the layer's norm weights (one line in
+    ``_train_layer``: ``params["alpha"] += [p.requires_grad_(True) for n, p in
+    layer.named_parameters() if "norm" in n]``): restoring the ECs then leaves a changed model,
+    whose KL the old bound (at most 1.5x the KL before) let through."""
     model, data, cfg, fp_logits = setup
     before = _kl(model, data, fp_logits)
     init = {n: t.clone() for n, t in model.state_dict().items() if ".compensator." in n}
@@ -50,13 +54,15 @@ def test_a_layer_that_trains_worse_keeps_its_init(setup):
     for e in report.layers:
         if e.get("kept") == "init":
             assert e["val_after"] >= e["val_before"]
-    assert any(e.get("kept") == "init" for e in report.layers)
     kept = [e["layer"] for e in report.layers if e.get("kept") == "init"]
     now = model.state_dict()
     for n, t in init.items():
         if int(n.split(".")[2]) in kept:
             assert torch.equal(now[n], t)
-    assert _kl(model, data, fp_logits) <= before * 1.5
+    # lr 1.0 blows every layer up (its output error went from ~0.4 to ~1e11 on this CPU), so every
+    # layer keeps its init and the model is exactly the one before: the same KL, not "at most 50% worse"
+    assert all(e.get("kept") == "init" for e in report.layers)
+    assert _kl(model, data, fp_logits) == before
 
 
 def test_blockwise_divergence_names_the_layer(setup):

@@ -21,14 +21,15 @@ class _Uniform(torch.nn.Module):
 
 
 def test_uniform_model_has_vocab_size_perplexity():
-    res = perplexity(_Uniform(50), torch.randint(0, 50, (3, 9)), progress=False)
+    res = perplexity(_Uniform(50), torch.randint(0, 50, (3, 9), generator=torch.Generator().manual_seed(0)),
+                     progress=False)
     assert math.isclose(res.ppl, 50, rel_tol=1e-6)
     assert res.tokens == 3 * 8 and res.windows == 3 and res.seq_len == 9
 
 
 def test_perplexity_matches_manual_nll(tiny_llama):
     model, _ = tiny_llama
-    windows = torch.randint(0, 2000, (3, 20))
+    windows = torch.randint(0, 2000, (3, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(input_ids=windows).logits
     nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))

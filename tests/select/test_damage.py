@@ -3,6 +3,7 @@ import torch
 
 from spear.config import QuantConfig
 from spear.models.modules import quantizable_linears
+from spear.select.cka import linear_cka
 from spear.select.damage import module_damage
 from spear.select.plan import load_plan, save_plan, select
 
@@ -13,19 +14,70 @@ def ids():
     return torch.randint(0, 1000, (6, 24), generator=g)
 
 
-def test_replay_gives_the_same_damage_as_full_forwards(sharp_tiny_llama_path, ids):
+def _cka_from_gram(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Linear CKA from centred Gram matrices in float64 (Kornblith et al., 2019):
+    HSIC(K, L) / sqrt(HSIC(K, K) · HSIC(L, L)) with K = H X Xᵀ H, L = H Y Yᵀ H, H = I − 11ᵀ/n;
+    the n × n form, not the d × d cross products spear.select.cka uses."""
+    x, y = x.double(), y.double()
+    n = x.shape[0]
+    h = torch.eye(n, dtype=torch.float64) - 1.0 / n
+    k, l = h @ x @ x.T @ h, h @ y @ y.T @ h
+    return float((k * l).sum() / torch.sqrt((k * k).sum() * (l * l).sum()))
+
+
+def _rtn_sym_per_channel(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """Symmetric per-output-channel round-to-nearest: step max|w_row| / (2^(bits-1) − 1)."""
+    step = w.abs().amax(dim=1, keepdim=True) / (2 ** (bits - 1) - 1)
+    return torch.round(w / step) * step
+
+
+def _damage_by_hand(model, ids, bits):
+    """d_i = 1 − CKA(H_FP, H_i): final hidden states (all tokens) with module i alone quantized."""
+    def final_hidden():
+        with torch.no_grad():
+            hs = model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states[-1]
+        return hs.reshape(-1, hs.shape[-1])
+
+    h_fp = final_hidden()
+    out = {}
+    for name, lin in quantizable_linears(model).items():
+        orig = lin.weight.data.clone()
+        lin.weight.data.copy_(_rtn_sym_per_channel(orig, bits))
+        out[name] = 1.0 - _cka_from_gram(h_fp, final_hidden())
+        lin.weight.data.copy_(orig)
+    return out
+
+
+def test_cka_from_gram_is_linear_cka_on_random_matrices():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(60, 7, generator=g, dtype=torch.float64) * 3 + 1  # uncentred, other widths
+    y = x[:, :5] @ torch.randn(5, 11, generator=g, dtype=torch.float64) + torch.randn(60, 11, generator=g,
+                                                                                      dtype=torch.float64)
+    assert _cka_from_gram(x, y) == pytest.approx(linear_cka(x, y), rel=1e-10)
+    assert _cka_from_gram(x, x) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_damage_is_one_minus_cka_of_final_hidden_states(sharp_tiny_llama_path, ids):
+    """module_damage (with the layer replay and with full forwards) against d = 1 − CKA computed
+    here from a hand RTN proxy, the model's final hidden states and the Gram-matrix CKA.
+
+    Catches: ``damage[name] = max(0.0, 1.0 - linear_cka(fp_all, h) ** 2)`` in
+    spear/select/damage.py: the replay and the full forwards still agree with each other, which is
+    all the old test compared."""
     from spear.models.loading import load_model
 
     model, _ = load_model(sharp_tiny_llama_path)
     before = {n: m.weight.clone() for n, m in quantizable_linears(model).items()}
+    expect = _damage_by_hand(model, ids, bits=3)
     fast = module_damage(model, QuantConfig(bits=3), ids, batch_size=4, progress=False)
     slow = module_damage(model, QuantConfig(bits=3), ids, batch_size=4, progress=False, replay=False)
     assert fast.replay and not slow.replay
     assert fast.tokens == ids.numel()
-    assert set(fast.damage) == set(before)
-    for n in before:
-        assert fast.damage[n] == pytest.approx(slow.damage[n], rel=1e-3, abs=1e-9)
-    assert all(v > 0 for v in fast.damage.values())
+    assert set(fast.damage) == set(slow.damage) == set(expect) == set(before)
+    assert min(expect.values()) > 1e-4  # every module's error shows in the final states
+    for n, d in expect.items():
+        assert fast.damage[n] == pytest.approx(d, rel=1e-3, abs=1e-7), n
+        assert slow.damage[n] == pytest.approx(d, rel=1e-3, abs=1e-7), n
     # the weights are restored exactly
     for n, m in quantizable_linears(model).items():
         assert torch.equal(m.weight, before[n])
