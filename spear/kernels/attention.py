@@ -246,9 +246,10 @@ def _check_rope_args(q, k_cache, rope) -> None:
         raise ValueError(f"with rope, q must be contiguous within each token; got strides {q.stride()}")
 
 
-def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
+def check_q_and_caches(q, k_cache, v_cache, max_block_size: int | None = None) -> None:
+    """The rules both paged attention kernels share for q (rows, n_heads, head_dim) and the caches."""
     if q.dim() != 3:
-        raise ValueError(f"q must be (batch, n_heads, head_dim); got shape {tuple(q.shape)}")
+        raise ValueError(f"q must be (rows, n_heads, head_dim); got shape {tuple(q.shape)}")
     if q.dtype not in DTYPES:
         raise ValueError(f"q must be float16, bfloat16 or float32; got {q.dtype}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -256,16 +257,25 @@ def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"the caches must be in q's dtype {q.dtype}; got {k_cache.dtype} and {v_cache.dtype}")
-    b, n_heads, head_dim = q.shape
+    _, n_heads, head_dim = q.shape
     _, block_size, kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim:
         raise ValueError(f"q has head_dim {head_dim}, the caches {cache_dim}")
     if not (_pow2(head_dim) and 16 <= head_dim <= 256):
         raise ValueError(f"head_dim must be a power of two from 16 to 256; got {head_dim}")
-    if not (_pow2(block_size) and block_size <= 256):
-        raise ValueError(f"block_size must be a power of two up to 256; got {block_size}")
+    if not _pow2(block_size) or (max_block_size is not None and block_size > max_block_size):
+        raise ValueError(f"block_size must be a power of two{'' if max_block_size is None else f' up to {max_block_size}'}"
+                         f"; got {block_size}")
     if kv_heads == 0 or n_heads % kv_heads:
         raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={kv_heads}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride along head_dim; got strides {t.stride()}")
+
+
+def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
+    check_q_and_caches(q, k_cache, v_cache, max_block_size=256)
+    b = q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != b or block_tables.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"block_tables must be ({b}, max_blocks) int32/int64; got {tuple(block_tables.shape)} "
                          f"{block_tables.dtype}")
@@ -274,9 +284,6 @@ def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
     if context_lens.shape != (b,) or context_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"context_lens must be ({b},) int32/int64; got {tuple(context_lens.shape)} "
                          f"{context_lens.dtype}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have unit stride along head_dim; got strides {t.stride()}")
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")

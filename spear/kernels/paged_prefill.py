@@ -62,6 +62,7 @@ import triton.language as tl
 
 from spear.kernels import _common
 from spear.kernels._common import INTERPRET, _to
+from spear.kernels.attention import check_q_and_caches
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -218,25 +219,7 @@ def launch_config(dtype: torch.dtype, head_dim: int, group: int) -> tuple[int, i
 
 
 def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q must be (num_tokens, n_heads, head_dim); got shape {tuple(q.shape)}")
-    if q.dtype not in DTYPES:
-        raise ValueError(f"q must be float16, bfloat16 or float32; got {q.dtype}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be (num_blocks, block_size, n_kv_heads, head_dim); got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"the caches must be in q's dtype {q.dtype}; got {k_cache.dtype} and {v_cache.dtype}")
-    _, n_heads, head_dim = q.shape
-    _, block_size, kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"q has head_dim {head_dim}, the caches {cache_dim}")
-    if not (_pow2(head_dim) and 16 <= head_dim <= 256):
-        raise ValueError(f"head_dim must be a power of two from 16 to 256; got {head_dim}")
-    if not _pow2(block_size):
-        raise ValueError(f"block_size must be a power of two; got {block_size}")
-    if kv_heads == 0 or n_heads % kv_heads:
-        raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={kv_heads}")
+    check_q_and_caches(q, k_cache, v_cache)
     if seq_lens.dim() != 1 or seq_lens.dtype not in INDEX_DTYPES:
         raise ValueError(f"seq_lens must be (num_seqs,) int32/int64; got {tuple(seq_lens.shape)} {seq_lens.dtype}")
     b = seq_lens.shape[0]
@@ -248,9 +231,6 @@ def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_que
     if query_start_loc.shape != (b + 1,) or query_start_loc.dtype not in INDEX_DTYPES:
         raise ValueError(f"query_start_loc must be ({b + 1},) int32/int64 (num_seqs + 1 cumulative query counts); "
                          f"got {tuple(query_start_loc.shape)} {query_start_loc.dtype}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have unit stride along head_dim; got strides {t.stride()}")
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")

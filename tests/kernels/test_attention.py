@@ -162,27 +162,6 @@ def _rope_case(context_lens, n_heads, kv_heads, head_dim, block_size, dtype, see
     _check(out.cpu(), _reference(q_rot, k_ref, v_ref, tables, lens, scale), dtype, what)
 
 
-@pytest.fixture(params=["forward", "reversed"])
-def grid_order(request, monkeypatch):
-    """The interpreter runs a launch's programs one after another in grid order; "reversed" runs
-    them last to first, so a program that reads what another one writes shows whether it relied on
-    running after it (GPU programs run concurrently, in no promised order)."""
-    if request.param == "reversed":
-        if DEVICE == "cuda":
-            pytest.skip("the interpreter's program order")
-        from triton.runtime import interpreter
-
-        builder = type(interpreter.interpreter_builder)
-        forward = builder.set_grid_idx
-
-        def reversed_idx(self, x, y, z):
-            gx, gy, gz = self.grid_dim
-            forward(self, gx - 1 - x, gy - 1 - y, gz - 1 - z)
-
-        monkeypatch.setattr(builder, "set_grid_idx", reversed_idx)
-    return request.param
-
-
 @pytest.mark.parametrize("splits,ratio,dtype,block_size", [(1, 1, torch.float16, 8), (8, 4, torch.float32, 8),
                                                           (4, 2, torch.bfloat16, 16), (2, 4, torch.float16, 32)])
 def test_rope_in_attention_equals_rope_write_then_attention(poisoned, grid_order, splits, ratio, dtype, block_size):

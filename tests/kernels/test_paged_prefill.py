@@ -141,26 +141,6 @@ def check(out: torch.Tensor, batch: Batch, scale: float, dtype: torch.dtype, wha
     _close(out[:batch.n_valid], truth_fp64(batch, scale), dtype, what + " vs fp64 truth")
 
 
-@pytest.fixture(params=["forward", "reversed"])
-def grid_order(request, monkeypatch):
-    """The interpreter runs a launch's programs one after another in grid order; "reversed" runs
-    them last to first, so a program that relied on another having run first fails."""
-    if request.param == "reversed":
-        if DEVICE == "cuda":
-            pytest.skip("the interpreter's program order")
-        from triton.runtime import interpreter
-
-        builder = type(interpreter.interpreter_builder)
-        forward = builder.set_grid_idx
-
-        def reversed_idx(self, x, y, z):
-            gx, gy, gz = self.grid_dim
-            forward(self, gx - 1 - x, gy - 1 - y, gz - 1 - z)
-
-        monkeypatch.setattr(builder, "set_grid_idx", reversed_idx)
-    return request.param
-
-
 # (chunks, block_size, GQA group, head_dim, dtype, table dtype, q layout, rows per tile, keys per tile):
 # key tiles over two blocks (8 / 16, 16 / 32), four and eight (the default 64 keys over blocks of 16
 # and 8), half a block (32 / 16); query tiles of 16 queries (group 1 in 16 rows), 4 (group 4 in 16),
