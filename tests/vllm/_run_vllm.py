@@ -1,0 +1,44 @@
+"""Greedy tokens of spear checkpoints served by vLLM through the plugin, one JSON line per checkpoint.
+
+    python tests/vllm/_run_vllm.py --dtype float32 --tp 1 --max-tokens 24 PROMPTS_JSON CKPT [CKPT ...]
+
+A script of its own because vLLM starts its engine in spawned processes (which re-import the
+main module) and keeps process-wide state between models; each call is one clean process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--compile", action="store_true", help="vLLM's torch.compile path instead of eager")
+    ap.add_argument("prompts")
+    ap.add_argument("checkpoints", nargs="+")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default takes far more
+    from vllm import LLM, SamplingParams
+
+    prompts = json.loads(args.prompts)
+    for ckpt in args.checkpoints:
+        t0 = time.perf_counter()
+        llm = LLM(model=ckpt, quantization="spear", dtype=args.dtype, max_model_len=512, seed=0,
+                  tensor_parallel_size=args.tp, enforce_eager=not args.compile)
+        load_s = time.perf_counter() - t0
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
+        print(json.dumps({"checkpoint": ckpt, "load_s": round(load_s, 1),
+                          "token_ids": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
+        del llm
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
