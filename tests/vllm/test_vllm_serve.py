@@ -183,3 +183,9 @@ def test_tensor_parallel_2_equals_spear_engine(tp_checkpoint):
     """Two CPU ranks: column-parallel A whole and B split, row-parallel A split, u all-reduced
     before the row-parallel gates."""
     _assert_same_greedy(_vllm_runs([tp_checkpoint], tp=2)[str(tp_checkpoint)], _spear_greedy(tp_checkpoint))
+
+
+def test_tensor_parallel_3_default_model(checkpoints, spear_runs):
+    """The default model's 9 heads and 3 kv heads split over 3 ranks (sharing the 2 cores here)."""
+    _assert_same_greedy(_vllm_runs([checkpoints["w4-gated"]], tp=3)[str(checkpoints["w4-gated"])],
+                        spear_runs["w4-gated"])
