@@ -61,7 +61,7 @@ class SpearConfig(QuantizationConfig):
 
     @classmethod
     def get_min_capability(cls) -> int:
-        return 80  # the W4 kernels' tensor-core tiles take bf16 (Ampere on)
+        return 80  # bf16 tensor-core tiles in the W4 kernels need Ampere; they are tuned on Hopper
 
     @staticmethod
     def get_config_filenames() -> list[str]:

@@ -28,11 +28,16 @@ _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 
 
 def _partition(layer: torch.nn.Module, members: tuple[sharding.Member, ...], input_size_per_partition: int,
-               output_partition_sizes: list[int], input_size: int) -> sharding.Partition:
+               output_partition_sizes: list[int], input_size: int, output_size: int) -> sharding.Partition:
     t, n = layer.tp_rank, layer.tp_size
-    if input_size != members[0].in_features:
-        raise SpearError(f"{members[0].name}: vLLM's layer takes {input_size} inputs, spear_config.json records "
-                         f"in_features={members[0].in_features}")
+    if isinstance(layer, QKVParallelLinear):  # its output_sizes count replicated kv heads once per rank
+        whole = [layer.total_num_heads * layer.head_size, layer.total_num_kv_heads * layer.head_size,
+                 layer.total_num_kv_heads * layer.v_head_size]
+    else:
+        whole = list(getattr(layer, "output_sizes", [output_size]))
+    if (input_size, whole) != (members[0].in_features, [m.out_features for m in members]):
+        raise SpearError(f"{layer.prefix}: vLLM's layer is {input_size} -> {whole}, spear_config.json records "
+                         + ", ".join(f"{m.name} {m.in_features} -> {m.out_features}" for m in members))
     if isinstance(layer, RowParallelLinear):
         return sharding.row_partition(members[0], input_size_per_partition, t, n)
     if isinstance(layer, QKVParallelLinear):
@@ -70,7 +75,8 @@ class SpearLinearMethod(LinearMethodBase):
             raise SpearError(f"{layer.prefix}: the spear modules' biases "
                              f"({', '.join(f'{m.name}={m.bias}' for m in self.members)}) do not match vLLM's "
                              f"layer (bias={layer.has_bias})")
-        p = _partition(layer, self.members, input_size_per_partition, output_partition_sizes, input_size)
+        p = _partition(layer, self.members, input_size_per_partition, output_partition_sizes, input_size,
+                       output_size)
         layer.spear_partition = p
         layer.spear_loaded = set()
         for name, (shape, dtype, fill) in p.param_shapes().items():
