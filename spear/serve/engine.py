@@ -80,6 +80,20 @@ class RequestOutput:
         return self._num_tokens - self.num_prompt_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One step: what it scheduled, the latency table's prediction for it, and its wall time
+    (schedule, model, sampling and outputs: what the decodes' next tokens wait for)."""
+
+    index: int                    # steps run so far, this one included
+    num_decodes: int
+    prefill_tokens: int
+    decode_context: float         # the decodes' mean context in tokens (0 without decodes)
+    chunk_budget: int | None      # prefill tokens the latency target allowed (None: no target)
+    predicted_ms: float | None    # None without a table or without decodes
+    measured_ms: float
+
+
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
@@ -88,6 +102,9 @@ class EngineStats:
     num_free_blocks: int
     num_preemptions: int
     num_failed_steps: int = 0     # steps in a row in which every request failed (0 after a good one)
+    num_steps: int = 0
+    last_step: StepRecord | None = None
+    itl_slo_ms: float | None = None
 
 
 def _generation_config(path):
@@ -146,13 +163,18 @@ class LLMEngine:
         check_supported(cfg)
         self = cls.__new__(cls)
         self._setup(cfg, quantized, tensors, _generation_config(path), load_folder_tokenizer(path), config, device,
-                    dtype)
+                    dtype, source=path)
         return self
 
-    def _setup(self, model_config, quantized, tensors, generation_config, tokenizer, config, device, dtype) -> None:
+    def _setup(self, model_config, quantized, tensors, generation_config, tokenizer, config, device, dtype,
+               source=None) -> None:
         from spear.kernels.layout import MAX_RANK
+        from spear.serve.latency import deployment_of
 
         self.config = config = config or EngineConfig()
+        # before build_model, which takes the tensors over
+        self.deployment = deployment_of(model_config, quantized, tensors, source, device, dtype, config.kernels,
+                                        config.block_size, config.cuda_graphs and device.type == "cuda")
         self.model, self.load_report = build_model(model_config, quantized, tensors, device, dtype, MAX_RANK)
         for layer, reason in self.load_report:
             log.warning("%s runs off the W4 kernel path: %s", layer, reason)
@@ -171,9 +193,23 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.num_failed_steps = 0  # steps in a row in which every request failed
+        self.num_steps, self.last_step = 0, None
         torch.manual_seed(config.seed)
         log.info("engine: %d KV blocks of %d tokens, max_model_len %d, %s %s", num_blocks, config.block_size,
                  self.max_model_len, device, dtype)
+        if config.itl_slo_ms is not None or config.latency_table is not None:
+            self.prepare_latency()
+
+    def prepare_latency(self, progress: bool = False):
+        """Give the scheduler its latency table (once): ``EngineConfig.latency_table``, checked against
+        this deployment; else the table cached for it; else one profiled now on a quick grid, then
+        cached (spear/serve/profiler.py). Returns the table."""
+        if self.scheduler.latency is None:
+            from spear.serve.profiler import table_for
+
+            table = table_for(self, progress=progress)
+            self.scheduler.set_latency(table, self.config.itl_slo_ms, self.config.min_chunk_tokens)
+        return self.scheduler.latency
 
     def _blocks_from_memory(self, model_config, device, dtype) -> int:
         per_block = kv_bytes_per_block(model_config, self.config.block_size, dtype)
@@ -271,11 +307,13 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.block_manager.usage,
-                           self.block_manager.num_free_blocks, self.num_preemptions, self.num_failed_steps)
+                           self.block_manager.num_free_blocks, self.num_preemptions, self.num_failed_steps,
+                           self.num_steps, self.last_step, self.scheduler.itl_slo_ms)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample; one output per request that got a token or failed."""
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         if not sched:
@@ -308,6 +346,9 @@ class LLMEngine:
                 self._forget(seq.request_id)
         everyone_failed = len(outputs) > 0 and all(o.error is not None for o in outputs)
         self.num_failed_steps = self.num_failed_steps + 1 if everyone_failed else 0
+        self.num_steps += 1
+        self.last_step = StepRecord(self.num_steps, sched.num_decodes, sched.prefill_tokens, sched.decode_context,
+                                    sched.chunk_budget, sched.predicted_ms, 1e3 * (time.perf_counter() - started))
         return outputs
 
     def _execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor | None,
