@@ -169,12 +169,13 @@ class LLMEngine:
     def _setup(self, model_config, quantized, tensors, generation_config, tokenizer, config, device, dtype,
                source=None) -> None:
         from spear.kernels.layout import MAX_RANK
-        from spear.serve.latency import deployment_of
+        from spear.serve.latency import deployment_of, given_table
 
         self.config = config = config or EngineConfig()
         # before build_model, which takes the tensors over
         self.deployment = deployment_of(model_config, quantized, tensors, source, device, dtype, config.kernels,
                                         config.block_size, config.cuda_graphs and device.type == "cuda")
+        table = given_table(config.latency_table, self.deployment)  # a wrong table fails before the weights load
         self.model, self.load_report = build_model(model_config, quantized, tensors, device, dtype, MAX_RANK)
         for layer, reason in self.load_report:
             log.warning("%s runs off the W4 kernel path: %s", layer, reason)
@@ -197,18 +198,19 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         log.info("engine: %d KV blocks of %d tokens, max_model_len %d, %s %s", num_blocks, config.block_size,
                  self.max_model_len, device, dtype)
-        if config.itl_slo_ms is not None or config.latency_table is not None:
+        if table is not None:
+            self.scheduler.set_latency(table, config.itl_slo_ms, config.min_chunk_tokens)
+        elif config.itl_slo_ms is not None:
             self.prepare_latency()
 
     def prepare_latency(self, progress: bool = False):
-        """Give the scheduler its latency table (once): ``EngineConfig.latency_table``, checked against
-        this deployment; else the table cached for it; else one profiled now on a quick grid, then
-        cached (spear/serve/profiler.py). Returns the table."""
+        """Give the scheduler a latency table if it has none: the one cached for this deployment, else
+        one profiled now on a quick grid and cached (spear/serve/profiler.py). Returns the table."""
         if self.scheduler.latency is None:
             from spear.serve.profiler import table_for
 
-            table = table_for(self, progress=progress)
-            self.scheduler.set_latency(table, self.config.itl_slo_ms, self.config.min_chunk_tokens)
+            self.scheduler.set_latency(table_for(self, progress=progress), self.config.itl_slo_ms,
+                                       self.config.min_chunk_tokens)
         return self.scheduler.latency
 
     def _blocks_from_memory(self, model_config, device, dtype) -> int:

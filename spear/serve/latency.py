@@ -347,6 +347,18 @@ def load_table(path: str | Path) -> LatencyTable:
     return LatencyTable.from_dict(data, str(path))
 
 
+def given_table(table: "LatencyTable | str | Path | None", deployment: Deployment) -> LatencyTable | None:
+    """An engine's configured table (an object or a path), checked against its deployment."""
+    if table is None:
+        return None
+    if isinstance(table, LatencyTable):
+        table.check_for(deployment)
+        return table
+    loaded = load_table(table)
+    loaded.check_for(deployment, f"latency table {table}")
+    return loaded
+
+
 def cache_path(deployment: Deployment) -> Path:
     from spear.models.loading import cache_dir
 

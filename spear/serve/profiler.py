@@ -11,8 +11,8 @@ sides. The first ``warmup`` rounds are not timed; a point's time is the median o
 a block's timed steps below L, and the rounds interleave the chunks: every chunk is timed at
 contexts centred on L (the table records the mean context each point saw).
 
-``table_for`` is the engine's start-up hook: the configured table, else the cached one, else a
-profile on ``quick_grid`` (fitted to the engine's limits), written to the cache.
+``table_for`` is the engine's start-up hook when it has a target and no table: the cached one,
+else a profile on ``quick_grid`` (fitted to the engine's limits), written to the cache.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from spear.errors import SpearError
-from spear.serve.latency import LatencyTable, cache_path, load_cached, load_table
+from spear.serve.latency import LatencyTable, cache_path, load_cached
 from spear.serve.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -196,13 +196,7 @@ def profile(engine, grid: Grid = DEFAULT_GRID, repeats: int = 5, warmup: int = 1
 
 
 def table_for(engine, progress: bool = False) -> LatencyTable:
-    """The table an engine schedules with (module docstring)."""
-    given = engine.config.latency_table
-    if given is not None:
-        table = given if isinstance(given, LatencyTable) else load_table(given)
-        table.check_for(engine.deployment, "the latency table" if isinstance(given, LatencyTable)
-                        else f"latency table {given}")
-        return table
+    """The cached table of ``engine``'s deployment, else one profiled now on ``quick_grid`` and cached."""
     table = load_cached(engine.deployment)
     if table is not None:
         log.info("latency table: %s", cache_path(engine.deployment))
