@@ -133,12 +133,18 @@ def loo_residuals(axes: tuple[tuple[int, ...], ...], values) -> list[float]:
                 lo, hi = i - 2, i - 1
             else:
                 continue
-            at = lambda j: values[idx[0] if ax != 0 else j][idx[1] if ax != 1 else j][idx[2] if ax != 2 else j]  # noqa: E731
             t = (axis[i] - axis[lo]) / (axis[hi] - axis[lo])
-            pred = at(lo) * (1 - t) + at(hi) * t
+            pred = _at(values, idx, ax, lo) * (1 - t) + _at(values, idx, ax, hi) * t
             if pred > 0:
-                out.append((at(i) - pred) / pred)
+                out.append((_at(values, idx, ax, i) - pred) / pred)
     return out
+
+
+def _at(values, idx, axis: int, j: int) -> float:
+    """values at ``idx`` with its ``axis`` coordinate replaced by ``j``."""
+    i = list(idx)
+    i[axis] = j
+    return values[i[0]][i[1]][i[2]]
 
 
 def _indices(shape):
@@ -238,7 +244,7 @@ class LatencyTable:
             if fits(a):
                 fa = self.predict(decodes, a, context) * (1 + self.margin)
                 fb = self.predict(decodes, b, context) * (1 + self.margin)
-                c = a + int(math.floor((target_ms - fa) / (fb - fa) * (b - a)))
+                c = a + math.floor((target_ms - fa) / (fb - fa) * (b - a))
                 return self._settle(min(max(c, a), b), limit, fits)
         return 0 if fits(0) else -1
 

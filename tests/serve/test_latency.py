@@ -7,8 +7,17 @@ import random
 import pytest
 
 from spear.errors import SpearError
-from spear.serve.latency import (DEFAULT_MARGIN, Deployment, Density, LatencyTable, cache_path, load_cached,
-                                 load_table, loo_residuals, quantile)
+from spear.serve.latency import (
+    DEFAULT_MARGIN,
+    Density,
+    Deployment,
+    LatencyTable,
+    cache_path,
+    load_cached,
+    load_table,
+    loo_residuals,
+    quantile,
+)
 
 
 def _multilinear(d, c, L):
