@@ -52,6 +52,14 @@ def test_both_budgets_binding_rank_by_the_larger_share():
     assert alloc.details["latency_us"] == 5.0
 
 
+def test_uniform_under_a_latency_budget():
+    # rank r everywhere costs (r + 3) + r + r + (r + 1) = 4r + 4 us: 32 us hold rank 7
+    assert uniform_allocation(SHAPES, 10**9, latency=latency, latency_budget=32.0).plan == dict.fromkeys(SHAPES, 7)
+    # rank 1 everywhere takes 8 us > 4.5: the fallback spreads int(4 x 4.5 / 8) = 2 modules evenly,
+    # a (4 us) and c, which would take it to 5 us and is left out
+    assert uniform_allocation(SHAPES, 10**9, latency=latency, latency_budget=4.5).plan == {"layers.0.a": 1}
+
+
 MANY = {f"layers.{i}.{k}": s for i in range(3) for k, s in
         (("q_proj", (64, 64)), ("k_proj", (64, 16)), ("up_proj", (64, 160)), ("down_proj", (160, 64)))}
 
