@@ -40,9 +40,12 @@ UP_BM, UP_BN = 64, 128
 
 
 def gate_splits(m: int, k: int, bk: int, programs: int = GATE_PROGRAMS) -> int:
-    """K splits of ec_gate at M tokens: enough programs to keep the memory system busy."""
+    """K splits of ec_gate at M tokens: enough programs to keep the memory system busy. A power of
+    two: the split count is a constexpr of the kernels (one compilation per value), so the token
+    counts a server meets compile a handful of variants at warm-up, not one per count."""
     tiles = triton.cdiv(m, GATE_BM)
-    return max(1, min(programs // tiles, (k // bk) // GATE_MIN_STEPS))
+    want = max(1, min(programs // tiles, (k // bk) // GATE_MIN_STEPS))
+    return 1 << (want.bit_length() - 1)
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -79,7 +79,7 @@ _POW2 = ("BM", "BN", "BK", "num_warps")
 
 
 def _check_entry(where: str, e) -> dict:
-    if not isinstance(e, dict):
+    if not isinstance(e, (dict, MappingProxyType)):
         raise ValueError(f"{where}: a launch entry must be an object, got {type(e).__name__}")
     unknown = set(e) - set(_ENTRY_INTS) - {"prefetch"}
     if unknown:

@@ -52,17 +52,13 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[idx]
 
 
-def _silu_mul_pairs(y: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of an output with interleaved (gate, up) features, where no GEMM epilogue does it."""
-    return fused.silu_mul_pairs(y, launch=wrap_triton)
-
-
-def _w4_part(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], config, pdl: int, act: int = 0):
-    """The W4 product alone: the Triton GEMM with ``config``, or dequantize + cuBLAS (config None)."""
+def _w4_part(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], config, pdl: int, act: int = 0,
+             launch=wrap_triton):
+    """The W4 product alone: the decode GEMM with a ``Config``, or dequantize + cuBLAS (None)."""
     if config is None:
-        y = torch.nn.functional.linear(x, dequantize(w, x.dtype, launch=wrap_triton), bias)
-        return _silu_mul_pairs(y) if act else y
-    return w4a16_matmul(x, w, bias, config=config, launch=wrap_triton, act=act, pdl=pdl)
+        y = torch.nn.functional.linear(x, dequantize(w, x.dtype, launch=launch), bias)
+        return fused.silu_mul_pairs(y, launch=launch) if act else y
+    return w4a16_matmul(x, w, bias, config=config, launch=launch, act=act, pdl=pdl)
 
 
 def _beside(device: torch.device, work):
@@ -79,38 +75,29 @@ def _beside(device: torch.device, work):
 
 
 def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC, config, overlap: bool,
-                gate_programs: int, pdl: int, act: int = 0) -> torch.Tensor:
+                gate_programs: int, pdl: int, act: int = 0, launch=wrap_triton) -> torch.Tensor:
     v = _common.alloc((x.shape[0], e.a.shape[0]), dtype=x.dtype, device=x.device)
 
     def gate():
-        ec_kernels.ec_gate(x, e, out=v, launch=wrap_triton, programs=gate_programs)
+        ec_kernels.ec_gate(x, e, out=v, launch=launch, programs=gate_programs)
 
     if not overlap:
         gate()
-        if config is not None:  # the GEMM's epilogue adds alpha · v Bᵀ
-            return w4a16_matmul(x, w, bias, e, ec_mode=2, v=v, config=config, launch=wrap_triton, act=act,
-                                pdl=pdl)
-        y = ec_kernels.ec_up(_w4_part(x, w, bias, None, pdl), v, e, launch=wrap_triton)
-        return _silu_mul_pairs(y) if act else y
+        if config is not None:  # the decode GEMM's epilogue adds alpha · v Bᵀ
+            return w4a16_matmul(x, w, bias, e, ec_mode=2, v=v, config=config, launch=launch, act=act, pdl=pdl)
+        y = ec_kernels.ec_up(_w4_part(x, w, bias, None, pdl, launch=launch), v, e, launch=launch)
+        return fused.silu_mul_pairs(y, launch=launch) if act else y
     join = _beside(x.device, gate)
-    out = _w4_part(x, w, bias, config, pdl)
+    out = _w4_part(x, w, bias, config, pdl, launch=launch)
     join()  # before v is read
-    y = ec_kernels.ec_up(out, v, e, launch=wrap_triton)
-    return _silu_mul_pairs(y) if act else y
+    y = ec_kernels.ec_up(out, v, e, launch=launch)
+    return fused.silu_mul_pairs(y, launch=launch) if act else y
 
 
-@triton_op("spear::w4a16_ec", mutates_args=())
-def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-             locks: torch.Tensor, group_size: int, symmetric: bool, kmajor: bool, bias: Optional[torch.Tensor],
-             ec_a: Optional[torch.Tensor], ec_b: Optional[torch.Tensor], gate_w1: Optional[torch.Tensor],
-             gate_b1: Optional[torch.Tensor], gate_w2: Optional[torch.Tensor], gate_b2: Optional[torch.Tensor],
-             alpha: float, bound: float, act: int, policy: list[int], pdl: int) -> torch.Tensor:
-    w = PackedW4(qweight, scales, zeros, locks, group_size, symmetric, kmajor)
-    e = None
-    if ec_a is not None:
-        if ec_b is None:
-            raise ValueError("ec_a given without ec_b: the compensator needs both A and B")
-        e = PackedEC(ec_a, ec_b, gate_w1, gate_b1, gate_w2, gate_b2, alpha, bound, ec_a.shape[0])
+def w4a16_ec_impl(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: Optional[PackedEC], act: int,
+                  s, pdl: int, launch=wrap_triton) -> torch.Tensor:
+    """The op's body: ``s`` the decoded policy (``policy.settings``), ``launch`` how Triton kernels
+    are launched (``wrap_triton`` inside the registered op, plain launches when called directly)."""
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the packed weight expects in_features={k}")
@@ -126,28 +113,50 @@ def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     if x.device.type != "cuda":
         y = reference.w4a16_ec_packed(x2, w, bias, e)
         return (reference.silu_mul_pairs(y) if act else y).to(x.dtype).reshape(*lead, n_out)
-    s = settings(policy)
-    p = _plan(m, n, k, group_size, kmajor, 0 if e is None else e.a.shape[0], s, cuda=True)
+    p = _plan(m, n, k, w.group_size, w.kmajor, 0 if e is None else e.a.shape[0], s, cuda=True)
     if p.path in ("gemm", "dequant_cublas"):
-        y = _w4_part(x2, w, bias, p.config, pdl, act)
+        y = _w4_part(x2, w, bias, p.config, pdl, act, launch=launch)
     elif p.path == "fused_ec":
-        y = w4a16_matmul(x2, w, bias, e, ec_mode=1, config=p.config, launch=wrap_triton, act=act, pdl=pdl,
+        y = w4a16_matmul(x2, w, bias, e, ec_mode=1, config=p.config, launch=launch, act=act, pdl=pdl,
                          u_split_max=s.u_split_max)
     else:
         eager = type(x) is torch.Tensor and not torch.compiler.is_compiling()
-        y = _semi_fused(x2, w, bias, e, p.config, s.semi_fused_overlap and eager, s.gate_programs, pdl, act)
+        y = _semi_fused(x2, w, bias, e, p.config, s.semi_fused_overlap and eager, s.gate_programs, pdl, act,
+                        launch=launch)
     return y.reshape(*lead, n_out)
+
+
+@triton_op("spear::w4a16_ec", mutates_args=())
+def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+             locks: torch.Tensor, group_size: int, symmetric: bool, kmajor: bool, bias: Optional[torch.Tensor],
+             ec_a: Optional[torch.Tensor], ec_b: Optional[torch.Tensor], gate_w1: Optional[torch.Tensor],
+             gate_b1: Optional[torch.Tensor], gate_w2: Optional[torch.Tensor], gate_b2: Optional[torch.Tensor],
+             alpha: float, bound: float, act: int, policy: list[int], pdl: int) -> torch.Tensor:
+    w = PackedW4(qweight, scales, zeros, locks, group_size, symmetric, kmajor)
+    e = None
+    if ec_a is not None:
+        if ec_b is None:
+            raise ValueError("ec_a given without ec_b: the compensator needs both A and B")
+        e = PackedEC(ec_a, ec_b, gate_w1, gate_b1, gate_w2, gate_b2, alpha, bound, ec_a.shape[0])
+    return w4a16_ec_impl(x, w, bias, e, act, settings(policy), pdl)
 
 
 def w4a16_linear(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
                  ec: PackedEC | None = None, act: int = 0, policy: KernelPolicy = DEFAULT_POLICY,
                  pdl: int = 0) -> torch.Tensor:
-    """``x W_hatᵀ (+ bias) (+ alpha · B (gamma(A x) ⊙ A x))`` through ``spear::w4a16_ec`` under
-    ``policy``; with ``act`` 1, silu(gate) * up of that output's interleaved (gate, up) features."""
-    g = ec is not None and ec.gated
-    return torch.ops.spear.w4a16_ec(
-        x, w.qweight, w.scales, w.zeros, w.locks, w.group_size, w.symmetric, w.kmajor, bias,
-        ec.a if ec is not None else None, ec.b if ec is not None else None,
-        ec.w1 if g else None, ec.b1 if g else None, ec.w2 if g else None, ec.b2 if g else None,
-        float(ec.alpha) if ec is not None else 0.0, float(ec.bound) if ec is not None else 0.0, act,
-        list(policy.op_args), pdl)
+    """``x W_hatᵀ (+ bias) (+ alpha · B (gamma(A x) ⊙ A x))`` under ``policy``; with ``act`` 1,
+    silu(gate) * up of that output's interleaved (gate, up) features.
+
+    While torch.compile traces, through the registered op ``spear::w4a16_ec`` (one opaque node);
+    otherwise its body runs directly: the dispatcher's argument handling cost ~100 µs of host time
+    a call (a 2-core x86-64 CPU), which at ~160 W4 calls per prefill step of an 8B model left the
+    H200 idle (BENCHMARKS.md, "Serving: mixed steps"). CUDA graphs capture either."""
+    if torch.compiler.is_compiling():
+        g = ec is not None and ec.gated
+        return torch.ops.spear.w4a16_ec(
+            x, w.qweight, w.scales, w.zeros, w.locks, w.group_size, w.symmetric, w.kmajor, bias,
+            ec.a if ec is not None else None, ec.b if ec is not None else None,
+            ec.w1 if g else None, ec.b1 if g else None, ec.w2 if g else None, ec.b2 if g else None,
+            float(ec.alpha) if ec is not None else 0.0, float(ec.bound) if ec is not None else 0.0, act,
+            list(policy.op_args), pdl)
+    return w4a16_ec_impl(x, w, bias, ec, act, policy.settings, pdl, launch=None)

@@ -298,36 +298,3 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         num_stages=num_stages,
     )
     return out
-
-
-def paged_prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                      block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                                      seq_lens: torch.Tensor, scale: float, *,
-                                      max_query_len: int | None = None) -> torch.Tensor:
-    """``paged_prefill_attention`` in torch, the contract the kernel is tested against: a loop over
-    the sequences, each gathering its keys 0 .. seq_lens[b] - 1 from the block table and attending
-    causally in fp32; padding rows and rows that see no key are zero. Output in q's dtype.
-    ``max_query_len`` is accepted for the same signature and changes nothing."""
-    _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len)
-    num_tokens, n_heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1:3]
-    group = n_heads // kv_heads
-    out = torch.zeros(num_tokens, n_heads, head_dim, dtype=torch.float32, device=q.device)
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    for b, ctx in enumerate(lens):
-        lo, hi = starts[b], starts[b + 1]
-        n = hi - lo
-        if n <= 0:
-            continue
-        ctx = min(ctx, block_tables.shape[1] * block_size)  # keys past the table's width do not exist
-        pos = torch.arange(ctx, device=q.device)
-        blocks = block_tables[b].long()[pos // block_size]
-        k = k_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)   # (ctx, n_heads, D)
-        v = v_cache[blocks, pos % block_size].float().repeat_interleave(group, dim=1)
-        qpos = lens[b] - n + torch.arange(n, device=q.device)
-        seen = pos[None, :] <= qpos[:, None]                                             # (n, ctx)
-        s = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k) * scale
-        p = torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
-        o = torch.einsum("hqk,khd->qhd", p, v)
-        out[lo:hi] = torch.where(seen.any(dim=1)[:, None, None], o, 0.0)               # no key seen: zeros
-    return out.flatten(1).to(q.dtype)

@@ -14,7 +14,7 @@ Paths of a W4 layer (CUDA; everywhere else the fp32 torch reference of reference
   gemm            the Triton W4 GEMM (split-K at decode)                no EC, M < dequant_mm_min_m
   dequant_cublas  dequantize the weight, then cuBLAS                     no EC, M >= dequant_mm_min_m
   fused_ec        the GEMM with u = A x, the gate and alpha B v fused    EC, M <= fused_max_m
-  semi_fused_ec   ec_gate beside the W4 part (gemm or dequant_cublas     EC, M > fused_max_m
+  semi_fused_ec   ec_gate beside the W4 part (one of the two above       EC, M > fused_max_m
                   by M), then ec_up adds alpha v Bᵀ
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from types import MappingProxyType
 
-from spear.kernels.launch import BUILTIN, Config, _frozen, check_table, merged_table, pick_config
+from spear.kernels.launch import BUILTIN, _frozen, check_table, merged_table, pick_config
 
 PATHS = ("reference", "gemm", "dequant_cublas", "fused_ec", "semi_fused_ec")
 PDL_MODES = ("off", "wait", "auto")
@@ -74,6 +74,7 @@ class KernelPolicy:
         if table is not BUILTIN:
             object.__setattr__(self, "launch_table", merged_table(table))
         object.__setattr__(self, "_op_args", _encode(self))
+        object.__setattr__(self, "_settings", None)
 
     def replace(self, **changes) -> "KernelPolicy":
         return replace(self, **changes)
@@ -82,6 +83,13 @@ class KernelPolicy:
     def op_args(self) -> tuple[int, ...]:
         """This policy as the integer list the registered op takes."""
         return self._op_args
+
+    @property
+    def settings(self) -> "_Settings":
+        """What the op reads of this policy, decoded once."""
+        if self._settings is None:
+            object.__setattr__(self, "_settings", _settings(self._op_args))
+        return self._settings
 
     def pdl_level(self, decode_batch: int | None, available: bool) -> int:
         """The PDL level (0 or 1) of a step: ``decode_batch`` sequences of a decode graph, None for
@@ -96,7 +104,9 @@ class KernelPolicy:
 @dataclass(frozen=True)
 class Plan:
     path: str                   # one of PATHS
-    config: Config | None       # the W4 GEMM's launch, where the path runs the Triton GEMM
+    # the W4 part's launch: a Config (the Triton GEMM) or None (dequantize + cuBLAS); for
+    # semi_fused_ec, the W4 part beside the compensator's kernels
+    config: object | None
 
 
 def plan(tokens: int, n: int, k: int, group_size: int, kmajor: bool, rank: int, policy: KernelPolicy,
@@ -106,13 +116,16 @@ def plan(tokens: int, n: int, k: int, group_size: int, kmajor: bool, rank: int, 
     return _plan(tokens, n, k, group_size, kmajor, rank, _settings(policy.op_args), cuda)
 
 
+@lru_cache(maxsize=4096)
 def _plan(tokens, n, k, group_size, kmajor, rank, s: "_Settings", cuda: bool) -> Plan:
     if not cuda:
         return Plan("reference", None)
-    cublas = tokens >= s.dequant_mm_min_m
-    config = None if cublas else pick_config(tokens, n, k, group_size, kmajor, s.table)
+    if tokens < s.dequant_mm_min_m:
+        config, w4 = pick_config(tokens, n, k, group_size, kmajor, s.table), "gemm"
+    else:
+        config, w4 = None, "dequant_cublas"
     if rank == 0:
-        return Plan("dequant_cublas" if cublas else "gemm", config)
+        return Plan(w4, config)
     if tokens <= s.fused_max_m:
         return Plan("fused_ec", config)
     return Plan("semi_fused_ec", config)
@@ -145,14 +158,22 @@ def _encode(p: KernelPolicy) -> tuple[int, ...]:
     return tuple(out)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Settings:
+    """The op's view of a policy (from its integers); hashed by them, so plans can be cached."""
+    key: tuple
     fused_max_m: int
     dequant_mm_min_m: int
     semi_fused_overlap: bool
     u_split_max: int
     gate_programs: int
     table: MappingProxyType
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Settings) and self.key == other.key
 
 
 @lru_cache(maxsize=64)
@@ -177,7 +198,7 @@ def _settings(args: tuple[int, ...]) -> _Settings:
                 table[outer][inner] = e
         else:
             table[key] = e
-    return _Settings(head[0], head[1], bool(head[2]), head[3], head[4], _frozen(check_table(table)))
+    return _Settings(args, head[0], head[1], bool(head[2]), head[3], head[4], _frozen(check_table(table)))
 
 
 def settings(args) -> _Settings:

@@ -94,6 +94,8 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="spear-engine", daemon=True)
         self.error: BaseException | None = None
+        self.ready = threading.Event()          # set once the warm-up is done and requests are served
+        self.warmup_seconds: float | None = None
         self._loop_failures = 0                 # steps in a row that raised out of the engine
         self.last_failure: str | None = None    # the message of the last failed request or step
 
@@ -161,6 +163,8 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
+            self.warmup_seconds = self.engine.warmup()  # requests wait in the queue meanwhile
+            self.ready.set()
             while not self._stopping.is_set():
                 self._wake.clear()  # before draining: a command posted after this wakes the wait below
                 self._apply_commands()

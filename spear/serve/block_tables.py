@@ -57,4 +57,6 @@ class BlockTables:
             rows.append(row)
             used.append(n)
         rows += [0] * (batch - len(rows))
-        return self._table[rows], used
+        # index_select, not table[rows]: torch's CPU advanced indexing took 0.4 ms here on the H200's
+        # host (20 ms on a loaded 2-core CPU) against 12 µs
+        return self._table.index_select(0, torch.tensor(rows, dtype=torch.long)), used

@@ -82,16 +82,23 @@ class RequestOutput:
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """One step: what it scheduled, the latency table's prediction for it, and its wall time
-    (schedule, model, sampling and outputs: what the decodes' next tokens wait for)."""
+    """What a step ran, the latency table's prediction for it, and its wall time (schedule, model,
+    sampling and outputs: what the decodes' next tokens wait for)."""
 
-    index: int                    # steps run so far, this one included
-    num_decodes: int
-    prefill_tokens: int
-    decode_context: float         # the decodes' mean context in tokens (0 without decodes)
-    chunk_budget: int | None      # prefill tokens the latency target allowed (None: no target)
-    predicted_ms: float | None    # None without a table or without decodes
-    measured_ms: float
+    num_tokens: int                      # scheduled tokens
+    num_seqs: int                        # scheduled sequences
+    decode_only: bool
+    seconds: float                       # wall time
+    index: int = 0                       # steps run so far, this one included
+    num_decodes: int = 0
+    prefill_tokens: int = 0
+    decode_context: float = 0.0          # the decodes' mean context in tokens (0 without decodes)
+    chunk_budget: int | None = None      # prefill tokens the latency target allowed (None: no target)
+    predicted_ms: float | None = None    # None without a table or without decodes
+
+    @property
+    def measured_ms(self) -> float:
+        return 1e3 * self.seconds
 
 
 @dataclass(slots=True)
@@ -194,7 +201,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.num_failed_steps = 0  # steps in a row in which every request failed
-        self.num_steps, self.last_step = 0, None
+        self.num_steps = 0
+        self.last_step: StepRecord | None = None
         torch.manual_seed(config.seed)
         log.info("engine: %d KV blocks of %d tokens, max_model_len %d, %s %s", num_blocks, config.block_size,
                  self.max_model_len, device, dtype)
@@ -212,6 +220,19 @@ class LLMEngine:
             self.scheduler.set_latency(table_for(self, progress=progress), self.config.itl_slo_ms,
                                        self.config.min_chunk_tokens)
         return self.scheduler.latency
+
+    def warmup(self) -> float:
+        """Compile every kernel variant a step can meet (one prefill step per distinct kernel
+        signature up to the token budget; the decode graphs are captured at construction), so that
+        no request pays a compilation. Seconds taken; nothing to do off CUDA."""
+        if self.runner.device.type != "cuda":
+            return 0.0
+        t0 = time.perf_counter()
+        counts = self.runner.warmup_token_counts(self.config.max_num_batched_tokens)
+        self.runner.warmup(counts)
+        seconds = time.perf_counter() - t0
+        log.info("warm-up: %d step shapes (%s tokens) in %.1f s", len(counts), counts, seconds)
+        return seconds
 
     def _blocks_from_memory(self, model_config, device, dtype) -> int:
         per_block = kv_bytes_per_block(model_config, self.config.block_size, dtype)
@@ -315,7 +336,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample; one output per request that got a token or failed."""
-        started = time.perf_counter()
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         if not sched:
@@ -349,8 +370,10 @@ class LLMEngine:
         everyone_failed = len(outputs) > 0 and all(o.error is not None for o in outputs)
         self.num_failed_steps = self.num_failed_steps + 1 if everyone_failed else 0
         self.num_steps += 1
-        self.last_step = StepRecord(self.num_steps, sched.num_decodes, sched.prefill_tokens, sched.decode_context,
-                                    sched.chunk_budget, sched.predicted_ms, 1e3 * (time.perf_counter() - started))
+        self.last_step = StepRecord(sched.num_tokens, len(sched.chunks), sched.is_decode_only,
+                                    time.perf_counter() - t0, self.num_steps, sched.num_decodes,
+                                    sched.prefill_tokens, sched.decode_context, sched.chunk_budget,
+                                    sched.predicted_ms)
         return outputs
 
     def _execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor | None,

@@ -127,12 +127,13 @@ class LlamaForCausalLM(nn.Module):
 
 
 def build_model(config, quantized: dict[str, MemberWeights], tensors: dict[str, torch.Tensor], device, dtype,
-                max_rank: int) -> tuple[LlamaForCausalLM, list[tuple[str, str]]]:
+                max_rank: int, kernels: bool | None = None) -> tuple[LlamaForCausalLM, list[tuple[str, str]]]:
     """The model with every weight in place on ``device``. ``quantized``: the checkpoint's quantized
     linears by module name (with their compensators); ``tensors``: every other tensor by name (dense
     linears as ``<module>.weight`` / ``.bias``). Returns (model, load report: (layer, why it runs
     dense) for each quantized layer off the kernel path on CUDA). Every tensor the model needs must
-    be given and every one given must be used, else a SpearError names it."""
+    be given and every one given must be used, else a SpearError names it. ``kernels``: see
+    ``Linear.finalize`` (True packs for the kernels off CUDA too, where the ops run their references)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.to_empty(device="cpu")
@@ -177,7 +178,7 @@ def build_model(config, quantized: dict[str, MemberWeights], tensors: dict[str, 
         if id(lin) in seen:
             continue
         seen.add(id(lin))
-        lin.finalize(torch.device(device), dtype, max_rank)
+        lin.finalize(torch.device(device), dtype, max_rank, kernels)
         if lin.reason is not None:
             report.append((", ".join(lin.names), lin.reason))
     return model.eval(), report

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from spear.errors import SpearError
 from spear.serve.block_tables import BlockTables
-from spear.serve.layers.attention import AttentionMetadata, ChunkMeta
+from spear.serve.layers.attention import AttentionMetadata
 from spear.serve.layers.linear import Context
 from spear.serve.layers.rotary import rotary_tables
 from spear.serve.llama import LlamaForCausalLM, head_dim
@@ -79,12 +80,6 @@ class ModelRunner:
         return [v for _, v in self.kv_caches]
 
     # ------------------------------------------------------------------ one step
-    def _context_slots(self, block_table: list[int], end: int) -> torch.Tensor:
-        """Cache slots of positions 0 .. end - 1 of a sequence (CPU, int64)."""
-        bs = self.block_size
-        blocks = torch.tensor(block_table[:-(-end // bs)], dtype=torch.long)
-        return (blocks[:, None] * bs + torch.arange(bs)).flatten()[:end]
-
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the scheduled chunks; logits (n, vocab) fp32 for each chunk that samples, in order.
@@ -92,19 +87,36 @@ class ModelRunner:
         next call: read them before calling again."""
         if out.is_decode_only:
             return self._execute_decode(out)
-        ids, pos, slots, chunks, rows = [], [], [], [], []
-        for c in out.chunks:
-            end = c.start + c.num_tokens
-            seq_slots = self._context_slots(c.seq.block_table, end)
-            chunks.append(ChunkMeta(len(ids), c.num_tokens, end, seq_slots.to(self.device)))
-            ids += c.seq.token_ids[c.start:end]
-            pos += range(c.start, end)
-            slots.append(seq_slots[c.start:end])
-            if c.samples:
-                rows.append(len(ids) - 1)
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        meta = AttentionMetadata(t(pos), torch.cat(slots).to(self.device), self.cos, self.sin, chunks=chunks)
-        return self.model(t(ids), self.kv_caches, meta, self.eager_ctx, rows=t(rows))
+        ids, meta, rows = self.mixed_inputs(out)
+        return self.model(ids, self.kv_caches, meta, self.eager_ctx, rows=rows)
+
+    def mixed_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(token ids, attention metadata, rows that sample) of a step of any composition, on the
+        device. Host work is O(sequences) in Python: the tokens' positions and slots come from numpy
+        over the block tables that BlockTables keeps between steps (torch's CPU indexing ops cost
+        milliseconds a step here; numpy's, microseconds)."""
+        chunks = out.chunks
+        n = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
+        start = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+        qsl = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(n, out=qsl[1:])
+        ids: list[int] = []
+        for c in chunks:  # list slices: C loops, not per-token Python
+            ids += c.seq.token_ids[c.start:c.start + c.num_tokens]
+        tables, used = self._block_tables.gather([c.seq for c in chunks], len(chunks))
+        tables = tables[:, :max(used)]
+        table_np = tables.numpy()
+        seq = np.repeat(np.arange(len(chunks)), n)
+        pos = np.arange(int(qsl[-1])) - qsl[:-1][seq] + start[seq]
+        bs = self.block_size
+        slots = table_np[seq, pos // bs] * bs + pos % bs
+        rows = (qsl[1:] - 1)[np.fromiter((c.samples for c in chunks), dtype=bool, count=len(chunks))]
+        dev = self.device
+        t = lambda a, dtype=torch.long: torch.from_numpy(a).to(dev, dtype)  # noqa: E731
+        meta = AttentionMetadata(t(pos), t(slots), self.cos, self.sin, block_tables=tables.to(dev),
+                                 seq_lens=t(start + n), query_start_loc=t(qsl, torch.int32),
+                                 max_query_len=int(n.max()))
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta, t(rows)
 
     def _decode_inputs(self, out: SchedulerOutput, batch: int, n_blocks: int) -> tuple[torch.Tensor, ...]:
         """(ids, positions, slots, block tables, context lengths) padded to ``batch`` rows; padding
@@ -128,8 +140,8 @@ class ModelRunner:
             tables, torch.tensor(lens, dtype=torch.long))
 
     def forward_decode(self, ids, positions, slots, block_tables, context_lens, ctx: Context) -> torch.Tensor:
-        meta = AttentionMetadata(positions, slots, self.cos, self.sin, decode=True, block_tables=block_tables,
-                                 context_lens=context_lens)
+        meta = AttentionMetadata(positions, slots, self.cos, self.sin, block_tables=block_tables,
+                                 seq_lens=context_lens, decode=True)
         return self.model(ids, self.kv_caches, meta, ctx)
 
     def _execute_decode(self, out: SchedulerOutput) -> torch.Tensor:
@@ -146,6 +158,74 @@ class ModelRunner:
         n_blocks = max(len(c.seq.block_table) for c in out.chunks)
         inputs = [x.to(self.device) for x in self._decode_inputs(out, n, n_blocks)]
         return self.forward_decode(*inputs, Context(self.policy, self.policy.pdl_level(n, self.pdl_ok)))
+
+    # ------------------------------------------------------------------ warm-up
+    def kernel_signature(self, tokens: int) -> tuple:
+        """Everything that decides which kernel variants a step of ``tokens`` tokens compiles: each
+        distinct W4 layer's path and launch (and the compensator's ec_gate split) and the W8
+        head's launch. Token counts with the same signature run the same compiled kernels."""
+        from spear.kernels.policy import plan
+
+        sig = []
+        for shape in self._w4_shapes:
+            p = plan(tokens, *shape, self.policy)
+            split = None
+            if p.path == "semi_fused_ec":
+                from spear.kernels.ec import gate_splits
+
+                k = shape[1]
+                split = gate_splits(tokens, k, 128 if k % 128 == 0 else (64 if k % 64 == 0 else 32),
+                                    self.policy.gate_programs)
+            sig.append((p.path, p.config, split))
+        if self._w8:
+            from spear.kernels.w8a16 import pick_config as w8_config
+
+            sig.append(tuple(sorted(w8_config(tokens).items())))
+        return tuple(sig)
+
+    @property
+    def _w4_shapes(self) -> list[tuple]:
+        shapes = set()
+        for layer in self.model.layers:
+            for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                if lin.kind == "w4":
+                    w, e = lin.packed, lin.packed_ec
+                    shapes.add((w.out_features, w.in_features, w.group_size, w.kmajor, 0 if e is None else e.a.shape[0]))
+        return sorted(shapes)
+
+    @property
+    def _w8(self) -> bool:
+        return self.model.lm_head.kind == "w8"
+
+    def warmup_token_counts(self, max_tokens: int) -> list[int]:
+        """The smallest token count of each kernel signature up to ``max_tokens`` (and ``max_tokens``)."""
+        seen, counts = set(), []
+        for t in range(1, max_tokens + 1):
+            sig = self.kernel_signature(t)
+            if sig not in seen:
+                seen.add(sig)
+                counts.append(t)
+        return counts if counts and counts[-1] == max_tokens else counts + [max_tokens]
+
+    @torch.inference_mode()
+    def warmup(self, token_counts: list[int]) -> None:
+        """Run one prefill step of each token count on scratch state, so that every kernel those
+        steps launch is compiled before a request meets it. The cache blocks it writes belong to no
+        sequence (a sequence writes each position before it reads it)."""
+        from types import SimpleNamespace
+
+        from spear.serve.scheduler import ScheduledChunk
+
+        bs = self.block_size
+        for t in token_counts:
+            blocks = -(-t // bs)
+            if blocks > self.num_blocks or t > self.max_model_len:
+                continue
+            seq = SimpleNamespace(request_id=f"warmup-{t}", token_ids=[0] * t, block_table=list(range(blocks)),
+                                  num_tokens=t, num_output_tokens=0)
+            self.execute(SchedulerOutput([ScheduledChunk(seq, 0, t)]))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     # ------------------------------------------------------------------ CUDA graphs
     def _capture_graphs(self, eager: bool = False) -> None:

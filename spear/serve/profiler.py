@@ -131,6 +131,7 @@ def profile(engine, grid: Grid = DEFAULT_GRID, repeats: int = 5, warmup: int = 1
         raise SpearError("this engine cannot run the profile grid: " + "; ".join(bad))
     from tqdm.auto import tqdm
 
+    engine.warmup()  # compile every step shape first (CUDA): no timed step may pay a compilation
     saved = engine.num_steps, engine.last_step, engine.num_preemptions
     device, vocab = engine.runner.device, engine.model.config.vocab_size
     rng = random.Random(0)

@@ -15,6 +15,9 @@ one engine step has run longer than the engine's ``step_timeout_s`` (``spear ser
 engine's steps keep failing for every request. A client that disconnects, streaming or
 not, has its request aborted and its KV blocks freed.
 
+Before it says ready the engine compiles every kernel a step can meet (``LLMEngine.warmup``):
+``/health`` answers 503 ``warming_up`` until then, and requests sent meanwhile wait in the queue.
+
 Nothing heavy runs on the event loop: tokenization and chat templates run on one worker
 thread (the tokenizers library releases the GIL while it encodes), so a long prompt never
 holds up /health or other clients' streams.
@@ -349,6 +352,9 @@ def build_app(engine: AsyncEngine, model_name: str, limits: ServerLimits | None 
     async def health():
         if not engine.alive:
             return error_response(503, f"the engine is not running: {engine.error!r}", "server_error")
+        if not engine.ready.is_set():
+            return error_response(503, "the engine is warming up (compiling its kernels)", "server_error",
+                                  code="warming_up")
         if engine.stuck:
             return error_response(503, f"the engine's current step has run for {engine.step_seconds:.0f} s "
                                        f"(limit {engine.step_timeout_s:g} s): the GPU or its driver may be hung",

@@ -14,7 +14,7 @@ from triton.compiler import ASTSource
 
 from spear.kernels.attention import _paged_decode_kernel, launch_config
 from spear.kernels.dequant import _dequant_kernel, _dequant_kmajor_kernel
-from spear.kernels.ec import _ec_gate_finish_kernel, _ec_gate_kernel, _ec_stacked_kernel, _ec_up_kernel
+from spear.kernels.ec import _ec_gate_finish_kernel, _ec_gate_kernel, _ec_up_kernel
 from spear.kernels.fused import _silu_mul_kernel
 from spear.kernels.paged_prefill import _paged_prefill_kernel
 from spear.kernels.paged_prefill import launch_config as prefill_config
@@ -40,8 +40,7 @@ def divisible(fn):
             if n.endswith("_ptr") or n in ("N", "K", "stride_xm", "stride_om", "stride_wn")}
 
 
-def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, act=0, pdl=False, ftype="fp32",
-               pipeline=1):
+def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, act=0, pdl=0, ftype="fp32"):
     dt = "bf16" if bf16 else "fp16"
     ptrs = dict(x_ptr=dt, qw_ptr="i32", scales_ptr="fp16", zeros_ptr="u8", bias_ptr=dt, out_ptr=dt, part_ptr="fp32",
                 locks_ptr="i32", a_ptr=dt, b_ptr=dt, w1_ptr=dt, b1_ptr=dt, w2_ptr=dt, b2_ptr=dt, upart_ptr="fp32",
@@ -54,7 +53,7 @@ def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, a
     consts = dict(GROUP=128, SYMMETRIC=False, HAS_BIAS=True, IS_BF16=bf16, EC_MODE=ec_mode, GATE=gate, R=32, H=32,
                   BM=bm, BN=64, BK=64, MV=mv, DOT_F32=False,
                   PTX=bool(mv) and not bf16, KMAJOR=kmajor, PREFETCH=prefetch, SPLIT_K=4, U_SPLIT=8 if ec_mode == 1 else 0,
-                  ACT=act, PDL=pdl, PIPELINE=pipeline)
+                  ACT=act, PDL=pdl)
     src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts, ftype), consts,
                     divisible(_w4a16_kernel))
     return triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=2))
@@ -90,10 +89,10 @@ def compile_small(bf16, ftype="fp32"):
     c = dict(GROUP=64, SYMMETRIC=False, IS_BF16=bf16, BN=64, BK=128)
     p = dict(qw_ptr="*i32", scales_ptr="*fp16", zeros_ptr="*u8", wt_ptr=dt)
     triton.compile(ASTSource(_dequant_kmajor_kernel, sig(_dequant_kmajor_kernel, p, (), c), c), target=TARGET)
-    # one program per token tile, or shares of K into an fp32 workspace; with the copy of x
-    for split, copy in ((1, False), (4, False), (1, True), (4, True)):
-        c = dict(GATE=True, R=16, H=16, BM=16, BK=64, DOT_F32=False, SPLIT=split, COPY=copy)
-        p = {k: dt for k in ("x_ptr", "a_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr", "xo_ptr")}
+    # one program per token tile, or shares of K into an fp32 workspace
+    for split in (1, 4):
+        c = dict(GATE=True, R=16, H=16, BM=16, BK=64, DOT_F32=False, SPLIT=split)
+        p = {k: dt for k in ("x_ptr", "a_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr")}
         p["v_ptr"] = dt if split == 1 else "*fp32"
         triton.compile(ASTSource(_ec_gate_kernel, sig(_ec_gate_kernel, p, ("bound",), c, ftype), c), target=TARGET)
     c = dict(GATE=True, R=16, H=16, BM=16, DOT_F32=False, SPLIT=4)
@@ -104,18 +103,13 @@ def compile_small(bf16, ftype="fp32"):
     c = dict(R=16, BM=64, BN=64, DOT_F32=False)
     p = {k: dt for k in ("v_ptr", "b_ptr", "out_ptr")}
     triton.compile(ASTSource(_ec_up_kernel, sig(_ec_up_kernel, p, ("alpha",), c, ftype), c), target=TARGET)
-    for gate, act in ((True, 0), (True, 1), (False, 1)):  # the EC from the stacked GEMM's output
-        c = dict(GATE=gate, R=16, H=16, HAS_BIAS=True, ACT=act, BM=64, BN=128, DOT_F32=False)
-        p = {k: dt for k in ("y_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr", "b_ptr", "bias_ptr", "out_ptr")}
-        triton.compile(ASTSource(_ec_stacked_kernel, sig(_ec_stacked_kernel, p, ("alpha", "bound"), c, ftype), c),
-                       target=TARGET)
     for pairs in (False, True):
-        c = dict(BLOCK=1024, PDL=False, PAIRS=pairs)
+        c = dict(BLOCK=1024, PDL=0, PAIRS=pairs)
         p = {k: dt for k in ("g_ptr", "u_ptr", "out_ptr")}
         triton.compile(ASTSource(_silu_mul_kernel, sig(_silu_mul_kernel, p, (), c), c), target=TARGET)
 
 
-def compile_attention(dtype, head_dim, block_size, group, splits=8, pdl=False, rope=False):
+def compile_attention(dtype, head_dim, block_size, group, splits=8, pdl=0, rope=False):
     """The paged decode kernel as the launcher specializes it: pointers 16-byte aligned (torch's
     allocations), strides multiples of head_dim >= 16, context_lens contiguous."""
     fn = _paged_decode_kernel
@@ -160,13 +154,11 @@ if __name__ == "__main__":
         compile_w4(bf16, ec_mode, mv, bm, kmajor=True)
     for ec_mode, mv in ((0, 1), (1, 2), (0, 4)):  # with the register prefetch of the next K step
         compile_w4(bf16, ec_mode, mv, 16, kmajor=True, prefetch=True)
-    for ec_mode, mv in ((0, 1), (1, 2), (1, 4)):  # K steps in flight through shared memory (cp.async)
-        kernel = compile_w4(bf16, ec_mode, mv, 16, kmajor=True, pipeline=3)
-        assert "cp.async" in kernel.asm["ptx"], "the pipeliner left the K-major loop's weight loads synchronous"
     for ec_mode, mv, bm in ((1, 1, 16), (0, 0, 64), (2, 0, 128)):  # the SiLU·mul epilogue
         compile_w4(bf16, ec_mode, mv, bm, kmajor=True, prefetch=bool(mv), act=1)
     for ec_mode, mv, prefetch in ((1, 1, True), (0, 1, False), (1, 0, False)):  # programmatic dependent launch
-        kernel = compile_w4(bf16, ec_mode, mv, 16, kmajor=True, prefetch=prefetch, pdl=2)
+        kernel = compile_w4(bf16, ec_mode, mv, 16, kmajor=True, prefetch=prefetch, pdl=1)
+        assert "griddepcontrol.wait" in kernel.asm["ptx"], "PDL 1 without the wait for the kernel before"
         assert check_polls(kernel.asm["ptx"]) == (2 if ec_mode == 1 else 0)
     for ec_mode, mv, bm in ((1, 1, 16), (1, 0, 16), (2, 0, 128)):  # fp64 scalars, as torch.compile passes them
         compile_w4(bf16, ec_mode, mv, bm, kmajor=True, prefetch=bool(mv), ftype="fp64")
@@ -177,7 +169,7 @@ if __name__ == "__main__":
     if not bf16:
         compile_attention("fp32", 128, 16, 4)
         compile_attention("fp16", 128, 16, 1, splits=1)
-        compile_attention("fp16", 128, 16, 4, pdl=2)
+        assert "griddepcontrol.wait" in compile_attention("fp16", 128, 16, 4, pdl=1).asm["ptx"]
     for head_dim, group in ((128, 4), (64, 1)):  # rotary and the new token's cache write inside
         ptx = compile_attention("bf16" if bf16 else "fp16", head_dim, 16, group, rope=True).asm["ptx"]
         # the rotary's products are rounded as torch rounds them (rope_write_kv, bit for bit), not

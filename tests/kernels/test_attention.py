@@ -1,4 +1,4 @@
-"""Paged decode attention (spear.kernels.attention) against the torch reference of serve.layers.
+"""Paged decode attention (spear.kernels.attention) against its torch reference (reference.decode_attention).
 
 Every batch holds sequences of context lengths 1, 7, 16, 17 and 40 over shuffled cache blocks,
 block tables padded with a scratch block id, and a padding row (all-scratch table, context
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from spear.kernels.attention import paged_decode_attention
-from spear.serve.layers import decode_attention, decode_attention_reference
+from spear.kernels.reference import decode_attention as decode_attention_reference
 from tests.kernels._helpers import DEVICE, SQNR_FLOOR, TOL, sqnr_db
 
 CONTEXT_LENS = (1, 7, 16, 17, 40)
@@ -99,17 +99,17 @@ def test_paged_decode_attention(poisoned, block_size, ratio, head_dim, dtype, bl
 
 @pytest.mark.parametrize("splits,min_tiles", [(1, 1), (2, 1), (8, 1), (8, 2)])
 @pytest.mark.parametrize("ratio,dtype", [(1, torch.float16), (4, torch.float32)])
-def test_split_context_merges_exactly(poisoned, monkeypatch, grid_order, splits, min_tiles, ratio, dtype):
+def test_split_context_merges_exactly(poisoned, grid_order, splits, min_tiles, ratio, dtype):
     """One split (no merge), two (chunks of several tiles), eight (more splits than some contexts
     have tiles: empty splits exit), eight with two tiles per split at the least; the counters are
     left at zero for the next call."""
     from spear.kernels import attention
 
-    monkeypatch.setattr(attention, "MIN_SPLIT_TILES", min_tiles)
     q, kp, vp, k, v, tables, lens = make_batch(CONTEXT_LENS, 2 * ratio, 2, 32, 8, dtype, seed=splits + ratio)
     ref = _reference(q, k, v, tables, lens, 32 ** -0.5)
     for _ in range(2):  # a second call over the same counters
-        out = paged_decode_attention(q, kp, vp, tables, lens, 32 ** -0.5, block_n=16, splits=splits)
+        out = paged_decode_attention(q, kp, vp, tables, lens, 32 ** -0.5, block_n=16, splits=splits,
+                                     min_split_tiles=min_tiles)
         _check(out.cpu(), ref, dtype, f"splits={splits} gqa={ratio} {dtype}")
         if splits > 1:
             assert int(attention._COUNTERS[out.device].abs().sum()) == 0, "merge counters not reset"
@@ -214,6 +214,10 @@ def test_split_config_and_chunks():
     assert split_config(1, 8, 200, 64) == 4          # the table's 4 tiles: one per split
     assert split_config(64, 32, 4096, 64) == 1       # enough programs without splitting
     assert split_config(1, 1, 10 ** 6, 64) == MAX_SPLITS
+    # the policy's bounds: at most max_splits, until about target_programs programs
+    assert split_config(1, 8, 4096, 64, max_splits=8) == 8 and split_config(1, 1, 10 ** 6, 64, max_splits=64) == 64
+    assert split_config(1, 32, 4096, 64, target_programs=64) == 2 and split_config(1, 32, 4096, 64, 32, 1024) == 32
+    assert split_config(64, 32, 4096, 64, target_programs=4096) == 2
     # a sequence's chunk follows its own context, not the table's width: 192 keys over 8 splits
     # are 3 splits of one 64-key tile (the table-wide chunk would have been 512 keys, one split)
     assert split_chunk(192, 8, 64, min_tiles=1) == 64
@@ -225,6 +229,29 @@ def test_split_config_and_chunks():
         assert chunk % n == 0 and splits * chunk >= ctx and -(-ctx // chunk) <= splits
 
 
+def test_the_policys_split_bounds_reach_the_launch(poisoned, monkeypatch):
+    """max_splits, target_programs and min_split_tiles (KernelPolicy.attention_*) set the launch's
+    context splits (the partials' workspace) and the keys per split; the output is the same."""
+    from spear.kernels import _common
+
+    shapes = []
+    alloc = _common.alloc
+    monkeypatch.setattr(_common, "alloc", lambda shape, dtype, device: shapes.append(tuple(shape))
+                        or alloc(shape, dtype, device))
+    # 6 rows, 2 kv heads, a table of 14 blocks of 8 keys: 7 tiles of 16
+    q, kp, vp, k, v, tables, lens = make_batch((1, 7, 16, 17, 100), 8, 2, 16, 8, torch.float16, seed=8)
+    ref = _reference(q, k, v, tables, lens, 0.25)
+    for kw, splits in ((dict(), 4), (dict(max_splits=2), 2), (dict(target_programs=24), 2),
+                       (dict(target_programs=12), 1), (dict(min_split_tiles=3), 4), (dict(max_splits=1), 1)):
+        shapes.clear()
+        out = paged_decode_attention(q, kp, vp, tables, lens, 0.25, block_n=16, **kw)
+        parts = [sh for sh in shapes if len(sh) == 5]
+        assert [sh[2] for sh in parts] == ([splits] if splits > 1 else []), f"{kw}: workspaces {parts}"
+        _check(out.cpu(), ref, torch.float16, f"splits by {kw}")
+    with pytest.raises(ValueError, match="min_split_tiles must be >= 1; got 0"):
+        paged_decode_attention(q, kp, vp, tables, lens, 0.25, min_split_tiles=0)
+
+
 def test_int32_tables_and_clamped_context():
     """int32 block tables / lengths; a context length past the table's width is clamped to it."""
     q, kp, vp, k, v, tables, lens = make_batch((7, 16), 2, 2, 16, 8, torch.float32, seed=5, extra_blocks=0)
@@ -233,13 +260,6 @@ def test_int32_tables_and_clamped_context():
     ref = _reference(q, v, v, tables, lens_over, 0.25)  # K = V: every slot of the table is finite there
     out = paged_decode_attention(q, v, v, tables.int(), lens_over.int(), 0.25, block_n=16)
     _check(out.cpu(), ref, torch.float32, "int32 tables, clamped context")
-
-
-def test_decode_attention_dispatch_on_cpu():
-    """CPU tensors keep the torch path, bit for bit."""
-    q, _, _, k, v, tables, lens = make_batch(CONTEXT_LENS, 4, 2, 16, 8, torch.float32, seed=1, device="cpu")
-    assert torch.equal(decode_attention(q, k, v, tables, lens, 0.25),
-                       decode_attention_reference(q, k, v, tables, lens, 0.25))
 
 
 def test_launcher_errors():
@@ -304,7 +324,6 @@ def test_gpu_real_shapes(poisoned, n_heads, kv_heads, head_dim, block_size, dtyp
     outs = [paged_decode_attention(q, kp, vp, tables, lens, scale) for _ in range(2)]
     _check(outs[0].cpu(), ref, dtype, what)
     assert torch.equal(outs[0], outs[1]), f"{what}: not deterministic"
-    _check(decode_attention(q, kp, vp, tables, lens, scale).cpu(), ref, dtype, what + " (dispatch)")
 
 
 @pytest.mark.gpu
@@ -337,22 +356,3 @@ def test_gpu_rope_in_attention(poisoned, n_heads, kv_heads, head_dim, dtype):
     if DEVICE != "cuda":
         pytest.skip("needs CUDA")
     _rope_case(GPU_CONTEXTS, n_heads, kv_heads, head_dim, 16, dtype, seed=head_dim + n_heads)
-
-
-def test_decode_attention_rope_fallback():
-    """Where the kernel does not run (CPU tensors), decode_attention(rope=) caches the new token at
-    the slot its block table gives for position context_len - 1, then attends: as rope_write_kv
-    followed by the reference."""
-    from spear.kernels.fused import rope_write_kv
-
-    q, _, _, k, v, tables, lens = make_batch(CONTEXT_LENS, 4, 2, 16, 8, torch.float32, seed=3, device="cpu")
-    g = torch.Generator().manual_seed(4)
-    k_new, v_new = torch.randn(2, q.shape[0], 2, 16, generator=g)
-    cos, sin = _rope_tables(64, 16, torch.float32, device="cpu")
-    pos = lens - 1
-    slots = tables.gather(1, (pos // 8)[:, None])[:, 0] * 8 + pos % 8
-    k2, v2 = k.clone(), v.clone()
-    expect = decode_attention_reference(rope_write_kv(q, k_new, v_new, cos, sin, k2, v2, slots, positions=pos),
-                                        k2, v2, tables, lens, 0.25)
-    out = decode_attention(q, k, v, tables, lens, 0.25, rope=(k_new, v_new, cos, sin))
-    assert torch.equal(out, expect) and torch.equal(k, k2) and torch.equal(v, v2)

@@ -68,9 +68,11 @@ def test_ec_gate_split_over_k(poisoned, m, k, splits, dtype, h):
     u = x.float() @ e.a.float().t()
     expect = ref.ec_gate(u, e.w1, e.b1, e.w2, e.b2, e.bound) if h else u
     assert_close(ec_gate(x, e, splits=splits), expect, dtype, f"ec_gate M={m} K={k} splits={splits}")
-    # the split count the launcher picks: more programs at few token tiles, each with >= GATE_MIN_STEPS
+    # the split count the launcher picks: more programs at few token tiles, each with >= GATE_MIN_STEPS,
+    # rounded down to a power of two (a constexpr: few compiled variants)
     assert ec_mod.gate_splits(512, 11008, 128) == 8 and ec_mod.gate_splits(4096, 4096, 128) == 1
-    assert ec_mod.gate_splits(64, 14336, 128) == 28
+    assert ec_mod.gate_splits(64, 14336, 128) == 16  # min(264 // 4, 112 // 4) = 28 -> 16
+    assert ec_mod.gate_splits(64, 14336, 128, programs=40) == 8  # 40 // 4 = 10 -> 8
 
 
 @pytest.mark.parametrize("m,dtype,h", [(17, torch.float16, 12), (33, torch.bfloat16, None)])
@@ -85,3 +87,27 @@ def test_semi_fused_ec(poisoned, m, dtype, h):
     assert_close(out, expect, dtype, "W4 then ec_up")
     out = w4a16_matmul(x, w, b, e, ec_mode=2, v=v, config=cfg)
     assert_close(out, expect, dtype, "W4 with v epilogue")
+
+
+def test_ec_gate_programs_set_the_k_splits(poisoned, monkeypatch):
+    """``programs`` (KernelPolicy.gate_programs) sets how far ec_gate splits K: the fp32 workspace
+    holds that many shares, and v is the same either way."""
+    from spear.kernels import _common
+    from spear.kernels import ec as ec_mod
+
+    assert ec_mod.gate_splits(512, 11008, 128, programs=132) == 4 and ec_mod.gate_splits(512, 11008, 128) == 8
+    assert ec_mod.gate_splits(64, 14336, 128, programs=64) == 16
+    shapes = []
+    alloc = _common.alloc
+    monkeypatch.setattr(_common, "alloc", lambda shape, dtype, device: shapes.append(tuple(shape))
+                        or alloc(shape, dtype, device))
+    dtype = torch.float16
+    e = pack_ec(**make_ec(N_SMALL, 1024, 8, 8, dtype, seed=5))
+    x = torch.randn(17, 1024, generator=torch.Generator().manual_seed(11)).to(dtype).to(DEVICE)
+    expect = ref.ec_gate(x.float() @ e.a.float().t(), e.w1, e.b1, e.w2, e.b2, e.bound)
+    r = e.a.shape[0]  # the padded rank
+    for programs, workspace in ((264, [(2, 17, r)]), (2, [])):  # 2 token tiles; 8 K steps, >= 4 per share
+        shapes.clear()
+        v = ec_gate(x, e, out=torch.empty(17, r, dtype=dtype, device=DEVICE), programs=programs)
+        assert shapes == workspace, f"programs={programs}: allocated {shapes}"
+        assert_close(v, expect, dtype, f"ec_gate programs={programs}")

@@ -1,5 +1,5 @@
-"""The fused per-layer kernels (RMSNorm, rotary + KV write, SiLU·mul) against the torch code
-of ``spear.serve.layers`` (CPU: Triton interpreter, small shapes), and the runner on them."""
+"""The fused per-layer kernels (RMSNorm, rotary + KV write, SiLU·mul) against the torch references
+of ``spear.kernels.reference`` (CPU: Triton interpreter, small shapes)."""
 
 import os
 import sys
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from spear.kernels import _common, fused
-from spear.serve import layers
+from spear.kernels import reference as ref
 from tests.kernels._helpers import DEVICE, sqnr_db
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -20,16 +20,16 @@ REL_TOL = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 SQNR = {torch.float32: 120.0, torch.float16: 60.0, torch.bfloat16: 45.0}
 
 
-def check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    assert out.dtype == ref.dtype, f"{what}: dtype {out.dtype} != {ref.dtype}"
-    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+def check(out: torch.Tensor, expect: torch.Tensor, what: str) -> None:
+    assert out.dtype == expect.dtype, f"{what}: dtype {out.dtype} != {expect.dtype}"
+    assert out.shape == expect.shape, f"{what}: shape {tuple(out.shape)} != {tuple(expect.shape)}"
     assert torch.isfinite(out).all(), f"{what}: non-finite values (unwritten output?)"
-    if torch.equal(out.cpu(), ref.cpu()):
+    if torch.equal(out.cpu(), expect.cpu()):
         return
-    err = float((out.double().cpu() - ref.double().cpu()).abs().max() / ref.double().abs().max().clamp_min(1e-30))
-    s = sqnr_db(ref, out)
-    assert err <= REL_TOL[ref.dtype] and s >= SQNR[ref.dtype], (
-        f"{what}: max error {err:.2e} (tol {REL_TOL[ref.dtype]:.0e}), SQNR {s:.1f} dB (floor {SQNR[ref.dtype]})")
+    err = float((out.double().cpu() - expect.double().cpu()).abs().max() / expect.double().abs().max().clamp_min(1e-30))
+    s = sqnr_db(expect, out)
+    assert err <= REL_TOL[expect.dtype] and s >= SQNR[expect.dtype], (
+        f"{what}: max error {err:.2e} (tol {REL_TOL[expect.dtype]:.0e}), SQNR {s:.1f} dB (floor {SQNR[expect.dtype]})")
 
 
 def randn(*shape, dtype, seed, scale=1.0):
@@ -44,14 +44,14 @@ def randn(*shape, dtype, seed, scale=1.0):
 def test_rms_norm(poisoned, dtype, t, n):
     x = randn(t, n, dtype=dtype, seed=t, scale=3.0)
     w = randn(n, dtype=dtype, seed=n, scale=0.2) + 1
-    check(fused.rms_norm(x, w, 1e-5), layers.rms_norm(x, w, 1e-5), f"rms_norm {dtype} {t}x{n}")
+    check(fused.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), f"rms_norm {dtype} {t}x{n}")
 
 
 def test_rms_norm_fp32_weight_promotes(poisoned):
     """A 16-bit x with an fp32 weight gives fp32, as the torch product promotes."""
     x = randn(2, 3, 40, dtype=torch.float16, seed=0)
     w = randn(40, dtype=torch.float32, seed=1) + 1
-    check(fused.rms_norm(x, w, 1e-6), layers.rms_norm(x, w, 1e-6), "rms_norm fp16 x, fp32 weight")
+    check(fused.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), "rms_norm fp16 x, fp32 weight")
 
 
 @pytest.mark.parametrize("t,n", [(1, 64), (17, 96)])
@@ -63,7 +63,7 @@ def test_add_rms_norm(poisoned, dtype, t, n):
     s, out = fused.add_rms_norm(x, r, w, 1e-6)
     ref_s = r + x
     assert torch.equal(s, ref_s), "the residual sum is one correctly rounded add"
-    check(out, layers.rms_norm(ref_s, w, 1e-6), f"add_rms_norm {dtype} {t}x{n}")
+    check(out, ref.rms_norm(ref_s, w, 1e-6), f"add_rms_norm {dtype} {t}x{n}")
 
 
 # ---------------------------------------------------------------------------- rotary + KV write
@@ -96,16 +96,16 @@ def test_rope_write_kv(poisoned, dtype, t, h, hkv, d):
     v0 = randn(num_blocks, block_size, hkv, d, dtype=dtype, seed=101)
 
     cos, sin = cos_t[positions], sin_t[positions]
-    ref_q = layers.apply_rope(q, cos, sin)
+    ref_q = ref.apply_rope(q, cos, sin)
     ref_k, ref_v = k0.clone(), v0.clone()
-    layers.write_kv(ref_k, ref_v, layers.apply_rope(k, cos, sin), v, slots)
+    ref.write_kv(ref_k, ref_v, ref.apply_rope(k, cos, sin), v, slots)
     written = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
     written[slots] = True
 
     # q, k, v as column slices of one fused projection (strided rows), as the engine passes them
     qkv = torch.cat([x.reshape(t, -1) for x in (q, k, v)], dim=1)
     q_s, k_s, v_s = (x.view(t, -1, d) for x in qkv.split([h * d, hkv * d, hkv * d], dim=1))
-    # per-token rows (as layers.apply_rope takes them), then whole tables + positions, then strided
+    # per-token rows (as reference.apply_rope takes them), then whole tables + positions, then strided
     for args, kw, qkv_in in (((cos, sin), {}, (q, k, v)),
                              ((cos_t, sin_t), dict(positions=positions.to(torch.int32)), (q, k, v)),
                              ((cos_t, sin_t), dict(positions=positions), (q_s, k_s, v_s))):
@@ -191,68 +191,18 @@ def test_cpu_tensors_take_the_torch_reference(monkeypatch):
     torch.manual_seed(0)
     x, r = torch.randn(3, 32), torch.randn(3, 32)
     w = torch.rand(32) + 0.5
-    assert torch.equal(fused.rms_norm(x, w, 1e-6), layers.rms_norm(x, w, 1e-6))
+    assert torch.equal(fused.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
     s, out = fused.add_rms_norm(x, r, w, 1e-6)
-    assert torch.equal(s, r + x) and torch.equal(out, layers.rms_norm(r + x, w, 1e-6))
+    assert torch.equal(s, r + x) and torch.equal(out, ref.rms_norm(r + x, w, 1e-6))
     assert torch.equal(fused.silu_mul(x, r), F.silu(x) * r)
     q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
     cos_t, sin_t = torch.randn(10, 16), torch.randn(10, 16)
     pos, slots = torch.tensor([9, 0, 4]), torch.tensor([5, 14, 2])
     kc, vc = torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16)
     out = fused.rope_write_kv(q, k, v, cos_t, sin_t, kc, vc, slots, positions=pos)
-    assert torch.equal(out, layers.apply_rope(q, cos_t[pos], sin_t[pos]))
-    assert torch.equal(kc.view(-1, 2, 16)[slots], layers.apply_rope(k, cos_t[pos], sin_t[pos]))
+    assert torch.equal(out, ref.apply_rope(q, cos_t[pos], sin_t[pos]))
+    assert torch.equal(kc.view(-1, 2, 16)[slots], ref.apply_rope(k, cos_t[pos], sin_t[pos]))
     assert torch.equal(vc.view(-1, 2, 16)[slots], v)
-
-
-# ---------------------------------------------------------------------------- the runner on the kernels
-
-
-def _tiny_runner(dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from spear.serve.model_runner import ModelRunner
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      initializer_range=0.1)
-    model = LlamaForCausalLM(cfg).eval().to(dtype).to(DEVICE)
-    return ModelRunner(model, num_blocks=8, block_size=4, max_model_len=32, max_num_seqs=4, cuda_graphs=False)
-
-
-def test_runner_layers_on_the_kernels_match_the_torch_path():
-    """Prefill of two sequences, then one decode step each: logits and caches of the fused
-    layer path (residual adds carried into the next norm) against the torch layer path."""
-    runner = _tiny_runner(torch.float32)
-    dev = runner.device
-    tables = [[5, 1, 6], [3, 0]]
-    lens = [9, 6]
-    ids = torch.randint(96, (sum(lens),), generator=torch.Generator().manual_seed(0)).to(dev)
-    pos = torch.cat([torch.arange(n) for n in lens]).to(dev)
-    ctx = [runner._context_slots(tb, n) for tb, n in zip(tables, lens)]
-    chunks = [layers.ChunkMeta(0, 9, 9, ctx[0].to(dev)), layers.ChunkMeta(9, 6, 6, ctx[1].to(dev))]
-    rows = torch.tensor([8, 14], device=dev)
-    d_ids, d_pos = torch.tensor([7, 11], device=dev), torch.tensor(lens, device=dev)
-    d_slots = torch.tensor([tables[0][2] * 4 + 1, tables[1][1] * 4 + 2], device=dev)
-    d_tables = torch.tensor([tables[0], tables[1] + [8]], device=dev)
-    d_lens = torch.tensor([10, 7], device=dev)
-
-    results = []
-    for kernels in (fused, None):
-        runner.fused = kernels
-        for c in runner.k_cache + runner.v_cache:
-            c.zero_()
-        with torch.inference_mode():
-            pre = runner._forward_varlen(ids, pos, torch.cat(ctx).to(dev), chunks, rows)
-            dec = runner._forward_decode(d_ids, d_pos, d_slots, d_tables, d_lens)
-        results.append((pre, dec, [c.clone() for c in runner.k_cache + runner.v_cache]))
-    (pre, dec, caches), (ref_pre, ref_dec, ref_caches) = results
-    for a, b, what in ((pre, ref_pre, "prefill logits"), (dec, ref_dec, "decode logits")):
-        err = float((a - b).abs().max() / b.abs().max())
-        assert err < 1e-5, f"{what}: relative error {err:.1e}"
-    for a, b in zip(caches, ref_caches):
-        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
 
 
 # ---------------------------------------------------------------------------- sm_90 compile check
@@ -277,7 +227,7 @@ from triton.compiler import ASTSource
 from spear.kernels.fused import _rms_norm_kernel, _rope_kv_kernel, _silu_mul_kernel
 
 def compile(fn, ptrs, consts, scalars=None, **opts):
-    consts = {"PDL": False, **consts}  # the launchers pass it (programmatic dependent launch off)
+    consts = {"PDL": 0, **consts}  # the launchers pass it (programmatic dependent launch off)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in ptrs:
@@ -289,7 +239,7 @@ def compile(fn, ptrs, consts, scalars=None, **opts):
 
 for dt in ("fp16", "bf16", "fp32"):
     p = "*" + dt
-    for res, pdl in ((False, False), (True, False), (True, 2)):
+    for res, pdl in ((False, 0), (True, 0), (True, 1)):
         compile(_rms_norm_kernel, dict(x_ptr=p, r_ptr=p, w_ptr=p, sum_ptr=p, out_ptr=p),
                 dict(N=4096, BLOCK=4096, HAS_RES=res, PDL=pdl), dict(eps="fp32"), num_warps=8)
     compile(_rms_norm_kernel, dict(x_ptr=p, r_ptr=p, w_ptr="*fp32", sum_ptr=p, out_ptr="*fp32"),
@@ -297,11 +247,11 @@ for dt in ("fp16", "bf16", "fp32"):
     for has_pos in (False, True):
         ptrs = {n: p for n in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "kc_ptr", "vc_ptr")}
         compile(_rope_kv_kernel, dict(ptrs, pos_ptr="*i64", slot_ptr="*i64"),
-                dict(H=32, HKV=8, D=128, BH=8, BD=64, HAS_POS=has_pos, PDL=2 if has_pos else 0),
+                dict(H=32, HKV=8, D=128, BH=8, BD=64, HAS_POS=has_pos, PDL=1 if has_pos else 0),
                 dict(stride_q="i32", stride_k="i32", stride_v="i32"), num_warps=4, enable_fp_fusion=False)
     k = compile(_silu_mul_kernel, dict(g_ptr=p, u_ptr=p, out_ptr=p), dict(BLOCK=1024, PAIRS=False),
                 dict(n="i32", cols="i32", stride_g="i32", stride_u="i32"), num_warps=4)
-    for pdl, pairs in ((2, False), (False, True)):
+    for pdl, pairs in ((1, False), (0, True)):
         compile(_silu_mul_kernel, dict(g_ptr=p, u_ptr=p, out_ptr=p), dict(BLOCK=1024, PDL=pdl, PAIRS=pairs),
                 dict(n="i32", cols="i32", stride_g="i32", stride_u="i32"), num_warps=4)
     if dt == "bf16":

@@ -15,7 +15,7 @@ from spear.kernels.ec import ec_gate, ec_up
 from spear.kernels.layout import LOCK_SLOTS, pack, pack_ec, unpack
 from spear.kernels.dequant import dequantize
 from spear.kernels.ops import w4a16_linear
-from spear.kernels.w4a16 import Config, pick_config, w4a16_matmul
+from spear.kernels.w4a16 import Config, w4a16_matmul
 from tests.kernels._helpers import (DEVICE, INTERPRET, K_SMALL, N_SMALL, assert_close, make_ec, make_layer,
                                    setup_case)
 
@@ -63,7 +63,7 @@ ACT_CASES = [
     (17, True, 0, Config(16, 64, 64, 2, 4, 2)),
     (33, False, 2, Config(32, 64, 64, 1, 4, 2)),
     (5, True, 1, None),
-    (2, True, 1, Config(16, 64, 64, 2, 4, 2, mv=2, pipeline=3)),  # fused EC over the pipelined loop
+    (2, True, 1, Config(16, 64, 64, 2, 4, 2, mv=2)),  # fused EC over the K-major loop without the prefetch
 ]
 
 
@@ -94,10 +94,6 @@ KMAJOR_CASES = [
     (1, 32, False, torch.float16, True, Config(16, 64, 32, 3, 4, 1, mv=1, prefetch=True)),
     (2, 0, True, torch.bfloat16, False, Config(16, 32, 64, 1, 4, 1, mv=2, prefetch=True)),
     (3, 64, True, torch.float16, True, Config(16, 64, 64, 2, 2, 1, mv=4, prefetch=True)),
-    # K steps in flight through shared memory (the loop as a pipelined tl.range); odd step counts per split
-    (1, 32, False, torch.float16, True, Config(16, 64, 32, 3, 4, 1, mv=1, pipeline=3)),
-    (2, 64, True, torch.bfloat16, False, Config(16, 32, 64, 1, 4, 1, mv=2, pipeline=4)),
-    (4, 0, False, torch.float16, True, Config(16, 64, 128, 1, 2, 1, mv=4, pipeline=2)),
 ]
 
 
@@ -170,11 +166,6 @@ def test_launcher_errors():
         w4a16_matmul(torch.randn(3, 128, dtype=torch.float16, device=DEVICE), w, config=Config(16, 64, 32, 1, 4, 2, mv=2))
     with pytest.raises(ValueError, match="rank"):
         pack_ec(torch.randn(200, 128), torch.randn(64, 200), 1.0, torch.float16)
-    x2 = torch.randn(2, 128, dtype=torch.float16, device=DEVICE)
-    with pytest.raises(ValueError, match="pipeline must be >= 1"):
-        w4a16_matmul(x2, w, config=Config(16, 64, 32, 1, 4, 2, mv=2, pipeline=0))
-    with pytest.raises(ValueError, match="alternatives"):
-        w4a16_matmul(x2, w, config=Config(16, 64, 32, 1, 4, 2, mv=2, prefetch=True, pipeline=2))
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -189,45 +180,6 @@ def test_kernels_compile_for_hopper(dtype):
     proc = subprocess.run([sys.executable, "-m", "tests.kernels._compile_check", dtype], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
-
-
-def test_pick_config_fills_the_gpu_at_decode():
-    for m in (1, 3, 16):
-        cfg = pick_config(m, 4096, 4096, 128)
-        assert cfg.BM == 16 and (4096 // cfg.BN) * cfg.split_k >= 132 and (cfg.mv >= m or cfg.mv == 0)
-    assert pick_config(2048, 4096, 4096, 128).split_k == 1
-
-
-def test_pick_config_reads_a_token_class_launch(monkeypatch):
-    from spear.kernels import launch
-
-    table = dict(launch.LAUNCH, fma_kmajor_max_m=4, fma_kmajor_narrow=None,
-                 fma_kmajor=dict(BN=64, BK=128, num_warps=2, num_stages=1, programs=528, prefetch=True),
-                 fma_kmajor_by_mv={"4": dict(BN=64, BK=128, num_warps=4, num_stages=2, programs=264, pipeline=3)})
-    monkeypatch.setattr(launch, "LAUNCH", table)
-    one, two, four = (launch.pick_config(m, 4096, 4096, 128, kmajor=True) for m in (1, 2, 3))
-    assert (one.mv, one.num_warps, one.prefetch) == (1, 2, True)
-    assert (two.mv, two.num_warps, two.num_stages) == (2, 2, 1)  # no class launch: M = 1's
-    assert (four.mv, four.num_warps, four.num_stages, four.prefetch, four.pipeline) == (4, 4, 2, False, 3)
-    assert one.pipeline == 1
-    # smallest power-of-two split reaching the programs: 64 column tiles x 8 >= 264; x 16 >= 528
-    assert (four.split_k, one.split_k) == (8, 16)
-    assert launch.pick_config(5, 4096, 4096, 128, kmajor=True).mv == 0  # above max_m: tensor-core tiles
-    # one token on a narrow layer: the narrow launch (not for 2+ tokens, wider layers, N-major)
-    table["fma_kmajor_narrow"] = dict(max_n=4096, BN=64, BK=128, num_warps=4, num_stages=2, programs=264,
-                                      prefetch=True)
-    narrow = launch.pick_config(1, 4096, 4096, 128, kmajor=True)
-    assert (narrow.num_warps, narrow.num_stages, narrow.split_k, narrow.prefetch) == (4, 2, 8, True)
-    assert launch.pick_config(1, 4096, 4096, 128, kmajor=False).num_warps == launch.LAUNCH["fma"]["num_warps"]
-    # 17-64 tokens read "tc_wide": BM by token count, split-K from its program target (64 tiles x 2 >= 128)
-    table["tc_wide"] = dict(BN=64, BK=128, num_warps=8, num_stages=3, programs=128)
-    wide, tc16 = launch.pick_config(64, 4096, 4096, 128, kmajor=True), launch.pick_config(16, 4096, 4096, 128)
-    assert (wide.BM, wide.num_warps, wide.split_k) == (64, 8, 2) and tc16.num_warps == table["tc"]["num_warps"]
-    assert launch.pick_config(32, 4096, 4096, 128).BM == 32
-    assert launch.pick_config(1, 11008, 4096, 128, kmajor=True).num_warps == 2
-    assert launch.pick_config(2, 4096, 4096, 128, kmajor=True).num_warps == 2
-    table["fma_kmajor_narrow"] = dict(table["fma_kmajor_narrow"], max_n=0)  # off
-    assert launch.pick_config(1, 4096, 4096, 128, kmajor=True).split_k == 16
 
 
 # Real shapes (q/o and down of Llama-2-7B / Llama-3-8B) on the GPU, same checks.
@@ -267,11 +219,10 @@ def test_gpu_ptx_decode_loop(poisoned, n, k, gs, sym, m, mv, kmajor):
     x, w, b, e, expect = setup_case(m, k, n, gs, sym, torch.float16, seed=m, ec=ec, kmajor=kmajor)
     x_, w_, b_, _, expect_w4 = setup_case(m, k, n, gs, sym, torch.float16, seed=m, kmajor=kmajor)
     # split 16 of K = 11008 (86 steps of 128) leaves the last split an empty K range
-    for split, prefetch, pipeline in ((1, False, 1), (8, False, 1), (1, True, 1), (8, True, 1), (16, True, 1),
-                                      (8, False, 3), (16, False, 4)):
-        if (prefetch or pipeline > 1) and not kmajor:
+    for split, prefetch in ((1, False), (8, False), (1, True), (8, True), (16, True), (16, False)):
+        if prefetch and not kmajor:
             continue
-        cfg = Config(16, 64, min(128, gs or 128), split, 4, 1, mv=mv, prefetch=prefetch, pipeline=pipeline)
+        cfg = Config(16, 64, min(128, gs or 128), split, 4, 1, mv=mv, prefetch=prefetch)
         assert_close(w4a16_matmul(x_, w_, b_, config=cfg), expect_w4, torch.float16, f"PTX W4 {n}x{k} M={m} {cfg}")
         assert_close(w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg), expect, torch.float16,
                      f"PTX fused {n}x{k} M={m} {cfg}")

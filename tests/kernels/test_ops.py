@@ -1,12 +1,16 @@
-"""The registered op ``spear::w4a16_ec``: CPU fallback, dispatch by M, CUDA graphs, torch.compile."""
+"""The registered op ``spear::w4a16_ec``: CPU fallback, dispatch by the kernel policy, CUDA graphs,
+torch.compile, programmatic dependent launch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from spear.kernels import ops, pack, pack_ec, w4a16_linear
+from spear.kernels import ops
 from spear.kernels import reference as ref
+from spear.kernels.layout import pack, pack_ec
+from spear.kernels.ops import w4a16_linear
+from spear.kernels.policy import KernelPolicy, plan
 from tests.kernels._helpers import DEVICE, assert_close, capture, make_ec, make_layer
 
 
@@ -94,6 +98,19 @@ def test_op_is_registered_as_a_triton_op():
     assert hasattr(torch.ops.spear, "w4a16_ec")
     schema = str(torch.ops.spear.w4a16_ec.default._schema)
     assert "Tensor? ec_a" in schema and "float alpha" in schema
+    assert "[] policy" in schema and "pdl" in schema
+
+
+def test_cpu_fallback_under_any_policy():
+    """Off CUDA every policy and PDL level gives the fp32 reference (the policy only picks CUDA paths)."""
+    codes, scales, zeros, w, e = _layer(64, 128, 32, torch.float16, "cpu")
+    x = torch.randn(7, 128, generator=torch.Generator().manual_seed(2)).half()
+    expect = w4a16_linear(x, w, None, e)
+    assert_close(expect, _expect(x, codes, scales, zeros, 32, None, e), torch.float16, "default policy")
+    for policy in (KernelPolicy(fused_max_m=0, dequant_mm_min_m=1, semi_fused_overlap=False),
+                   KernelPolicy(launch_table={"tc": dict(BN=32, BK=32, num_warps=4, num_stages=2, programs=64)})):
+        assert torch.equal(w4a16_linear(x, w, None, e, policy=policy), expect)
+    assert torch.equal(w4a16_linear(x, w, None, e, pdl=1), expect)
 
 
 def _need_cuda():
@@ -101,21 +118,70 @@ def _need_cuda():
         pytest.skip("needs CUDA")
 
 
+DEFAULT = KernelPolicy()
+# overlap off and nothing fused: every EC call takes ec_gate first, then the GEMM's v-epilogue
+# (below the cuBLAS threshold) or dequantize + cuBLAS and ec_up
+SERIAL = KernelPolicy(semi_fused_overlap=False, fused_max_m=0)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 5, ops.FUSED_MAX_M, ops.FUSED_MAX_M + 1, 64, 300, 2048])
-@pytest.mark.parametrize("overlap", [True, False])
-def test_gpu_dispatch(poisoned, monkeypatch, m, overlap):
+@pytest.mark.parametrize("m", [1, 5, DEFAULT.fused_max_m, DEFAULT.fused_max_m + 1, DEFAULT.dequant_mm_min_m - 1,
+                               DEFAULT.dequant_mm_min_m, 300, 2048])
+@pytest.mark.parametrize("policy", [DEFAULT, SERIAL], ids=["default", "serial"])
+def test_gpu_dispatch(poisoned, m, policy):
     _need_cuda()
-    monkeypatch.setattr(ops, "SEMI_FUSED_OVERLAP", overlap)
-    # without overlap, decode ECs above FUSED_MAX_RANK take ec_gate + the v-epilogue
-    monkeypatch.setattr(ops, "FUSED_MAX_RANK", ops.FUSED_MAX_RANK if overlap else 16)
     dtype = torch.float16
     codes, scales, zeros, w, e = _layer(4096, 4096, 128, dtype, "cuda", r=32, h=32)
+    if policy is SERIAL:
+        assert plan(m, 4096, 4096, 128, False, 32, policy).path == "semi_fused_ec"
     torch.manual_seed(m)
     x = torch.randn(m, 4096, device="cuda").to(dtype)
     bias = torch.randn(4096, device="cuda").to(dtype)
-    assert_close(w4a16_linear(x, w, bias, e), _expect(x, codes, scales, zeros, 128, bias, e), dtype, f"op M={m}")
-    assert_close(w4a16_linear(x, w, bias), _expect(x, codes, scales, zeros, 128, bias, None), dtype, f"W4 M={m}")
+    assert_close(w4a16_linear(x, w, bias, e, policy=policy), _expect(x, codes, scales, zeros, 128, bias, e), dtype,
+                 f"op M={m}")
+    assert_close(w4a16_linear(x, w, bias, policy=policy), _expect(x, codes, scales, zeros, 128, bias, None), dtype,
+                 f"W4 M={m}")
+    assert int(w.locks.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_two_policies_in_one_process_take_their_own_paths(poisoned, monkeypatch):
+    """The op under two policies, calls interleaved: the kernels each call launches (and the GEMM's
+    tile width, from each policy's launch table) are the ones its own policy plans."""
+    _need_cuda()
+    calls = []
+    real = dict(mm=ops.w4a16_matmul, dq=ops.dequantize, gate=ops.ec_kernels.ec_gate, up=ops.ec_kernels.ec_up)
+
+    def spy(name, fn, bn=False):
+        def wrapped(*args, **kw):
+            calls.append((name, kw.get("ec_mode") or 0, kw["config"].BN) if bn else (name,))
+            return fn(*args, **kw)
+        return wrapped
+
+    monkeypatch.setattr(ops, "w4a16_matmul", spy("gemm", real["mm"], bn=True))
+    monkeypatch.setattr(ops, "dequantize", spy("dequant", real["dq"]))
+    monkeypatch.setattr(ops.ec_kernels, "ec_gate", spy("ec_gate", real["gate"]))
+    monkeypatch.setattr(ops.ec_kernels, "ec_up", spy("ec_up", real["up"]))
+    a = KernelPolicy()
+    b = KernelPolicy(fused_max_m=8, dequant_mm_min_m=32, semi_fused_overlap=False,
+                     launch_table={"tc": dict(BN=32, BK=128, num_warps=4, num_stages=3, programs=512)})
+    dtype = torch.float16
+    codes, scales, zeros, w, e = _layer(1024, 1024, 128, dtype, "cuda", r=16, h=16)
+    side = [("ec_gate",), ("dequant",), ("ec_up",)]
+    expect = {(a, 16, True): [("gemm", 1, 64)], (b, 16, True): [("ec_gate",), ("gemm", 2, 32)],
+              (a, 48, True): [("gemm", 1, 64)], (b, 48, True): side,
+              (a, 16, False): [("gemm", 0, 64)], (b, 16, False): [("gemm", 0, 32)],
+              (a, 48, False): [("gemm", 0, 64)], (b, 48, False): [("dequant",)],
+              (a, 200, True): side, (b, 200, True): side}
+    for _ in range(2):
+        for (policy, m, with_ec), launched in expect.items():
+            x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to(dtype).cuda()
+            ec = e if with_ec else None
+            calls.clear()
+            y = w4a16_linear(x, w, None, ec, policy=policy)
+            what = f"fused_max_m={policy.fused_max_m} M={m} EC={with_ec}"
+            assert calls == launched, f"{what}: launched {calls}, expected {launched}"
+            assert_close(y, _expect(x, codes, scales, zeros, 128, None, ec), dtype, what)
     assert int(w.locks.abs().sum()) == 0
 
 
@@ -153,17 +219,57 @@ def test_gpu_torch_compile():
         assert_close(f(x), 2.0 * _expect(x, codes, scales, zeros, 128, None, e), dtype, f"compiled M={m}")
 
 
-def test_programmatic_dependent_launch_is_refused_off_the_gpu():
-    """set_pdl needs Triton's griddepcontrol on a GPU; the interpreter (CI) refuses it and stays off."""
-    from spear.kernels import _common
+def test_programmatic_dependent_launch_is_refused_off_the_gpu(poisoned):
+    """PDL is a launch level, 0 or 1, that each launcher takes from its caller; level 1 needs
+    Triton's griddepcontrol on a GPU, so the interpreter (CI) refuses it at every launcher."""
+    from spear.kernels import _common, attention, fused, w8a16
+    from spear.kernels.w4a16 import w4a16_matmul
 
     if not _common.INTERPRET:
         pytest.skip("the interpreter's refusal")
-    for mode in (True, "wait", "trigger"):
-        with pytest.raises(ValueError, match="programmatic dependent launch"):
-            _common.set_pdl(mode)
-    assert _common.pdl() == dict(PDL=0)
-    with pytest.raises(ValueError, match="PDL mode"):
-        _common.set_pdl("sometimes")
-    _common.set_pdl("off")
-    assert _common.pdl() == dict(PDL=0)
+    assert _common.pdl_args(0) == dict(PDL=0)
+    for level in (2, -1, 0.5, "wait"):
+        with pytest.raises(ValueError, match="the PDL level is 0"):
+            _common.pdl_args(level)
+    codes, scales, zeros, w, _ = _layer(64, 128, 32, torch.float16, DEVICE, r=0)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(0)).half().to(DEVICE)
+    g = torch.randn(2, 64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    q8 = torch.randint(-128, 128, (64, 128), generator=torch.Generator().manual_seed(2), dtype=torch.int8).to(DEVICE)
+    q = torch.zeros(2, 4, 16, device=DEVICE)
+    kc = torch.zeros(5, 8, 2, 16, device=DEVICE)
+    tables, lens = torch.zeros(2, 3, dtype=torch.long, device=DEVICE), torch.ones(2, dtype=torch.long, device=DEVICE)
+    launches = {
+        "w4a16_matmul": lambda pdl: w4a16_matmul(x, w, pdl=pdl),
+        "w8a16_matmul": lambda pdl: w8a16.w8a16_matmul(x, q8, torch.ones(64, device=DEVICE), pdl=pdl),
+        "rms_norm": lambda pdl: fused.rms_norm(g, torch.ones(64, device=DEVICE), 1e-6, pdl=pdl),
+        "add_rms_norm": lambda pdl: fused.add_rms_norm(g, g, torch.ones(64, device=DEVICE), 1e-6, pdl=pdl),
+        "silu_mul": lambda pdl: fused.silu_mul(g, g, pdl=pdl),
+        "silu_mul_pairs": lambda pdl: fused.silu_mul_pairs(g, pdl=pdl),
+        "paged_decode_attention": lambda pdl: attention.paged_decode_attention(q, kc, kc, tables, lens, 0.25, pdl=pdl),
+    }
+    for name, launch in launches.items():
+        assert torch.isfinite(launch(0) if name != "add_rms_norm" else launch(0)[1]).all(), name
+        with pytest.raises(ValueError, match="programmatic dependent launch needs"):
+            launch(1)
+    assert_close(w4a16_matmul(x, w), _expect(x, codes, scales, zeros, 32, None, None), torch.float16, "pdl 0")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_gpu_programmatic_dependent_launch(poisoned, m):
+    """The op at PDL level 1 (Hopper): the same output as level 0, eagerly and replayed from a CUDA graph."""
+    _need_cuda()
+    from spear.kernels import _common
+
+    if not _common.PDL_AVAILABLE or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs griddepcontrol (Triton) and a Hopper GPU")
+    dtype = torch.float16
+    codes, scales, zeros, w, e = _layer(4096, 4096, 128, dtype, "cuda", r=16, h=16)
+    x = torch.randn(m, 4096, generator=torch.Generator().manual_seed(m)).to(dtype).cuda()
+    expect = _expect(x, codes, scales, zeros, 128, None, e)
+    assert_close(w4a16_linear(x, w, None, e, pdl=1), expect, dtype, f"PDL M={m}")
+    graph, y = capture(lambda: w4a16_linear(x, w, None, e, pdl=1))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(y, expect, dtype, f"PDL graph replay M={m}")
+    assert int(w.locks.abs().sum()) == 0

@@ -22,7 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spear.kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_reference, supports
+from spear.kernels.paged_prefill import paged_prefill_attention, supports
+from spear.kernels.reference import prefill_attention as paged_prefill_attention_reference
 from tests.kernels._helpers import DEVICE, SQNR_FLOOR, TOL, sqnr_db
 
 # fp32 reference vs a kernel in fp32 (exp2 with the scale folded, another summation order)
@@ -223,25 +224,6 @@ def test_empty_sequences_and_padding(poisoned):
     out = paged_prefill_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.query_start_loc,
                                   batch.seq_lens, 0.25)
     assert out.shape == (0, 64)
-
-
-def test_reference_equals_the_engines_varlen_attention():
-    """The reference's contract is the one ``serve.layers.varlen_attention`` (the per-chunk SDPA
-    path it replaces) implements: the same rows from the same cache."""
-    from spear.serve.layers import ChunkMeta, varlen_attention
-
-    batch = make_batch(MIXED, 4, 2, 16, 8, torch.float32, seed=5, pad_rows=0, device="cpu")
-    bs = batch.k_cache.shape[1]
-    chunks = []
-    for b, ctx in enumerate(batch.seq_lens.tolist()):
-        lo, hi = batch.query_start_loc[b].item(), batch.query_start_loc[b + 1].item()
-        pos = torch.arange(ctx)
-        slots = batch.block_tables[b].long()[pos // bs] * bs + pos % bs
-        chunks.append(ChunkMeta(lo, hi - lo, ctx, slots))
-    expect = varlen_attention(batch.q, batch.k_cache, batch.v_cache, chunks, 0.25)
-    out = paged_prefill_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
-                                            batch.query_start_loc, batch.seq_lens, 0.25)
-    torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-6)
 
 
 def test_supports_and_errors():

@@ -1,16 +1,19 @@
-"""The prefill path from ops.DEQUANT_MM_MIN_M tokens: SiLU·mul of interleaved pairs in one pass,
-and the EC from one GEMM on [W_hat; A] (``ec_stacked``), each against the fp32 reference."""
+"""The EC above the fused kernel's token counts (the semi-fused "side" path of ops.py: ec_gate,
+the W4 part, then ec_up or the GEMM's v-epilogue) and SiLU·mul of interleaved pairs in one pass,
+each against the fp32 reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from spear.kernels import fused, ops, pack_ec
+from spear.kernels import fused, ops
 from spear.kernels import reference as ref
-from spear.kernels.ec import ec_stacked
-from spear.kernels.layout import unpack
+from spear.kernels.layout import pack_ec
+from spear.kernels.policy import KernelPolicy, plan
 from tests.kernels._helpers import DEVICE, K_SMALL, N_SMALL, assert_close, capture, make_ec, setup_case
+
+DEFAULT = KernelPolicy()
 
 
 @pytest.mark.parametrize("m,n,dtype", [(1, 64, torch.float16), (7, 96, torch.bfloat16), (33, 200, torch.float32),
@@ -30,67 +33,32 @@ def test_silu_mul_pairs(poisoned, m, n, dtype):
         fused.silu_mul_pairs(y[:, :1])
 
 
-def _stacked_y(x, w, e):
-    """x [W_hat; A]ᵀ in x's dtype, as cuBLAS returns it (fp32 math, one rounding)."""
-    w_hat = ref.dequantize(*unpack(w), w.group_size).to(x.dtype)
-    return (x.float() @ torch.cat([w_hat, e.a]).float().t()).to(x.dtype)
-
-
-@pytest.mark.parametrize("m,dtype,h,bias,act", [(5, torch.float16, 12, True, 0), (70, torch.bfloat16, None, False, 0),
-                                                (129, torch.float16, 16, True, 1), (3, torch.bfloat16, 8, False, 1)])
-def test_ec_stacked(poisoned, m, dtype, h, bias, act):
-    ec = make_ec(N_SMALL, K_SMALL, 8, h, dtype, seed=4)
-    x, w, b, e, expect = setup_case(m, K_SMALL, N_SMALL, 64, False, dtype, seed=m, bias=bias, ec=ec)
-    y = _stacked_y(x, w, e)
-    out = ec_stacked(y, N_SMALL, e, b, act)
-    if act:
-        expect = ref.silu_mul_pairs(expect)
-    assert_close(out, expect, dtype, f"ec_stacked M={m} act={act}")
-    # without the EC term the result is measurably further from the reference (the EC is applied)
-    plain = y[:, :N_SMALL].float() + (b.float() if b is not None else 0)
-    plain = ref.silu_mul_pairs(plain) if act else plain
-    assert (plain - expect).abs().max() > 4 * (out.float() - expect).abs().max()
-
-
-def test_ec_stacked_checks_shapes():
-    ec = make_ec(N_SMALL, K_SMALL, 8, None, torch.float16, seed=4)
-    x, w, b, e, _ = setup_case(4, K_SMALL, N_SMALL, 64, False, torch.float16, seed=4, ec=ec)
-    y = _stacked_y(x, w, e)
-    with pytest.raises(ValueError, match=r"\(M, N \+ R\)"):
-        ec_stacked(y[:, :-1], N_SMALL, e)
-    with pytest.raises(ValueError, match="bias"):
-        ec_stacked(y, N_SMALL, e, b[:-1])
-    assert ec_stacked(y[:0], N_SMALL, e).shape == (0, N_SMALL)
-
-
-@pytest.mark.parametrize("mode", ["out", "in"])
-@pytest.mark.parametrize("kmajor", [False, True])
-@pytest.mark.parametrize("act", [0, 1])
-def test_prefill_ec_paths(poisoned, mode, kmajor, act):
-    """"out": dequantize into the first N rows, A under them, one GEMM, ec_stacked. "in": ec_gate
-    writes [x, v], the weight is [W_hat, alpha · B], one GEMM over K + R."""
+# (tokens, K-major, act): from the cuBLAS threshold on (dequantize + cuBLAS, then ec_up), and below
+# it (the GEMM with the v-epilogue), under the default policy's planned launch
+@pytest.mark.parametrize("m,kmajor,act", [(DEFAULT.dequant_mm_min_m + 3, False, 0), (DEFAULT.dequant_mm_min_m + 3, True, 1),
+                                          (DEFAULT.fused_max_m + 3, True, 0), (DEFAULT.fused_max_m + 3, False, 1)])
+def test_semi_fused_side_path(poisoned, m, kmajor, act):
+    """The op's semi-fused path in its serial form (as torch.compile traces it; the overlap on a
+    side stream needs CUDA): ec_gate writes v, then dequantize + cuBLAS and ec_up add alpha v Bᵀ, or
+    the GEMM's epilogue does, and SiLU·mul of the pairs where the GEMM does not."""
     dtype = torch.float16
-    m = ops.DEQUANT_MM_MIN_M + 3
     ec = make_ec(N_SMALL, K_SMALL, 16, 16, dtype, seed=9)
-    x, w, b, e, expect = setup_case(m, K_SMALL, N_SMALL, 64, False, dtype, seed=9, ec=ec, kmajor=kmajor)
-    path = ops._prefill_ec_out if mode == "out" else ops._prefill_ec_in
-    out = path(x, w, b, e, act)
-    assert_close(out, ref.silu_mul_pairs(expect) if act else expect, dtype, f"{mode} kmajor={kmajor} act={act}")
+    x, w, b, e, expect = setup_case(m, K_SMALL, N_SMALL, 64, False, dtype, seed=9 + m, ec=ec, kmajor=kmajor)
+    p = plan(m, N_SMALL, K_SMALL, 64, kmajor, e.a.shape[0], DEFAULT)
+    assert p.path == "semi_fused_ec" and (p.config is None) == (m >= DEFAULT.dequant_mm_min_m)
+    out = ops._semi_fused(x, w, b, e, p.config, False, DEFAULT.gate_programs, 0, act)
+    what = f"side M={m} kmajor={kmajor} act={act} {'cuBLAS' if p.config is None else 'v-epilogue'}"
+    assert_close(out, ref.silu_mul_pairs(expect) if act else expect, dtype, what)
+    # without the EC term the result is measurably further from the reference (the EC is applied)
+    plain = ops._w4_part(x, w, b, p.config, 0, act)
+    target = ref.silu_mul_pairs(expect) if act else expect
+    assert (plain.float() - target).abs().max() > 4 * (out.float() - target).abs().max()
+    assert int(w.locks.abs().sum()) == 0
 
 
-def test_prefill_ec_mode(monkeypatch):
-    for mode in ("side", "out", "in"):
-        monkeypatch.setattr(ops, "PREFILL_EC", mode)
-        assert ops._prefill_ec_mode(4096, 4096) == mode
-    monkeypatch.setattr(ops, "PREFILL_EC", "auto")
-    assert ops._prefill_ec_mode(28672, 4096) == "in" and ops._prefill_ec_mode(4096, 14336) == "out"
-    monkeypatch.setattr(ops, "PREFILL_EC", "stacked")
-    with pytest.raises(ValueError, match="PREFILL_EC"):
-        ops._prefill_ec_mode(4096, 4096)
-
-
-def test_ec_gate_copies_x_and_writes_strided_v(poisoned):
-    """ec_gate(copy_to=, out=) into the two parts of one [x, v] matrix, single pass and split over K."""
+def test_ec_gate_writes_strided_v(poisoned):
+    """ec_gate(out=) into the last R columns of a wider matrix, single pass and split over K: the
+    columns before them are left alone."""
     from spear.kernels.ec import ec_gate
 
     dtype = torch.bfloat16
@@ -100,29 +68,32 @@ def test_ec_gate_copies_x_and_writes_strided_v(poisoned):
     expect = ref.ec_gate(u, e.w1, e.b1, e.w2, e.b2, e.bound)
     r = e.a.shape[0]
     for splits in (1, 2):
-        xv = torch.full((37, K_SMALL + r), float("nan"), dtype=dtype, device=DEVICE)
-        ec_gate(x, e, out=xv[:, K_SMALL:], splits=splits, copy_to=xv[:, :K_SMALL])
-        assert torch.equal(xv[:, :K_SMALL], x), f"the copy of x, splits={splits}"
+        xv = torch.full((37, K_SMALL + r), 7.0, dtype=dtype, device=DEVICE)
+        ec_gate(x, e, out=xv[:, K_SMALL:], splits=splits)
+        assert bool((xv[:, :K_SMALL] == 7.0).all()), f"columns before v written, splits={splits}"
         assert_close(xv[:, K_SMALL:], expect, dtype, f"v in [x, v], splits={splits}")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["out", "in"])
-@pytest.mark.parametrize("m", [ops.DEQUANT_MM_MIN_M, 300, 2048])
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("m", [DEFAULT.dequant_mm_min_m, 300, 2048])
 @pytest.mark.parametrize("act", [0, 1])
-def test_gpu_prefill_ec_dispatch(poisoned, monkeypatch, mode, m, act):
-    """The registered op with PREFILL_EC "out" / "in" at a real shape, eagerly and replayed from a CUDA graph."""
+def test_gpu_side_path_dispatch(poisoned, overlap, m, act):
+    """The registered op's semi-fused EC at prefill token counts and a real shape, ec_gate beside
+    the W4 part on a side stream or before it, eagerly and replayed from a CUDA graph."""
     if DEVICE != "cuda":
         pytest.skip("needs CUDA")
     from spear.kernels.ops import w4a16_linear
 
-    monkeypatch.setattr(ops, "PREFILL_EC", mode)
+    policy = DEFAULT.replace(semi_fused_overlap=overlap)
     dtype = torch.float16
     ec = make_ec(4096, 4096, 32, 32, dtype, seed=2)
     x, w, b, e, expect = setup_case(m, 4096, 4096, 128, False, dtype, seed=2, ec=ec, kmajor=True)
+    assert plan(m, 4096, 4096, 128, True, e.a.shape[0], policy).path == "semi_fused_ec"
     expect = ref.silu_mul_pairs(expect) if act else expect
-    assert_close(w4a16_linear(x, w, b, e, act=act), expect, dtype, f"{mode} M={m} act={act}")
-    graph, y = capture(lambda: w4a16_linear(x, w, b, e, act=act))
+    what = f"side overlap={overlap} M={m} act={act}"
+    assert_close(w4a16_linear(x, w, b, e, act=act, policy=policy), expect, dtype, what)
+    graph, y = capture(lambda: w4a16_linear(x, w, b, e, act=act, policy=policy))
     graph.replay()
     torch.cuda.synchronize()
-    assert_close(y, expect, dtype, f"{mode} M={m} act={act}, graph replay")
+    assert_close(y, expect, dtype, what + ", graph replay")

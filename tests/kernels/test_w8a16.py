@@ -14,8 +14,9 @@ import sys
 import pytest
 import torch
 
+from spear.kernels import reference as ref
 from spear.kernels import w8a16 as w8
-from spear.kernels.w8a16 import pack_w8, reference_w8a16, w8a16_linear, w8a16_matmul
+from spear.kernels.w8a16 import pack_w8, w8a16_linear, w8a16_matmul
 from spear.quant.linear import QuantLinear
 from spear.quant.primitives import dequantize, rtn
 from tests.kernels._helpers import DEVICE, SQNR_FLOOR, assert_close, capture, sqnr_db
@@ -47,7 +48,7 @@ def test_w8a16_gemm(poisoned, m, n, k, dtype, bias):
     x, q, scale, b = make_case(m, n, k, dtype, seed=m + n + k)
     out = w8a16_matmul(x, q, scale, b)
     assert out.dtype == dtype
-    assert_close(out, reference_w8a16(x, q, scale, b), dtype, f"W8 M={m} N={n} K={k} {dtype} bias={bias}")
+    assert_close(out, ref.w8a16(x, q, scale, b), dtype, f"W8 M={m} N={n} K={k} {dtype} bias={bias}")
 
 
 # Every launch class at a token count inside it, and launches that the defaults do not reach at
@@ -69,7 +70,7 @@ LAUNCH_CASES = [(m, None) for m in (1, 2, 5, 12, 64, 70)] + [
 def test_w8a16_launches(poisoned, m, cfg, k):
     dtype = torch.bfloat16 if m % 2 else torch.float16
     x, q, scale, b = make_case(m, 257, k, dtype, seed=m + k)
-    assert_close(w8a16_matmul(x, q, scale, b, config=cfg), reference_w8a16(x, q, scale, b), dtype,
+    assert_close(w8a16_matmul(x, q, scale, b, config=cfg), ref.w8a16(x, q, scale, b), dtype,
                  f"W8 M={m} K={k} cfg={cfg}")
 
 
@@ -79,10 +80,10 @@ def test_comparison_sees_the_scale_and_the_bias(poisoned):
     for m in (1, 3, 17):
         x, q, scale, b = make_case(m, 100, 256, dtype, seed=7)
         out = w8a16_matmul(x, q, scale, b)
-        assert_close(out, reference_w8a16(x, q, scale, b), dtype, f"M={m}")
-        for what, wrong in (("no scale", reference_w8a16(x, q, torch.ones_like(scale), b)),
-                            ("no bias", reference_w8a16(x, q, scale)),
-                            ("one scale", reference_w8a16(x, q, scale.mean().expand_as(scale), b))):
+        assert_close(out, ref.w8a16(x, q, scale, b), dtype, f"M={m}")
+        for what, wrong in (("no scale", ref.w8a16(x, q, torch.ones_like(scale), b)),
+                            ("no bias", ref.w8a16(x, q, scale)),
+                            ("one scale", ref.w8a16(x, q, scale.mean().expand_as(scale), b))):
             assert sqnr_db(wrong, out.float()) < SQNR_FLOOR[dtype] - 20, f"M={m}: output matches '{what}'"
 
 
@@ -146,7 +147,7 @@ def test_cpu_fallback_against_fp64(dtype):
     """The registered op on CPU tensors (its torch fallback) against x (q · scale)ᵀ + bias computed
     in fp64 from the int8 codes and fp32 scales.
 
-    Catches: ``reference_w8a16`` returning ``y`` without the bias: the fallback is that reference, so
+    Catches: ``reference.w8a16`` returning ``y`` without the bias: the fallback is that reference, so
     the old test (fallback against the same reference, atol 0) passed."""
     q, scale = make_w8(64, 128, seed=3, device="cpu")
     g = torch.Generator().manual_seed(4)
@@ -187,10 +188,10 @@ def _need_cuda():
 def test_gpu_real_shapes(poisoned, n, k, dtype, m):
     _need_cuda()
     x, q, scale, b = make_case(m, n, k, dtype, seed=m)
-    expect = reference_w8a16(x, q, scale, b)
+    expect = ref.w8a16(x, q, scale, b)
     assert_close(w8a16_matmul(x, q, scale, b), expect, dtype, f"W8 {n}x{k} M={m} {dtype}")
     assert_close(w8a16_linear(x[None], q, scale, b)[0], expect, dtype, f"op {n}x{k} M={m} {dtype}")
-    assert_close(w8a16_matmul(x, q, scale), reference_w8a16(x, q, scale), dtype, f"no bias {n}x{k} M={m}")
+    assert_close(w8a16_matmul(x, q, scale), ref.w8a16(x, q, scale), dtype, f"no bias {n}x{k} M={m}")
 
 
 @pytest.mark.gpu
@@ -206,7 +207,27 @@ def test_gpu_cuda_graph_replay(m):
         x.copy_(torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype))
         graph.replay()
         torch.cuda.synchronize()
-        assert_close(y, reference_w8a16(x, q, scale, b), dtype, f"graph replay {seed} M={m}")
+        assert_close(y, ref.w8a16(x, q, scale, b), dtype, f"graph replay {seed} M={m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_programmatic_dependent_launch(poisoned, m):
+    """The op at PDL level 1 (Hopper) gives the level-0 result, eagerly and replayed from a CUDA graph."""
+    _need_cuda()
+    from spear.kernels import _common
+
+    if not _common.PDL_AVAILABLE or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs griddepcontrol (Triton) and a Hopper GPU")
+    dtype = torch.float16
+    n, k = GPU_SHAPES[0]
+    x, q, scale, b = make_case(m, n, k, dtype, seed=6)
+    expect = ref.w8a16(x, q, scale, b)
+    assert_close(w8a16_linear(x, q, scale, b, pdl=1), expect, dtype, f"PDL M={m}")
+    graph, y = capture(lambda: w8a16_linear(x, q, scale, b, pdl=1))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(y, expect, dtype, f"PDL graph replay M={m}")
 
 
 # ---------------------------------------------------------------------------- sm_90 compile check

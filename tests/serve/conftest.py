@@ -55,6 +55,8 @@ def running_server(engine, model_name: str = "test-model", limits=None):
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
         time.sleep(0.05)
+    if not async_engine.ready.wait(60):  # the warm-up (nothing to compile on the CPU)
+        raise RuntimeError("the test engine did not finish its warm-up")
     try:
         yield f"http://127.0.0.1:{port}", async_engine
     finally:

@@ -49,12 +49,13 @@ def logit_gaps(ref_model, prompt, got):
     return logits.max(-1).values - logits[torch.arange(len(got), device="cuda"), torch.tensor(got, device="cuda")]
 
 
-def _engine(model, graphs=True, pdl="off", launch_table=None, dtype=None):
+def _engine(model, graphs=True, pdl="off", launch_table=None, dtype=None, budget=64, **policy):
     from spear.serve.config import kernel_policy
 
     return LLMEngine(model, _IdsTokenizer(), EngineConfig(num_blocks=128, block_size=16, max_num_seqs=8,
-                                                          max_num_batched_tokens=64, cuda_graphs=graphs,
-                                                          kernels=kernel_policy(pdl=pdl, launch_table=launch_table)),
+                                                          max_num_batched_tokens=budget, cuda_graphs=graphs,
+                                                          kernels=kernel_policy(pdl=pdl, launch_table=launch_table,
+                                                                                **policy)),
                      device="cuda", dtype=dtype)
 
 
@@ -88,7 +89,15 @@ def test_w8_head_with_graphs_equals_the_reference_math():
     _w4_engine_equals_the_reference_math(True, "auto", head_bits=8)
 
 
-def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None, head_bits=0):
+@pytest.mark.parametrize("prefill_gemm", [False, True])
+def test_prefill_paths_equal_the_reference_math(prefill_gemm):
+    """A 256-token budget: the first step holds all four prompts (240 tokens), so the W4 layers take
+    the prefill path (dequantize + cuBLAS, or the on-chip-dequantizing GEMM) and the ECs the
+    semi-fused one, with the paged prefill attention over the mixed batch."""
+    _w4_engine_equals_the_reference_math(True, "auto", budget=256, prefill_gemm=prefill_gemm)
+
+
+def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None, head_bits=0, budget=64, **policy):
     model = _model(1)
     modules = quantize_model_rtn(model, QuantConfig(bits=4, group_size=128), progress=False)
     if head_bits:  # only the head is left unquantized
@@ -104,7 +113,8 @@ def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None, head_b
             q.compensator = ec
     ref_model = model.cuda()  # fp32; the engine reads its weights into its own fp16 model
     refs = [_hf_greedy(ref_model, p, 24) for p in PROMPTS]
-    eng = _engine(ref_model, pdl=pdl, launch_table=launch_table, dtype=torch.float16)
+    eng = _engine(ref_model, pdl=pdl, launch_table=launch_table, dtype=torch.float16, budget=budget, **policy)
+    eng.warmup()
     if pdl == "auto":  # at most 8 sequences here: every graph with PDL on, eager steps without
         assert set(eng.runner.graph_pdl.values()) == {1} and eng.runner.eager_ctx.pdl == 0
     assert (eng.model.lm_head.kind == "w8") == bool(head_bits)

@@ -343,3 +343,49 @@ def test_a_burst_fills_every_slot_before_the_queue_bound(tiny):
 
         codes = [r.status_code for r in asyncio.run(burst())]
     assert set(codes) <= {200, 429} and codes.count(200) >= 24, codes
+
+
+def test_health_says_warming_up_until_the_engine_is_ready(tiny):
+    """/health is 503 ``warming_up`` while the warm-up runs; a request sent meanwhile waits and is
+    answered once it is done."""
+    eng = make_engine(tiny)
+    release, started = threading.Event(), threading.Event()
+
+    def slow_warmup():
+        started.set()
+        release.wait(30)
+        return 0.0
+
+    eng.warmup = slow_warmup
+    from spear.serve.async_engine import AsyncEngine
+    from spear.serve.server import build_app
+    import uvicorn
+
+    from tests.serve.conftest import free_port
+
+    ae = AsyncEngine(eng)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(ae, "tiny"), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert started.wait(30)
+        while not server.started:
+            threading.Event().wait(0.05)
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "warming_up"
+        result = {}
+        sender = threading.Thread(target=lambda: result.update(r=_post(url, "/v1/completions",
+                                                                       {"prompt": "hi", "max_tokens": 2})))
+        sender.start()
+        threading.Event().wait(0.3)
+        assert "r" not in result  # waiting for the warm-up
+        release.set()
+        sender.join(60)
+        assert result["r"].status_code == 200
+        assert httpx.get(url + "/health").status_code == 200
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(30)

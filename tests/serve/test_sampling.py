@@ -160,3 +160,36 @@ def test_without_a_usable_stream_the_python_scheme_runs(tokenizer, monkeypatch, 
     for t in ids:
         d.add(t)
     assert d.delta(final=True) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(temperature=1.6), dict(temperature=1.0, top_k=3),
+                                dict(temperature=0.9, top_p=0.8)])
+def test_samples_follow_softmax_of_logits_over_temperature(kw):
+    """6,000 seeded draws of one row against softmax(logits / T) (masked by top-k / top-p, as the
+    references above define the masks): Pearson's chi-square under the 0.999 quantile of its
+    distribution (df <= 5: 20.5). Catches: the temperature ignored or applied twice (chi-square in
+    the thousands), the top-k / top-p mask not applied, a generator that is not the request's."""
+    logits = torch.tensor([[2.0, 1.5, 0.2, -0.5, 0.9, -1.2]])
+    n = 6_000
+    params = SamplingParams(seed=11, **kw)
+    gen = make_generator(params.seed)
+    draws = [sample(logits, [params], [gen])[0] for _ in range(n)]
+    counts = torch.bincount(torch.tensor(draws), minlength=6).double()
+    scaled = logits[0].double() / params.temperature
+    keep = torch.ones(6, dtype=torch.bool)
+    if params.top_k:
+        keep &= ref_top_k(scaled, params.top_k)
+    if params.top_p < 1:
+        keep &= ref_top_p(scaled, params.top_p)
+    probs = torch.where(keep, scaled, torch.tensor(float("-inf"), dtype=torch.float64)).softmax(-1)
+    assert counts[~keep].sum() == 0
+    assert _chi_square(counts, probs) < 20.5
+    # and a wrong temperature is far outside the bound, so the test can tell
+    wrong = (logits[0].double() / (params.temperature * 1.5)).masked_fill(~keep, float("-inf")).softmax(-1)
+    assert _chi_square(counts, wrong) > 60

@@ -73,9 +73,14 @@ def test_completion_greedy_equals_hf_and_streams_the_same(default_model, client)
     assert chunks[-1].usage.completion_tokens == 12
 
 
-def test_chat_streaming_and_not(client):
+def test_chat_streaming_and_not(client, default_model):
+    """The prompt is the tokenizer's chat template applied to the messages (its token count equals
+    apply_chat_template's), the streamed text equals the whole one."""
+    _, tok = default_model
     messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a color."}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    ref = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert r.usage.prompt_tokens == len(ref["input_ids"] if hasattr(ref, "keys") else ref)
     text = r.choices[0].message.content
     assert r.choices[0].message.role == "assistant" and text and r.usage.completion_tokens <= 10
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
@@ -86,8 +91,16 @@ def test_chat_streaming_and_not(client):
 
 
 def test_sampling_with_seed_reproduces(client):
+    """The same seed gives the same text; other seeds, other texts; temperature 0 the greedy text.
+    Catches: the seed ignored (every seed alike, or a repeat differing), the temperature ignored
+    (sampled text equal to the greedy one for every seed)."""
     kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+    texts = {client.completions.create(**{**kw, "seed": seed}).choices[0].text for seed in range(1, 6)}
+    assert len(texts) >= 3, texts
+    greedy = client.completions.create(**{**kw, "temperature": 0}).choices[0].text
+    assert greedy == client.completions.create(**{**kw, "temperature": 0, "seed": 99}).choices[0].text
+    assert any(t != greedy for t in texts)
 
 
 def test_stop_string(client):

@@ -11,7 +11,8 @@ slots, and attends:
   ``KernelPolicy.rope_in_attention`` it also rotates q and writes the new k, v itself), the
   torch reference elsewhere;
   any other step (prefill chunks, or chunks and decodes mixed): causal attention of each chunk's
-  queries over its sequence's cached keys.
+  queries over its sequence's cached keys, in one launch of the paged prefill kernel
+  (spear.kernels.paged_prefill) on CUDA, one SDPA per sequence elsewhere.
 
 Numerics follow transformers' Llama attention (rotary in the activation dtype, SDPA) so greedy
 decoding matches ``generate`` token for token.
@@ -29,53 +30,52 @@ from spear.kernels import reference
 
 
 @dataclass
-class ChunkMeta:
-    """Where one sequence's chunk sits in the flat batch and in the cache."""
-
-    q_start: int             # first row of the chunk in the flat token dimension
-    num_tokens: int          # query tokens (the chunk)
-    context_len: int         # keys: every token of the sequence up to the chunk's end
-    slots: torch.Tensor      # (context_len,) cache slots of positions 0 .. context_len - 1
-
-
-@dataclass
 class AttentionMetadata:
-    """One step's attention inputs, shared by every layer."""
+    """One step's attention inputs, shared by every layer. Rows of the flat batch belong to the
+    step's sequences in order: sequence ``b`` holds rows ``query_start_loc[b]:query_start_loc[b+1]``
+    (its chunk: its last ``n_b`` tokens up to ``seq_lens[b]``); a decode step has one row each."""
 
     positions: torch.Tensor            # (T,) int64
     slots: torch.Tensor                # (T,) int64 cache slot of each token
     cos: torch.Tensor                  # (max_len, head_dim) rotary tables
     sin: torch.Tensor
-    decode: bool = False
-    block_tables: torch.Tensor | None = None   # decode: (B, max_blocks) int64
-    context_lens: torch.Tensor | None = None   # decode: (B,) int64
-    chunks: list[ChunkMeta] | None = None      # other steps
+    block_tables: torch.Tensor         # (B, max_blocks) int64 (decode: int64 graph buffers)
+    seq_lens: torch.Tensor             # (B,) keys per sequence (decode: the context lengths)
+    decode: bool = False               # one query per sequence, rows = sequences
+    query_start_loc: torch.Tensor | None = None  # other steps: (B + 1,) int32 cumulative query counts
+    max_query_len: int = 1
+
+    @property
+    def context_lens(self) -> torch.Tensor:
+        return self.seq_lens
 
 
-def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     chunks: list[ChunkMeta], scale: float) -> torch.Tensor:
-    """Causal attention of each chunk's queries over its sequence's cached keys (chunk included).
-
-    Query ``i`` of a chunk sits at position ``context_len - num_tokens + i`` and sees keys
-    ``0 ..`` that position. Returns (T, n_heads * head_dim).
-    """
-    kv_heads, head_dim = k_cache.shape[-2:]
-    k_flat, v_flat = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
-    out = torch.empty(q.shape[0], q.shape[1], head_dim, dtype=q.dtype, device=q.device)
-    for c in chunks:
-        qc = q[c.q_start:c.q_start + c.num_tokens].transpose(0, 1)[None]  # (1, H, n, D)
-        kc = k_flat[c.slots].transpose(0, 1)[None]                        # (1, Hkv, ctx, D)
-        vc = v_flat[c.slots].transpose(0, 1)[None]
+def prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's chunk over its cached keys, one SDPA per sequence in the
+    activation dtype (transformers' numerics): the CPU's path. Returns (T, n_heads * head_dim)."""
+    bs, kv_heads, head_dim = k_cache.shape[1:]
+    out = torch.zeros(q.shape[0], q.shape[1], head_dim, dtype=q.dtype, device=q.device)
+    starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    for b, ctx in enumerate(lens):
+        lo, hi = starts[b], starts[b + 1]
+        n = hi - lo
+        if n <= 0:
+            continue
+        pos = torch.arange(ctx, device=q.device)
+        blocks = meta.block_tables[b, pos // bs]
+        kc = k_cache[blocks, pos % bs].transpose(0, 1)[None]   # (1, Hkv, ctx, D)
+        vc = v_cache[blocks, pos % bs].transpose(0, 1)[None]
+        qc = q[lo:hi].transpose(0, 1)[None]                     # (1, H, n, D)
         mask, causal = None, False
-        if c.num_tokens == c.context_len:
+        if n == ctx:
             causal = True
-        elif c.num_tokens > 1:
-            offset = c.context_len - c.num_tokens
-            qpos = torch.arange(c.num_tokens, device=q.device)[:, None] + offset
-            mask = torch.arange(c.context_len, device=q.device)[None, :] <= qpos
+        elif n > 1:
+            qpos = torch.arange(n, device=q.device)[:, None] + (ctx - n)
+            mask = pos[None, :] <= qpos
         o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=causal, scale=scale,
                                            enable_gqa=kv_heads != q.shape[1])
-        out[c.q_start:c.q_start + c.num_tokens] = o[0].transpose(0, 1)
+        out[lo:hi] = o[0].transpose(0, 1)
     return out.flatten(1)
 
 
@@ -100,7 +100,7 @@ class PagedAttention(nn.Module):
         reference.write_kv(k_cache, v_cache, k, v, meta.slots)
         if meta.decode:
             return reference.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
-        return varlen_attention(q, k_cache, v_cache, meta.chunks, self.scale)
+        return prefill_attention_sdpa(q, k_cache, v_cache, meta, self.scale)
 
     def _cuda(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, ctx) -> torch.Tensor:
         from spear.kernels import attention, fused
@@ -121,4 +121,9 @@ class PagedAttention(nn.Module):
                                 pdl=ctx.pdl)
         if meta.decode:
             return reference.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
-        return varlen_attention(q, k_cache, v_cache, meta.chunks, self.scale)
+        from spear.kernels import paged_prefill
+
+        if paged_prefill.supports(q, k_cache):
+            return paged_prefill.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                                         meta.seq_lens, self.scale, max_query_len=meta.max_query_len)
+        return prefill_attention_sdpa(q, k_cache, v_cache, meta, self.scale)

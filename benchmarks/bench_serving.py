@@ -1,0 +1,304 @@
+"""Serving benchmark under real traffic: requests arrive while others decode.
+
+    python benchmarks/bench_serving.py --out results/serving                       # H200: Llama-3-8B shape
+    python benchmarks/bench_serving.py --budgets 512,2048 --variants w4,w4+ec      # a subset
+    python benchmarks/bench_serving.py --http                                      # through the HTTP server
+    python benchmarks/bench_serving.py --tiny                                      # CPU smoke check (CI)
+
+Workload (seeded): ``--requests`` requests with Poisson arrivals at ``--rate`` per second, prompts
+of random tokens with lengths uniform in ``--prompt-min``..``--prompt-max``, ``--output`` tokens
+each (ignore_eos). Variants on the same random weights (HF init at the model's shape, fp16 on
+CUDA): fp16, w4 (RTN W4 g128 on every linear but the head), w4+ec (rank-16 gated ECs on evenly
+spread linears up to --ec-budget of the W4 bytes). Per variant and token budget
+(``max_num_batched_tokens``) the engine is built, warmed up (``LLMEngine.warmup``) and runs the
+workload; ``--passes`` > 1 repeats it and reports the last pass.
+
+In-process (default): arrivals are replayed in real time against ``LLMEngine``: before each step the
+requests whose arrival time has passed are added; every token's time is the end of the step that
+produced it. ``--http``: the same workload through the OpenAI-compatible server on a loopback port
+with the official ``openai`` client (streaming), times taken by the client.
+
+Reported: TTFT p50/p99 (arrival to first token), ITL p50/p99 (between consecutive tokens of a
+request), output tokens/s (all output tokens over the time from the first arrival to the last
+token), engine step time p50 split decode-only / mixed (in-process only), and the steps that took
+more than twice the median step of the same token count ("stalls", e.g. a compilation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import gc
+import json
+import math
+import platform
+import random
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode_cases import GROUP, SHAPES, IdsTokenizer, attach_ecs, build_model, remove_ecs  # noqa: E402
+from spear.config import QuantConfig  # noqa: E402
+from spear.kernels.policy import KernelPolicy  # noqa: E402
+from spear.quant import quantize_model_rtn  # noqa: E402
+from spear.serve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- workload and metrics
+@dataclass
+class Request:
+    arrival: float              # seconds after the start
+    prompt: list[int]
+    output: int
+
+
+def workload(n: int, rate: float, prompt_min: int, prompt_max: int, output: int, vocab: int,
+             seed: int = 0) -> list[Request]:
+    """Poisson arrivals (exponential gaps at ``rate`` per second), uniform prompt lengths."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(Request(t, [rng.randrange(vocab) for _ in range(rng.randint(prompt_min, prompt_max))], output))
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation between order statistics; NaN when empty."""
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    pos = q * (len(v) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+@dataclass
+class Trace:
+    """Per request: arrival and token times (seconds from the start); per step: (tokens, decode only, seconds)."""
+    arrivals: list[float] = field(default_factory=list)
+    tokens: list[list[float]] = field(default_factory=list)
+    steps: list[tuple[int, bool, float]] = field(default_factory=list)
+
+
+def summarize(trace: Trace) -> dict:
+    ttft = [t[0] - a for a, t in zip(trace.arrivals, trace.tokens) if t]
+    itl = [b - a for t in trace.tokens for a, b in zip(t, t[1:])]
+    n_tokens = sum(len(t) for t in trace.tokens)
+    end = max((t[-1] for t in trace.tokens if t), default=0.0)
+    span = end - min(trace.arrivals, default=0.0)
+    out = dict(requests=len(trace.arrivals), output_tokens=n_tokens,
+               ttft_p50_s=percentile(ttft, 0.5), ttft_p99_s=percentile(ttft, 0.99),
+               itl_p50_ms=1e3 * percentile(itl, 0.5), itl_p99_ms=1e3 * percentile(itl, 0.99),
+               output_tok_s=n_tokens / span if span > 0 else float("nan"))
+    if trace.steps:
+        dec = [s for n, d, s in trace.steps if d]
+        mixed = [s for n, d, s in trace.steps if not d]
+        by_count: dict[int, list[float]] = {}
+        for n, _, s in trace.steps:
+            by_count.setdefault(n, []).append(s)
+        stalls = sum(s > 2 * statistics.median(by_count[n]) for n, _, s in trace.steps if len(by_count[n]) >= 3)
+        out.update(decode_step_p50_ms=1e3 * percentile(dec, 0.5), mixed_step_p50_ms=1e3 * percentile(mixed, 0.5),
+                   mixed_step_p99_ms=1e3 * percentile(mixed, 0.99), steps=len(trace.steps), mixed_steps=len(mixed),
+                   stalls=int(stalls))
+    return out
+
+
+# ----------------------------------------------------------------------------- runs
+class TextIdsTokenizer(IdsTokenizer):
+    def decode(self, ids, **kw):
+        return "".join(f" {i}" for i in ids)
+
+
+
+def run_in_process(engine: LLMEngine, reqs: list[Request]) -> Trace:
+    trace = Trace(arrivals=[r.arrival for r in reqs], tokens=[[] for _ in reqs])
+    cuda = engine.runner.device.type == "cuda"
+    engine.last_step = None
+    pending = list(range(len(reqs)))
+    index: dict[str, int] = {}
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while pending and reqs[pending[0]].arrival <= now:
+            i = pending.pop(0)
+            r = reqs[i]
+            rid = engine.add_request(r.prompt, SamplingParams(max_tokens=r.output, temperature=0, ignore_eos=True),
+                                     arrival_time=t0 + r.arrival)
+            index[rid] = i
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, min(reqs[pending[0]].arrival - now, 0.01)))
+            continue
+        s0 = time.perf_counter()
+        outs = engine.step()  # sampling reads the logits back: the step has finished on return
+        if cuda:
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        if engine.last_step is not None:
+            trace.steps.append((engine.last_step.num_tokens, engine.last_step.decode_only, end - s0))
+        for o in outs:
+            if o.error is None and o.new_token_ids:
+                trace.tokens[index[o.request_id]].extend([end - t0] * len(o.new_token_ids))
+    return trace
+
+
+def run_http(engine: LLMEngine, reqs: list[Request], name: str = "bench") -> Trace:
+    import openai
+    import uvicorn
+
+    from spear.serve.async_engine import AsyncEngine
+    from spear.serve.server import build_app
+
+    engine.tokenizer = TextIdsTokenizer()  # streamed chunks need text: one word per token
+    ae = AsyncEngine(engine)
+    with __import__("socket").socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(ae, name), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    ae.ready.wait()
+    trace = Trace(arrivals=[r.arrival for r in reqs], tokens=[[] for _ in reqs])
+
+    async def one(client, i, r, t0):
+        await asyncio.sleep(max(0.0, r.arrival - (time.perf_counter() - t0)))
+        stream = await client.completions.create(model=name, prompt=r.prompt, max_tokens=r.output, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text is not None:
+                trace.tokens[i].append(time.perf_counter() - t0)
+
+    async def run_all():
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                                    timeout=600)
+        t0 = time.perf_counter()
+        try:
+            await asyncio.gather(*[one(client, i, r, t0) for i, r in enumerate(reqs)])
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(run_all())
+    finally:
+        server.should_exit = True
+        thread.join(60)
+    return trace
+
+
+def build_variants(args, device, dtype):
+    """(name, model) pairs on one set of random weights; the model is changed between them."""
+    model = build_model(args.shape, args.layers, device, dtype)
+    if "fp16" in args.variants:
+        yield "fp16" if dtype == torch.float16 else "fp32", model
+    modules = quantize_model_rtn(model, QuantConfig(bits=4, group_size=GROUP), progress=False)
+    if "w4" in args.variants:
+        yield "w4", model
+    if "w4+ec" in args.variants:
+        n, pct = attach_ecs(modules, 16, 16, args.ec_budget, model)
+        yield f"w4+ec ({pct:.2f}%)", model
+        remove_ecs(modules)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="Llama-3-8B", help="one of: " + ", ".join(SHAPES))
+    p.add_argument("--layers", type=int, help="decoder layers (default: the model's)")
+    p.add_argument("--variants", default="fp16,w4,w4+ec", help="comma-separated: fp16, w4, w4+ec")
+    p.add_argument("--budgets", default="512,2048", help="comma-separated max_num_batched_tokens")
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--rate", type=float, default=8.0, help="mean arrivals per second (Poisson)")
+    p.add_argument("--prompt-min", type=int, default=256)
+    p.add_argument("--prompt-max", type=int, default=3072)
+    p.add_argument("--output", type=int, default=128, help="output tokens per request")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--ec-budget", type=float, default=0.01, help="EC bytes / W4 model bytes (default: 1%%)")
+    p.add_argument("--passes", type=int, default=1, help="runs of the workload per engine; the last is reported")
+    p.add_argument("--prefill-gemm", action="store_true", help="KernelPolicy.prefill_gemm: the on-chip-dequant GEMM")
+    p.add_argument("--http", action="store_true", help="through the HTTP server and the openai client")
+    p.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU: smoke check")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="folder for results.json and table.md")
+    args = p.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if set(args.variants) - {"fp16", "w4", "w4+ec"}:
+        p.error(f"--variants: choose from fp16, w4, w4+ec; got {args.variants}")
+    budgets = [int(b) for b in args.budgets.split(",")]
+    if args.tiny:
+        device, dtype = "cpu", torch.float32
+        args.shape = "tiny"
+        args.requests, args.rate, args.prompt_min, args.prompt_max, args.output = 6, 40.0, 8, 40, 6
+        args.max_num_seqs = 8
+        budgets = [min(b, 64) for b in budgets]
+    else:
+        if not torch.cuda.is_available():
+            p.error("no CUDA device: the benchmark needs a GPU (use --tiny for a CPU smoke check)")
+        device, dtype = "cuda", torch.float16
+    if args.shape not in SHAPES:
+        p.error(f"unknown shape {args.shape}; known: {sorted(SHAPES)}")
+    dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
+    policy = KernelPolicy(prefill_gemm=args.prefill_gemm)
+    header = (f"Serving, {datetime.date.today().isoformat()}, {dev_name}, {args.shape}"
+              + (f" ({args.layers} layers)" if args.layers else "") + f", {dtype}, {args.requests} requests, "
+              f"Poisson {args.rate:g}/s, prompts {args.prompt_min}-{args.prompt_max}, {args.output} output tokens, "
+              f"{'HTTP + openai client' if args.http else 'in process'}"
+              + (", prefill GEMM" if args.prefill_gemm else ", prefill dequantize + cuBLAS"))
+    print(header, flush=True)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    max_len = args.prompt_max + args.output + 1
+    reqs = workload(args.requests, args.rate, args.prompt_min, args.prompt_max, args.output, vocab, args.seed)
+    rows = []
+    for name, model in build_variants(args, device, dtype):
+        for budget in budgets:
+            cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(budget, args.max_num_seqs),
+                               max_model_len=max_len, kernels=policy,
+                               num_blocks=args.max_num_seqs * math.ceil(max_len / 16) + 16)
+            t0 = time.perf_counter()
+            engine = LLMEngine(model, IdsTokenizer(), cfg)
+            warm = engine.warmup()
+            print(f"  {name} budget {budget}: engine in {time.perf_counter() - t0:.1f} s (warm-up {warm:.1f} s)",
+                  flush=True)
+            for _ in range(args.passes):
+                trace = run_http(engine, reqs) if args.http else run_in_process(engine, reqs)
+            row = dict(variant=name, budget=budget, warmup_s=warm, **summarize(trace))
+            rows.append(row)
+            print("  " + json.dumps(row), flush=True)
+            del engine
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    table = markdown(rows, header)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"header": header, "args": vars(args), "rows": rows}, indent=2))
+        (out / "table.md").write_text(table + "\n")
+    return 0
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    lines = [header, "", "| variant | budget | mixed step p50 | decode step p50 | ITL p50 | ITL p99 | TTFT p50 | "
+             "TTFT p99 | output tok/s | stalls |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ms = lambda k: "—" if k not in r or not math.isfinite(r[k]) else f"{r[k]:.1f} ms"  # noqa: E731
+        lines.append(f"| {r['variant']} | {r['budget']} | {ms('mixed_step_p50_ms')} | {ms('decode_step_p50_ms')} | "
+                     f"{ms('itl_p50_ms')} | {ms('itl_p99_ms')} | {r['ttft_p50_s']:.2f} s | {r['ttft_p99_s']:.2f} s | "
+                     f"{r['output_tok_s']:.0f} | {r.get('stalls', '—')} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

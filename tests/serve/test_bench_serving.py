@@ -1,0 +1,56 @@
+"""benchmarks/bench_serving.py: its metrics on synthetic traces (exact numbers), and the --tiny run
+on the CPU, in process and through the HTTP server."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serving.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    import sys
+
+    spec = importlib.util.spec_from_file_location("bench_serving", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving"] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("bench_serving", None)
+
+
+def test_metrics_of_a_synthetic_trace(bench):
+    """Two requests: arrivals 0 and 1 s; tokens at 0.5, 0.6, 0.8 and 1.25, 1.5 s. Catches: TTFT from
+    the wrong origin, ITL across requests, tok/s over the wrong span, a stall counted early."""
+    t = bench.Trace(arrivals=[0.0, 1.0], tokens=[[0.5, 0.6, 0.8], [1.25, 1.5]],
+                    steps=[(4, True, 0.01), (4, True, 0.011), (4, True, 0.03), (100, False, 0.2)])
+    s = bench.summarize(t)
+    # TTFT [0.5, 0.25]; ITL [0.1, 0.2] and [0.25]; p-quantiles interpolate between order statistics
+    assert s["ttft_p50_s"] == pytest.approx(0.375) and s["ttft_p99_s"] == pytest.approx(0.4975)
+    assert s["itl_p50_ms"] == pytest.approx(200.0) and s["itl_p99_ms"] == pytest.approx(249.0)
+    assert s["output_tok_s"] == pytest.approx(5 / 1.5)
+    assert s["decode_step_p50_ms"] == pytest.approx(11.0) and s["mixed_step_p50_ms"] == pytest.approx(200.0)
+    assert s["stalls"] == 1  # 0.03 s > 2 x median(0.01, 0.011, 0.03); the 100-token step has no peers
+    assert bench.percentile([], 0.5) != bench.percentile([], 0.5)  # NaN
+
+
+def test_workload_is_seeded(bench):
+    a = bench.workload(5, 8.0, 10, 20, 4, 100, seed=3)
+    b = bench.workload(5, 8.0, 10, 20, 4, 100, seed=3)
+    assert [(r.arrival, r.prompt) for r in a] == [(r.arrival, r.prompt) for r in b]
+    assert all(10 <= len(r.prompt) <= 20 for r in a) and a[0].arrival < a[-1].arrival
+
+
+@pytest.mark.parametrize("http", [False, True])
+def test_tiny_run(bench, tmp_path, http):
+    argv = ["--tiny", "--variants", "w4,w4+ec", "--budgets", "32", "--out", str(tmp_path)] + (["--http"] if http else [])
+    assert bench.main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["variant"].split(" ")[0] for r in rows] == ["w4", "w4+ec"]
+    for r in rows:
+        assert r["requests"] == 6 and r["output_tokens"] == 6 * 6
+        assert r["ttft_p50_s"] > 0 and r["itl_p50_ms"] > 0 and r["output_tok_s"] > 0
+        assert ("mixed_step_p50_ms" in r) != http

@@ -1,0 +1,90 @@
+"""The kernels' packed model forms on the CPU: the warm-up's token counts cover every kernel
+signature a step can meet, one count each; the packed model computes what the dense one does.
+
+The model's linears are packed for the kernels on the CPU too (the ops then run their torch
+references), so the runner plans as it would on a GPU: the W4 paths and launches by token count,
+the compensators' ec_gate splits."""
+
+import torch
+
+from spear.config import QuantConfig
+from spear.kernels.policy import KernelPolicy
+from spear.quant import quantize_model_rtn
+from spear.serve import EngineConfig, LLMEngine, SamplingParams
+
+
+def _kernel_engine(tiny_llama_path, policy):
+    from spear.compensate.lowrank import LowRankCompensator
+    from spear.kernels.layout import MAX_RANK
+    from spear.models.loading import load_model
+    from spear.serve import loader
+    from spear.serve.llama import build_model
+
+    model, tok = load_model(tiny_llama_path)
+    mods = quantize_model_rtn(model, QuantConfig(bits=4, group_size=32), progress=False)
+    g = torch.Generator().manual_seed(0)
+    for q in list(mods.values())[::3]:
+        q.compensator = LowRankCompensator(torch.randn(4, q.in_features, generator=g) * 0.01,
+                                           torch.randn(q.out_features, 4, generator=g) * 0.01)
+    eng = LLMEngine(model, tok, EngineConfig(num_blocks=64, max_model_len=512, max_num_batched_tokens=256,
+                                             kernels=policy), dtype=torch.float16)
+    cfg, quantized, tensors = loader.from_module(model)
+    eng.model, _ = build_model(cfg, quantized, tensors, "cpu", torch.float16, MAX_RANK, kernels=True)
+    eng.runner.model = eng.model
+    return eng
+
+
+def test_warmup_counts_cover_every_signature_once(tiny_llama_path):
+    """Catches: a threshold of the policy (fused EC, dequant + cuBLAS, a launch class) or an ec_gate
+    split that the warm-up never runs, which a request would then compile."""
+    for policy in (KernelPolicy(), KernelPolicy(fused_max_m=16, dequant_mm_min_m=100, gate_programs=64)):
+        runner = _kernel_engine(tiny_llama_path, policy).runner
+        assert runner._w4_shapes, "no layer on the kernel path"
+        counts = runner.warmup_token_counts(256)
+        every = {runner.kernel_signature(t) for t in range(1, 257)}
+        chosen = [runner.kernel_signature(t) for t in counts]
+        assert set(chosen) == every and len(set(chosen[:-1])) == len(chosen) - 1, counts
+        for t in (1, 2, 3, 5, policy.fused_max_m, policy.fused_max_m + 1, policy.dequant_mm_min_m):
+            assert runner.kernel_signature(t) in chosen
+
+
+def test_warmup_steps_leave_the_engine_serving_the_same(tiny_llama_path):
+    eng = _kernel_engine(tiny_llama_path, KernelPolicy())
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    before = eng.generate([list(range(5, 40))], params)[0].output_token_ids
+    eng.runner.warmup(eng.runner.warmup_token_counts(64))
+    assert eng.generate([list(range(5, 40))], params)[0].output_token_ids == before
+    assert eng.stats().kv_usage == 0.0
+
+
+def test_the_packed_model_computes_the_dense_one(tiny_llama_path):
+    """The same checkpoint built in the kernels' packed forms (merged q/k/v and gate/up codes,
+    block-diagonal ECs, interleaved gate/up with the SiLU·mul epilogue; the ops' references on the
+    CPU, in fp16) and in the dense form (fp32) give the same greedy tokens.
+    Catches: a member's rows out of order in a merged pack, the interleave of gate/up, the merged
+    compensator's blocks."""
+    eng = _kernel_engine(tiny_llama_path, KernelPolicy())
+    from spear.kernels.layout import MAX_RANK
+    from spear.models.loading import load_model
+    from spear.serve import loader
+    from spear.serve.llama import build_model
+
+    assert all(lin.kind == "w4" for layer in eng.model.layers
+               for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+    assert eng.model.layers[0].gate_up_proj.interleaved
+    model, _ = load_model(tiny_llama_path)
+    mods = quantize_model_rtn(model, QuantConfig(bits=4, group_size=32), progress=False)
+    from spear.compensate.lowrank import LowRankCompensator
+
+    g = torch.Generator().manual_seed(0)
+    for q in list(mods.values())[::3]:
+        q.compensator = LowRankCompensator(torch.randn(4, q.in_features, generator=g) * 0.01,
+                                           torch.randn(q.out_features, 4, generator=g) * 0.01)
+    dense, _ = build_model(*loader.from_module(model), "cpu", torch.float32, MAX_RANK, kernels=False)
+    ids = list(range(5, 40))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    packed_tokens = eng.generate([ids], params)[0].output_token_ids
+    eng.model, eng.runner.model = dense, dense
+    eng.runner.kv_caches = [(k.float(), v.float()) for k, v in eng.runner.kv_caches]
+    eng.runner.cos, eng.runner.sin = eng.runner.cos.float(), eng.runner.sin.float()
+    assert eng.generate([ids], params)[0].output_token_ids == packed_tokens
