@@ -10,7 +10,7 @@ from spear.errors import SpearError
 
 # Subcommand modules, in the order --help lists them. Each defines
 # ``register(subparsers)`` which adds a parser whose ``func(args)`` runs it.
-COMMANDS = ["run", "select", "quantize", "calibrate", "eval", "import_", "serve", "generate", "tune_kernels"]
+COMMANDS = ["run", "select", "quantize", "calibrate", "eval", "import_", "serve", "generate", "profile", "tune_kernels"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -71,7 +71,7 @@ def register(sub) -> None:
     add_model_arg(p)
     p.add_argument("--out", required=True, help="checkpoint folder to write")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    add_plan_args(p)
+    add_plan_args(p, latency=True)
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--blockwise", action="store_true",
                    help="train one decoder layer at a time against the FP layer outputs (memory of one "

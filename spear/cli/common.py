@@ -112,7 +112,8 @@ def read_plan(path: str | None) -> dict[str, int] | None:
     return load_plan(path)
 
 
-def add_plan_args(p: argparse.ArgumentParser, budget: str = "1%", overrides: bool = True) -> None:
+def add_plan_args(p: argparse.ArgumentParser, budget: str = "1%", overrides: bool = True,
+                  latency: bool = False) -> None:
     from spear.select.plan import PLACEMENTS
 
     g = p.add_argument_group("where the ECs go (one of --budget, --rank, --plan)" if overrides else "where the ECs go")
@@ -125,6 +126,15 @@ def add_plan_args(p: argparse.ArgumentParser, budget: str = "1%", overrides: boo
                    help="self-samples (x128 tokens) for the CKA damage scores (default: %(default)s)")
     g.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel degree the ranking accounts for (default: %(default)s)")
+    if latency:
+        g.add_argument("--latency-budget", metavar="PCT_OR_TIME",
+                       help="also keep the ECs' extra decode latency within this: a %% of the W4 decode step "
+                            "('3%%') or a time ('50us'); priced by --ec-costs, else by an analytic model from bytes")
+        g.add_argument("--ec-costs", metavar="JSON",
+                       help="per-module EC cost table (`spear profile --model W4_CKPT --ec-costs FILE`) for "
+                            "--latency-budget")
+    else:
+        p.set_defaults(latency_budget=None, ec_costs=None)
     if overrides:
         g.add_argument("--rank", type=nonneg_int, help="the same rank on every module instead of --budget")
         g.add_argument("--plan", help="plan.json (or a folder holding one, from `spear select`) instead of --budget")
@@ -140,6 +150,8 @@ def plan_from_args(args, model, tokenizer, quant, calib_cfg=None, progress: bool
     modules = quantizable_linears(model, quant.include_lm_head)
     if args.plan is not None and args.rank is not None:
         raise SpearError("give --plan or --rank, not both")
+    if args.latency_budget is not None and (args.plan is not None or args.rank is not None):
+        raise SpearError("--latency-budget steers the selection (--budget); it does not apply to --plan or --rank")
     if args.plan is not None:
         return load_plan(args.plan, modules), None
     if args.rank is not None:
@@ -150,5 +162,6 @@ def plan_from_args(args, model, tokenizer, quant, calib_cfg=None, progress: bool
         if hasattr(calib_cfg, "n_samples"):  # score damage on the samples calibration will use
             kw["calib"] = calib_cfg
     sel = select(model, tokenizer, quant, args.budget, args.placement, tp=args.tp,
-                 damage_samples=args.damage_samples, progress=progress, **kw)
+                 damage_samples=args.damage_samples, progress=progress, latency_budget=args.latency_budget,
+                 ec_costs=args.ec_costs, **kw)
     return sel.plan, sel

@@ -19,7 +19,7 @@ def register(sub) -> None:
     p.add_argument("--gate", action="store_true", help="count the bytes of token-gated ECs (default: ungated)")
     p.add_argument("--hidden", type=int, default=8, help="gate width the byte count assumes (default: %(default)s)")
     add_quant_args(p)
-    add_plan_args(p, overrides=False)
+    add_plan_args(p, overrides=False, latency=True)
     p.set_defaults(func=main)
 
 
@@ -45,6 +45,9 @@ def main(args) -> int:
     print(f"wrote {path} and {png}: {d['modules']} of {len(d.get('damage') or plan)} modules, ranks "
           f"{min(plan.values(), default=0)}..{max(plan.values(), default=0)}, {d['bytes'] / 2**20:.2f} MiB = "
           f"{d['memory_pct']:.2f}% of the quantized model (budget {d['budget_pct']:.2f}%)")
+    if "latency_us" in d:
+        print(f"extra decode latency {d['latency_us']:.1f} us = {d['latency_pct']:.2f}% of the W4 step "
+              f"({d['base_step_us']:.0f} us; budget {d['latency_budget_pct']:.2f}%), {d['latency_model']}")
     if "entropy" in d:
         print(f"damage entropy {d['entropy']:.2f} nats (N_eff {d['effective_modules']:.0f}, evenness "
               f"{d['evenness']:.2f}); scored on {d['damage_tokens']} tokens in {d['damage_seconds']:.0f} s")

@@ -22,8 +22,8 @@ def memory_size(text: str) -> int:
     return value
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    from spear.cli.common import add_model_arg, positive_int
+def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
+    from spear.cli.common import add_model_arg, positive_float, positive_int
 
     add_model_arg(p, verify=True)
     g = p.add_argument_group("engine")
@@ -54,24 +54,43 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="launch shapes of the W4 kernel for this GPU (a JSON table as `spear tune-kernels` writes "
                         "it; default: the built-in table, chosen on an H200)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed of requests without one (default: %(default)s)")
+    if not slo:
+        p.set_defaults(itl_slo_ms=None, latency_table=None, min_chunk=16)
+        return
+    t = p.add_argument_group("latency target")
+    t.add_argument("--itl-slo-ms", type=positive_float, metavar="MS",
+                   help="inter-token latency target: every step runs all decodes and the largest prefill chunk "
+                        "the latency table predicts within MS (with its margin); --max-num-batched-tokens stays "
+                        "the ceiling (default: no target, the static budget)")
+    t.add_argument("--latency-table", metavar="JSON",
+                   help="the deployment's measured step times (`spear profile`); default with --itl-slo-ms: the "
+                        "table cached for this checkpoint, device and kernel policy, else one profiled at start-up")
+    t.add_argument("--min-chunk", type=positive_int, default=16, metavar="TOKENS",
+                   help="prefill tokens a step takes at least under --itl-slo-ms, so prompts never starve "
+                        "(default: %(default)s)")
 
 
-def engine_from_args(args):
+def engine_from_args(args, **changes):
+    """The engine the arguments describe; ``changes`` replace EngineConfig fields."""
     import torch
 
     from spear.errors import SpearError
     from spear.serve import EngineConfig, LLMEngine
     from spear.serve.config import kernel_policy
+    from spear.serve.latency import load_table
 
     device = None if args.device == "auto" else args.device
     if device and device.startswith("cuda") and not torch.cuda.is_available():
         raise SpearError(f"--device {device} asked for, but no CUDA device is available")
     dtype = DTYPES[args.dtype]
-    cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
-                       kv_memory=args.kv_memory, max_waiting=args.max_waiting,
-                       cuda_graphs=not args.no_cuda_graphs,
-                       kernels=kernel_policy(pdl=args.pdl, launch_table=args.launch_table), seed=args.seed)
+    table = None if args.latency_table is None else load_table(args.latency_table)  # a bad file fails before loading
+    fields = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
+                  kv_memory=args.kv_memory, max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs,
+                  kernels=kernel_policy(pdl=args.pdl, launch_table=args.launch_table), seed=args.seed,
+                  itl_slo_ms=args.itl_slo_ms, latency_table=table, min_chunk_tokens=args.min_chunk)
+    fields.update(changes)
+    cfg = EngineConfig(**fields)
     return LLMEngine.from_pretrained(args.model, cfg, dtype=None if dtype is None else getattr(torch, dtype),
                                      device=device, verify=args.verify)
 
@@ -120,6 +139,11 @@ def main(args) -> int:
     engine = engine_from_args(args)
     for layer, reason in engine.load_report:
         print(f"note: {layer} runs off the W4 kernel path: {reason}", flush=True)
+    if engine.scheduler.itl_slo_ms is not None:
+        t = engine.scheduler.latency
+        print(f"inter-token latency target {engine.scheduler.itl_slo_ms:g} ms: step times measured {t.created} on "
+              f"{t.deployment.device}, margin {100 * t.margin:.1f}%, at least {engine.config.min_chunk_tokens} "
+              f"prefill tokens a step", flush=True)
     name = args.served_model_name or args.model
     print(f"serving {name} on http://{args.host}:{args.port} (max_model_len {engine.max_model_len}, "
           f"{engine.block_manager.num_blocks} KV blocks of {engine.config.block_size} tokens)", flush=True)

@@ -35,6 +35,15 @@ evenness.
    1 + comm_penalty · (tp − 1) / tp, because their A·x is a partial sum that must be
    reduced across ranks (r extra values per token). The budget itself always counts
    true bytes.
+
+A latency budget (optional, every placement)
+--------------------------------------------
+``latency(name, r)`` is the time a rank-r EC on module ``name`` adds to a decode step
+(:mod:`spear.select.ec_costs`) and ``latency_budget`` what all of them may add together. No rank
+is placed that would take either sum over its budget. In SPEAR's rule a rank's cost becomes the
+larger of its two budget shares, max(Δbytes / memory budget, Δlatency / latency budget): while
+latency is loose it ranks by bytes exactly as above; once latency binds, by damage per unit of
+latency, so the modules whose ECs cost the most time for their damage are the ones left out.
 """
 
 from __future__ import annotations
@@ -66,6 +75,20 @@ def _cap(shapes, max_rank):
     return {n: min(max_rank, *shapes[n]) for n in shapes}  # never above the module's own rank
 
 
+def _latency_check(latency, latency_budget):
+    if (latency is None) != (latency_budget is None):
+        raise ValueError("give latency and latency_budget together")
+    if latency_budget is not None and not latency_budget > 0:
+        raise ValueError(f"latency_budget must be > 0, got {latency_budget}")
+    return latency or (lambda name, rank: 0.0), math.inf if latency_budget is None else latency_budget
+
+
+def _latency_details(plan, latency, latency_budget) -> dict:
+    if latency is None:
+        return {}
+    return {"latency_us": sum(latency(n, r) for n, r in plan.items()), "latency_budget_us": latency_budget}
+
+
 def _bytes_fn(shapes, hidden, gated, per_rank):
     def cost(name, rank):
         i, o = shapes[name]
@@ -88,52 +111,63 @@ def damage_entropy(damage: dict[str, float]) -> tuple[float, float]:
 
 
 def uniform_allocation(shapes: dict[str, tuple[int, int]], budget: int, hidden: int = 8, gated: bool = False,
-                       per_rank: bool = True, max_rank: int = 1024) -> Allocation:
+                       per_rank: bool = True, max_rank: int = 1024, latency=None,
+                       latency_budget: float | None = None) -> Allocation:
     cost = _bytes_fn(shapes, hidden, gated, per_rank)
+    lat, lat_budget = _latency_check(latency, latency_budget)
     names = list(shapes)
     rank = 0
     while rank < min(max_rank, *(min(s) for s in shapes.values())) and \
-            sum(cost(n, rank + 1) for n in names) <= budget:
+            sum(cost(n, rank + 1) for n in names) <= budget and sum(lat(n, rank + 1) for n in names) <= lat_budget:
         rank += 1
     if rank > 0:
         plan = dict.fromkeys(names, rank)
     else:  # rank 1 on evenly spaced modules
         total = sum(cost(n, 1) for n in names)
+        total_lat = sum(lat(n, 1) for n in names)
         k = int(len(names) * budget / total) if total else 0
+        if latency is not None and total_lat:
+            k = min(k, int(len(names) * lat_budget / total_lat))
         plan = {}
-        used = 0
+        used = used_lat = 0
         for j in range(k):
             n = names[(j * len(names)) // max(k, 1)]
-            if used + cost(n, 1) <= budget:
+            if used + cost(n, 1) <= budget and used_lat + lat(n, 1) <= lat_budget:
                 plan[n] = 1
                 used += cost(n, 1)
-    return Allocation("uniform", plan, sum(cost(n, r) for n, r in plan.items()), budget, {"rank": rank})
+                used_lat += lat(n, 1)
+    return Allocation("uniform", plan, sum(cost(n, r) for n, r in plan.items()), budget,
+                      {"rank": rank, **_latency_details(plan, latency, latency_budget)})
 
 
 def random_allocation(shapes: dict[str, tuple[int, int]], budget: int, seed: int = 0, hidden: int = 8,
-                      gated: bool = False, per_rank: bool = True, max_rank: int = 1024) -> Allocation:
+                      gated: bool = False, per_rank: bool = True, max_rank: int = 1024, latency=None,
+                      latency_budget: float | None = None) -> Allocation:
     cost = _bytes_fn(shapes, hidden, gated, per_rank)
+    lat, lat_budget = _latency_check(latency, latency_budget)
     cap = _cap(shapes, max_rank)
     rng = random.Random(seed)
     plan: dict[str, int] = {}
-    used = 0
+    used = used_lat = 0
     open_ = list(shapes)
     while open_:
         n = rng.choice(open_)
         r = plan.get(n, 0)
         step = cost(n, r + 1) - cost(n, r)
-        if r >= cap[n] or used + step > budget:
+        step_lat = lat(n, r + 1) - lat(n, r) if r < cap[n] else 0.0
+        if r >= cap[n] or used + step > budget or used_lat + step_lat > lat_budget:
             open_.remove(n)
             continue
         plan[n] = r + 1
         used += step
-    return Allocation("random", plan, used, budget, {"seed": seed})
+        used_lat += step_lat
+    return Allocation("random", plan, used, budget, {"seed": seed, **_latency_details(plan, latency, latency_budget)})
 
 
 def cka_entropy_allocation(damage: dict[str, float], shapes: dict[str, tuple[int, int]], budget: int,
                            hidden: int = 8, gated: bool = False, per_rank: bool = True, tp: int = 1,
                            comm_penalty: float = 0.5, max_rank: int = 1024, coverage: str = "entropy",
-                           diffuse_evenness: float = 0.5) -> Allocation:
+                           diffuse_evenness: float = 0.5, latency=None, latency_budget: float | None = None) -> Allocation:
     """SPEAR's placement (module docstring). ``damage`` and ``shapes`` share their keys.
 
     ``coverage``: ``"entropy"`` (the rule above), ``"full"`` (every module, budget
@@ -143,6 +177,7 @@ def cka_entropy_allocation(damage: dict[str, float], shapes: dict[str, tuple[int
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
     cost = _bytes_fn(shapes, hidden, gated, per_rank)
+    lat, lat_budget = _latency_check(latency, latency_budget)
     cap = _cap(shapes, max_rank)
     h, even = damage_entropy(damage)
     total = sum(max(0.0, d) for d in damage.values())
@@ -154,7 +189,10 @@ def cka_entropy_allocation(damage: dict[str, float], shapes: dict[str, tuple[int
         return 1 + comm_penalty * (tp - 1) / tp if tp > 1 and kind in ROW_PARALLEL else 1.0
 
     def unit_cost(name, r):  # ranking cost of going from rank r-1 to r
-        return (cost(name, r) - cost(name, r - 1)) * penalty(name)
+        c = (cost(name, r) - cost(name, r - 1)) * penalty(name)
+        if latency is None:
+            return c
+        return max(c / budget, (lat(name, r) - lat(name, r - 1)) / lat_budget)
 
     if coverage == "entropy":
         if not 0 < diffuse_evenness <= 1:
@@ -169,14 +207,15 @@ def cka_entropy_allocation(damage: dict[str, float], shapes: dict[str, tuple[int
     n_cov = min(n, max(1, round(n * frac)))
     order = sorted(damage, key=lambda k: (-share[k] / unit_cost(k, 1), k))
     plan: dict[str, int] = {}
-    used = 0
+    used = used_lat = 0
     for name in order:
         if len(plan) >= n_cov:
             break
         c = cost(name, 1)
-        if used + c <= budget:
+        if used + c <= budget and used_lat + lat(name, 1) <= lat_budget:
             plan[name] = 1
             used += c
+            used_lat += lat(name, 1)
     def gain(name, k):  # utility gained by the k-th rank of a module
         return share[name] * math.log((k + 1) / k)
 
@@ -186,12 +225,15 @@ def cka_entropy_allocation(damage: dict[str, float], shapes: dict[str, tuple[int
         _, name = heapq.heappop(heap)
         r = plan[name] + 1
         step = cost(name, r) - cost(name, r - 1)
-        if used + step > budget:
+        step_lat = lat(name, r) - lat(name, r - 1)
+        if used + step > budget or used_lat + step_lat > lat_budget:
             continue  # does not fit; smaller steps of other modules still may
         plan[name] = r
         used += step
+        used_lat += step_lat
         if r < cap[name]:
             heapq.heappush(heap, (-gain(name, r + 1) / unit_cost(name, r + 1), name))
     return Allocation("cka-entropy-cost", plan, used, budget,
                       {"entropy": h, "effective_modules": math.exp(h), "evenness": even, "covered_target": n_cov,
-                       "coverage": coverage, "tp": tp, "comm_penalty": comm_penalty})
+                       "coverage": coverage, "tp": tp, "comm_penalty": comm_penalty,
+                       **_latency_details(plan, latency, latency_budget)})

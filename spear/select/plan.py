@@ -63,16 +63,49 @@ def damage_ids(model: nn.Module, tokenizer, n: int, calib=None, progress: bool =
     return sample_sequences(model, tokenizer, cfg, progress=progress)[:n]
 
 
+def latency_costs(model: nn.Module, quant: QuantConfig, targets: dict, latency_budget: str,
+                  ec_costs: str | None = None):
+    """(latency(name, rank) in µs, the budget in µs, what the plan records) for ``latency_budget``
+    ("3%" of the W4 decode step, or "50us"), from the table ``ec_costs`` or the analytic model."""
+    from spear.quant.primitives import n_groups, packed_nbytes
+    from spear.select.ec_costs import AnalyticECCost, load_ec_costs, parse_latency_budget
+
+    model_costs = AnalyticECCost() if ec_costs is None else load_ec_costs(ec_costs)
+    layer_bytes = []
+    for lin in targets.values():
+        g = n_groups(lin.in_features, quant.group_size)
+        b = packed_nbytes(lin.out_features, lin.in_features, quant.bits) + lin.out_features * g * 2
+        layer_bytes.append(b + (0 if quant.symmetric else (lin.out_features * g * quant.bits + 7) // 8))
+    head = model.get_output_embeddings()
+    if head is not None and not any(lin is head for lin in targets.values()):
+        layer_bytes.append(2 * head.weight.numel())  # the fp16 head streams whole at every step
+    base = model_costs.base_us(layer_bytes)
+    budget_us = parse_latency_budget(latency_budget, base)
+    shapes = {n: (lin.in_features, lin.out_features) for n, lin in targets.items()}
+
+    def latency(name, rank):
+        return model_costs.ec_us(*shapes[name], rank)
+
+    info = {"latency_budget": str(latency_budget), "base_step_us": base, "latency_model": model_costs.describe()}
+    return latency, budget_us, info
+
+
 def select(model: nn.Module, tokenizer, quant: QuantConfig, budget: str | int, placement: str = "cka",
            hidden: int = 8, gated: bool = False, per_rank: bool = True, tp: int = 1, comm_penalty: float = 0.5,
            damage_samples: int = 16, seed: int = 0, progress: bool = True,
-           damage: DamageReport | None = None, ids: torch.Tensor | None = None, calib=None) -> Selection:
-    """A plan for ``model`` (in full precision) within ``budget`` ("1%" of the quantized model, or bytes).
+           damage: DamageReport | None = None, ids: torch.Tensor | None = None, calib=None,
+           latency_budget: str | None = None, ec_costs: str | None = None) -> Selection:
+    """A plan for ``model`` (in full precision) within ``budget`` ("1%" of the quantized model, or bytes)
+    and, with ``latency_budget`` ("3%" of the W4 decode step, or "50us"), within that much extra
+    decode latency too, priced by the EC cost table ``ec_costs`` or the analytic model
+    (:mod:`spear.select.ec_costs`).
 
     Damage is scored on ``ids`` when given, else on ``damage_samples`` self-samples (from the
     calibration set of ``calib``, a CalibrationConfig, when given)."""
     if placement not in PLACEMENTS:
         raise SpearError(f"placement must be one of {', '.join(PLACEMENTS)}; got {placement!r}")
+    if ec_costs is not None and latency_budget is None:
+        raise SpearError("an EC cost table prices a latency budget: give --latency-budget with --ec-costs")
     targets = quantizable_linears(model, quant.include_lm_head)
     shapes = {n: (lin.in_features, lin.out_features) for n, lin in targets.items()}
     total = estimate_quantized_bytes(model, quant)
@@ -81,10 +114,14 @@ def select(model: nn.Module, tokenizer, quant: QuantConfig, budget: str | int, p
     except ValueError as exc:
         raise SpearError(str(exc)) from exc
     kw = {"hidden": hidden, "gated": gated, "per_rank": per_rank}
+    info = {}
+    if latency_budget is not None:
+        latency, budget_us, info = latency_costs(model, quant, targets, latency_budget, ec_costs)
+        kw.update(latency=latency, latency_budget=budget_us)
     if placement == "uniform":
-        return Selection(uniform_allocation(shapes, budget_bytes, **kw), total)
+        return _with_latency(Selection(uniform_allocation(shapes, budget_bytes, **kw), total, info=info))
     if placement == "random":
-        return Selection(random_allocation(shapes, budget_bytes, seed=seed, **kw), total)
+        return _with_latency(Selection(random_allocation(shapes, budget_bytes, seed=seed, **kw), total, info=info))
     if damage is None:
         if ids is None:
             ids = damage_ids(model, tokenizer, damage_samples, calib, progress=progress)
@@ -92,7 +129,16 @@ def select(model: nn.Module, tokenizer, quant: QuantConfig, budget: str | int, p
     coverage = {"cka": "entropy", "cka-full": "full", "cka-sqrt": "sqrt"}[placement]
     alloc = cka_entropy_allocation(damage.damage, shapes, budget_bytes, tp=tp, comm_penalty=comm_penalty,
                                    coverage=coverage, **kw)
-    return Selection(alloc, total, damage)
+    return _with_latency(Selection(alloc, total, damage, info))
+
+
+def _with_latency(sel: Selection) -> Selection:
+    """The predicted extra decode latency as a share of the base step, next to the memory share."""
+    if "base_step_us" in sel.info:
+        d = sel.allocation.details
+        sel.info.update(latency_pct=100 * d["latency_us"] / sel.info["base_step_us"],
+                        latency_budget_pct=100 * d["latency_budget_us"] / sel.info["base_step_us"])
+    return sel
 
 
 _damage_cache: dict[tuple, DamageReport] = {}

@@ -6,7 +6,9 @@ loader.py         weights from a spear checkpoint, an HF folder or a model in me
 sequence.py       request state and sampling parameters
 block_manager.py  paged KV block allocation
 block_tables.py   the decode step's block tables, kept on the host between steps
-scheduler.py      continuous batching with chunked prefill, admission control, preemption
+scheduler.py      continuous batching with chunked prefill, admission control, preemption, latency targets
+latency.py        the deployment's latency table: measured step times, interpolation, margin, cache
+profiler.py       timing engine steps into a latency table (spear profile), EC costs per linear shape
 model_runner.py   one step of the model over the cache; CUDA graphs for decode
 sampling.py       greedy / temperature / top-k / top-p, seeds
 detokenizer.py    incremental text and stop strings

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 
 from spear.errors import SpearError
 from spear.kernels.policy import KernelPolicy
+from spear.serve.latency import LatencyTable
 
 
 @dataclass(slots=True)
@@ -22,6 +25,13 @@ class EngineConfig:
     # hands it to its layers, so engines in one process may differ
     kernels: KernelPolicy = field(default_factory=KernelPolicy)
     seed: int = 0                        # the generator of requests without a seed
+    # inter-token latency target (ms): each step's prefill chunk is the largest the latency table
+    # predicts within it (spear/serve/scheduler.py); None: the static max_num_batched_tokens budget
+    itl_slo_ms: float | None = None
+    # a LatencyTable or the path of one (spear profile); None with a target: the table cached for
+    # this deployment, else one profiled at start-up and cached. A table alone adds predictions
+    latency_table: object = None
+    min_chunk_tokens: int = 16           # prefill tokens a step takes at least under a target
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
@@ -31,6 +41,15 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise SpearError(f"{name} must be >= 1 when given, got {v}")
+        slo = self.itl_slo_ms
+        if slo is not None and (isinstance(slo, bool) or not isinstance(slo, (int, float))
+                                or not (math.isfinite(slo) and slo > 0)):
+            raise SpearError(f"itl_slo_ms must be a finite number of milliseconds > 0, got {slo!r}")
+        if isinstance(self.min_chunk_tokens, bool) or not isinstance(self.min_chunk_tokens, int) or \
+                self.min_chunk_tokens < 1:
+            raise SpearError(f"min_chunk_tokens must be a whole number >= 1, got {self.min_chunk_tokens!r}")
+        if self.latency_table is not None and not isinstance(self.latency_table, (str, os.PathLike, LatencyTable)):
+            raise SpearError(f"latency_table must be a LatencyTable or a path, got {type(self.latency_table).__name__}")
         if not isinstance(self.kernels, KernelPolicy):
             raise SpearError(f"kernels must be a KernelPolicy, got {type(self.kernels).__name__}")
         if self.max_num_batched_tokens < self.max_num_seqs:

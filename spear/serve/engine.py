@@ -80,15 +80,25 @@ class RequestOutput:
         return self._num_tokens - self.num_prompt_tokens
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class StepRecord:
-    """What the last step ran: scheduled tokens and sequences, whether every one was a decode, and
-    its wall time in seconds (model, sampling and outputs)."""
+    """What a step ran, the latency table's prediction for it, and its wall time (schedule, model,
+    sampling and outputs: what the decodes' next tokens wait for)."""
 
-    num_tokens: int
-    num_seqs: int
+    num_tokens: int                      # scheduled tokens
+    num_seqs: int                        # scheduled sequences
     decode_only: bool
-    seconds: float
+    seconds: float                       # wall time
+    index: int = 0                       # steps run so far, this one included
+    num_decodes: int = 0
+    prefill_tokens: int = 0
+    decode_context: float = 0.0          # the decodes' mean context in tokens (0 without decodes)
+    chunk_budget: int | None = None      # prefill tokens the latency target allowed (None: no target)
+    predicted_ms: float | None = None    # None without a table or without decodes
+
+    @property
+    def measured_ms(self) -> float:
+        return 1e3 * self.seconds
 
 
 @dataclass(slots=True)
@@ -99,6 +109,9 @@ class EngineStats:
     num_free_blocks: int
     num_preemptions: int
     num_failed_steps: int = 0     # steps in a row in which every request failed (0 after a good one)
+    num_steps: int = 0
+    last_step: StepRecord | None = None
+    itl_slo_ms: float | None = None
 
 
 def _generation_config(path):
@@ -157,13 +170,19 @@ class LLMEngine:
         check_supported(cfg)
         self = cls.__new__(cls)
         self._setup(cfg, quantized, tensors, _generation_config(path), load_folder_tokenizer(path), config, device,
-                    dtype)
+                    dtype, source=path)
         return self
 
-    def _setup(self, model_config, quantized, tensors, generation_config, tokenizer, config, device, dtype) -> None:
+    def _setup(self, model_config, quantized, tensors, generation_config, tokenizer, config, device, dtype,
+               source=None) -> None:
         from spear.kernels.layout import MAX_RANK
+        from spear.serve.latency import deployment_of, given_table
 
         self.config = config = config or EngineConfig()
+        # before build_model, which takes the tensors over
+        self.deployment = deployment_of(model_config, quantized, tensors, source, device, dtype, config.kernels,
+                                        config.block_size, config.cuda_graphs and device.type == "cuda")
+        table = given_table(config.latency_table, self.deployment)  # a wrong table fails before the weights load
         self.model, self.load_report = build_model(model_config, quantized, tensors, device, dtype, MAX_RANK)
         for layer, reason in self.load_report:
             log.warning("%s runs off the W4 kernel path: %s", layer, reason)
@@ -182,10 +201,25 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.num_failed_steps = 0  # steps in a row in which every request failed
+        self.num_steps = 0
         self.last_step: StepRecord | None = None
         torch.manual_seed(config.seed)
         log.info("engine: %d KV blocks of %d tokens, max_model_len %d, %s %s", num_blocks, config.block_size,
                  self.max_model_len, device, dtype)
+        if table is not None:
+            self.scheduler.set_latency(table, config.itl_slo_ms, config.min_chunk_tokens)
+        elif config.itl_slo_ms is not None:
+            self.prepare_latency()
+
+    def prepare_latency(self, progress: bool = False):
+        """Give the scheduler a latency table if it has none: the one cached for this deployment, else
+        one profiled now on a quick grid and cached (spear/serve/profiler.py). Returns the table."""
+        if self.scheduler.latency is None:
+            from spear.serve.profiler import table_for
+
+            self.scheduler.set_latency(table_for(self, progress=progress), self.config.itl_slo_ms,
+                                       self.config.min_chunk_tokens)
+        return self.scheduler.latency
 
     def warmup(self) -> float:
         """Compile every kernel variant a step can meet (one prefill step per distinct kernel
@@ -296,7 +330,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.block_manager.usage,
-                           self.block_manager.num_free_blocks, self.num_preemptions, self.num_failed_steps)
+                           self.block_manager.num_free_blocks, self.num_preemptions, self.num_failed_steps,
+                           self.num_steps, self.last_step, self.scheduler.itl_slo_ms)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
@@ -334,8 +369,11 @@ class LLMEngine:
                 self._forget(seq.request_id)
         everyone_failed = len(outputs) > 0 and all(o.error is not None for o in outputs)
         self.num_failed_steps = self.num_failed_steps + 1 if everyone_failed else 0
+        self.num_steps += 1
         self.last_step = StepRecord(sched.num_tokens, len(sched.chunks), sched.is_decode_only,
-                                    time.perf_counter() - t0)
+                                    time.perf_counter() - t0, self.num_steps, sched.num_decodes,
+                                    sched.prefill_tokens, sched.decode_context, sched.chunk_budget,
+                                    sched.predicted_ms)
         return outputs
 
     def _execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor | None,

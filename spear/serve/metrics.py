@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from spear.serve.engine import EngineStats, RequestOutput
+from spear.serve.engine import EngineStats, RequestOutput, StepRecord
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                     30.0, 60.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+# a step is milliseconds: fine buckets around the usual inter-token targets (16-25 ms)
+_STEP_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.012, 0.014, 0.016, 0.018, 0.02, 0.022, 0.025, 0.03, 0.04,
+                 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+_CHUNK_BUCKETS = (0, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 8192)
 
 
 class ServingMetrics:
@@ -33,7 +37,22 @@ class ServingMetrics:
         # read at scrape time (AsyncEngine sets its function): a hung step shows as a growing value
         self.step_running = Gauge("spear_engine_step_running_seconds",
                                   "How long the engine step now running has run (0 between steps)", registry=r)
+        self.itl_slo = Gauge("spear_itl_slo_seconds", "The inter-token latency target (0: none)", registry=r)
+        self.prefill_tokens = Histogram("spear_step_prefill_tokens", "Prefill tokens the scheduler put in each step",
+                                        buckets=_CHUNK_BUCKETS, registry=r)
+        self.chunk_budget = Gauge("spear_step_chunk_budget_tokens",
+                                  "Prefill tokens the latency target allowed in the last step", registry=r)
+        self.step_seconds = Histogram("spear_step_seconds", "Measured wall time of each engine step",
+                                      buckets=_STEP_BUCKETS, registry=r)
+        self.step_predicted = Histogram("spear_step_predicted_seconds",
+                                        "The latency table's prediction of each step with decodes",
+                                        buckets=_STEP_BUCKETS, registry=r)
+        self.step_residual = Gauge("spear_step_prediction_error_ratio",
+                                   "(measured - predicted) / predicted of the last predicted step", registry=r)
+        self.steps_over_slo = Counter("spear_steps_over_slo", "Steps with decodes that took longer than the target",
+                                      registry=r)
         self._preempted_seen = 0
+        self._steps_seen = 0
 
     def observe(self, out: RequestOutput, now: float, last_token_time: float | None) -> None:
         """One step's output of one request; ``last_token_time`` is when its previous token came."""
@@ -55,6 +74,23 @@ class ServingMetrics:
         if stats.num_preemptions > self._preempted_seen:
             self.preemptions.inc(stats.num_preemptions - self._preempted_seen)
             self._preempted_seen = stats.num_preemptions
+        self.itl_slo.set(0.0 if stats.itl_slo_ms is None else stats.itl_slo_ms / 1e3)
+        step = stats.last_step
+        if step is not None and stats.num_steps > self._steps_seen:  # stats are also published between steps
+            self._steps_seen = stats.num_steps
+            self.observe_step(step, stats.itl_slo_ms)
+
+    def observe_step(self, step: StepRecord, itl_slo_ms: float | None) -> None:
+        measured = step.measured_ms / 1e3
+        self.step_seconds.observe(measured)
+        self.prefill_tokens.observe(step.prefill_tokens)
+        if step.chunk_budget is not None:
+            self.chunk_budget.set(step.chunk_budget)
+        if step.predicted_ms is not None:
+            self.step_predicted.observe(step.predicted_ms / 1e3)
+            self.step_residual.set((step.measured_ms - step.predicted_ms) / step.predicted_ms)
+        if itl_slo_ms is not None and step.num_decodes and step.measured_ms > itl_slo_ms:
+            self.steps_over_slo.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

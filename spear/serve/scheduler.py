@@ -19,14 +19,27 @@ requests the free sequence slots will take at the next step, at most ``max_waiti
 more wait; :meth:`Scheduler.add` raises :class:`QueueFull` past that. (Counting the
 free slots matters for a burst that arrives between two steps: all of it is queued
 before the step that admits it.)
+
+With an inter-token latency target (``itl_slo_ms``) and a latency table
+(:mod:`spear.serve.latency`, the deployment's measured step times), the token budget
+after the decodes is no longer fixed: every running decode is scheduled, then the
+prefill chunks (running prompts, then admissions) share the largest chunk ``c`` whose
+predicted step time, with the table's margin, keeps the step within the target:
+``predict(d, c, L) · (1 + margin) <= itl_slo_ms`` for ``d`` decodes of mean context
+``L``. It is at least ``min_chunk_tokens`` (when decodes alone break the target,
+prompts still advance), and ``max_num_batched_tokens`` stays the ceiling of a step. A
+step without decodes has no inter-token latency at stake and gets the ceiling. Without
+a target the schedule is exactly the static one; a table alone only adds predictions.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from spear.serve.block_manager import BlockManager
+from spear.serve.latency import LatencyTable
 from spear.serve.sequence import Sequence, Status
 
 
@@ -52,6 +65,14 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefill chunks
     preempted: list[Sequence] = field(default_factory=list)
+    num_decodes: int = 0                # the first num_decodes chunks are decodes
+    decode_context: float = 0.0         # their mean context (tokens attended, the new one included)
+    chunk_budget: int | None = None     # prefill tokens the latency target allowed (None: no target)
+    predicted_ms: float | None = None   # the table's step time for this composition (no margin)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decodes
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +88,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_waiting: int):
+                 max_waiting: int, latency: LatencyTable | None = None, itl_slo_ms: float | None = None,
+                 min_chunk_tokens: int = 16):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({max_num_seqs}) so that every running sequence can decode each step")
@@ -76,6 +98,18 @@ class Scheduler:
             max_num_seqs, max_num_batched_tokens, max_waiting)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order
+        self.set_latency(latency, itl_slo_ms, min_chunk_tokens)
+
+    def set_latency(self, table: LatencyTable | None, itl_slo_ms: float | None = None,
+                    min_chunk_tokens: int = 16) -> None:
+        """Schedule against ``itl_slo_ms`` with ``table`` (module docstring); a table alone only predicts."""
+        if itl_slo_ms is not None and table is None:
+            raise ValueError("an inter-token latency target needs a latency table")
+        if itl_slo_ms is not None and not (math.isfinite(itl_slo_ms) and itl_slo_ms > 0):
+            raise ValueError(f"itl_slo_ms must be a finite number > 0, got {itl_slo_ms}")
+        if isinstance(min_chunk_tokens, bool) or not isinstance(min_chunk_tokens, int) or min_chunk_tokens < 1:
+            raise ValueError(f"min_chunk_tokens must be a whole number >= 1, got {min_chunk_tokens!r}")
+        self.latency, self.itl_slo_ms, self.min_chunk_tokens = table, itl_slo_ms, min_chunk_tokens
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -121,6 +155,15 @@ class Scheduler:
                 scheduled.add(seq.seq_id)
                 budget -= 1
 
+        d = out.num_decodes = len(out.chunks)
+        if d:
+            out.decode_context = sum(c.start + 1 for c in out.chunks) / d
+        if self.itl_slo_ms is not None:
+            if d:
+                fit = self.latency.max_chunk(d, out.decode_context, self.itl_slo_ms, budget)
+                budget = min(budget, max(self.min_chunk_tokens, fit))
+            out.chunk_budget = budget
+
         for seq in self.running:
             if budget == 0:
                 break
@@ -142,6 +185,8 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
+        if self.latency is not None and d:
+            out.predicted_ms = self.latency.predict(d, out.prefill_tokens, out.decode_context)
         return out
 
     def advance(self, out: SchedulerOutput) -> None:

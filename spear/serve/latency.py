@@ -1,0 +1,450 @@
+"""The latency model of one deployment: measured engine step times, interpolated.
+
+A :class:`LatencyTable` holds the wall time of ``LLMEngine.step()`` measured over a grid of step
+compositions: ``decodes`` running decodes (d >= 1) x ``chunks`` prefill tokens in the step (c, 0
+included) x ``contexts`` (L, the decodes' mean context in tokens). It is valid only for what it
+was measured on, :class:`Deployment`: the checkpoint (its config and where its quantized layers
+and compensators are), the device, the dtype, the kernel policy, and the engine settings that
+change a step's kernels (block size, CUDA graphs). ``Deployment.key()`` names its cache file,
+``<spear cache>/latency/<key>.json`` (``~/.cache/spear/latency`` by default).
+
+``predict(d, c, L)`` is piecewise-linear in each axis (trilinear inside a grid cell). Beyond an
+axis's last point it extrapolates along the last segment, since a step keeps growing about
+linearly with its tokens and context (the weights are read once, the compute and the attention
+reads scale with them); below an axis's first point it holds the first point's value, which
+overestimates (fewer decodes or a shorter context cost no more than measured): the safe side.
+
+The table carries a relative safety ``margin``: the scheduler keeps ``predict · (1 + margin)``
+under its target. :meth:`LatencyTable.from_measurements` learns it as the larger of two
+``q``-quantiles (q = 0.9): of the leave-one-out residuals ``(measured - predicted) / predicted``
+(every grid point with neighbours on both sides of an axis predicted from them, and an axis's
+last point from the two before it, as the extrapolation would), and of the timed repeats'
+deviations from their point's median. Negative quantiles count as 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+from spear.errors import SpearError
+
+FORMAT = "spear-latency-table"
+VERSION = 1
+MARGIN_QUANTILE = 0.9
+DEFAULT_MARGIN = 0.10  # a table with nothing to learn from (no interior points, no repeats)
+_KEY_FIELDS = ("checkpoint_hash", "device", "dtype", "policy_hash", "block_size", "cuda_graphs")
+
+
+@dataclass(frozen=True)
+class Density:
+    """Compensator density of a deployment (informative; the checkpoint hash already covers it)."""
+
+    modules_with_ec: int = 0
+    modules: int = 0              # quantized linears
+    extra_memory_pct: float = 0.0  # compensator bytes / bytes of the quantized model, in %
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What a latency table is valid for. ``key()`` covers every field but the path, the policy's
+    integers (their hash is covered) and the density (the checkpoint hash covers it)."""
+
+    checkpoint: str | None        # the folder it was loaded from (None: a model in memory)
+    checkpoint_hash: str          # sha256 of its config file and its quantized layers' placement
+    device: str                   # GPU name, or the CPU model and thread count
+    dtype: str
+    policy_hash: str              # sha256 of the kernel policy (policy_hash)
+    block_size: int
+    cuda_graphs: bool             # decode steps replay CUDA graphs
+    density: Density = field(default_factory=Density)
+    policy_op_args: tuple[int, ...] = ()
+
+    def key(self) -> str:
+        text = json.dumps({k: getattr(self, k) for k in _KEY_FIELDS}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    def mismatches(self, other: "Deployment") -> list[str]:
+        return [f"{k} {getattr(self, k)!r} (this engine: {getattr(other, k)!r})" for k in _KEY_FIELDS
+                if getattr(self, k) != getattr(other, k)]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["policy_op_args"] = list(self.policy_op_args)
+        return d
+
+    @classmethod
+    def from_dict(cls, d, where: str) -> "Deployment":
+        if not isinstance(d, dict):
+            raise SpearError(f"{where}: 'deployment' must be an object, got {type(d).__name__}")
+        try:
+            dens = d.get("density") or {}
+            density = Density(int(dens.get("modules_with_ec", 0)), int(dens.get("modules", 0)),
+                              float(dens.get("extra_memory_pct", 0.0)))
+            out = cls(d["checkpoint"], d["checkpoint_hash"], d["device"], d["dtype"], d["policy_hash"],
+                      d["block_size"], d["cuda_graphs"], density, tuple(d.get("policy_op_args", ())))
+        except KeyError as exc:
+            raise SpearError(f"{where}: 'deployment' lacks {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise SpearError(f"{where}: malformed 'deployment': {exc}") from None
+        for k in ("checkpoint_hash", "device", "dtype", "policy_hash"):
+            if not isinstance(getattr(out, k), str):
+                raise SpearError(f"{where}: deployment.{k} must be a string, got {getattr(out, k)!r}")
+        if isinstance(out.block_size, bool) or not isinstance(out.block_size, int) or out.block_size < 1:
+            raise SpearError(f"{where}: deployment.block_size must be a whole number >= 1, got {out.block_size!r}")
+        if not isinstance(out.cuda_graphs, bool):
+            raise SpearError(f"{where}: deployment.cuda_graphs must be true or false, got {out.cuda_graphs!r}")
+        return out
+
+
+def _bracket(axis: tuple[int, ...], x: float) -> tuple[int, int, float]:
+    """(i, j, t) with value = v[i] (1 - t) + v[j] t: held below the first point, extrapolated
+    along the last segment beyond the last (t > 1)."""
+    if len(axis) == 1 or x <= axis[0]:
+        return 0, 0, 0.0
+    i = min(bisect.bisect_right(axis, x) - 1, len(axis) - 2)
+    return i, i + 1, (x - axis[i]) / (axis[i + 1] - axis[i])
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The ``q``-quantile with linear interpolation between order statistics (numpy's default)."""
+    s = sorted(values)
+    h = (len(s) - 1) * q
+    lo = math.floor(h)
+    return s[lo] if lo + 1 >= len(s) else s[lo] + (h - lo) * (s[lo + 1] - s[lo])
+
+
+def loo_residuals(axes: tuple[tuple[int, ...], ...], values) -> list[float]:
+    """Relative residuals (measured - predicted) / predicted of each grid point predicted from
+    its neighbours along each axis (module docstring); ``values[i][j][k]`` on ``axes``."""
+    out = []
+    shape = tuple(len(a) for a in axes)
+    for idx in _indices(shape):
+        for ax, axis in enumerate(axes):
+            i, n = idx[ax], len(axis)
+            if 0 < i < n - 1:
+                lo, hi = i - 1, i + 1
+            elif i == n - 1 and n >= 3:
+                lo, hi = i - 2, i - 1
+            else:
+                continue
+            t = (axis[i] - axis[lo]) / (axis[hi] - axis[lo])
+            pred = _at(values, idx, ax, lo) * (1 - t) + _at(values, idx, ax, hi) * t
+            if pred > 0:
+                out.append((_at(values, idx, ax, i) - pred) / pred)
+    return out
+
+
+def _at(values, idx, axis: int, j: int) -> float:
+    """values at ``idx`` with its ``axis`` coordinate replaced by ``j``."""
+    i = list(idx)
+    i[axis] = j
+    return values[i[0]][i[1]][i[2]]
+
+
+def _indices(shape):
+    for i in range(shape[0]):
+        for j in range(shape[1]):
+            for k in range(shape[2]):
+                yield i, j, k
+
+
+def _axis(name: str, values, minimum: int, where: str) -> tuple[int, ...]:
+    if not isinstance(values, (list, tuple)) or not values:
+        raise SpearError(f"{where}: grid.{name} must be a non-empty list of whole numbers, got {values!r}")
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in values):
+        raise SpearError(f"{where}: grid.{name} must hold whole numbers >= {minimum}, got {list(values)}")
+    if any(b <= a for a, b in zip(values, values[1:])):
+        raise SpearError(f"{where}: grid.{name} must be strictly increasing, got {list(values)}")
+    return tuple(values)
+
+
+@dataclass(frozen=True)
+class LatencyTable:
+    """Step times in ms, ``step_ms[i][j][k]`` at (decodes[i], chunks[j], contexts[k])."""
+
+    decodes: tuple[int, ...]
+    chunks: tuple[int, ...]
+    contexts: tuple[int, ...]
+    step_ms: tuple
+    margin: float
+    deployment: Deployment | None = None  # None: a synthetic table, which no engine accepts
+    margin_quantile: float = MARGIN_QUANTILE
+    margin_source: str = "given"
+    created: str = ""
+    profile: dict = field(default_factory=dict, compare=False)  # how it was measured
+
+    def __post_init__(self, where: str = "latency table"):
+        axes = (_axis("decodes", list(self.decodes), 1, where), _axis("chunks", list(self.chunks), 0, where),
+                _axis("contexts", list(self.contexts), 1, where))
+        if axes[1][0] != 0:
+            raise SpearError(f"{where}: grid.chunks must start at 0 (the decode-only step), got {list(axes[1])}")
+        rows = self.step_ms
+        try:
+            ok = len(rows) == len(axes[0]) and all(len(r) == len(axes[1]) and all(
+                len(c) == len(axes[2]) for c in r) for r in rows)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise SpearError(f"{where}: step_ms must be nested lists of shape decodes x chunks x contexts = "
+                             f"{len(axes[0])} x {len(axes[1])} x {len(axes[2])}")
+        vals = tuple(tuple(tuple(c) for c in r) for r in rows)
+        for i, j, k in _indices((len(axes[0]), len(axes[1]), len(axes[2]))):
+            v = vals[i][j][k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise SpearError(f"{where}: step_ms at decodes={axes[0][i]}, chunk={axes[1][j]}, "
+                                 f"context={axes[2][k]} must be a finite number of ms > 0, got {v!r}")
+        m = self.margin
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (math.isfinite(m) and m >= 0):
+            raise SpearError(f"{where}: margin must be a finite number >= 0, got {m!r}")
+        if not 0 < self.margin_quantile < 1:
+            raise SpearError(f"{where}: margin quantile must be in (0, 1), got {self.margin_quantile!r}")
+        if self.deployment is not None and not isinstance(self.deployment, Deployment):
+            raise SpearError(f"{where}: deployment must be a Deployment, got {type(self.deployment).__name__}")
+        for name, v in zip(("decodes", "chunks", "contexts"), axes):
+            object.__setattr__(self, name, v)
+        object.__setattr__(self, "step_ms", vals)
+        object.__setattr__(self, "margin", float(m))
+
+    # ------------------------------------------------------------------ prediction
+    def predict(self, decodes: float, chunk_tokens: float, context: float) -> float:
+        """Predicted step time in ms (module docstring), without the margin."""
+        di, dj, dt = _bracket(self.decodes, decodes)
+        ci, cj, ct = _bracket(self.chunks, chunk_tokens)
+        li, lj, lt = _bracket(self.contexts, context)
+        v = self.step_ms
+
+        def along_l(a, b):
+            return v[a][b][li] * (1 - lt) + v[a][b][lj] * lt
+
+        def along_c(a):
+            return along_l(a, ci) * (1 - ct) + along_l(a, cj) * ct
+
+        return along_c(di) * (1 - dt) + along_c(dj) * dt
+
+    def fits(self, decodes: float, chunk_tokens: float, context: float, target_ms: float) -> bool:
+        return self.predict(decodes, chunk_tokens, context) * (1 + self.margin) <= target_ms
+
+    def max_chunk(self, decodes: float, context: float, target_ms: float, limit: int) -> int:
+        """The largest chunk c in [0, limit] with predict(decodes, c, context) · (1 + margin) <=
+        target_ms; -1 when not even the decodes alone fit. The prediction is linear in c between
+        grid points, so each piece is solved directly, from the top piece down."""
+        fits = lambda c: self.fits(decodes, c, context, target_ms)  # noqa: E731
+        if limit < 0:
+            return -1
+        knots = [c for c in self.chunks if c < limit] + [limit]
+        for a, b in zip(reversed(knots[:-1]), reversed(knots[1:])):
+            if fits(b):
+                return self._settle(b, limit, fits)
+            if fits(a):
+                fa = self.predict(decodes, a, context) * (1 + self.margin)
+                fb = self.predict(decodes, b, context) * (1 + self.margin)
+                c = a + math.floor((target_ms - fa) / (fb - fa) * (b - a))
+                return self._settle(min(max(c, a), b), limit, fits)
+        return 0 if fits(0) else -1
+
+    @staticmethod
+    def _settle(c: int, limit: int, fits) -> int:
+        """Move ``c`` to the exact boundary the piece's float arithmetic may miss by one."""
+        while c < limit and fits(c + 1):
+            c += 1
+        while c > 0 and not fits(c):
+            c -= 1
+        return c
+
+    # ------------------------------------------------------------------ building, files
+    @classmethod
+    def from_measurements(cls, decodes, chunks, contexts, step_ms, deployment: Deployment | None,
+                          repeat_deviations=(), q: float = MARGIN_QUANTILE, profile: dict | None = None,
+                          created: str | None = None) -> "LatencyTable":
+        """A table whose margin is learned from the grid and the repeats (module docstring)."""
+        table = cls(decodes, chunks, contexts, step_ms, 0.0, deployment, q)  # validates the grid
+        loo = loo_residuals((table.decodes, table.chunks, table.contexts), table.step_ms)
+        parts, sources = [], []
+        if loo:
+            parts.append(max(0.0, quantile(loo, q)))
+            sources.append(f"{len(loo)} leave-one-out residuals")
+        if repeat_deviations:
+            parts.append(max(0.0, quantile(list(repeat_deviations), q)))
+            sources.append(f"{len(repeat_deviations)} repeat deviations")
+        margin = max(parts) if parts else DEFAULT_MARGIN
+        source = f"max of the {q:g}-quantiles of " + " and ".join(sources) if parts else "default (nothing to learn)"
+        return replace(table, margin=margin, margin_source=source, profile=dict(profile or {}),
+                       created=created or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "created": self.created,
+                "deployment": None if self.deployment is None else self.deployment.to_dict(),
+                "grid": {"decodes": list(self.decodes), "chunks": list(self.chunks), "contexts": list(self.contexts)},
+                "step_ms": [[list(c) for c in r] for r in self.step_ms],
+                "margin": {"value": self.margin, "quantile": self.margin_quantile, "source": self.margin_source},
+                "profile": self.profile}
+
+    @classmethod
+    def from_dict(cls, data, where: str = "latency table") -> "LatencyTable":
+        if not isinstance(data, dict):
+            raise SpearError(f"{where}: a latency table is a JSON object, got {type(data).__name__}")
+        if data.get("format") != FORMAT:
+            raise SpearError(f"{where}: format must be {FORMAT!r}, got {data.get('format')!r}")
+        if data.get("version") != VERSION:
+            raise SpearError(f"{where}: version {data.get('version')!r} is not supported (this spear reads "
+                             f"version {VERSION}); profile again with `spear profile`")
+        known = {"format", "version", "created", "deployment", "grid", "step_ms", "margin", "profile"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpearError(f"{where}: unknown keys {unknown}")
+        for key in ("grid", "step_ms", "margin"):
+            if key not in data:
+                raise SpearError(f"{where}: lacks {key!r}")
+        grid, margin = data["grid"], data["margin"]
+        if not isinstance(grid, dict) or set(grid) != {"decodes", "chunks", "contexts"}:
+            raise SpearError(f"{where}: grid must be an object with decodes, chunks and contexts")
+        if not isinstance(margin, dict) or "value" not in margin:
+            raise SpearError(f"{where}: margin must be an object with a value")
+        q = margin.get("quantile", MARGIN_QUANTILE)
+        if isinstance(q, bool) or not isinstance(q, (int, float)):
+            raise SpearError(f"{where}: margin quantile must be a number, got {q!r}")
+        dep = data.get("deployment")
+        profile = data.get("profile") or {}
+        if not isinstance(profile, dict):
+            raise SpearError(f"{where}: profile must be an object")
+        table = cls.__new__(cls)
+        for k, v in dict(decodes=grid["decodes"], chunks=grid["chunks"], contexts=grid["contexts"],
+                         step_ms=data["step_ms"], margin=margin["value"],
+                         deployment=None if dep is None else Deployment.from_dict(dep, where),
+                         margin_quantile=float(q), margin_source=str(margin.get("source", "given")),
+                         created=str(data.get("created", "")), profile=profile).items():
+            object.__setattr__(table, k, v)
+        table.__post_init__(where)
+        return table
+
+    def save(self, path: str | Path) -> Path:
+        from spear.fileio import write_text_atomic
+
+        return write_text_atomic(path, json.dumps(self.to_dict(), indent=1))
+
+    def check_for(self, deployment: Deployment, where: str = "the latency table") -> None:
+        """SpearError unless this table was measured on ``deployment``."""
+        if self.deployment is None:
+            raise SpearError(f"{where} records no deployment (a synthetic table); profile this one with "
+                             "`spear profile`")
+        bad = self.deployment.mismatches(deployment)
+        if bad:
+            raise SpearError(f"{where} was measured on another deployment: {'; '.join(bad)}; profile this one "
+                             "with `spear profile`")
+
+
+def load_table(path: str | Path) -> LatencyTable:
+    """Read and validate a table file; every problem is a SpearError naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpearError(f"cannot read latency table {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpearError(f"latency table {path} is not valid JSON: {exc}") from None
+    return LatencyTable.from_dict(data, str(path))
+
+
+def given_table(table: "LatencyTable | str | Path | None", deployment: Deployment) -> LatencyTable | None:
+    """An engine's configured table (an object or a path), checked against its deployment."""
+    if table is None:
+        return None
+    if isinstance(table, LatencyTable):
+        table.check_for(deployment)
+        return table
+    loaded = load_table(table)
+    loaded.check_for(deployment, f"latency table {table}")
+    return loaded
+
+
+def cache_path(deployment: Deployment) -> Path:
+    from spear.models.loading import cache_dir
+
+    return cache_dir() / "latency" / f"{deployment.key()}.json"
+
+
+def load_cached(deployment: Deployment) -> LatencyTable | None:
+    """The cached table of ``deployment``, or None when there is none."""
+    path = cache_path(deployment)
+    if not path.is_file():
+        return None
+    table = load_table(path)
+    table.check_for(deployment, f"cached latency table {path}")
+    return table
+
+
+# ---------------------------------------------------------------------------- a deployment's identity
+def device_name(device) -> str:
+    """The GPU's name, or the CPU's model and torch's thread count (a CPU table is per machine)."""
+    import platform
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
+    except OSError:
+        pass  # not Linux: platform's answer stands
+    return f"cpu: {model}, {torch.get_num_threads()} threads"
+
+
+def _ec_params(ec) -> int:
+    return sum(t.numel() for t in (ec.a, ec.b, ec.w1, ec.b1, ec.w2, ec.b2) if t is not None)
+
+
+def deployment_of(model_config, quantized: dict, tensors: dict, source: Path | None, device, dtype,
+                  policy, block_size: int, cuda_graphs: bool) -> Deployment:
+    """The deployment an engine is: ``quantized`` / ``tensors`` as the loader gives them (before the
+    model is built), ``source`` the folder they came from (None: a model in memory)."""
+    from spear.quant.primitives import n_groups, packed_nbytes
+
+    h = hashlib.sha256()
+    if source is not None:
+        from spear.models.checkpoint import CONFIG_NAME
+
+        cfg = Path(source) / CONFIG_NAME
+        h.update((cfg if cfg.is_file() else Path(source) / "config.json").read_bytes())
+    else:
+        h.update(model_config.to_json_string(use_diff=False).encode())
+    layout, model_bytes, ec_bytes = [], 0, 0
+    for name in sorted(quantized):
+        m = quantized[name]
+        q, ec = m.quant, m.ec
+        layout.append([name, q.bits, q.group_size, q.symmetric, 0 if ec is None else ec.rank,
+                       0 if ec is None else ec.hidden])
+        n, k = q.codes.shape
+        model_bytes += packed_nbytes(n, k, q.bits) + n * n_groups(k, q.group_size) * 2
+        if not q.symmetric:
+            model_bytes += (n * n_groups(k, q.group_size) * q.bits + 7) // 8
+        if m.bias is not None:
+            model_bytes += 2 * m.bias.numel()
+        ec_bytes += 0 if ec is None else 2 * _ec_params(ec)
+    h.update(json.dumps(layout).encode())
+    model_bytes += 2 * sum(t.numel() for t in tensors.values())
+    density = Density(sum(1 for m in quantized.values() if m.ec is not None), len(quantized),
+                      100 * ec_bytes / model_bytes if model_bytes else 0.0)
+    return Deployment(None if source is None else str(source), h.hexdigest(), device_name(device),
+                      str(dtype).removeprefix("torch."), policy_hash(policy), block_size, cuda_graphs, density,
+                      tuple(policy.op_args))
+
+
+def policy_hash(policy) -> str:
+    """sha256 of every setting of a KernelPolicy: its op integers (the launch table among them) and
+    the fields they leave out (PDL, the attention splits, rotary in attention)."""
+    import dataclasses
+
+    rest = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)
+            if f.name not in ("launch_table", "_op_args")}
+    text = json.dumps([list(policy.op_args), rest], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]

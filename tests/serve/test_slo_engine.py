@@ -1,0 +1,126 @@
+"""The engine under a latency target with a synthetic table of its own deployment: the chunks the
+table dictates, the same greedy tokens as the static budget, the per-step record, /metrics, and
+tables of another deployment or bad settings refused."""
+
+import dataclasses
+import math
+import re
+from fractions import Fraction
+
+import pytest
+
+from spear.errors import SpearError
+from spear.serve import EngineConfig, LLMEngine, SamplingParams
+from spear.serve.latency import LatencyTable
+from spear.serve.metrics import ServingMetrics
+
+TARGET, MARGIN = 20.0, 0.25
+
+
+def table_for(deployment):
+    # step = 4 + d/4 + c/8 + L/1024 ms: at 16 ms (20 / 1.25) one decode leaves room for ~94 tokens
+    f = lambda d, c, L: 4 + d / 4 + c / 8 + L / 1024  # noqa: E731
+    decodes, chunks, contexts = (1, 8), (0, 64, 256), (1, 1024)
+    return LatencyTable(decodes, chunks, contexts, [[[f(d, c, L) for L in contexts] for c in chunks]
+                                                    for d in decodes], MARGIN, deployment)
+
+
+def allowed(d, ctx: Fraction, ceiling):
+    fit = math.floor(8 * (Fraction(TARGET) / Fraction(5, 4) - 4 - Fraction(d, 4) - ctx / 1024))
+    return min(ceiling - d, max(16, fit))
+
+
+@pytest.fixture(scope="module")
+def static_engine(tiny_llama_path):
+    return LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(max_num_seqs=4, max_num_batched_tokens=256))
+
+
+def _run(engine, prompts, metrics=None):
+    records = []
+    rids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0)) for p in prompts]
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.output_token_ids
+        records.append(engine.last_step)
+        if metrics is not None:
+            metrics.set_stats(engine.stats())
+            metrics.set_stats(engine.stats())  # published again between steps: counted once
+    return [final[r] for r in rids], records
+
+
+def test_the_engine_schedules_the_chunks_the_table_allows(static_engine, tiny_llama_path):
+    table = table_for(static_engine.deployment)
+    engine = LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=256, itl_slo_ms=TARGET, latency_table=table))
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(n)] for i, n in enumerate((30, 300, 250))]
+    want, _ = _run(static_engine, prompts)
+    metrics = ServingMetrics()
+    got, records = _run(engine, prompts, metrics)
+    assert got == want  # chunk sizes change the schedule, never the tokens
+
+    limited = 0
+    for rec in records:
+        if rec.num_decodes == 0:
+            assert rec.predicted_ms is None and rec.chunk_budget == 256
+            continue
+        ctx = Fraction(rec.decode_context).limit_denominator(16)
+        assert rec.chunk_budget == allowed(rec.num_decodes, ctx, 256) and rec.prefill_tokens <= rec.chunk_budget
+        assert rec.predicted_ms == pytest.approx(4 + rec.num_decodes / 4 + rec.prefill_tokens / 8
+                                                 + rec.decode_context / 1024)
+        limited += rec.prefill_tokens == rec.chunk_budget < 256 - rec.num_decodes
+    assert limited >= 2  # the 300- and 250-token prompts were cut to the table's chunk beside decodes
+    assert [r.index for r in records] == list(range(1, len(records) + 1)) and all(r.measured_ms > 0 for r in records)
+
+    text = metrics.render().decode()
+    value = lambda name: float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))  # noqa: E731
+    predicted = [r for r in records if r.predicted_ms is not None]
+    assert value("spear_itl_slo_seconds") == TARGET / 1e3
+    assert value("spear_step_seconds_count") == len(records)
+    assert value("spear_step_prefill_tokens_sum") == sum(r.prefill_tokens for r in records)
+    assert value("spear_step_predicted_seconds_count") == len(predicted)
+    assert value("spear_step_predicted_seconds_sum") == pytest.approx(sum(r.predicted_ms for r in predicted) / 1e3)
+    assert value("spear_steps_over_slo_total") == sum(r.num_decodes > 0 and r.measured_ms > TARGET for r in records)
+    last = predicted[-1]
+    assert value("spear_step_prediction_error_ratio") == pytest.approx(
+        (last.measured_ms - last.predicted_ms) / last.predicted_ms)
+    assert value("spear_step_chunk_budget_tokens") == records[-1].chunk_budget
+
+
+def test_a_table_alone_predicts_without_changing_the_schedule(static_engine, tiny_llama_path):
+    engine = LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=256, latency_table=table_for(static_engine.deployment)))
+    prompts = [[3] * 200, [4] * 50]
+    want, static = _run(static_engine, prompts)
+    got, records = _run(engine, prompts)
+    assert got == want
+    assert [(r.num_decodes, r.prefill_tokens) for r in records] == [(r.num_decodes, r.prefill_tokens) for r in static]
+    assert all(r.chunk_budget is None for r in records)
+    assert all((r.predicted_ms is None) == (r.num_decodes == 0) for r in records)
+
+
+def test_tables_of_another_deployment_and_bad_settings_are_refused(static_engine, tiny_llama_path, tmp_path):
+    dep = dataclasses.replace(static_engine.deployment, device="NVIDIA H200")
+    with pytest.raises(SpearError, match="measured on another deployment: device 'NVIDIA H200'"):
+        LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(itl_slo_ms=TARGET, latency_table=table_for(dep)))
+    path = table_for(dataclasses.replace(static_engine.deployment, block_size=32)).save(tmp_path / "t.json")
+    with pytest.raises(SpearError, match=r"t.json was measured on another deployment: block_size 32"):
+        LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(itl_slo_ms=TARGET, latency_table=str(path)))
+    for bad, message in [(dict(itl_slo_ms=0), "itl_slo_ms must be a finite number"),
+                         (dict(itl_slo_ms=float("nan")), "itl_slo_ms"), (dict(min_chunk_tokens=0), "min_chunk_tokens"),
+                         (dict(latency_table=3), "latency_table must be a LatencyTable or a path")]:
+        with pytest.raises(SpearError, match=message):
+            EngineConfig(**bad)
+
+
+def test_cli_latency_flags(tiny_llama_path, tmp_path, capsys):
+    from spear.cli import main
+
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["-q", "generate", "--model", str(tiny_llama_path), "--prompt", "x", "--itl-slo-ms", "20",
+                 "--latency-table", str(tmp_path / "bad.json")]) == 2
+    assert "format must be 'spear-latency-table'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # argparse's own check
+        main(["-q", "generate", "--model", str(tiny_llama_path), "--prompt", "x", "--itl-slo-ms", "-3"])
+    assert exc.value.code == 2 and "--itl-slo-ms: expected a finite number > 0" in capsys.readouterr().err

@@ -1,0 +1,280 @@
+"""The latency-target scheduler on synthetic tables: exact schedules (decodes first, chunk sizes
+as the table dictates, the starvation bound, preemption), denser compensators getting smaller
+chunks, and without a target the static schedule exactly, against a copy of the static logic.
+
+Synthetic tables are linear in each axis, so the largest chunk within a target has a closed
+form, computed here with exact fractions: step = base + d/a + c/b + L/1024 ms and the table's
+margin m give c* = floor(b · (target / (1 + m) - base - d/a - L/1024)).
+"""
+
+import math
+import random
+from collections import deque
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spear.serve.block_manager import BlockManager
+from spear.serve.latency import LatencyTable
+from spear.serve.scheduler import QueueFull, ScheduledChunk, Scheduler, SchedulerOutput
+from spear.serve.sequence import SamplingParams, Sequence, Status
+
+TARGET, MARGIN = 20.0, 0.25   # the scheduler keeps predict <= 20 / 1.25 = 16 ms
+
+
+def linear_table(base=4, per_decode=4, per_chunk_token=64, contexts=(1, 8192), margin=MARGIN):
+    f = lambda d, c, L: base + d / per_decode + c / per_chunk_token + L / 1024  # noqa: E731
+    decodes, chunks = (1, 64), (0, 512, 4096)
+    return LatencyTable(decodes, chunks, contexts, [[[f(d, c, L) for L in contexts] for c in chunks]
+                                                    for d in decodes], margin)
+
+
+def closed_form(d, L, base=4, per_decode=4, per_chunk_token=64, target=TARGET, margin=MARGIN) -> int:
+    bound = Fraction(target) / (1 + Fraction(margin))
+    return math.floor(per_chunk_token * (bound - base - Fraction(d, per_decode) - Fraction(L) / 1024))
+
+
+def make(table=None, slo=TARGET, num_blocks=1024, block_size=16, max_num_seqs=8, ceiling=4096, min_chunk=16,
+         max_waiting=64):
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, ceiling, max_waiting, table,
+                     slo if table is not None else None, min_chunk)
+
+
+def add(s, rid, n_prompt, max_tokens=1000):
+    seq = Sequence(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens))
+    s.add(seq)
+    return seq
+
+
+def step(s):
+    out = s.schedule()
+    s.advance(out)
+    for c in out.chunks:
+        if c.samples:
+            c.seq.append_token(7)
+            if c.seq.num_output_tokens >= c.seq.params.max_tokens:
+                s.finish(c.seq, "length")
+    return [(c.seq.request_id, c.start, c.num_tokens) for c in out.chunks], [p.request_id for p in out.preempted], out
+
+
+def test_decodes_first_then_the_chunk_the_table_allows():
+    s = make(linear_table())
+    add(s, "a", 100)
+    add(s, "b", 100)
+    chunks, _, out = step(s)
+    assert chunks == [("a", 0, 100), ("b", 0, 100)]     # no decodes: nothing at stake, the ceiling
+    assert out.chunk_budget == 4096 and out.predicted_ms is None and out.num_decodes == 0
+    add(s, "c", 2000)
+    starts = 0
+    for ctx in (101, 102, 103):
+        chunks, _, out = step(s)
+        c = min(closed_form(2, ctx), 2000 - starts)
+        assert c == (729 if ctx < 103 else 2000 - 2 * 729)  # 736 - 64 L / 1024, floored
+        assert chunks == [("a", ctx - 1, 1), ("b", ctx - 1, 1), ("c", starts, c)]
+        assert out.num_decodes == 2 and out.decode_context == ctx and out.chunk_budget == closed_form(2, ctx)
+        assert out.predicted_ms == pytest.approx(4 + 2 / 4 + c / 64 + ctx / 1024)
+        starts += c
+    add(s, "d", 50)
+    chunks, _, out = step(s)  # c decodes now: 3 decodes of mean context (104 + 104 + 2001) / 3
+    L = (104 + 104 + 2001) / 3
+    assert out.chunk_budget == closed_form(3, Fraction(104 + 104 + 2001, 3)) == 673
+    assert chunks == [("a", 103, 1), ("b", 103, 1), ("c", 2000, 1), ("d", 0, 50)]
+    assert out.decode_context == pytest.approx(L)
+
+
+def test_the_ceiling_still_caps_the_step():
+    s = make(linear_table(), ceiling=300)
+    add(s, "a", 10)
+    step(s)
+    add(s, "b", 1000)
+    chunks, _, out = step(s)
+    assert chunks == [("a", 10, 1), ("b", 0, 299)] and out.chunk_budget == 299  # the table allows 751
+    # and the minimum chunk never lifts a step over it
+    s = make(linear_table(base=30), max_num_seqs=4, ceiling=8, min_chunk=16)
+    add(s, "a", 3)
+    add(s, "b", 3)
+    step(s)
+    add(s, "c", 40)
+    chunks, _, out = step(s)
+    assert chunks == [("a", 3, 1), ("b", 3, 1), ("c", 0, 6)] and out.chunk_budget == 6
+
+
+@pytest.mark.parametrize("min_chunk", [16, 24])
+def test_starvation_bound_the_minimum_chunk_when_decodes_alone_break_the_target(min_chunk):
+    s = make(linear_table(base=30), min_chunk=min_chunk)  # 30 ms before any chunk: nothing fits 16
+    add(s, "a", 8)
+    add(s, "b", 8)
+    step(s)
+    add(s, "c", 100)
+    add(s, "e", 40)
+    got, ctx, done = [], 9, 0
+    while done < 100:
+        chunks, _, out = step(s)
+        assert out.chunk_budget == min_chunk and chunks[:2] == [("a", ctx - 1, 1), ("b", ctx - 1, 1)]
+        got.append(chunks[2])
+        done += chunks[2][2]
+        ctx += 1
+    n_full, rest = divmod(100, min_chunk)
+    assert got == [("c", i * min_chunk, min_chunk) for i in range(n_full)] + ([("c", n_full * min_chunk, rest)]
+                                                                               if rest else [])
+    if rest:  # the rest of the step's minimum chunk goes to the next prompt in line
+        assert chunks[3] == ("e", 0, min_chunk - rest)
+
+
+def test_preemption_the_prefill_is_the_victim_and_the_step_admits_nothing():
+    s = make(linear_table(), num_blocks=104)
+    add(s, "a", 30, max_tokens=4)   # 2 blocks each
+    add(s, "b", 30, max_tokens=4)
+    assert step(s)[0] == [("a", 0, 30), ("b", 0, 30)]
+    add(s, "c", 1600)               # 100 blocks: the cache is then full
+    assert closed_form(2, 31) == 734
+    assert step(s)[:2] == ([("a", 30, 1), ("b", 30, 1), ("c", 0, 734)], [])
+    assert step(s)[:2] == ([("a", 31, 1), ("b", 31, 1), ("c", 734, 734)], [])
+    add(s, "x", 4)
+    # a's 33rd token needs a 3rd block: the newest sequence not yet scheduled, c, gives its blocks back
+    chunks, preempted, out = step(s)
+    assert (chunks, preempted) == ([("a", 32, 1), ("b", 32, 1)], ["c"])
+    assert out.chunk_budget == closed_form(2, 33) == 733 and out.prefill_tokens == 0  # x is not admitted
+    assert [q.request_id for q in s.waiting] == ["c", "x"]
+    # a and b finished: no decodes, c's recompute gets the ceiling and x follows
+    chunks, preempted, out = step(s)
+    assert chunks == [("c", 0, 1600), ("x", 0, 4)] and out.chunk_budget == 4096 and not preempted
+
+
+def test_preemption_of_a_decode_shrinks_the_decodes_the_budget_is_priced_on():
+    s = make(linear_table(), num_blocks=5)
+    add(s, "a", 32)
+    add(s, "b", 32)
+    step(s)
+    add(s, "w", 8)
+    chunks, preempted, out = step(s)
+    assert (chunks, preempted) == ([("a", 32, 1)], ["b"])
+    assert out.num_decodes == 1 and out.chunk_budget == closed_form(1, 33) == 749
+    assert out.predicted_ms == pytest.approx(4 + 1 / 4 + 33 / 1024)
+    assert [q.request_id for q in s.waiting] == ["b", "w"]
+
+
+def test_denser_compensators_get_smaller_chunks_under_the_same_target():
+    # as measured on the deployed model: ECs on more linears add a fixed cost to every step and
+    # to every prefill token (the semi-fused EC path at prefill sizes)
+    densities = {"none": dict(base=4, per_chunk_token=64), "1%": dict(base=4.25, per_chunk_token=56),
+                 "every linear": dict(base=5, per_chunk_token=32)}
+    budgets = {}
+    for name, kw in densities.items():
+        s = make(linear_table(**kw))
+        for rid in "abcdefg":
+            add(s, rid, 500)   # prefilled together (no decodes yet): 7 decodes at context 501 next
+        step(s)
+        add(s, "long", 3000)
+        chunks, _, out = step(s)
+        assert out.num_decodes == 7 and out.decode_context == 501
+        budgets[name] = out.chunk_budget
+        assert budgets[name] == closed_form(7, 501, **kw) == out.prefill_tokens
+        assert chunks[7] == ("long", 0, budgets[name])
+    assert budgets == {"none": 624, "1%": 532, "every linear": 280}
+    assert budgets["none"] > budgets["1%"] > budgets["every linear"] > 0
+
+
+# ---------------------------------------------------------------------------- without a target
+class StaticScheduler:
+    """The static-budget scheduler as it was before latency targets (its schedule(), verbatim)."""
+
+    def __init__(self, block_manager, max_num_seqs, max_num_batched_tokens, max_waiting):
+        self.blocks = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting = (
+            max_num_seqs, max_num_batched_tokens, max_waiting)
+        self.waiting, self.running = deque(), []
+
+    add, finish, advance, _preempt, has_unfinished = (Scheduler.add, Scheduler.finish, Scheduler.advance,
+                                                      Scheduler._preempt, Scheduler.has_unfinished)
+
+    def schedule(self):
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled = set()
+        for seq in [s for s in self.running if s.is_decode]:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue
+            while not self.blocks.can_allocate(seq):
+                victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                self.blocks.allocate(seq)
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
+                scheduled.add(seq.seq_id)
+                budget -= 1
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.seq_id in scheduled:
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        while (not out.preempted and budget > 0 and self.waiting
+               and len(self.running) < self.max_num_seqs and self.blocks.can_allocate(self.waiting[0])):
+            seq = self.waiting.popleft()
+            self.blocks.allocate(seq)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        return out
+
+
+def _drive(s, script, seed):
+    """Run a scripted workload; the trace of every step (chunks, preemptions, queues)."""
+    rng = random.Random(seed)
+    seqs, trace = {}, []
+    for t, (arrivals, abort) in enumerate(script):
+        for i, (n_prompt, max_tokens) in enumerate(arrivals):
+            rid = f"r{t}.{i}"
+            seq = Sequence(rid, [rng.randrange(1, 50) for _ in range(n_prompt)], SamplingParams(max_tokens=max_tokens))
+            try:
+                s.add(seq)
+                seqs[rid] = seq
+                trace.append(("added", rid))
+            except QueueFull:
+                trace.append(("full", rid))
+        live = sorted(r for r, q in seqs.items() if not q.is_finished)
+        if abort is not None and live:
+            s.finish(seqs[live[abort % len(live)]], "abort")
+        chunks, preempted, _ = step(s)
+        trace.append((chunks, preempted, [q.request_id for q in s.waiting], [q.request_id for q in s.running],
+                      s.blocks.num_free_blocks))
+    return trace
+
+
+workloads = st.lists(st.tuples(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12)), max_size=3),
+                               st.one_of(st.none(), st.integers(0, 100))), min_size=1, max_size=40)
+
+
+@settings(max_examples=80, deadline=None)
+@given(workloads, st.integers(4, 40), st.sampled_from([2, 4, 8]), st.integers(1, 6), st.integers(0, 40),
+       st.integers(1, 8), st.sampled_from(["none", "table only", "loose target"]))
+def test_without_a_target_the_schedule_is_the_static_one(script, num_blocks, block_size, max_num_seqs, extra,
+                                                          max_waiting, variant):
+    budget = max_num_seqs + extra
+    ref = StaticScheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_waiting)
+    table = None if variant == "none" else linear_table()
+    slo = 1e9 if variant == "loose target" else None
+    new = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_waiting, table, slo)
+    assert _drive(new, script, 0) == _drive(ref, script, 0)
+
+
+def test_a_target_needs_a_table_and_sane_settings():
+    with pytest.raises(ValueError, match="needs a latency table"):
+        make(None).set_latency(None, 20.0)
+    with pytest.raises(ValueError, match="itl_slo_ms"):
+        make(linear_table(), slo=-1.0)
+    with pytest.raises(ValueError, match="min_chunk_tokens"):
+        make(linear_table(), min_chunk=0)
