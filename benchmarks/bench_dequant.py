@@ -6,7 +6,7 @@ At M >= KernelPolicy.dequant_mm_min_m the W4 op dequantizes the packed weight an
 splits that time into its two parts, for the two orientations the K-major words can be
 dequantized to: W_hat (N, K) row-major, as the FP16 weight is stored (``dequantize`` default),
 or W_hatᵀ (K, N) handed to cuBLAS as a transposed view (``kn=True``), which picks another GEMM
-kernel. Shapes: the five Llama-2-7B / Llama-3-8B layer shapes of bench_gemv.py; RTN 4-bit,
+kernel. Shapes: the five Llama-2-7B / Llama-3-8B layer shapes; RTN 4-bit,
 group 128, asymmetric, random non-zero weights; every dequantized weight checked bit-exact
 against the reference first; CUDA graphs cycling through weight copies beyond 2x L2, median of
 replays (kernel_timing.py). Writes dequant.json.
@@ -25,13 +25,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import GROUP, SHAPES  # noqa: E402
 from kernel_timing import ceilings, copies_for, time_calls  # noqa: E402
 
 from spear.kernels import reference  # noqa: E402
 from spear.kernels.layout import pack  # noqa: E402
 from spear.kernels.dequant import dequantize  # noqa: E402
 from spear.quant.primitives import rtn  # noqa: E402
+
+GROUP = 128
+SHAPES = [("q/o", 4096, 4096), ("7B gate_up", 22016, 4096), ("7B down", 4096, 11008),
+          ("8B gate_up", 28672, 4096), ("8B down", 4096, 14336)]
 
 
 def main(argv=None) -> int:

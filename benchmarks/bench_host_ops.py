@@ -12,6 +12,7 @@ Medians of repeated calls; prints a Markdown table with date and machine.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import platform
 import statistics
@@ -44,7 +45,8 @@ def median_us(fn, reps: int = 300, rounds: int = 5) -> float:
     return statistics.median(out)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     codes, scales, zeros = rtn(torch.randn(32, 64, generator=torch.Generator().manual_seed(0)) * 0.05, 4, 32, True)
     w = pack(codes, scales.half(), zeros, 32, True)
     x = torch.randn(1, 64)

@@ -42,11 +42,10 @@ from kernel_timing import ceilings, profile_calls, time_calls  # noqa: E402
 
 from spear.kernels import ops  # noqa: E402
 from spear.kernels.dequant import dequantize  # noqa: E402
-from spear.kernels.launch import PrefillConfig, pick_config  # noqa: E402
+from spear.kernels.launch import pick_config  # noqa: E402
 from spear.kernels.ops import w4a16_linear  # noqa: E402
 from spear.kernels.policy import KernelPolicy  # noqa: E402
 from spear.kernels.w4a16 import w4a16_matmul  # noqa: E402
-from spear.kernels.w4a16_prefill import w4a16_prefill_matmul  # noqa: E402
 
 M_ALL = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 RANKS = [8, 16, 32, 64]
@@ -78,11 +77,8 @@ def variants(layer, m, ranks, ecs, policy: KernelPolicy):
     if layer.int4 and (m < 1024 or layer.n == layer.k):  # slow at large M: q/o only there
         v["int4mm"] = [lambda w=w: torch._weight_int4pack_mm(xb, w[0], GROUP, w[1]) for w in layer.int4]
     if m >= 128:
-        e = table["prefill_mm"]
-        prefill = PrefillConfig(e["BM"], e["BN"], min(e["BK"], GROUP), e["num_warps"], e["num_stages"])
         v["w4_triton"] = [lambda w=w: w4a16_matmul(x, w, table=table) for w in layer.w4]
         v["w4_dqmm"] = [lambda w=w: torch.nn.functional.linear(x, dequantize(w, x.dtype)) for w in layer.w4]
-        v["w4_prefill"] = [lambda w=w: w4a16_prefill_matmul(x, w, config=prefill) for w in layer.w4]
     for r in ranks:
         e = ecs[r]
         v[f"ec r{r}"] = [lambda w=w, e=e: w4a16_linear(x, w, None, e, policy=policy) for w in layer.w4]
@@ -217,7 +213,7 @@ def report(meta, results, checks, ranks):
              f"fp16 mm {meta['fp16_peak'] / 1e12:.0f} TFLOP/s; g{meta['group_size']} asym, h={meta['gate_hidden']}, "
              f"{meta.get('layout', 'nmajor')} weights; "
              f"checks: {sum(c['ok'] for c in checks)}/{len(checks)} pass (int4mm excluded from the gate)", ""]
-    base = ["fp16", "int4mm", "w4", "w4_triton", "w4_dqmm", "w4_prefill"]
+    base = ["fp16", "int4mm", "w4", "w4_triton", "w4_dqmm"]
     per_rank = ["fused", "semi", "serial", "ec", "naive"]
     cols = base + [f"{p} r{r}" for r in ranks for p in per_rank]
     lines.append("| model | proj | N×K | M | floor | " + " | ".join(cols) + " |")
@@ -227,9 +223,9 @@ def report(meta, results, checks, ranks):
         lines.append(f"| {r['model']} | {r['proj']} | {r['n']}×{r['k']} | {r['m']} | {r['floor_us']:.1f} | "
                      + " | ".join(cells) + " |")
     lines += ["", "Medians over the Llama-2-7B and Llama-3-8B shapes (q and o counted separately):", ""]
-    lines.append("| M | fp16/w4 | fp16/int4mm | fp16/w4_prefill | w4 % of floor | "
-                 + " | ".join(f"ec r{r}/w4 − 1" for r in ranks) + " | fused/semi r32 | dqmm/triton |")
-    lines.append("|" + "---|" * (7 + len(ranks)))
+    lines.append("| M | fp16/w4 | fp16/int4mm | w4 % of floor | " + " | ".join(f"ec r{r}/w4 − 1" for r in ranks) +
+                 " | fused/semi r32 | dqmm/triton |")
+    lines.append("|" + "---|" * (6 + len(ranks)))
     for m in sorted({r["m"] for r in results}):
         rows = [r for r in results if r["m"] == m and r["model"] in ("Llama-2-7B", "Llama-3-8B")]
         rows = rows + [r for r in rows if r["proj"] == "q/o"]
@@ -237,12 +233,11 @@ def report(meta, results, checks, ranks):
             continue
         sp = _median([r["fp16"] / r["w4"] for r in rows])
         sp4 = _median([r["fp16"] / r["int4mm"] for r in rows if r.get("int4mm")])
-        spp = _median([r["fp16"] / r["w4_prefill"] for r in rows if r.get("w4_prefill")])
         eff = _median([r["floor_us"] / r["w4"] for r in rows])
         ovh = [_median([r[f"ec r{k}"] / r["w4"] - 1 for r in rows if r.get(f"ec r{k}")]) for k in ranks]
         fs = _median([r["fused r32"] / r["semi r32"] for r in rows if r.get("fused r32") and r.get("semi r32")])
         dq = _median([r["w4_dqmm"] / r["w4_triton"] for r in rows if r.get("w4_dqmm")])
-        lines.append(f"| {m} | {sp:.2f}× | {sp4:.2f}× | {spp:.2f}× | {100 * eff:.0f}% | " +
+        lines.append(f"| {m} | {sp:.2f}× | {sp4:.2f}× | {100 * eff:.0f}% | " +
                      " | ".join(f"{100 * o:+.1f}%" for o in ovh) + f" | {fs:.2f} | {dq:.2f} |")
     return "\n".join(lines) + "\n"
 
@@ -254,8 +249,7 @@ def main():
     p.add_argument("--tune", action="store_true", help="sweep launch shapes of the W4 kernel instead")
     p.add_argument("--tune-kinds", default="fma,tc,tc_wide",
                    help="with --tune: comma-separated launch entries to sweep (fma: 1-4 tokens, tc: 4-16, "
-                        "tc_wide: 17-64, prefill_mm: the prefill GEMM at 512 and 2048 tokens; default fma,tc,tc_wide, "
-                        "which also times 128-256 tokens and the fused EC)")
+                        "tc_wide: 17-64; default all, which also times 128-256 tokens and the fused EC)")
     p.add_argument("--models", help=f"comma-separated subset of {', '.join(MODELS)} (default: all; --quick: 7B, 8B)")
     p.add_argument("--ms", help="comma-separated token counts (default: all; --quick: 1,4,16,64,512,2048)")
     p.add_argument("--ranks", help="comma-separated EC ranks (default: 8,16,32,64; --quick: 16,32)")

@@ -20,58 +20,8 @@ from spear.kernels.w4a16 import w4a16_matmul
 TUNE_SHAPES = [(4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): q/o, 8B gate_up, 8B down
 
 
-KINDS = ("fma", "tc", "tc_wide", "prefill_mm")
+KINDS = ("fma", "tc", "tc_wide")
 KIND_MS = {"fma": (1, 2, 4), "tc": (4, 8, 16), "tc_wide": (32, 64)}
-
-
-def tune_prefill(out_dir, base_table=BUILTIN, ms=(512, 2048)) -> dict:
-    """Sweep the prefill GEMM's launch (w4a16_prefill.py) at prefill sizes against dequantize +
-    cuBLAS and FP16 cuBLAS on the K-major layout the engine serves; writes tune_prefill.json and
-    returns the table with the best ``prefill_mm`` entry (geometric mean over TUNE_SHAPES and ms)."""
-    from spear.kernels.launch import PrefillConfig
-    from spear.kernels.w4a16_prefill import w4a16_prefill_matmul
-
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    cands = [dict(BM=bm, BN=bn, BK=bk, num_warps=wp, num_stages=st)
-             for bm in (64, 128) for bn in (128, 256) for bk in (64, 128) for wp in (4, 8) for st in (3, 4)
-             if not (bm == 128 and bn == 256 and bk == 128)]  # over the shared memory of one SM
-    rows = []
-    for n, k in TUNE_SHAPES:
-        layer = Layer(n, k, l2, with_int4=False, kmajor=True)
-        for m in ms:
-            x = torch.randn(m, k, device=DEVICE).half()
-            fp16 = time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in layer.fp16])
-            dq = time_calls([lambda w=w: torch.nn.functional.linear(x, dequantize(w, x.dtype)) for w in layer.w4])
-            ref = torch.nn.functional.linear(x, layer.fp16[0]).float()
-            best = None
-            for c in cands:
-                cfg = PrefillConfig(**c)
-                try:
-                    out = w4a16_prefill_matmul(x, layer.w4[0], config=cfg).float()
-                    sq = float(20 * torch.log10(ref.norm() / (out - ref).norm()))
-                    if sq < 40:
-                        print(f"  prefill_mm {c}: SQNR {sq:.1f} dB, skipped", flush=True)
-                        continue
-                    t = time_calls([lambda w=w: w4a16_prefill_matmul(x, w, config=cfg) for w in layer.w4])
-                except Exception as exc:  # out of registers/shared memory: record and go on
-                    print(f"  prefill_mm {c}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-                    continue
-                rows.append(dict(n=n, k=k, m=m, cand=c, us=t, fp16_us=fp16, dequant_cublas_us=dq))
-                if best is None or t < best[0]:
-                    best = (t, c)
-            print(f"prefill {n}x{k} M={m}: fp16 {fp16:.1f} us, dequant+cublas {dq:.1f} us ({fp16 / dq:.2f}x fp16), "
-                  f"best prefill_mm {best[0]:.1f} us ({fp16 / best[0]:.2f}x fp16) {best[1]}", flush=True)
-        (out_dir / "tune_prefill.json").write_text(json.dumps(rows, indent=1))
-        del layer
-        torch.cuda.empty_cache()
-
-    def score(c):
-        ts = [r["us"] for r in rows if r["cand"] == c]
-        return math.exp(sum(map(math.log, ts)) / len(ts)) if len(ts) == len(TUNE_SHAPES) * len(ms) else float("inf")
-
-    table = {key: _thaw(v) for key, v in base_table.items()}
-    table["prefill_mm"] = min(cands, key=score)
-    return table
 
 
 def tune(out_dir, kinds=KINDS, base_table=BUILTIN):
@@ -101,14 +51,7 @@ def tune(out_dir, kinds=KINDS, base_table=BUILTIN):
         split = _split_for(triton.cdiv(m, bm) * triton.cdiv(n, c["BN"]), k, bk, c["programs"])
         return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"])
 
-    if "prefill_mm" in kinds:
-        base_table = tune_prefill(out_dir, base_table)
-        kinds = tuple(kd for kd in kinds if kd != "prefill_mm")
-        if not kinds:
-            (out_dir / "launch_table.json").write_text(json.dumps(base_table, indent=1))
-            print("launch table:", json.dumps(base_table), flush=True)
-            return
-    full = set(kinds) == set(KINDS) - {"prefill_mm"}
+    full = set(kinds) == set(KINDS)
     ms = (1, 2, 4, 8, 16, 32, 64, 128, 256) if full else sorted({m for kd in kinds for m in KIND_MS[kd]})
     for n, k in TUNE_SHAPES:
         layer = Layer(n, k, l2, with_int4=False)

@@ -226,7 +226,6 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--ec-budget", type=float, default=0.01, help="EC bytes / W4 model bytes (default: 1%%)")
     p.add_argument("--passes", type=int, default=1, help="runs of the workload per engine; the last is reported")
-    p.add_argument("--prefill-gemm", action="store_true", help="KernelPolicy.prefill_gemm: the on-chip-dequant GEMM")
     p.add_argument("--http", action="store_true", help="through the HTTP server and the openai client")
     p.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU: smoke check")
     p.add_argument("--seed", type=int, default=0)
@@ -249,12 +248,11 @@ def main(argv=None) -> int:
     if args.shape not in SHAPES:
         p.error(f"unknown shape {args.shape}; known: {sorted(SHAPES)}")
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
-    policy = KernelPolicy(prefill_gemm=args.prefill_gemm)
+    policy = KernelPolicy()
     header = (f"Serving, {datetime.date.today().isoformat()}, {dev_name}, {args.shape}"
               + (f" ({args.layers} layers)" if args.layers else "") + f", {dtype}, {args.requests} requests, "
               f"Poisson {args.rate:g}/s, prompts {args.prompt_min}-{args.prompt_max}, {args.output} output tokens, "
-              f"{'HTTP + openai client' if args.http else 'in process'}"
-              + (", prefill GEMM" if args.prefill_gemm else ", prefill dequantize + cuBLAS"))
+              f"{'HTTP + openai client' if args.http else 'in process'}, prefill dequantize + cuBLAS")
     print(header, flush=True)
     vocab = SHAPES[args.shape]["vocab_size"]
     max_len = args.prompt_max + args.output + 1

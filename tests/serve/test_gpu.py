@@ -89,12 +89,11 @@ def test_w8_head_with_graphs_equals_the_reference_math():
     _w4_engine_equals_the_reference_math(True, "auto", head_bits=8)
 
 
-@pytest.mark.parametrize("prefill_gemm", [False, True])
-def test_prefill_paths_equal_the_reference_math(prefill_gemm):
+def test_prefill_paths_equal_the_reference_math():
     """A 256-token budget: the first step holds all four prompts (240 tokens), so the W4 layers take
-    the prefill path (dequantize + cuBLAS, or the on-chip-dequantizing GEMM) and the ECs the
-    semi-fused one, with the paged prefill attention over the mixed batch."""
-    _w4_engine_equals_the_reference_math(True, "auto", budget=256, prefill_gemm=prefill_gemm)
+    the prefill path (dequantize + cuBLAS) and the ECs the semi-fused one, with the paged prefill
+    attention over the mixed batch."""
+    _w4_engine_equals_the_reference_math(True, "auto", budget=256)
 
 
 def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None, head_bits=0, budget=64, **policy):
