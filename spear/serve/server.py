@@ -68,8 +68,15 @@ def error_event(message: str) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-class BodyTooLarge(Exception):
-    """The request body is over ``ServerLimits.max_body_bytes`` (HTTP 413)."""
+class BodyTooLarge(StarletteHTTPException):
+    """The request body is over ``ServerLimits.max_body_bytes`` (HTTP 413).
+
+    An HTTP exception, not a plain one: FastAPI turns any other exception raised while it reads
+    a body into 400 "There was an error parsing the body", and re-raises only HTTP exceptions."""
+
+    def __init__(self, message: str):
+        super().__init__(413, message)
+        self.message = message
 
 
 class BodyLimit:
@@ -325,7 +332,7 @@ def build_app(engine: AsyncEngine, model_name: str, limits: ServerLimits | None 
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(request, exc):
-        return error_response(413, str(exc), code="body_too_large")
+        return error_response(413, exc.message, code="body_too_large")
 
     @app.exception_handler(_NotFound)
     async def _not_found(request, exc):
