@@ -4,8 +4,8 @@ Engine level: a request is validated whole before anything of it is queued; a st
 fails (the model raising on one request, a row of non-finite logits, a sampled id the
 tokenizer cannot decode) fails that request alone, and the others' greedy tokens equal a
 clean run's. Server level: each bad request of the list below is sent while a well-formed
-stream runs; it gets a clear 4xx (or, for a tiny temperature, a normal answer), and the
-stream's text equals the same request run alone.
+stream runs (the stream is still open after the last of them); it gets a clear 4xx (or, for a
+tiny temperature, a normal answer), and the stream's text equals the same request run alone.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -211,6 +212,10 @@ LIMITS = ServerLimits(max_body_bytes=64 * 1024, max_prompt_chars=20_000, max_sto
 STREAM = {"model": "tiny", "prompt": "A well-formed request that runs through all of this:", "max_tokens": 120,
           "temperature": 0, "ignore_eos": True, "stream": True}
 
+class Chunked(bytes):
+    """A raw body sent in pieces without a Content-Length (Transfer-Encoding: chunked)."""
+
+
 BAD_REQUESTS = [  # (path, body or raw bytes, expected status, fragment of the message)
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": 2**70}, 400, "seed"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": -(2**63) - 1}, 400, "seed"),
@@ -221,6 +226,8 @@ BAD_REQUESTS = [  # (path, body or raw bytes, expected status, fragment of the m
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x\\udfffy"}]}', 400,
      "surrogate"),
     ("/v1/completions", {"prompt": "x" * 70_000}, 413, "body"),
+    # no Content-Length: refused while reading, not answered 400 "error parsing the body"
+    ("/v1/completions", Chunked(b'{"model": "tiny", "prompt": "' + b"x" * 70_000 + b'"}'), 413, "body"),
     ("/v1/completions", {"prompt": "word " * 4_100}, 400, "characters"),
     ("/v1/completions", {"prompt": "hi", "stop": "s" * 33}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
@@ -231,6 +238,9 @@ BAD_REQUESTS = [  # (path, body or raw bytes, expected status, fragment of the m
 
 
 def _post(url, path, body):
+    if isinstance(body, Chunked):
+        pieces = (bytes(body[i:i + 8192]) for i in range(0, len(body), 8192))
+        return httpx.post(url + path, content=pieces, headers={"content-type": "application/json"}, timeout=60)
     if isinstance(body, bytes):
         return httpx.post(url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
     return httpx.post(url + path, json={"model": "tiny", **body}, timeout=60)
@@ -251,24 +261,62 @@ def served(tiny):
         yield url, ae, _stream_text(url)  # the stream alone, as the reference
 
 
-def test_bad_requests_fail_alone_while_a_stream_runs(served):
-    """Each request of BAD_REQUESTS is answered as listed while the stream runs, the stream's text
-    equals the stream run alone, and the server is healthy and idle afterwards."""
+def test_bad_requests_fail_alone_while_a_stream_runs(served, monkeypatch):
+    """Each request of BAD_REQUESTS is answered as listed while the stream runs: the stream has
+    started before the first and is still open after each one; then it completes with the text
+    of the stream run alone, and the server is healthy and idle afterwards. The engine's steps are
+    slowed (sleep, no work) so that the stream outlives the list on any machine.
+
+    Catches: a bad request that kills or cuts the running stream (the old test's stream ended
+    before the last bad requests were sent, so it did not catch that for them), and a chunked
+    body over the limit answered 400 instead of 413."""
     url, ae, alone = served
-    result = {}
-    runner = threading.Thread(target=lambda: result.update(text=_stream_text(url)))
-    runner.start()
+    runner = ae.engine.runner
+    real = runner.execute
+
+    def slow_execute(sched):
+        time.sleep(0.05)
+        return real(sched)
+
+    monkeypatch.setattr(runner, "execute", slow_execute)
+    events: list[str] = []
+    done = threading.Event()
+
+    def read_stream():
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=STREAM, timeout=120) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+        finally:
+            done.set()
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while not events:  # the stream runs before the first bad request
+        assert not done.is_set() and time.monotonic() < deadline, "the stream did not start"
+        time.sleep(0.01)
+    started_with = len(events)
     for path, body, status, fragment in BAD_REQUESTS:
         r = _post(url, path, body)
-        assert r.status_code == status, (body if not isinstance(body, bytes) else body[:80], r.text[:300])
+        shown = body if not isinstance(body, bytes) else body[:80]
+        assert r.status_code == status, (shown, r.text[:300])
         if status != 200:
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"}
             assert fragment in err["message"], err
+            if status == 413:
+                assert err["code"] == "body_too_large", err
         else:
             assert r.json()["choices"][0]["finish_reason"] == "length"
-    runner.join(120)
-    assert result["text"] == alone
+        assert not done.is_set(), f"the stream ended before or during the bad request {shown}"
+    assert len(events) > started_with  # it went on generating meanwhile
+    reader.join(120)
+    assert done.is_set() and events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == alone
+    monkeypatch.undo()
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     r = _post(url, "/v1/completions", {"prompt": "still serving", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
