@@ -13,6 +13,7 @@ import torch
 
 from spear.compensate.calibrate import CalibrationConfig
 from spear.compensate.scales import NormWeights, norm_modules
+from spear.compensate.spec import check_plan_ranks
 from spear.compensate.workflow import attach_ecs, calibrate, prepare_calibration, uniform_plan
 from spear.compensate.static import attach_static, needs_stats, remove_compensators
 from spear.compensate.stats import collect_activation_stats
@@ -81,6 +82,8 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
             + (f", damage from {selection.damage.tokens} tokens in {selection.damage.seconds:.0f} s"
                if selection.damage else ""))
     targets = quantizable_linears(model, quant.include_lm_head)
+    # a rank no module can hold fails here, before the statistics, self-samples and quantization
+    check_plan_ranks(plan if plan is not None else dict.fromkeys(targets, rank or 0), targets)
     fp_weights = {n: lin.weight.detach().clone() for n, lin in targets.items()}
     stats = None
     if any(needs_stats(m) for m in static_methods):

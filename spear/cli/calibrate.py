@@ -88,10 +88,12 @@ def register(sub) -> None:
 def main(args) -> int:
     from spear.cli.common import plan_from_args, quant_config_from
     from spear.compensate.gate_stats import gate_statistics, plot_gate_vs_error, summary_rows
+    from spear.compensate.spec import check_plan_ranks
     from spear.compensate.workflow import attach_ecs, calibrate, calibrate_layerwise, prepare_calibration
     from spear.eval.memory import compensator_bytes, quantized_model_bytes
     from spear.models.checkpoint import check_output_folder, is_checkpoint, save_checkpoint
     from spear.models.loading import load_model, resolve_model_path
+    from spear.models.modules import quantizable_linears
     from spear.quant.api import quantize_model
     from spear.errors import SpearError
 
@@ -106,6 +108,7 @@ def main(args) -> int:
     model, tok = load_model(args.model, device=args.device)
     cfg = cfg.for_model(model)  # the teacher's form follows the vocabulary; the checkpoint records it
     plan, selection = plan_from_args(args, model, tok, quant, cfg, progress)
+    check_plan_ranks(plan, quantizable_linears(model, quant.include_lm_head))  # before the sampling and teacher
     data = prepare_calibration(model, tok, cfg, quant.include_lm_head, progress=progress, teacher=not args.blockwise)
     channel_scales: dict = {}
     modules = quantize_model(model, quant, calib=data.train_ids, progress=progress, tokenizer=tok,

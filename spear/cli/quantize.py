@@ -25,6 +25,7 @@ def register(sub) -> None:
 
 
 def main(args) -> int:
+    from spear.compensate.spec import check_plan_ranks
     from spear.compensate.static import attach_static, needs_stats
     from spear.compensate.stats import collect_activation_stats
     from spear.config import StaticCompensationConfig
@@ -50,6 +51,8 @@ def main(args) -> int:
     if text_calib or (comp and needs_stats(comp.method)):
         calib = load_split(tokenizer, eval_cfg).calib
     targets = quantizable_linears(model, quant.include_lm_head)
+    if comp:  # a rank no module can hold fails before the statistics and quantization
+        check_plan_ranks({n: comp.rank_for(n) for n in targets}, targets)
     fp_weights = {n: lin.weight.detach().clone() for n, lin in targets.items()} if comp else {}
     stats = None
     if comp and needs_stats(comp.method):

@@ -81,6 +81,21 @@ class CompensatorSpec:
         return None
 
 
+def check_rank(name: str, rank: int, in_features: int, out_features: int) -> None:
+    """Raise a SpearError when ``rank`` exceeds the module's own rank min(in, out): the factors
+    could add memory but no accuracy there, so a larger request is a mistake, not a cap to apply."""
+    limit = min(in_features, out_features)
+    if rank > limit:
+        raise SpearError(f"{name}: compensator rank {rank} exceeds the module's limit min(in_features, "
+                         f"out_features) = {limit}")
+
+
+def check_plan_ranks(plan: dict[str, int], modules: dict[str, nn.Module]) -> None:
+    """:func:`check_rank` for every module of ``modules`` at its planned rank (0 where the plan names none)."""
+    for name, mod in modules.items():
+        check_rank(name, plan.get(name, 0), mod.in_features, mod.out_features)
+
+
 @dataclass
 class ECFactors:
     """A compensator in the runtime form of the module docstring; fp32 tensors."""

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from spear.compensate.lowrank import LowRankCompensator
 from spear.compensate.registry import stored_checked
+from spear.compensate.spec import check_plan_ranks
 from spear.compensate.stats import ActivationStats
 from spear.compensate.svd_init import ScalingCache, error_factors, low_rank_factors
 from spear.errors import SpearError
@@ -43,12 +44,14 @@ def attach_static(modules: dict[str, QuantLinear], fp_weights: dict[str, torch.T
                   progress: bool = True) -> dict[str, int]:
     """Attach a static compensator to each module with a nonzero planned rank.
 
-    ``fp_weights`` holds each module's original weight. Returns the applied plan.
+    ``fp_weights`` holds each module's original weight. Returns the applied plan. A rank above a
+    module's min(in_features, out_features) raises a SpearError.
     """
+    check_plan_ranks({name: cfg.rank_for(name) for name in modules}, modules)  # before any module changes
     applied = {}
     scale = None if cfg.method == "loftq" else ScalingCache(cfg.method, stats)
     for name, mod in tqdm(modules.items(), desc=f"static {cfg.method}", unit="mod", disable=not progress, leave=False):
-        rank = min(cfg.rank_for(name), mod.in_features, mod.out_features)
+        rank = cfg.rank_for(name)
         if rank == 0:
             mod.compensator = None
             continue

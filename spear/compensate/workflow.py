@@ -21,6 +21,7 @@ from spear.compensate.calibrate import (CalibrationConfig, CalibrationReport, To
                                        train_ecs)
 from spear.compensate.ec import GatedCompensator
 from spear.compensate.registry import stored_checked
+from spear.compensate.spec import check_plan_ranks
 from spear.compensate.stats import ActivationStats, collect_activation_stats
 from spear.compensate.svd_init import ScalingCache, error_factors
 from spear.data.selfsample import SampleConfig, sample_sequences
@@ -62,11 +63,14 @@ def prepare_calibration(model: nn.Module, tokenizer, cfg: CalibrationConfig, inc
 @torch.no_grad()
 def attach_ecs(modules: dict[str, QuantLinear], fp_weights: dict[str, torch.Tensor], plan: dict[str, int],
                cfg: CalibrationConfig, stats: dict[str, ActivationStats] | None) -> dict[str, int]:
-    """Attach a :class:`GatedCompensator` (gated or not per ``cfg``) to every module with a planned rank."""
+    """Attach a :class:`GatedCompensator` (gated or not per ``cfg``) to every module with a planned rank.
+    A rank above a module's min(in_features, out_features) raises a SpearError (the selection's plans
+    never hold one: they are capped there)."""
+    check_plan_ranks(plan, modules)  # before any module changes
     applied = {}
     scale = ScalingCache(cfg.init, stats)
     for i, (name, mod) in enumerate(modules.items()):
-        rank = min(plan.get(name, 0), mod.in_features, mod.out_features)
+        rank = plan.get(name, 0)
         if rank == 0:
             mod.compensator = None
             continue
