@@ -14,12 +14,15 @@ static low-rank term is the case without a gate and alpha = 1.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
 from spear.errors import SpearError
+
+log = logging.getLogger(__name__)
 
 KINDS = ("lowrank", "spear-ec")
 
@@ -94,6 +97,18 @@ def check_plan_ranks(plan: dict[str, int], modules: dict[str, nn.Module]) -> Non
     """:func:`check_rank` for every module of ``modules`` at its planned rank (0 where the plan names none)."""
     for name, mod in modules.items():
         check_rank(name, plan.get(name, 0), mod.in_features, mod.out_features)
+
+
+def warn_off_kernel(name: str, comp: nn.Module) -> str | None:
+    """Log a warning when the attached compensator ``comp`` does not fit the fused kernels (the
+    module then runs off the fused path when served); returns the reason, or None."""
+    from spear.compensate.registry import compensator_spec
+    from spear.kernels.layout import MAX_RANK  # layout imports torch only, no Triton kernel
+
+    reason = CompensatorSpec.from_dict(compensator_spec(comp)).kernel_limits(MAX_RANK)
+    if reason is not None:
+        log.warning("%s: %s; the module will run off the fused kernel path when served", name, reason)
+    return reason
 
 
 @dataclass

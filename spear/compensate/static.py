@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from spear.compensate.lowrank import LowRankCompensator
 from spear.compensate.registry import stored_checked
-from spear.compensate.spec import check_plan_ranks
+from spear.compensate.spec import check_plan_ranks, warn_off_kernel
 from spear.compensate.stats import ActivationStats
 from spear.compensate.svd_init import ScalingCache, error_factors, low_rank_factors
 from spear.errors import SpearError
@@ -67,6 +67,7 @@ def attach_static(modules: dict[str, QuantLinear], fp_weights: dict[str, torch.T
         mod.compensator = LowRankCompensator(stored_checked(a, dtype, f"{name}: {cfg.method} factor A"),
                                              stored_checked(b, dtype, f"{name}: {cfg.method} factor B")
                                              ).to(mod.codes.device)
+        warn_off_kernel(name, mod.compensator)
         applied[name] = rank
     return applied
 

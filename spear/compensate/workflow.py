@@ -21,7 +21,7 @@ from spear.compensate.calibrate import (CalibrationConfig, CalibrationReport, To
                                        train_ecs)
 from spear.compensate.ec import GatedCompensator
 from spear.compensate.registry import stored_checked
-from spear.compensate.spec import check_plan_ranks
+from spear.compensate.spec import check_plan_ranks, warn_off_kernel
 from spear.compensate.stats import ActivationStats, collect_activation_stats
 from spear.compensate.svd_init import ScalingCache, error_factors
 from spear.data.selfsample import SampleConfig, sample_sequences
@@ -81,6 +81,7 @@ def attach_ecs(modules: dict[str, QuantLinear], fp_weights: dict[str, torch.Tens
         mod.compensator = GatedCompensator(a, b, hidden=cfg.hidden,
                                            gated=cfg.gated, bound=cfg.bound, seed=cfg.seed * 7919 + i,
                                            per_rank=cfg.gate_per_rank).to(mod.codes.device)
+        warn_off_kernel(name, mod.compensator)
         applied[name] = rank
     return applied
 

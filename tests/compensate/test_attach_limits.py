@@ -1,6 +1,12 @@
-"""Ranks at attach time: a rank a module cannot hold is an error naming the module and its limit."""
+"""Ranks and gate widths at attach time: a rank a module cannot hold is an error, and a compensator
+the fused kernels cannot take is a warning naming the module."""
+
+import logging
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from spear.cli import main
 from spear.compensate.calibrate import CalibrationConfig
@@ -10,6 +16,7 @@ from spear.config import QuantConfig, StaticCompensationConfig
 from spear.errors import SpearError
 from spear.models.modules import quantizable_linears
 from spear.quant import quantize_model_rtn
+from spear.quant.rtn import rtn_quantize_linear
 
 K_PROJ = "model.layers.0.self_attn.k_proj"  # 64 -> 32 in the tiny Llama: the smallest module
 
@@ -82,3 +89,39 @@ def test_run_rejects_the_rank_before_quantizing(tiny_llama_path, tmp_path, monke
                "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert rc == 2 and K_PROJ in err and "= 32" in err
+
+
+def test_gate_wider_than_the_kernels_warns_naming_the_module(tiny_llama, caplog):
+    """Catches: attach_ecs not checking the attached compensator's spec against the kernels' limit."""
+    mods, fp = _quantized(tiny_llama[0])
+    with caplog.at_level(logging.WARNING, logger="spear.compensate.spec"):
+        attach_ecs(mods, fp, {K_PROJ: 2}, CalibrationConfig(init="identity", gated=True, hidden=16), None)
+        assert not caplog.records  # within the limit: silent
+        attach_ecs(mods, fp, {K_PROJ: 2}, CalibrationConfig(init="identity", gated=True, hidden=129), None)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{K_PROJ}: gate width 129 exceeds the kernels' 128; the module will run off the fused kernel path "
+        "when served"]
+
+
+def test_static_rank_above_the_kernels_warns_naming_the_module(caplog):
+    """Catches: attach_static not checking the attached compensator's spec against the kernels' limit."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(160, 144, bias=False)
+    fp = {"wide": lin.weight.detach().clone()}
+    mods = {"wide": rtn_quantize_linear(lin, QuantConfig())}
+    with caplog.at_level(logging.WARNING, logger="spear.compensate.spec"):
+        assert attach_static(mods, fp, StaticCompensationConfig(method="identity", rank=130), None,
+                             progress=False) == {"wide": 130}
+    assert [r.getMessage() for r in caplog.records] == [
+        "wide: rank 130 exceeds the kernels' 128; the module will run off the fused kernel path when served"]
+
+
+def test_the_kernel_limit_is_read_without_importing_a_triton_kernel():
+    """Catches: the limit taken from a kernel module (ops, w4a16, ...) whose import decorates Triton kernels."""
+    code = ("import sys, torch\n"
+            "from spear.compensate.lowrank import LowRankCompensator\n"
+            "from spear.compensate.spec import warn_off_kernel\n"
+            "assert warn_off_kernel('m', LowRankCompensator(torch.zeros(200, 8), torch.zeros(8, 200)))\n"
+            "print(sorted(m for m in sys.modules if m.startswith('spear.kernels') or m.split('.')[0] == 'triton'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['spear.kernels', 'spear.kernels.layout']"
