@@ -27,15 +27,31 @@ def register(sub) -> None:
     p.set_defaults(func=main)
 
 
+def _check_unicode(text: str, where: str) -> None:
+    from spear.errors import SpearError
+
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise SpearError(f"{where} {text[:40]!r} is not valid Unicode text (a lone surrogate at character "
+                         f"{exc.start}; bytes that are not UTF-8?)") from None
+
+
 def main(args) -> int:
     from spear.errors import SpearError
     from spear.serve import SamplingParams
 
     prompts = list(args.prompt)
+    # bytes that are not UTF-8 reach argv as lone surrogates (surrogateescape); no tokenizer takes them
+    for option, values in (("--prompt", prompts), ("--stop", args.stop)):
+        for text in values:
+            _check_unicode(text, option)
     if args.prompt_file:
         try:
             with open(args.prompt_file, encoding="utf-8") as fh:
                 prompts += [line.rstrip("\n") for line in fh if line.strip()]
+        except UnicodeDecodeError as exc:
+            raise SpearError(f"--prompt-file {args.prompt_file} is not valid UTF-8 text: {exc}") from None
         except OSError as exc:
             raise SpearError(f"cannot read --prompt-file: {exc}") from None
     if not prompts:

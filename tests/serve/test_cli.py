@@ -1,6 +1,7 @@
 """``spear generate`` and ``spear serve`` from the command line."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -55,6 +56,37 @@ def test_generate_without_prompt_and_impossible_settings(tiny_llama_path, capsys
     assert main(["generate", "--model", str(tiny_llama_path), "--prompt", "x", "--launch-table",
                  str(tiny_llama_path / "no-such-table.json")]) == 2
     assert "kernel policy: cannot read the launch table" in capsys.readouterr().err
+
+
+def test_generate_refuses_a_prompt_that_is_not_unicode_in_one_line(tiny_llama_path):
+    """Bytes that are not UTF-8 in --prompt, as a shell passes them (argv decodes them to lone
+    surrogates): exit 2 and one stderr line from the CLI's own check, before the model loads.
+    Catches: the check dropped, leaving the prompt to the model loading and the engine's
+    tokenizer (a TypeError traceback, exit 1, with an engine that does not check)."""
+    res = subprocess.run([sys.executable, "-m", "spear", "generate", "--model", str(tiny_llama_path), "--max-tokens",
+                          "2", "--num-blocks", "32", "--prompt", b"a\xed\xa0\x80b"], capture_output=True, timeout=300)
+    err = res.stderr.decode("utf-8").strip().splitlines()
+    assert res.returncode == 2 and len(err) == 1, (res.returncode, err)
+    assert err[0] == ("spear generate: error: --prompt 'a\\udced\\udca0\\udc80b' is not valid Unicode text "
+                      "(a lone surrogate at character 1; bytes that are not UTF-8?)"), err
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--prompt", "ok", "--stop", os.fsdecode(b"\xff")], "--stop '\\udcff' is not valid Unicode text"),
+    (["--prompt-file", "BAD_FILE"], "is not valid UTF-8 text: 'utf-8' codec can't decode byte 0xff"),
+    (["--prompt", "ok", "--request-seed", str(2**70)], "seed"),
+])
+def test_generate_bad_text_and_seed_fail_in_one_line(tiny_llama_path, tmp_path, capsys, extra, message):
+    """Bytes that are not UTF-8 in --stop (as argv decodes them) or in a --prompt-file, and a
+    --request-seed torch cannot take: exit 2 and one stderr line. Catches: the UnicodeDecodeError
+    of the file escaping as a traceback (it was caught only as an OSError), and a --stop string
+    with a lone surrogate accepted (exit 0; it can never match)."""
+    bad_file = tmp_path / "prompts.txt"
+    bad_file.write_bytes(b"fine prompt\nbad \xff\xfe bytes\n")
+    extra = [str(bad_file) if a == "BAD_FILE" else a for a in extra]
+    assert main(["generate", "--model", str(tiny_llama_path), "--max-tokens", "2", "--num-blocks", "32", *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("spear generate: error: ") and message in err[0], err
 
 
 def test_serve_subprocess_answers_and_stops(tiny_llama_path):
