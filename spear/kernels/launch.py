@@ -33,34 +33,27 @@ class Config:
     prefetch: bool = False  # K-major CUDA-core loop: issue step k + 1's loads before step k's math
 
 
-# Launch shapes by token count. Values from the sweep on one H200, 2026-11-29 (BENCHMARKS.md "Kernels"): geometric mean over
-# 4096x4096, 28672x4096 and 4096x14336 of the best candidate per token class.
+# Launch shapes by token count, each the best measured on the H200 for its token class
+# (BENCHMARKS.md, "Where the built-in choices come from").
 _BUILTIN = {
     "fma_max_m": 1,                                       # CUDA-core main loop up to here
     "fma": dict(BN=64, BK=128, num_warps=2, num_stages=2, programs=1024),
-    # K-major layout: from the GEMV sweeps (BENCHMARKS.md "Decode GEMV study" and "Register
-    # prefetch"): with the next K step's loads issued before the current step's math, fewer and
-    # longer programs win. BN 64, 2 warps, ~528 programs: best geometric mean over the five 7B/8B
-    # shapes at M = 1 in the first sweep; ~396 was as good standalone in the second, but slower in
-    # the engine (same run, Llama-2-7B / Llama-3-8B W4 batch 1: 2.62 / 2.80 ms against 2.68 / 3.04).
+    # K-major layout, one token: with the next K step's loads issued before the current step's
+    # math, fewer and longer programs win; 528, since ~396 were as fast alone but slower in the
+    # engine (BENCHMARKS.md, "Where the built-in choices come from", "Tried, measured, dropped").
     "fma_kmajor": dict(BN=64, BK=128, num_warps=2, num_stages=1, programs=528, prefetch=True),
-    # per token class (MV "2", "4"; JSON keys), the launch with the best geometric mean over the
-    # five shapes in the sweep of 2026-11-30 (BENCHMARKS.md "Launches per token class"); classes
-    # not listed use the M = 1 launch above. With them the loop beats the tensor-core tiles up to M = 4.
+    # per token class (MV "2", "4"; JSON keys) its own best launch, with which the CUDA-core loop
+    # beats the tensor-core tiles up to M = 4; classes not listed use the M = 1 launch above.
     "fma_kmajor_by_mv": {"2": dict(BN=64, BK=128, num_warps=2, num_stages=3, programs=528),
                          "4": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=264, prefetch=True)},
     "fma_kmajor_max_m": 4,
-    # one token, layers of at most max_n output features (o_proj and down of Llama-2-7B /
-    # Llama-3-8B's o_proj: N = 4096, 64 column tiles): fewer, longer programs (split 8, four K
-    # steps each, instead of 16 of two) with 4 warps; best of the sweep on 4096 x 4096 (7.5
-    # against 8.8 µs) and on 4096 x 11008 (13.5 against 14.0), same data as above
+    # one token, layers of at most max_n output features (N = 4096: only 64 column tiles): fewer,
+    # longer programs (split 8 of four K steps instead of 16 of two) with 4 warps, faster there in
+    # the engine (BENCHMARKS.md, "Where the built-in choices come from")
     "fma_kmajor_narrow": dict(max_n=4096, BN=64, BK=128, num_warps=4, num_stages=2, programs=264, prefetch=True),
     "tc": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=512),    # split-K tensor-core decode
-    # 17 to DECODE_MAX_M tokens (batched decode of 32-64 sequences): half the programs of "tc" (so
-    # split-K 2-8 instead of 4-16: at 64 tokens a split writes an M x N fp32 partial). From the
-    # H200 sweep of 2026-12-01 (bench_kernels.py --tune --tune-kinds tc_wide, BENCHMARKS.md
-    # "Thirteenth run"): best geometric mean over q/o, 8B gate_up and down at 32 and 64 tokens;
-    # Llama-3-8B W4 decode 10,338 -> 11,377 tok/s at 64 sequences, 7,331 -> 7,680 at 32.
+    # 17 to DECODE_MAX_M tokens (batched decode of 32-64 sequences): half the programs of "tc", so
+    # split-K 2-8 instead of 4-16, because at 64 tokens every split writes an M x N fp32 partial
     "tc_wide": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=256),
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
 }

@@ -25,10 +25,8 @@ they write fp32 partials of u and bump a per-m-tile counter. The u program that 
 last sums the partials, evaluates the gate MLP, writes v = gamma(u) ⊙ u (M, R) and bumps
 the counter once more. The program of each W tile's last split (the shortest K range, so
 usually the first to finish) waits for that after its loop, loads v (one L2 round trip) and
-adds alpha · B_tile v to its partial before storing it: the EC's round trips stay off the
-split-K reduction's tail (with them in the epilogue, after the reduction, a batch-1 decode
-step of Llama-2-7B / Llama-3-8B with ECs took 0.036 / 0.023 ms longer; BENCHMARKS.md,
-"Serving: decode", seventh run). The W programs carry neither the gate's code nor its
+adds alpha · B_tile v to its partial before storing it, which keeps the EC's round trips off
+the split-K reduction's tail. The W programs carry neither the gate's code nor its
 registers, and their EC work is one load and, at decode, one FMA row sum per token on B's
 tile (a small dot on the tensor-core tiles); the gate runs while the W programs stream their
 weights. The wait cannot deadlock: the u programs have the lowest
@@ -36,15 +34,15 @@ program ids of their m-tile and the hardware dispatches blocks in id order, so t
 resident or finished before any program that waits on them; until they have published v they
 wait on nothing. Re-arming the counters for the next call: on CUDA each W tile, once all its
 warps are past the wait, adds 1 to a done counter with a ``red`` (no result, so nothing waits
-for it) and the last u program, after publishing v, waits for all n_wt counts and, after a
+for it; an ``atomic_add``'s result is broadcast through shared memory, a stall in every tile)
+and the last u program, after publishing v, waits for all n_wt counts and, after a
 barrier (each of its warps polls on its own, so none may still be polling when the counters
-are zeroed), zeroes both counters (the W tiles never wait again, so this wait ends); a done ``atomic_add`` in every W
-tile, whose result Triton broadcasts through shared memory, cost 1.2-1.6 µs per call
-(BENCHMARKS.md, "Serving: decode", ninth run). The interpreter, which runs programs one after
-another, keeps that form: the last W tile to count resets the counters. Chosen over a second
-launch because at decode a launch costs about as much as the whole W4 GEMV. (Programs of their
-own that add alpha · B v for 1-4 column tiles as one more split-K partial, so that the W
-programs are the plain W4 ones, were slower on Llama-3-8B: BENCHMARKS.md, eighth run.)
+are zeroed), zeroes both counters (the W tiles never wait again, so this wait ends). The
+interpreter runs programs one after another, so there the last W tile to count resets the
+counters. One launch, not a second one for the EC, because at decode a launch costs about as
+much as the whole W4 GEMV. The alternatives measured against this design (the EC after the
+reduction, a done ``atomic_add``, programs of their own for alpha · B v, a second launch):
+BENCHMARKS.md, "Tried, measured, dropped".
 
 EC_MODE 2 (prefill, serial variant): v = gamma(u) ⊙ u was computed by ``ec.ec_gate``;
 the epilogue only adds alpha · B_tile v.

@@ -51,14 +51,12 @@ from spear.kernels._common import INTERPRET, _pdl_wait
 
 # Launch shapes by token count: the entry of the smallest key >= M (the largest key's above it).
 # BM tokens per program (CUDA-core entries skip tokens >= M), BN output features, BK inputs per
-# step; ``dot``: tensor cores. M = 1: the best of ``benchmarks/bench_w8.py --sweep`` (BN, BK,
-# num_warps; 48 launches), summed over the Llama-2-7B and Llama-3-8B heads (H200, 2026-12-01):
-# 157 us on the 8B head against 226 us for the first guess (BN 64, BK 64) and 283 us for cuBLAS's
-# fp16 GEMV; BK = 256 won although its activation rows need a layout change (module docstring).
-# M = 2-16 take the tensor-core tile: memory-bound, it costs the same at any M <= 16 (8B head:
-# 186 us at M = 16), where the best CUDA-core launch at M = 4 took 301 us (the first guesses at
-# M = 8, 896 us) and cuBLAS 283 us. M > 16: first guesses, not swept; they stream the weight
-# through cp.async stages into wgmma, the int8 -> fp16 operand in registers.
+# step; ``dot``: tensor cores. M = 1: the fastest launch of ``benchmarks/bench_w8.py --sweep`` on
+# the H200 heads, BK = 256 although its activation rows need a layout change (module docstring).
+# M = 2-16 take the tensor-core tile: memory-bound, it costs the same at any M <= 16 and beats
+# every CUDA-core launch from 2 tokens on (BENCHMARKS.md, "W8 head kernel"; "Tried, measured,
+# dropped"). M > 16: not swept; they stream the weight through cp.async stages into wgmma, the
+# int8 -> fp16 operand in registers.
 LAUNCH = MappingProxyType({
     1: MappingProxyType(dict(BM=1, BN=16, BK=256, num_warps=4, num_stages=2, dot=False)),
     16: MappingProxyType(dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3, dot=True)),
