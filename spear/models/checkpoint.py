@@ -115,8 +115,11 @@ def publish_permissions(folder: Path) -> None:
 
 
 def check_output_folder(target: str | os.PathLike, overwrite: bool) -> Path:
-    """Refuse an output folder a write would refuse, before any work is spent on what goes in it."""
+    """Refuse an output folder a write would refuse, before any work is spent on what goes in it.
+    First remove the temporary folders a killed writer of ``target`` left, so that they go even
+    when this run fails too."""
     target = Path(target).expanduser()
+    clean_stale_temporaries(target)
     if target.exists() and not target.is_dir():
         raise SpearError(f"output {target} exists and is not a folder")
     if target.exists() and any(target.iterdir()) and not overwrite:
@@ -171,9 +174,8 @@ def make_temporary(target: Path, kind: str = "tmp") -> Path:
 
 
 def _write_atomic_folder(target: Path, write, overwrite: bool) -> None:
-    target = check_output_folder(target, overwrite)
+    target = check_output_folder(target, overwrite)  # removes stale temporaries
     target.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_temporaries(target)
     tmp = make_temporary(target)
     try:
         write(tmp)

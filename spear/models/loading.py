@@ -53,11 +53,10 @@ def _default_gguf() -> Path:
 def _convert_default(target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from spear.models.checkpoint import clean_stale_temporaries, make_temporary
+    from spear.models.checkpoint import make_temporary
 
     gguf = _default_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_temporaries(target)
     tmp = make_temporary(target)
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -87,7 +86,11 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
     """Map a ``--model`` argument to a local HF folder, converting the default once."""
     name = str(model)
     if name == DEFAULT_MODEL:
+        from spear.models.checkpoint import clean_stale_temporaries
+
         target = cache_dir() / "models" / DEFAULT_MODEL
+        # a killed conversion's temporaries go on every use, even when another one completed since
+        clean_stale_temporaries(target)
         if not (target / _COMPLETE_MARKER).is_file():
             if target.exists():  # a folder without the marker was not written by us whole
                 shutil.rmtree(target)

@@ -1,4 +1,7 @@
 import json
+import os
+import socket
+import subprocess
 
 import pytest
 import torch
@@ -7,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from spear.compensate.static import attach_static
 from spear.config import QuantConfig, StaticCompensationConfig
 from spear.errors import SpearError
-from spear.models.checkpoint import WEIGHTS_NAME, save_checkpoint
+from spear.models.checkpoint import WEIGHTS_NAME, check_output_folder, save_checkpoint
 from spear.models.loading import load_model
 from spear.models.modules import quantizable_linears
 from spear.quant import quantize_model_rtn, quantized_modules
@@ -132,3 +135,64 @@ def test_quantized_head_of_a_tied_model(tiny_llama, tmp_path):
     assert quantized_model_bytes(loaded) == nbytes
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     assert torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)
+
+
+def _writer_folders(parent, name):
+    """A temporary folder of ``name`` left by a killed writer, and one of a writer still running."""
+    dead_proc = subprocess.Popen(["true"])
+    dead_proc.wait()
+    folders = {}
+    for kind, pid in (("dead", dead_proc.pid), ("live", os.getpid())):
+        folder = parent / f".{name}.tmp-{kind}"
+        folder.mkdir(parents=True)
+        (folder / ".spear-writer").write_text(f"{socket.gethostname()} {pid}")
+        (folder / WEIGHTS_NAME).write_bytes(b"\x00" * 1024)
+        folders[kind] = folder
+    return folders["dead"], folders["live"]
+
+
+def test_the_out_check_removes_a_killed_writers_temporaries_even_when_it_fails(tmp_path):
+    """The --out check, which every writing command runs first, removes a killed writer's
+    temporaries even when it refuses the folder (and the run ends there). Catches: the cleanup
+    done only by a save that gets to write."""
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "x").write_text("already here")
+    dead, live = _writer_folders(tmp_path, "ckpt")
+    with pytest.raises(SpearError, match="exists and is not empty"):
+        check_output_folder(target, overwrite=False)
+    assert not dead.exists() and live.exists() and (target / "x").exists()
+
+
+def test_a_failed_save_still_removes_a_killed_writers_temporaries(tiny_llama, tmp_path, monkeypatch):
+    """Catches: the cleanup after the write (a rerun that fails while writing keeps the old
+    leftovers), and a cleanup that removes a running writer's folder."""
+    model, tok = tiny_llama
+    cfg = QuantConfig()
+    quantize_model_rtn(model, cfg, progress=False)
+    dead, live = _writer_folders(tmp_path, "out")
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("safetensors.torch.save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(model, tok, tmp_path / "out", cfg, "tiny")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
+
+
+def test_using_the_default_model_removes_a_killed_conversions_temporaries(tmp_path, monkeypatch):
+    """A conversion of the default model killed midway left its temporary folder; another one
+    completed since. Resolving the default removes the leftover without converting again.
+    Catches: the cleanup run only by a new conversion."""
+    from spear.models import loading
+
+    monkeypatch.setenv("SPEAR_CACHE", str(tmp_path))
+    models = tmp_path / "models"
+    target = models / loading.DEFAULT_MODEL
+    target.mkdir(parents=True)
+    (target / loading._COMPLETE_MARKER).write_text("{}")
+    dead, live = _writer_folders(models, loading.DEFAULT_MODEL)
+    monkeypatch.setattr(loading, "_convert_default", lambda t: pytest.fail("converted again"))
+    assert loading.resolve_model_path(loading.DEFAULT_MODEL) == target
+    assert not dead.exists() and live.exists()
