@@ -3,7 +3,8 @@
 Batch compositions: all prompts at once, chunked prefill with a small token budget,
 requests arriving while others decode, and a cache so small that sequences are
 preempted and recomputed. Also on an RTN W4 model with compensators, on a saved
-spear checkpoint, and on tiny Qwen2 / Mistral / llama3-rope models.
+spear checkpoint, and on tiny Qwen2 / Mistral / llama3-rope models (dense, W4 and W4 with
+ECs; preempted too).
 """
 
 from __future__ import annotations
@@ -157,26 +158,33 @@ def test_bad_engine_settings_are_refused(default_model):
 
 
 # ---------------------------------------------------------------------- quantized models
-@pytest.fixture(scope="module")
-def w4_model(default_model):
-    """The default model with RTN W4 (per-channel) on every linear and rank-4 gated ECs on layers 0-3."""
+def _rtn_w4(model, ec_layers: int = 0, rank: int = 4):
+    """RTN W4 (per-channel) on every linear of ``model``, in place, and rank-``rank`` gated ECs (static
+    closed-form A, B; a random non-trivial gate) on the linears of layers ``< ec_layers``."""
     from spear.compensate.ec import GatedCompensator
     from spear.compensate.svd_init import error_factors
     from spear.config import QuantConfig
     from spear.quant import quantize_model_rtn
 
-    model, tok = default_model
-    model = copy.deepcopy(model)
     fp = {n: m.weight.detach().clone() for n, m in model.named_modules() if type(m) is torch.nn.Linear}
     modules = quantize_model_rtn(model, QuantConfig(bits=4), progress=False)
     g = torch.Generator().manual_seed(0)
     for name, q in modules.items():
-        if int(name.split(".")[2]) < 4:
-            a, b = error_factors(fp[name], q, 4, None)
+        if int(name.split(".")[2]) < ec_layers:
+            a, b = error_factors(fp[name], q, rank, None)
             ec = GatedCompensator(a.float(), b.float(), hidden=8)
             with torch.no_grad():  # a non-trivial gate, so the per-token path is exercised
                 ec.w2.copy_(torch.randn(ec.w2.shape, generator=g) * 0.5)
             q.compensator = ec
+    return modules
+
+
+@pytest.fixture(scope="module")
+def w4_model(default_model):
+    """The default model with RTN W4 (per-channel) on every linear and rank-4 gated ECs on layers 0-3."""
+    model, tok = default_model
+    model = copy.deepcopy(model)
+    _rtn_w4(model, ec_layers=4)
     return model, tok
 
 
@@ -244,18 +252,62 @@ class _IdsTokenizer:
         return " ".join(map(str, ids))
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral", "llama3"])
-def test_llama_family_layouts_equal_hf(kind):
+def _tiny_variant(kind: str, variant: str):
+    """A tiny ``kind`` model as it is (dense), RTN W4 on its 14 linears, or W4 with gated rank-4 ECs on all of them."""
+    from spear.quant.linear import QuantLinear
+
     model = _tiny(kind)
-    eng = LLMEngine(model, _IdsTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8,
-                                                         max_num_seqs=4))
-    prompts = [list(range(3, 40)), list(range(50, 55)), [7] * 90]  # the last one passes position 64
-    outs = eng.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    if variant != "dense":
+        _rtn_w4(model, ec_layers=2 if variant == "w4+ec" else 0)
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(quant) == (0 if variant == "dense" else 14)
+    assert sum(m.compensator is not None for m in quant) == (14 if variant == "w4+ec" else 0)
+    return model
+
+
+FAMILY_PROMPTS = [list(range(3, 40)), list(range(50, 55)), [7] * 90]  # the last one passes position 64
+
+
+def _family_greedy_equals_hf(model, eng, prompts=FAMILY_PROMPTS, max_new: int = 20):
+    outs = eng.generate(prompts, SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs):
         x = torch.tensor([p])
-        ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False,
+        ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-        assert o.output_token_ids == ref
+        assert o.output_token_ids == ref, (p[:3], o.output_token_ids, ref)
+    assert eng.stats().kv_usage == 0.0
+
+
+@pytest.mark.parametrize("variant", ["dense", "w4", "w4+ec"])
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "llama3"])
+def test_llama_family_layouts_equal_hf(kind, variant):
+    """Qwen2 (q/k/v biases), Mistral and llama3-rope (untied head) models, dense, RTN W4 and W4 with
+    gated ECs, served greedily with chunked prefill: token for token transformers' generate of the
+    same (quantized) model.
+
+    Catches: the engine's loader dropping a QuantLinear's bias (``bias=None`` in
+    ``spear/serve/loader.py::from_module``: the Qwen2 W4 cases) or its compensator (``ec=None``: the
+    W4+EC cases)."""
+    model = _tiny_variant(kind, variant)
+    eng = LLMEngine(model, _IdsTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8,
+                                                         max_num_seqs=4))
+    _family_greedy_equals_hf(model, eng)
+
+
+def test_llama_family_preemption_equals_hf():
+    """The Qwen2 W4+EC model with 40 blocks of 4 tokens for five requests that need 83 together
+    (prompts of 37, 5, 90, 60 and 30 tokens, 20 new tokens each): decodes preempt sequences, whose
+    freed blocks others then fill, and the preempted ones are recomputed; the tokens still equal
+    transformers'.
+
+    Catches: a preempted sequence resuming on the KV of its freed blocks instead of recomputing
+    them (``seq.num_computed_tokens = 0`` dropped from ``Scheduler._preempt``), and a cache large
+    enough that nothing is preempted."""
+    model = _tiny_variant("qwen2", "w4+ec")
+    eng = LLMEngine(model, _IdsTokenizer(), EngineConfig(num_blocks=40, block_size=4, max_num_batched_tokens=48,
+                                                         max_num_seqs=5))
+    _family_greedy_equals_hf(model, eng, FAMILY_PROMPTS + [list(range(100, 160)), list(range(200, 230))])
+    assert eng.num_preemptions > 0
 
 
 def test_decode_graph_path_with_padding_equals_hf(default_model, reference):
