@@ -73,20 +73,36 @@ def test_completion_greedy_equals_hf_and_streams_the_same(default_model, client)
     assert chunks[-1].usage.completion_tokens == 12
 
 
-def test_chat_streaming_and_not(client, default_model):
-    """The prompt is the tokenizer's chat template applied to the messages (its token count equals
-    apply_chat_template's), the streamed text equals the whole one."""
+def test_chat_streaming_and_not(smol, client, default_model, monkeypatch):
+    """The prompt the server submits is, id for id, the tokenizer's chat template applied to the
+    messages with the generation prompt; the streamed text equals the whole one.
+
+    Catches: ``ChatCompletionRequest.chat`` giving user messages the system role (as it does
+    developer ones): the same number of tokens (the old count-only check passed), other ids; a
+    user/assistant swap fails it too."""
     _, tok = default_model
+    async_engine = smol[1]
+    submitted: list[list[int]] = []
+    submit = async_engine.submit
+
+    async def recording_submit(ids, params, *args, **kw):  # this engine object only, undone after the test
+        submitted.append(list(ids))
+        return await submit(ids, params, *args, **kw)
+
+    monkeypatch.setattr(async_engine, "submit", recording_submit)
     messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a color."}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
     ref = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    assert r.usage.prompt_tokens == len(ref["input_ids"] if hasattr(ref, "keys") else ref)
+    ref = list(ref["input_ids"] if hasattr(ref, "keys") else ref)
+    assert submitted == [ref]
+    assert r.usage.prompt_tokens == len(ref)
     text = r.choices[0].message.content
     assert r.choices[0].message.role == "assistant" and text and r.usage.completion_tokens <= 10
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
                                                  stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert submitted == [ref, ref]
     assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
 
