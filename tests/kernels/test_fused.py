@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spear.kernels import _common, fused
+from spear.kernels import fused
 from spear.kernels import reference as ref
 from tests.kernels._helpers import DEVICE, sqnr_db
 
@@ -186,23 +186,47 @@ def test_bad_inputs_raise():
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the torch fallback is for non-CUDA tensors")
-def test_cpu_tensors_take_the_torch_reference(monkeypatch):
-    monkeypatch.setattr(_common, "INTERPRET", False)
-    torch.manual_seed(0)
-    x, r = torch.randn(3, 32), torch.randn(3, 32)
-    w = torch.rand(32) + 0.5
-    assert torch.equal(fused.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
-    s, out = fused.add_rms_norm(x, r, w, 1e-6)
-    assert torch.equal(s, r + x) and torch.equal(out, ref.rms_norm(r + x, w, 1e-6))
-    assert torch.equal(fused.silu_mul(x, r), F.silu(x) * r)
-    q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
-    cos_t, sin_t = torch.randn(10, 16), torch.randn(10, 16)
-    pos, slots = torch.tensor([9, 0, 4]), torch.tensor([5, 14, 2])
-    kc, vc = torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16)
-    out = fused.rope_write_kv(q, k, v, cos_t, sin_t, kc, vc, slots, positions=pos)
-    assert torch.equal(out, ref.apply_rope(q, cos_t[pos], sin_t[pos]))
-    assert torch.equal(kc.view(-1, 2, 16)[slots], ref.apply_rope(k, cos_t[pos], sin_t[pos]))
-    assert torch.equal(vc.view(-1, 2, 16)[slots], v)
+def test_cpu_tensors_take_the_torch_reference():
+    """Without the Triton interpreter, CPU tensors go through the torch references of
+    ``spear.kernels.reference``, bit for bit. This session runs under the interpreter (switched on
+    in tests/conftest.py before any import), so the check runs in a fresh interpreter without
+    TRITON_INTERPRET.
+
+    Catches: ``fused._use_kernel`` ignoring the tensor's device (``return True``): a Triton launch
+    on CPU tensors without the interpreter fails."""
+    import subprocess
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+_FALLBACK_SCRIPT = r'''
+import torch
+import torch.nn.functional as F
+from spear.kernels import _common, fused
+from spear.kernels import reference as ref
+
+assert not _common.INTERPRET
+torch.manual_seed(0)
+x, r = torch.randn(3, 32), torch.randn(3, 32)
+w = torch.rand(32) + 0.5
+assert torch.equal(fused.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+s, out = fused.add_rms_norm(x, r, w, 1e-6)
+assert torch.equal(s, r + x) and torch.equal(out, ref.rms_norm(r + x, w, 1e-6))
+assert torch.equal(fused.silu_mul(x, r), F.silu(x) * r)
+q, k, v = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+cos_t, sin_t = torch.randn(10, 16), torch.randn(10, 16)
+pos, slots = torch.tensor([9, 0, 4]), torch.tensor([5, 14, 2])
+kc, vc = torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16)
+out = fused.rope_write_kv(q, k, v, cos_t, sin_t, kc, vc, slots, positions=pos)
+assert torch.equal(out, ref.apply_rope(q, cos_t[pos], sin_t[pos]))
+assert torch.equal(kc.view(-1, 2, 16)[slots], ref.apply_rope(k, cos_t[pos], sin_t[pos]))
+assert torch.equal(vc.view(-1, 2, 16)[slots], v)
+print("ok")
+'''
 
 
 # ---------------------------------------------------------------------------- sm_90 compile check
