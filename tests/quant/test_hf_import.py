@@ -143,6 +143,13 @@ def write_quantized_folder(path, method, bits=4, group_size=16, fmt="gptq", sym=
     ("awq", "gemm", 4, 32, False, False),
 ])
 def test_import_dequantizes_exactly(tmp_path, method, fmt, bits, group_size, sym, permute):
+    """Folders packed by the transcribed AutoGPTQ / AutoAWQ packers import to the exact codes, scales
+    and zeros, and dequantize exactly.
+
+    Catches: ``unpack_int32`` reading the highest bits first (every case); v1's ``zeros + 1``
+    dropped (the "gptq" cases); the static-group reorder ``scales[order], zeros[order]`` dropped
+    (the permuted cases); an identity ``AWQ_ORDER`` or ``_awq_unorder`` gathering by it instead of
+    scattering (the AWQ cases)."""
     expected = write_quantized_folder(tmp_path / "hf", method, bits, group_size, fmt, sym, permute)
     model, tokenizer, quant, _ = import_hf_quantized(tmp_path / "hf")
     mods = quantized_modules(model)
@@ -239,7 +246,10 @@ def _golden_tensors(name, qweight, qzeros, n_out):
 def test_golden_gptq_words():
     """One 8 -> 8 4-bit GPTQ linear, words written by hand from the format's rule (qweight
     (in/8, out): word of output o packs inputs 0..7 from the lowest nibble up; qzeros (G, out/8)
-    packs outputs likewise; v1 stores zero − 1, v2 the zero): code[o, i] = (i + o) mod 8, zero[o] = o + 1."""
+    packs outputs likewise; v1 stores zero − 1, v2 the zero): code[o, i] = (i + o) mod 8, zero[o] = o + 1.
+
+    Catches: v1's ``zeros = zeros + 1`` dropped in ``convert_linear``; ``unpack_int32`` reading the
+    highest bits first (``shifts = torch.arange(32 - bits, -1, -bits)``)."""
     qweight = [[0x76543210, 0x07654321, 0x10765432, 0x21076543, 0x32107654, 0x43210765, 0x54321076, 0x65432107]]
     codes = torch.tensor([[(i + o) % 8 for i in range(8)] for o in range(8)], dtype=torch.uint8)
     zeros = torch.arange(1, 9, dtype=torch.uint8).reshape(8, 1)
@@ -253,7 +263,10 @@ def test_golden_gptq_words():
 def test_golden_awq_words():
     """One 8 -> 8 AWQ GEMM linear by hand (qweight (in, out/8): nibble j of a word holds column
     [0, 2, 4, 6, 1, 3, 5, 7][j] of its block of 8; qzeros (G, out/8) likewise): code[o, i] = o for
-    every input, zero[o] = 7 − o. Nibbles 7..0 then read 7,5,3,1,6,4,2,0 and 0,2,4,6,1,3,5,7."""
+    every input, zero[o] = 7 − o. Nibbles 7..0 then read 7,5,3,1,6,4,2,0 and 0,2,4,6,1,3,5,7.
+
+    Catches: a wrong AWQ order map (``AWQ_ORDER = (0, 1, ..., 7)``), or ``_awq_unorder`` applying
+    the map as a gather (``out = blocks[..., AWQ_ORDER]``) instead of its inverse."""
     qweight = [[0x75316420]] * 8
     qc = {"quant_method": "awq", "bits": 4, "group_size": 8}
     c, _, z, _ = convert_linear(_golden_tensors("l", qweight, [[0x02461357]], 8), "l", qc, 8, 8)
