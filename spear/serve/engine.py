@@ -266,6 +266,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer takes it
+                raise SpearError(f"the prompt is not valid Unicode text ({exc.reason} at character {exc.start})") \
+                    from None
             return self.tokenizer(prompt).input_ids
         return list(prompt)
 
@@ -367,7 +372,8 @@ class LLMEngine:
                 continue
             if reason is not None:
                 self._forget(seq.request_id)
-        everyone_failed = len(outputs) > 0 and all(o.error is not None for o in outputs)
+        # the model raised on every chunk of the step (a broken device, not one request's rows)
+        everyone_failed = bool(failed) and logits is None
         self.num_failed_steps = self.num_failed_steps + 1 if everyone_failed else 0
         self.num_steps += 1
         self.last_step = StepRecord(sched.num_tokens, len(sched.chunks), sched.is_decode_only,

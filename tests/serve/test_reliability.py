@@ -135,6 +135,7 @@ def _poison(eng, bad_prompt_ids: list[int], how: str):
             raise RuntimeError("device-side assert on this request")
         logits = real(sched)
         if how == "nan":
+            logits = logits.clone()  # an inference tensor (and maybe a graph's buffer): write a copy
             for i, c in enumerate(rows):
                 if c.seq.prompt_token_ids == bad_prompt_ids:
                     logits[i] = float("nan")
@@ -186,6 +187,27 @@ def test_steps_that_fail_everyone_are_counted(tiny):
         while eng.has_unfinished():
             eng.step()
     assert eng.stats().num_failed_steps == 3
+
+
+def test_requests_that_fail_alone_do_not_count_as_failing_steps(tiny):
+    """Three requests in a row whose logits are non-finite (each alone in its step) fail, but the
+    model ran: /health must not turn 503 for them. Catches: counting a step as failed whenever every
+    output in it is an error (a client could then flip the server's health)."""
+    eng = make_engine(tiny)
+    for i in range(3):
+        bad = f"bad request {i}"
+        _poison(eng, eng.tokenize(bad), "nan")
+        out = run_all(eng, [bad], GREEDY)
+        assert list(out.values())[0].finish_reason == "error"
+        assert eng.stats().num_failed_steps == 0
+
+
+def test_a_prompt_that_is_not_valid_unicode_is_refused_before_queuing(tiny):
+    """Catches: a lone surrogate reaching the tokenizer (a TypeError, not a one-line SpearError)."""
+    eng = make_engine(tiny)
+    with pytest.raises(SpearError, match="not valid Unicode text"):
+        eng.add_request("a\ud800b", GREEDY)
+    assert not eng._seqs and not eng.has_unfinished()
 
 
 def test_queue_bound_counts_the_free_slots():
