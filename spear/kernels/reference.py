@@ -149,3 +149,27 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         o = torch.einsum("hqk,khd->qhd", p, v)
         out[lo:hi] = torch.where(seen.any(dim=1)[:, None, None], o, 0.0)               # no key seen: zeros
     return out.flatten(1).to(q.dtype)
+
+
+def tp_reduce_ec(staging: list[torch.Tensor], n: int, bias: torch.Tensor | None = None,
+                 b: torch.Tensor | None = None, alpha: float = 1.0, w1: torch.Tensor | None = None,
+                 b1: torch.Tensor | None = None, w2: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                 bound: float = 1.0) -> torch.Tensor:
+    """``tp_reduce.tp_reduce_ec``'s contract, in fp32 (fp64 for fp64 buffers), (M, n): each staging
+    buffer (M, n [+ r]) holds a rank's partial output and, with ``b`` (n, r) given, its partial u
+    after it; the buffers are summed in order, then y = sum[:, :n] + bias + alpha · (gamma(u) ⊙ u) Bᵀ,
+    u = sum[:, n:n + r]."""
+    acc = torch.promote_types(staging[0].dtype, torch.float32)
+    s = staging[0].to(acc)
+    for t in staging[1:]:
+        s = s + t.to(acc)
+    y = s[:, :n]
+    if b is not None:
+        u = s[:, n:n + b.shape[1]]
+        if w1 is not None:
+            h = F.silu(u @ w1.to(acc).t() + b1.to(acc))
+            u = (1.0 + bound * torch.tanh(h @ w2.to(acc).t() + b2.to(acc))) * u
+        y = y + alpha * (u @ b.to(acc).t())
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y
