@@ -54,6 +54,13 @@ def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
                    help="launch shapes of the W4 kernel for this GPU (a JSON table as `spear tune-kernels` writes "
                         "it; default: the built-in table, chosen on an H200)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed of requests without one (default: %(default)s)")
+    g.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
+                   help="split the model across N processes: N GPUs (cuda:0..N-1) or, on the CPU, N gloo "
+                        "processes; heads, kv heads and MLP features must divide by N (default: %(default)s)")
+    g.add_argument("--tp-reduce", choices=["allreduce", "peer"], default="allreduce",
+                   help="how row-parallel layers sum their partial outputs across GPUs: 'allreduce' (NCCL), or "
+                        "'peer' (each GPU reads the others' symmetric-memory buffers in one fused kernel with the "
+                        "compensator's gate; no collective on the decode path) (default: %(default)s)")
     if not slo:
         p.set_defaults(itl_slo_ms=None, latency_table=None, min_chunk=16)
         return
@@ -88,7 +95,8 @@ def engine_from_args(args, **changes):
                   max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
                   kv_memory=args.kv_memory, max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs,
                   kernels=kernel_policy(pdl=args.pdl, launch_table=args.launch_table), seed=args.seed,
-                  itl_slo_ms=args.itl_slo_ms, latency_table=table, min_chunk_tokens=args.min_chunk)
+                  itl_slo_ms=args.itl_slo_ms, latency_table=table, min_chunk_tokens=args.min_chunk,
+                  tensor_parallel_size=args.tensor_parallel, tp_reduce=args.tp_reduce)
     fields.update(changes)
     cfg = EngineConfig(**fields)
     return LLMEngine.from_pretrained(args.model, cfg, dtype=None if dtype is None else getattr(torch, dtype),
@@ -145,8 +153,13 @@ def main(args) -> int:
               f"{t.deployment.device}, margin {100 * t.margin:.1f}%, at least {engine.config.min_chunk_tokens} "
               f"prefill tokens a step", flush=True)
     name = args.served_model_name or args.model
+    tp = engine.config.tensor_parallel_size
     print(f"serving {name} on http://{args.host}:{args.port} (max_model_len {engine.max_model_len}, "
-          f"{engine.block_manager.num_blocks} KV blocks of {engine.config.block_size} tokens)", flush=True)
-    run_server(AsyncEngine(engine, step_timeout_s=args.step_timeout), name, args.host, args.port, args.log_level,
-               limits)
+          f"{engine.block_manager.num_blocks} KV blocks of {engine.config.block_size} tokens"
+          + (f", tensor parallel over {tp} ranks" if tp > 1 else "") + ")", flush=True)
+    try:
+        run_server(AsyncEngine(engine, step_timeout_s=args.step_timeout), name, args.host, args.port,
+                   args.log_level, limits)
+    finally:
+        engine.close()
     return 0

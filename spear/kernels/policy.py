@@ -20,11 +20,12 @@ Paths of a W4 layer (CUDA; everywhere else the fp32 torch reference of reference
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from types import MappingProxyType
 
-from spear.kernels.launch import BUILTIN, _frozen, check_table, merged_table, pick_config
+from spear.kernels.launch import BUILTIN, _frozen, _thaw, check_table, merged_table, pick_config
 
 PATHS = ("reference", "gemm", "dequant_cublas", "fused_ec", "semi_fused_ec")
 PDL_MODES = ("off", "wait", "auto")
@@ -79,6 +80,16 @@ class KernelPolicy:
     def replace(self, **changes) -> "KernelPolicy":
         return replace(self, **changes)
 
+    def __reduce__(self):
+        # the launch table is read-only (MappingProxyType), which pickle cannot take: a plain copy of
+        # it rebuilds the same policy (tensor-parallel ranks receive the engine's policy this way)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        if self.launch_table is not BUILTIN:
+            fields["launch_table"] = _thaw(self.launch_table)
+        else:
+            del fields["launch_table"]
+        return (_rebuild, (fields,))
+
     @property
     def op_args(self) -> tuple[int, ...]:
         """This policy as the integer list the registered op takes."""
@@ -99,6 +110,10 @@ class KernelPolicy:
         if self.pdl == "wait":
             return 1
         return int(decode_batch is not None and decode_batch <= self.pdl_auto_max_batch)
+
+
+def _rebuild(fields: dict) -> KernelPolicy:
+    return KernelPolicy(**fields)
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,9 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from spear.parallel import split_of
 from spear.select.budget import ec_bytes
 
-ROW_PARALLEL = ("o_proj", "down_proj", "out_proj", "dense_4h_to_h", "fc2", "wo", "c_proj")
 
 
 @dataclass
@@ -184,9 +184,8 @@ def cka_entropy_allocation(damage: dict[str, float], shapes: dict[str, tuple[int
     n = len(damage)
     share = {k: (max(0.0, d) / total if total > 0 else 1.0 / n) for k, d in damage.items()}
 
-    def penalty(name):
-        kind = name.rsplit(".", 1)[-1]
-        return 1 + comm_penalty * (tp - 1) / tp if tp > 1 and kind in ROW_PARALLEL else 1.0
+    def penalty(name):  # the engine's split of this module (spear.parallel): row-parallel sums u across ranks
+        return 1 + comm_penalty * (tp - 1) / tp if tp > 1 and split_of(name) == "row" else 1.0
 
     def unit_cost(name, r):  # ranking cost of going from rank r-1 to r
         c = (cost(name, r) - cost(name, r - 1)) * penalty(name)

@@ -32,6 +32,13 @@ class EngineConfig:
     # this deployment, else one profiled at start-up and cached. A table alone adds predictions
     latency_table: object = None
     min_chunk_tokens: int = 16           # prefill tokens a step takes at least under a target
+    # tensor parallelism (spear/parallel): ranks, one process and device each (cuda:0..N-1, or the
+    # CPU over gloo); how row-parallel layers sum ("allreduce": one collective of the partial output
+    # and u; "peer": symmetric-memory buffers read by one fused kernel, CUDA); how long a rank
+    # waits inside a collective
+    tensor_parallel_size: int = 1
+    tp_reduce: str = "allreduce"
+    tp_timeout_s: float = 300.0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
@@ -50,6 +57,14 @@ class EngineConfig:
             raise SpearError(f"min_chunk_tokens must be a whole number >= 1, got {self.min_chunk_tokens!r}")
         if self.latency_table is not None and not isinstance(self.latency_table, (str, os.PathLike, LatencyTable)):
             raise SpearError(f"latency_table must be a LatencyTable or a path, got {type(self.latency_table).__name__}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 8:
+            raise SpearError(f"tensor_parallel_size must be a whole number in 1..8, got {tp!r}")
+        if self.tp_reduce not in ("allreduce", "peer"):
+            raise SpearError(f"tp_reduce must be 'allreduce' or 'peer', got {self.tp_reduce!r}")
+        if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) or \
+                not (math.isfinite(self.tp_timeout_s) and self.tp_timeout_s > 0):
+            raise SpearError(f"tp_timeout_s must be a finite number of seconds > 0, got {self.tp_timeout_s!r}")
         if not isinstance(self.kernels, KernelPolicy):
             raise SpearError(f"kernels must be a KernelPolicy, got {type(self.kernels).__name__}")
         if self.max_num_batched_tokens < self.max_num_seqs:

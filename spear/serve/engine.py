@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -32,15 +33,14 @@ from spear.serve.block_manager import BlockManager
 from spear.serve.config import EngineConfig
 from spear.serve.detokenizer import IncrementalDetokenizer
 from spear.serve.llama import build_model, check_supported
-from spear.serve.model_runner import ModelRunner, kv_bytes_per_block
+from spear.parallel.shard import TPRank, check_splits
+from spear.serve.model_runner import ModelRunner
 from spear.serve.sampling import make_generator, sample
 from spear.serve.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from spear.serve.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
 
-_DEFAULT_CPU_KV_BYTES = 1 << 30
-_GPU_KV_FRACTION = 0.85
 _DEFAULT_MAX_MODEL_LEN = 8192
 
 
@@ -141,12 +141,19 @@ class LLMEngine:
     QuantLinears and compensators where it has them) and reads its weights into the engine's
     model, on ``device`` and in ``dtype`` (default: the model's); ``from_pretrained`` reads a
     checkpoint from disk. ``load_report`` lists the quantized layers that run off the kernel
-    path on CUDA, with the reason."""
+    path on CUDA, with the reason.
+
+    With ``EngineConfig.tensor_parallel_size`` N > 1 (``from_pretrained`` only), this process is
+    rank 0 and starts ranks 1..N-1 as worker processes (spear/parallel/workers.py), each loading
+    its share of the checkpoint; ``close()`` stops them."""
 
     def __init__(self, model: nn.Module, tokenizer, config: EngineConfig | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None):
         from spear.serve import loader
 
+        if config is not None and config.tensor_parallel_size > 1:
+            raise SpearError("a tensor-parallel engine loads each rank's share from disk: use "
+                             "LLMEngine.from_pretrained(<folder>, config) or save the model first")
         check_supported(model.config)
         ref = model.get_input_embeddings().weight
         cfg, quantized, tensors = loader.from_module(model)
@@ -156,44 +163,106 @@ class LLMEngine:
     @classmethod
     def from_pretrained(cls, model: str = "smollm2-135m", config: EngineConfig | None = None,
                         dtype: torch.dtype | None = None, device: str | None = None,
-                        verify: bool = False) -> "LLMEngine":
+                        verify: bool = False, tokenizer=None) -> "LLMEngine":
         """Load the default model, an HF folder or a spear checkpoint; fp32 on CPU, fp16 on CUDA by default
-        (``verify``: a checkpoint's tensors checked against their recorded digests)."""
+        (``verify``: a checkpoint's tensors checked against their recorded digests; ``tokenizer``: use
+        this one instead of the folder's)."""
         from spear.models.checkpoint import load_folder_tokenizer
         from spear.models.loading import resolve_model_path
         from spear.serve import loader
 
+        config = config or EngineConfig()
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
         path = resolve_model_path(model)
-        cfg, quantized, tensors = loader.from_folder(path, verify)
-        check_supported(cfg)
         self = cls.__new__(cls)
-        self._setup(cfg, quantized, tensors, _generation_config(path), load_folder_tokenizer(path), config, device,
-                    dtype, source=path)
+        self._close = None
+        tp = TPRank(0, config.tensor_parallel_size)
+        try:
+            if tp.size > 1:
+                device = self._start_ranks(path, config, device, dtype, verify)
+            cfg, quantized, tensors = loader.from_folder(path, verify)
+            check_supported(cfg)
+            self._setup(cfg, quantized, tensors, _generation_config(path),
+                        tokenizer if tokenizer is not None else load_folder_tokenizer(path), config, device, dtype,
+                        source=path, tp=tp)
+        except BaseException:
+            self.close()
+            raise
         return self
 
+    def _start_ranks(self, path, config: EngineConfig, device: torch.device, dtype, verify: bool) -> torch.device:
+        """Start ranks 1..N-1 and form the process group with them; this process's device (rank 0)."""
+        from spear.models.checkpoint import _hf_config
+        from spear.parallel import comm, workers
+
+        n = config.tensor_parallel_size
+        check_supported(_hf_config(path))
+        check_splits(_hf_config(path), TPRank(0, n))  # one line now, not one per rank later
+        if device.type == "cuda":
+            if torch.cuda.device_count() < n:
+                raise SpearError(f"tensor parallelism over {n} ranks needs {n} CUDA devices; "
+                                 f"{torch.cuda.device_count()} visible")
+            if device.index not in (None, 0):
+                raise SpearError("tensor-parallel ranks take cuda:0..N-1 (rank 0 on cuda:0); set "
+                                 "CUDA_VISIBLE_DEVICES to choose the GPUs")
+            device = torch.device("cuda:0")
+        spec = workers.WorkerSpec(
+            str(path), n, workers.free_address(), device.type, str(dtype).removeprefix("torch."), config.block_size,
+            config.kv_memory, config.num_blocks, config.max_num_seqs, config.cuda_graphs, config.kernels,
+            config.tp_reduce, verify, config.tp_timeout_s)
+        pool = workers.WorkerPool(spec)
+        self._pool = pool
+        self._close = weakref.finalize(self, _stop_ranks, pool)
+        pool.wait("that it started")
+        comm.init_group(TPRank(0, n), spec.address, device, config.tp_timeout_s)
+        return device
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the process group (nothing with one rank)."""
+        if getattr(self, "_close", None) is not None:
+            self._close()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _setup(self, model_config, quantized, tensors, generation_config, tokenizer, config, device, dtype,
-               source=None) -> None:
+               source=None, tp: TPRank = TPRank()) -> None:
         from spear.kernels.layout import MAX_RANK
+        from spear.parallel.workers import local_blocks
         from spear.serve.latency import deployment_of, given_table
 
         self.config = config = config or EngineConfig()
+        pool = getattr(self, "_pool", None) if tp.size > 1 else None
         # before build_model, which takes the tensors over
         self.deployment = deployment_of(model_config, quantized, tensors, source, device, dtype, config.kernels,
-                                        config.block_size, config.cuda_graphs and device.type == "cuda")
+                                        config.block_size, config.cuda_graphs and device.type == "cuda", tp.size)
         table = given_table(config.latency_table, self.deployment)  # a wrong table fails before the weights load
-        self.model, self.load_report = build_model(model_config, quantized, tensors, device, dtype, MAX_RANK)
+        self.model, self.load_report = build_model(model_config, quantized, tensors, device, dtype, MAX_RANK, tp=tp)
         for layer, reason in self.load_report:
             log.warning("%s runs off the W4 kernel path: %s", layer, reason)
         self.tokenizer = tokenizer
-        num_blocks = config.num_blocks or self._blocks_from_memory(model_config, device, dtype)
+        num_blocks = local_blocks(model_config, config.block_size, dtype, device, config.kv_memory, config.num_blocks,
+                                  tp.size)
+        if pool is not None:  # every rank holds the same blocks: the fewest any rank can
+            num_blocks = min([num_blocks] + pool.wait("its KV cache capacity"))
         self.max_model_len = self._max_model_len(model_config, num_blocks)
+        if pool is not None:
+            from spear.parallel.comm import make_comm
+
+            pool.send((num_blocks, self.max_model_len))
+            self.model.set_comm(make_comm(tp, config.tp_reduce, device, dtype))
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len, config.max_num_seqs,
                                   config.kernels, cuda_graphs=config.cuda_graphs)
+        if pool is not None:
+            pool.wait("that it is ready")
+            self.runner.workers = pool
         self.eos_ids = eos_token_ids(model_config, generation_config, tokenizer)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -233,21 +302,6 @@ class LLMEngine:
         seconds = time.perf_counter() - t0
         log.info("warm-up: %d step shapes (%s tokens) in %.1f s", len(counts), counts, seconds)
         return seconds
-
-    def _blocks_from_memory(self, model_config, device, dtype) -> int:
-        per_block = kv_bytes_per_block(model_config, self.config.block_size, dtype)
-        budget = self.config.kv_memory
-        if budget is None:
-            if device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(device)
-                budget = int(free * _GPU_KV_FRACTION)
-            else:
-                budget = _DEFAULT_CPU_KV_BYTES
-        blocks = budget // per_block
-        if blocks < 1:
-            raise SpearError(f"KV memory of {budget} bytes holds no block ({per_block} bytes per block of "
-                             f"{self.config.block_size} tokens)")
-        return blocks
 
     def _max_model_len(self, cfg, num_blocks: int) -> int:
         capacity = num_blocks * self.config.block_size
@@ -462,3 +516,10 @@ class LLMEngine:
     def _as_whole(out: RequestOutput) -> RequestOutput:
         out.new_token_ids, out.new_text = list(out.output_token_ids), out.text
         return out
+
+
+def _stop_ranks(pool) -> None:
+    from spear.parallel.comm import destroy_group
+
+    pool.close()
+    destroy_group()

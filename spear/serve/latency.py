@@ -64,14 +64,19 @@ class Deployment:
     cuda_graphs: bool             # decode steps replay CUDA graphs
     density: Density = field(default_factory=Density)
     policy_op_args: tuple[int, ...] = ()
+    tensor_parallel: int = 1      # ranks the model is split across
+
+    def _key_fields(self) -> tuple[str, ...]:
+        # one rank keeps the keys (and cached tables) of deployments from before tensor parallelism
+        return _KEY_FIELDS + (("tensor_parallel",) if self.tensor_parallel != 1 else ())
 
     def key(self) -> str:
-        text = json.dumps({k: getattr(self, k) for k in _KEY_FIELDS}, sort_keys=True)
+        text = json.dumps({k: getattr(self, k) for k in self._key_fields()}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def mismatches(self, other: "Deployment") -> list[str]:
-        return [f"{k} {getattr(self, k)!r} (this engine: {getattr(other, k)!r})" for k in _KEY_FIELDS
-                if getattr(self, k) != getattr(other, k)]
+        return [f"{k} {getattr(self, k)!r} (this engine: {getattr(other, k)!r})"
+                for k in _KEY_FIELDS + ("tensor_parallel",) if getattr(self, k) != getattr(other, k)]
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -87,7 +92,8 @@ class Deployment:
             density = Density(int(dens.get("modules_with_ec", 0)), int(dens.get("modules", 0)),
                               float(dens.get("extra_memory_pct", 0.0)))
             out = cls(d["checkpoint"], d["checkpoint_hash"], d["device"], d["dtype"], d["policy_hash"],
-                      d["block_size"], d["cuda_graphs"], density, tuple(d.get("policy_op_args", ())))
+                      d["block_size"], d["cuda_graphs"], density, tuple(d.get("policy_op_args", ())),
+                      d.get("tensor_parallel", 1))
         except KeyError as exc:
             raise SpearError(f"{where}: 'deployment' lacks {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
@@ -99,6 +105,9 @@ class Deployment:
             raise SpearError(f"{where}: deployment.block_size must be a whole number >= 1, got {out.block_size!r}")
         if not isinstance(out.cuda_graphs, bool):
             raise SpearError(f"{where}: deployment.cuda_graphs must be true or false, got {out.cuda_graphs!r}")
+        tp = out.tensor_parallel
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise SpearError(f"{where}: deployment.tensor_parallel must be a whole number >= 1, got {tp!r}")
         return out
 
 
@@ -404,7 +413,7 @@ def _ec_params(ec) -> int:
 
 
 def deployment_of(model_config, quantized: dict, tensors: dict, source: Path | None, device, dtype,
-                  policy, block_size: int, cuda_graphs: bool) -> Deployment:
+                  policy, block_size: int, cuda_graphs: bool, tensor_parallel: int = 1) -> Deployment:
     """The deployment an engine is: ``quantized`` / ``tensors`` as the loader gives them (before the
     model is built), ``source`` the folder they came from (None: a model in memory)."""
     from spear.quant.primitives import n_groups, packed_nbytes
@@ -436,7 +445,7 @@ def deployment_of(model_config, quantized: dict, tensors: dict, source: Path | N
                       100 * ec_bytes / model_bytes if model_bytes else 0.0)
     return Deployment(None if source is None else str(source), h.hexdigest(), device_name(device),
                       str(dtype).removeprefix("torch."), policy_hash(policy), block_size, cuda_graphs, density,
-                      tuple(policy.op_args))
+                      tuple(policy.op_args), tensor_parallel)
 
 
 def policy_hash(policy) -> str:

@@ -11,6 +11,12 @@ q/k/v and gate/up are one ``Linear`` each, built merged at load from the checkpo
 linears and their compensators (spear/serve/layers/linear.py); each residual add runs inside
 the RMSNorm after it. Numerics follow transformers' Llama modules so that greedy output equals
 ``generate`` token for token.
+
+Under tensor parallelism (``tp``: this rank among ``tp.size``; spear/parallel) each rank holds
+its share of the attention heads and the MLP: q/k/v and gate/up column-parallel, o and down
+row-parallel (their partial outputs summed by the rank's collectives, ``set_comm``), the output
+head split along the vocabulary and gathered (replicated when the vocabulary does not split
+evenly); embeddings and norms are replicated. The KV cache of a rank holds its kv heads.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import torch
 from torch import nn
 
 from spear.errors import SpearError
+from spear.parallel import split_of
+from spear.parallel.shard import TPRank, check_splits
 from spear.serve.layers.attention import AttentionMetadata, PagedAttention
 from spear.serve.layers.linear import Context, Linear, MemberWeights
 from spear.serve.layers.norm import RMSNorm
@@ -42,24 +50,27 @@ def head_dim(config) -> int:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, index: int):
+    def __init__(self, config, index: int, tp: TPRank = TPRank()):
         super().__init__()
         d, hd = config.hidden_size, head_dim(config)
         nh, nkv = config.num_attention_heads, config.num_key_value_heads
         prefix = f"model.layers.{index}"
         qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.q_size, self.kv_size = nh * hd, nkv * hd
+        self.q_size, self.kv_size = nh * hd // tp.size, nkv * hd // tp.size
         self.input_layernorm = RMSNorm(d, config.rms_norm_eps)
-        self.qkv_proj = Linear(d, [nh * hd, nkv * hd, nkv * hd],
-                               [f"{prefix}.self_attn.{n}_proj" for n in "qkv"], bias=qkv_bias)
-        self.attn = PagedAttention(nh, nkv, hd)
-        self.o_proj = Linear(nh * hd, [d], [f"{prefix}.self_attn.o_proj"],
-                             bias=bool(getattr(config, "attention_bias", False)))
+
+        def linear(k, outs, names, **kw):
+            return Linear(k, outs, [f"{prefix}.{n}" for n in names], split=split_of(names[0]), tp=tp, **kw)
+
+        self.qkv_proj = linear(d, [nh * hd, nkv * hd, nkv * hd], [f"self_attn.{n}_proj" for n in "qkv"],
+                               bias=qkv_bias)
+        self.attn = PagedAttention(nh // tp.size, nkv // tp.size, hd)
+        self.o_proj = linear(nh * hd, [d], ["self_attn.o_proj"], bias=bool(getattr(config, "attention_bias", False)))
         self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps)
-        self.gate_up_proj = Linear(d, [config.intermediate_size] * 2,
-                                   [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"], bias=mlp_bias, interleave=True)
-        self.down_proj = Linear(config.intermediate_size, [d], [f"{prefix}.mlp.down_proj"], bias=mlp_bias)
+        self.gate_up_proj = linear(d, [config.intermediate_size] * 2, ["mlp.gate_proj", "mlp.up_proj"], bias=mlp_bias,
+                                   interleave=True)
+        self.down_proj = linear(config.intermediate_size, [d], ["mlp.down_proj"], bias=mlp_bias)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, k_cache, v_cache, meta: AttentionMetadata,
                 ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,16 +95,28 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TPRank = TPRank()):
         super().__init__()
         check_supported(config)
-        self.config = config
+        check_splits(config, tp)
+        self.config, self.tp = config, tp
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, [config.vocab_size], ["lm_head"])
+        # the vocabulary split across ranks and gathered, where it splits evenly; else every rank holds it
+        vocab_split = config.vocab_size % tp.size == 0
+        self.lm_head = Linear(config.hidden_size, [config.vocab_size], ["lm_head"],
+                              split="column" if vocab_split else None, tp=tp, gather=vocab_split)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.comm = None
+
+    def set_comm(self, comm) -> None:
+        """Hand the rank's collectives (spear.parallel.comm) to every layer that splits."""
+        self.comm = comm
+        for lin, _ in self.linears().values():
+            if lin.split is not None:
+                lin.comm = comm
 
     def linears(self) -> dict[str, tuple[Linear, int]]:
         """Checkpoint module name -> (the layer holding it, its member index)."""
@@ -116,6 +139,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, ctx: Context, rows: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits of the tokens ``rows`` selects (every token when None)."""
+        if self.comm is not None:
+            self.comm.begin_step()
         h = self.embed_tokens(input_ids)
         residual = None
         for layer, (kc, vc) in zip(self.layers, kv_caches):
@@ -127,15 +152,17 @@ class LlamaForCausalLM(nn.Module):
 
 
 def build_model(config, quantized: dict[str, MemberWeights], tensors: dict[str, torch.Tensor], device, dtype,
-                max_rank: int, kernels: bool | None = None) -> tuple[LlamaForCausalLM, list[tuple[str, str]]]:
+                max_rank: int, kernels: bool | None = None, tp: TPRank = TPRank(),
+                ) -> tuple[LlamaForCausalLM, list[tuple[str, str]]]:
     """The model with every weight in place on ``device``. ``quantized``: the checkpoint's quantized
     linears by module name (with their compensators); ``tensors``: every other tensor by name (dense
     linears as ``<module>.weight`` / ``.bias``). Returns (model, load report: (layer, why it runs
     dense) for each quantized layer off the kernel path on CUDA). Every tensor the model needs must
     be given and every one given must be used, else a SpearError names it. ``kernels``: see
-    ``Linear.finalize`` (True packs for the kernels off CUDA too, where the ops run their references)."""
+    ``Linear.finalize`` (True packs for the kernels off CUDA too, where the ops run their references).
+    ``tp``: build this tensor-parallel rank's share (each linear cuts its tensors as it loads them)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
     model.to_empty(device="cpu")
     linears = model.linears()
     tensors = dict(tensors)

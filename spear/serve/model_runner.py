@@ -6,11 +6,18 @@ The runner owns the KV cache (one extra block at index ``num_blocks`` that paddi
 captured graphs write into), the rotary tables, and on CUDA one CUDA graph per padded decode
 batch size (1, 2, 4, 8, 16, 24, ...) over static input buffers, each captured with the PDL level
 the kernel policy gives its batch size.
+
+A step is ``prepare`` (the scheduled chunks -> ``StepInputs``: host arrays, no tensors of the
+device) then ``run`` (the arrays -> the device, the forward or a graph replay). Under tensor
+parallelism rank 0 prepares and sends the same ``StepInputs`` to the other ranks' runners
+(``workers``, spear/parallel/workers.py), and every rank runs it: their layers meet in the same
+collectives in the same order.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,9 +33,29 @@ from spear.serve.scheduler import SchedulerOutput
 log = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of one KV block of one rank (its ``num_key_value_heads / tp_size`` heads)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * head_dim(config) * elem
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads // tp_size * head_dim(config) * elem
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs on the host: what ``run`` needs, picklable (numpy), sent as is to the
+    other tensor-parallel ranks. ``kind``: "graph" (a decode step replaying the graph of ``batch``
+    rows, ``n`` of them real), "decode" (an eager decode step) or "mixed" (any other step)."""
+
+    kind: str
+    n: int
+    batch: int
+    ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    block_tables: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray | None = None   # mixed: (chunks + 1,) cumulative token counts
+    max_query_len: int = 1
+    rows: np.ndarray | None = None               # mixed: the rows whose logits are returned
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -59,7 +86,7 @@ class ModelRunner:
             raise SpearError(f"programmatic dependent launch (pdl='wait') needs a Hopper-or-newer CUDA GPU and a "
                              f"Triton with griddepcontrol; the model is on {self.device}")
         self.eager_ctx = Context(policy, policy.pdl_level(None, self.pdl_ok))
-        shape = (num_blocks + 1, block_size, cfg.num_key_value_heads, head_dim(cfg))
+        shape = (num_blocks + 1, block_size, model.layers[0].attn.n_kv_heads, head_dim(cfg))
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in model.layers]
         self.scratch_block = num_blocks
@@ -67,6 +94,7 @@ class ModelRunner:
         self.cos, self.sin = rotary_tables(cfg, max_model_len, self.dtype, self.device)
         self.graphs: dict = {}  # padded batch size -> torch.cuda.CUDAGraph
         self.graph_pdl: dict[int, int] = {}  # padded batch size -> the PDL level its graph was captured with
+        self.workers = None  # rank 0 under tensor parallelism: the other ranks (spear.parallel.workers.WorkerPool)
         if cuda_graphs and self.device.type == "cuda":
             self._capture_graphs()
 
@@ -80,21 +108,66 @@ class ModelRunner:
         return [v for _, v in self.kv_caches]
 
     # ------------------------------------------------------------------ one step
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the scheduled chunks; logits (n, vocab) fp32 for each chunk that samples, in order.
         On the CUDA-graph decode path they are a view of the graph's output, overwritten by the
         next call: read them before calling again."""
+        step = self.prepare(out)
+        if self.workers is not None:
+            self.workers.run(step)
+        return self.run(step)
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """The step's inputs on the host (``StepInputs``)."""
         if out.is_decode_only:
-            return self._execute_decode(out)
-        ids, meta, rows = self.mixed_inputs(out)
+            n = len(out.chunks)
+            if self.graphs:
+                batch = next(b for b in self.graphs if b >= n)
+                kind, width = "graph", self._graph_blocks
+            else:
+                batch, kind, width = n, "decode", max(len(c.seq.block_table) for c in out.chunks)
+            ids, pos, slots, tables, lens = (t.numpy() for t in self._decode_inputs(out, batch, width))
+            return StepInputs(kind, n, batch, ids, pos, slots, tables, lens)
+        return self._mixed_host(out)
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """Run a prepared step on this rank's device; logits as ``execute`` returns them."""
+        if step.kind == "graph":
+            for buf, x in zip(self._graph_inputs, (step.ids, step.positions, step.slots, step.block_tables,
+                                                    step.seq_lens)):
+                buf[:step.batch].copy_(torch.from_numpy(x), non_blocking=True)
+            self.graphs[step.batch].replay()
+            # a view of the graph's output buffer, valid until the next replay (the engine samples
+            # from it at once): no copy of (n, vocab) fp32 logits per step (33 MB at 64 x 128k)
+            return self._graph_logits[:step.n]
+        dev = self.device
+        t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
+        if step.kind == "decode":
+            ctx = Context(self.policy, self.policy.pdl_level(step.n, self.pdl_ok))
+            return self.forward_decode(t(step.ids), t(step.positions), t(step.slots), t(step.block_tables),
+                                       t(step.seq_lens), ctx)
+        ids, meta, rows = self._mixed_device(step)
         return self.model(ids, self.kv_caches, meta, self.eager_ctx, rows=rows)
 
     def mixed_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(token ids, attention metadata, rows that sample) of a step of any composition, on the
-        device. Host work is O(sequences) in Python: the tokens' positions and slots come from numpy
-        over the block tables that BlockTables keeps between steps (torch's CPU indexing ops cost
-        milliseconds a step here; numpy's, microseconds)."""
+        device."""
+        return self._mixed_device(self._mixed_host(out))
+
+    def _mixed_device(self, step: StepInputs) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        dev = self.device
+        t = lambda a, dtype=torch.long: torch.from_numpy(a).to(dev, dtype)  # noqa: E731
+        meta = AttentionMetadata(t(step.positions), t(step.slots), self.cos, self.sin,
+                                 block_tables=t(step.block_tables), seq_lens=t(step.seq_lens),
+                                 query_start_loc=t(step.query_start_loc, torch.int32),
+                                 max_query_len=step.max_query_len)
+        return t(step.ids), meta, t(step.rows)
+
+    def _mixed_host(self, out: SchedulerOutput) -> StepInputs:
+        """A step of any composition on the host. Host work is O(sequences) in Python: the tokens'
+        positions and slots come from numpy over the block tables that BlockTables keeps between
+        steps (torch's CPU indexing ops cost milliseconds a step here; numpy's, microseconds)."""
         chunks = out.chunks
         n = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
         start = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
@@ -111,12 +184,8 @@ class ModelRunner:
         bs = self.block_size
         slots = table_np[seq, pos // bs] * bs + pos % bs
         rows = (qsl[1:] - 1)[np.fromiter((c.samples for c in chunks), dtype=bool, count=len(chunks))]
-        dev = self.device
-        t = lambda a, dtype=torch.long: torch.from_numpy(a).to(dev, dtype)  # noqa: E731
-        meta = AttentionMetadata(t(pos), t(slots), self.cos, self.sin, block_tables=tables.to(dev),
-                                 seq_lens=t(start + n), query_start_loc=t(qsl, torch.int32),
-                                 max_query_len=int(n.max()))
-        return torch.tensor(ids, dtype=torch.long, device=dev), meta, t(rows)
+        return StepInputs("mixed", len(chunks), len(chunks), np.asarray(ids, dtype=np.int64), pos, slots,
+                          np.ascontiguousarray(table_np), start + n, qsl, int(n.max()), rows)
 
     def _decode_inputs(self, out: SchedulerOutput, batch: int, n_blocks: int) -> tuple[torch.Tensor, ...]:
         """(ids, positions, slots, block tables, context lengths) padded to ``batch`` rows; padding
@@ -143,21 +212,6 @@ class ModelRunner:
         meta = AttentionMetadata(positions, slots, self.cos, self.sin, block_tables=block_tables,
                                  seq_lens=context_lens, decode=True)
         return self.model(ids, self.kv_caches, meta, ctx)
-
-    def _execute_decode(self, out: SchedulerOutput) -> torch.Tensor:
-        n = len(out.chunks)
-        if self.graphs:
-            batch = next(b for b in self.graphs if b >= n)
-            inputs = self._decode_inputs(out, batch, self._graph_blocks)
-            for buf, x in zip(self._graph_inputs, inputs):
-                buf[:batch].copy_(x, non_blocking=True)
-            self.graphs[batch].replay()
-            # a view of the graph's output buffer, valid until the next replay (the engine samples
-            # from it at once): no copy of (n, vocab) fp32 logits per step (33 MB at 64 x 128k)
-            return self._graph_logits[:n]
-        n_blocks = max(len(c.seq.block_table) for c in out.chunks)
-        inputs = [x.to(self.device) for x in self._decode_inputs(out, n, n_blocks)]
-        return self.forward_decode(*inputs, Context(self.policy, self.policy.pdl_level(n, self.pdl_ok)))
 
     # ------------------------------------------------------------------ warm-up
     def kernel_signature(self, tokens: int) -> tuple:

@@ -16,9 +16,14 @@ runs, once, on the layer's device:
            and rounded to the compute dtype (as QuantLinear does), the compensator runs in torch.
            A quantized layer that runs dense on CUDA is listed in the load report with the reason.
 
-Tensor parallelism will split a layer along its output features (``ColumnLinear``: q/k/v,
-gate/up) or its input features (``RowLinear``: o, down, whose partial outputs are summed);
-both are whole layers at one rank.
+Tensor parallelism (spear/parallel): ``split="column"`` keeps this rank's share of every
+member's output features (q/k/v heads, gate/up features, the head's vocabulary), ``split="row"``
+its share of the input features (o, down); ``load`` cuts each member's tensors as they arrive
+(spear/parallel/shard.py) and ``finalize`` builds the runtime form of the share. A row-parallel
+layer's forward computes its partial output (and, for a gated compensator, its partial u = A x)
+and hands them to the rank's collectives (``comm.reduce``), which sum them and then add the bias
+and alpha · B (gamma(u) ⊙ u); an ungated compensator is linear and runs inside the partials. With
+one rank both splits are the whole layer.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from torch import nn
 from spear.compensate.spec import ECFactors
 from spear.errors import SpearError
 from spear.kernels.policy import KernelPolicy
+from spear.parallel.shard import TPRank, column_share, row_share
 
 _KERNEL_GROUPS = (0, 32, 64, 128, 256)
 
@@ -128,12 +134,24 @@ class Linear(nn.Module):
     features alternate between them and ``silu_mul`` is the GEMM's epilogue."""
 
     def __init__(self, in_features: int, outs: list[int], names: list[str], bias: bool = False,
-                 interleave: bool = False):
+                 interleave: bool = False, split: str | None = None, tp: TPRank = TPRank(), gather: bool = False):
         super().__init__()
         if len(outs) != len(names) or not outs:
             raise ValueError("a linear layer needs one name per member")
         if interleave and (len(outs) != 2 or outs[0] != outs[1]):
             raise ValueError("interleaving needs two members of equal width")
+        if split not in (None, "column", "row"):
+            raise ValueError(f"split must be None, 'column' or 'row', got {split!r}")
+        # the checkpoint's (whole) shapes, and this rank's share of them
+        self.full_in, self.full_outs = in_features, list(outs)
+        self.tp, self.split = tp, (split if tp.size > 1 else None)
+        self.gather = gather and self.split == "column"  # concatenate the ranks' outputs (the head)
+        if self.split == "column":
+            outs = [_share_len(tp, o, f"{name}'s output features") for o, name in zip(outs, names)]
+        elif self.split == "row":
+            in_features = _share_len(tp, in_features, f"{names[0]}'s input features")
+        self.comm = None                  # the rank's collectives (spear.parallel.comm), set by the model
+        self.post = None                  # row-parallel: what follows the sum (RowPost), from finalize
         self.in_features, self.outs, self.names = in_features, list(outs), list(names)
         self.out_features = sum(outs)
         self.has_bias, self.interleave = bias, interleave
@@ -147,7 +165,7 @@ class Linear(nn.Module):
         """Take member ``member``'s tensors (checked against the layer's shape)."""
         if self._members[member] is not None:
             raise SpearError(f"{w.name}: loaded twice")
-        out, k = self.outs[member], self.in_features
+        out, k = self.full_outs[member], self.full_in
         shape = tuple(w.weight.shape) if w.weight is not None else tuple(w.quant.codes.shape)
         if shape != (out, k):
             raise SpearError(f"{w.name}: weight of shape {shape}, the model's config expects {(out, k)}")
@@ -155,6 +173,10 @@ class Linear(nn.Module):
             raise SpearError(f"{w.name}: bias of shape {tuple(w.bias.shape)}, expected {(out,)}")
         if w.ec is not None:
             w.ec.check(k, out, w.name)
+        if self.split == "column":
+            w = column_share(w, self.tp.share(out))
+        elif self.split == "row":
+            w = row_share(w, self.tp.share(k))
         self._members[member] = w
 
     def missing(self) -> list[str]:
@@ -165,6 +187,24 @@ class Linear(nn.Module):
         ``kernels``: take the kernels' packed forms where the members allow (default: on CUDA in
         fp16/bf16). Off CUDA the registered ops then run their torch references on the packed
         tensors, which is how CPU tests check the packing."""
+        self._build(device, dtype, max_rank, kernels)
+        if self.split == "row":
+            self._row_post()
+
+    def _row_post(self) -> None:
+        """Move what must follow the ranks' sum out of the local product: the bias, and a gated
+        compensator's gate and B (its u = A x stays local, summed with the output)."""
+        from spear.parallel.comm import RowPost
+
+        post = RowPost(self.out_features, bias=self.bias)
+        self.bias = None
+        if self.kind == "w4" and self.packed_ec is not None and self.packed_ec.gated:
+            post.packed, self.packed_ec = self.packed_ec, None
+        elif self.kind == "dense" and self.ec is not None and self.ec.gate is not None:
+            post.dense, self.ec = self.ec, None
+        self.post = post
+
+    def _build(self, device: torch.device, dtype: torch.dtype, max_rank: int, kernels: bool | None) -> None:
         members = self._members
         if any(m is None for m in members):
             raise SpearError(f"{self.missing()[0]}: not in the checkpoint")
@@ -234,7 +274,18 @@ class Linear(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
-        """The members' outputs side by side (de-interleaved where the kernel interleaves them)."""
+        """The members' outputs side by side (de-interleaved where the kernel interleaves them); a
+        row-parallel layer's summed across the ranks, a gathering column-parallel one's concatenated."""
+        if self.split == "row":
+            y = self._local(x, ctx)
+            e = self.post.packed if self.post.packed is not None else self.post.dense
+            u = None if e is None else nn.functional.linear(x, e.a)
+            return self.comm.reduce(y, u, self.post)
+        y = self._local(x, ctx)
+        return self.comm.gather(y) if self.gather else y
+
+    def _local(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """This rank's product (the whole layer's with one rank)."""
         if self.kind == "w4":
             from spear.kernels.ops import w4a16_linear
 
@@ -261,7 +312,13 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         ec = getattr(self, "packed_ec", None) or getattr(self, "ec", None)
         return (f"in={self.in_features}, outs={self.outs}, {self.kind}"
-                + (f" ({self.reason})" if self.reason else "") + (", EC" if ec is not None else ""))
+                + (f" ({self.reason})" if self.reason else "") + (", EC" if ec is not None else "")
+                + (f", {self.split}-parallel {self.tp.rank}/{self.tp.size}" if self.split else ""))
+
+
+def _share_len(tp: TPRank, total: int, what: str) -> int:
+    part = tp.share(total, what)
+    return part.stop - part.start
 
 
 def _w8_packable(m: MemberWeights) -> bool:

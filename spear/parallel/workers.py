@@ -1,0 +1,216 @@
+"""The processes of tensor-parallel ranks 1..N-1, driven by rank 0 (the engine's process).
+
+Rank 0 runs the scheduler, the sampler and the detokenizer; every rank holds its share of the
+model (spear/serve/llama.py with ``tp``), its KV cache and its CUDA graphs. Each step rank 0
+sends the step's ``StepInputs`` (host arrays) down one pipe per worker and runs it itself; the
+ranks' layers then meet in the same collectives. The pipes also carry start-up: each worker
+reports that it started (before the process group forms, so a worker that cannot start is an
+error, not a hang), then how many KV blocks fit beside its share of the weights (rank 0 takes
+the smallest), then that it is ready.
+
+A worker that fails reports the error on its pipe and exits; rank 0 turns it into a SpearError
+naming the rank. Workers are daemonic: they end with rank 0's process. No control message
+goes through a collective, so an idle server holds no collective open (their timeouts bound
+only the wait inside a step).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+
+from spear.errors import SpearError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to build its rank (picklable)."""
+
+    path: str                 # the checkpoint or HF folder
+    size: int                 # ranks in all
+    address: str              # tcp://host:port of the process group's rendezvous
+    device_type: str          # "cuda" (rank r on cuda:r) or "cpu"
+    dtype: str                # "float16", "bfloat16", "float32"
+    block_size: int
+    kv_memory: int | None     # bytes for the KV cache of each rank (None: the engine's default)
+    num_blocks: int | None
+    max_num_seqs: int
+    cuda_graphs: bool
+    policy: object            # spear.kernels.policy.KernelPolicy
+    reduce: str               # spear.parallel.comm.REDUCE_MODES
+    verify: bool
+    timeout_s: float          # a collective waits at most this long
+
+
+def free_address() -> str:
+    """A rendezvous address on this host with a free port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class WorkerPool:
+    """Ranks 1..size-1 of a tensor-parallel engine, one spawned process each."""
+
+    def __init__(self, spec: WorkerSpec, start_timeout_s: float = 600.0):
+        self.spec, self.start_timeout_s = spec, start_timeout_s
+        ctx = mp.get_context("spawn")  # CUDA and torch's threads do not survive fork
+        self.conns, self.procs = [], []
+        for rank in range(1, spec.size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, spec, child), name=f"spear-tp{rank}", daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def wait(self, what: str) -> list:
+        """Each worker's next report (``what`` names it in errors), in rank order."""
+        out = []
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
+            if not conn.poll(self.start_timeout_s):
+                raise SpearError(f"tensor-parallel rank {rank} did not report {what} within {self.start_timeout_s:.0f} s")
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                raise SpearError(f"tensor-parallel rank {rank} exited (code {proc.exitcode}) before {what}") from None
+            if status == "error":
+                raise SpearError(f"tensor-parallel rank {rank}: {value}")
+            out.append(value)
+        return out
+
+    def send(self, message) -> None:
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
+            try:
+                conn.send(message)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                raise SpearError(f"tensor-parallel rank {rank} is gone ({self._why(rank, conn, proc)})") from None
+
+    def run(self, step) -> None:
+        """Send a step to every worker (rank 0 runs it itself)."""
+        self.send(("run", step))
+
+    @staticmethod
+    def _why(rank: int, conn, proc) -> str:
+        try:
+            if conn.poll(0):
+                status, value = conn.recv()
+                if status == "error":
+                    return value
+        except (EOFError, OSError):
+            pass
+        return f"exit code {proc.exitcode}"
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the workers (each leaves the process group and exits); kill any that do not."""
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout)
+            if proc.is_alive():
+                log.warning("tensor-parallel worker %s did not stop in %.0f s; killing it", proc.name, timeout)
+                proc.kill()
+                proc.join(5)
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []
+
+
+def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
+    """One worker: join the group, build this rank's share, then run what rank 0 sends."""
+    from spear.parallel.comm import ENV, destroy_group
+
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    try:
+        import torch
+
+        if spec.device_type == "cpu":  # ranks share the host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
+        conn.send(("ok", "started"))
+        runner = build_rank(rank, spec, conn)
+        conn.send(("ok", "ready"))
+        while True:
+            message = conn.recv()
+            if message is None:
+                break
+            _, step = message
+            runner.run(step)
+    except (EOFError, KeyboardInterrupt):  # rank 0 went away
+        pass
+    except BaseException as exc:
+        traceback.print_exc()
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        os._exit(1)
+    finally:
+        destroy_group()
+    conn.close()
+
+
+def build_rank(rank: int, spec: WorkerSpec, conn):
+    """Rank ``rank``'s model share, KV cache and runner, agreeing with rank 0 over ``conn``."""
+    import torch
+
+    from spear.kernels.layout import MAX_RANK
+    from spear.parallel.comm import init_group, make_comm
+    from spear.parallel.shard import TPRank
+    from spear.serve import loader
+    from spear.serve.llama import build_model
+    from spear.serve.model_runner import ModelRunner
+
+    tp = TPRank(rank, spec.size)
+    device = torch.device(f"cuda:{rank}" if spec.device_type == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = getattr(torch, spec.dtype)
+    init_group(tp, spec.address, device, spec.timeout_s)
+    from pathlib import Path
+
+    cfg, quantized, tensors = loader.from_folder(Path(spec.path), spec.verify)
+    model, _ = build_model(cfg, quantized, tensors, device, dtype, MAX_RANK, tp=tp)
+    conn.send(("ok", local_blocks(cfg, spec.block_size, dtype, device, spec.kv_memory, spec.num_blocks, tp.size)))
+    num_blocks, max_model_len = conn.recv()
+    model.set_comm(make_comm(tp, spec.reduce, device, dtype))
+    return ModelRunner(model, num_blocks, spec.block_size, max_model_len, spec.max_num_seqs, spec.policy,
+                       cuda_graphs=spec.cuda_graphs)
+
+
+GPU_KV_FRACTION = 0.85
+CPU_KV_BYTES = 1 << 30
+
+
+def local_blocks(config, block_size: int, dtype, device, kv_memory: int | None, num_blocks: int | None,
+                 tp_size: int = 1) -> int:
+    """KV blocks this rank can hold: ``num_blocks`` when given, else ``kv_memory`` bytes (default:
+    85% of the free GPU memory, 1 GiB on the CPU) over one rank's block."""
+    import torch
+
+    from spear.serve.model_runner import kv_bytes_per_block
+
+    if num_blocks is not None:
+        return num_blocks
+    per_block = kv_bytes_per_block(config, block_size, dtype, tp_size)
+    budget = kv_memory
+    if budget is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * GPU_KV_FRACTION)
+        else:
+            budget = CPU_KV_BYTES
+    blocks = budget // per_block
+    if blocks < 1:
+        raise SpearError(f"KV memory of {budget} bytes holds no block ({per_block} bytes per block of "
+                         f"{block_size} tokens)")
+    return blocks
