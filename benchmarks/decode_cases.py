@@ -18,6 +18,9 @@ SHAPES = {
     "Llama-3-8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    "Llama-2-13B": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                        num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1024),
 }
@@ -30,6 +33,9 @@ class IdsTokenizer:
 
     def decode(self, ids, **kw):
         return ""
+
+    def save_pretrained(self, path):  # a checkpoint of these models holds no tokenizer files
+        pass
 
 
 def build_model(shape: str, layers: int | None, device: str, dtype: torch.dtype):
