@@ -124,12 +124,10 @@ def merge(dirs: list[str]) -> None:
     print("\n".join(summarize(rows)))
 
 
-def _save_damage_cache(path: Path, prefix: tuple) -> None:
-    """Merge this process's damage scores into ``path`` (atomic replace)."""
-    from spear.select import plan as plan_mod
-
+def _save_damage_cache(path: Path, prefix: tuple, cache: dict) -> None:
+    """Merge this process's damage scores ``cache`` into ``path`` (atomic replace)."""
     old = torch.load(path, weights_only=False) if path.exists() else {}
-    old.update({prefix + tuple(k): v for k, v in plan_mod._damage_cache.items()})
+    old.update({prefix + tuple(k): v for k, v in cache.items()})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
     torch.save(old, tmp)
@@ -196,12 +194,11 @@ def main() -> None:
                 data[sampling_key(cfg)] = prepare_calibration(model, tok, cfg, head, progress=False)
     del model
     cache_prefix = (args.model, torch.device(args.device).type)
+    damage_cache: dict = {}  # damage_key -> DamageReport, shared by every setting's make_plan
     if args.damage_cache and args.damage_cache.exists():
-        from spear.select import plan as plan_mod
-
         for key, dmg in torch.load(args.damage_cache, weights_only=False).items():
             if tuple(key[:2]) == cache_prefix:
-                plan_mod._damage_cache.setdefault(tuple(key[2:]), dmg)
+                damage_cache.setdefault(tuple(key[2:]), dmg)
     for sname in args.settings.split(","):
         qcfg = parse_setting(sname)
         model, _ = fresh()
@@ -210,10 +207,11 @@ def main() -> None:
         t0 = time.perf_counter()
         for spec in args.plans.split(","):  # placement needs the FP model
             plans[spec] = {} if spec == "none" else make_plan(spec, model, tok, qcfg,
-                                                                damage_samples=args.damage_samples)
+                                                                damage_samples=args.damage_samples,
+                                                                damage_cache=damage_cache)
         select_s = time.perf_counter() - t0
         if args.damage_cache:
-            _save_damage_cache(args.damage_cache, cache_prefix)
+            _save_damage_cache(args.damage_cache, cache_prefix, damage_cache)
         scales: dict = {}
         t0 = time.perf_counter()
         mods = quantize_model(model, qcfg, calib=None, progress=False, tokenizer=tok, channel_scales=scales)

@@ -141,9 +141,6 @@ def _with_latency(sel: Selection) -> Selection:
     return sel
 
 
-_damage_cache: dict[tuple, DamageReport] = {}
-
-
 def damage_key(quant: QuantConfig, damage_samples: int) -> tuple:
     """What the damage scores depend on: the RTN proxy's bits/group/symmetry, the samples and
     whether the output head is scored too (GPTQ/AWQ share their RTN proxy's scores)."""
@@ -152,9 +149,10 @@ def damage_key(quant: QuantConfig, damage_samples: int) -> tuple:
 
 
 def make_plan(spec: str, model: nn.Module, tokenizer, quant: QuantConfig, damage_samples: int = 16,
-              progress: bool = False) -> dict[str, int]:
+              progress: bool = False, damage_cache: dict[tuple, DamageReport] | None = None) -> dict[str, int]:
     """A plan from a short spec: ``r<k>`` (rank k everywhere) or ``<placement>@<percent>``.
-    Damage scores are cached per (quant, samples) within the process."""
+    ``damage_cache`` (the caller's dict, keyed by :func:`damage_key`) lends damage scores to
+    later calls and takes the ones computed here; without it every CKA plan scores afresh."""
     m = re.fullmatch(r"r(\d+)", spec)
     if m:
         return dict.fromkeys(quantizable_linears(model, quant.include_lm_head), int(m.group(1)))
@@ -162,12 +160,14 @@ def make_plan(spec: str, model: nn.Module, tokenizer, quant: QuantConfig, damage
     if not pct:
         raise SpearError(f"plan spec must be r<k> or <placement>@<percent>; got {spec!r}")
     key = damage_key(quant, damage_samples)
-    damage = _damage_cache.get(key)
+    damage = None if damage_cache is None else damage_cache.get(key)
     if placement.startswith("cka") and damage is None:
         from spear.compensate.calibrate import CalibrationConfig
 
         ids = damage_ids(model, tokenizer, damage_samples, CalibrationConfig(), progress=progress)
-        damage = _damage_cache[key] = module_damage(model, quant, ids, progress=progress)
+        damage = module_damage(model, quant, ids, progress=progress)
+        if damage_cache is not None:
+            damage_cache[key] = damage
     return select(model, tokenizer, quant, f"{pct}%", placement, damage=damage, progress=progress).plan
 
 

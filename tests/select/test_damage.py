@@ -127,16 +127,45 @@ def test_load_plan_rejects_bad_files(tmp_path):
         load_plan(tmp_path / "missing")
 
 
-def test_plans_with_and_without_the_head_score_separately(sharp_tiny_llama_path, monkeypatch):
-    """make_plan caches damage per quantization setting: a setting that quantizes the output head
-    must not reuse the scores of one that does not (they lack the head)."""
+def test_plans_with_and_without_the_head_score_separately(sharp_tiny_llama_path):
+    """make_plan caches damage in the caller's dict per quantization setting: a setting that
+    quantizes the output head must not reuse the scores of one that does not (they lack the head)."""
     from spear.models.loading import load_model
     from spear.select import plan as plan_mod
 
-    monkeypatch.setattr(plan_mod, "_damage_cache", {})
     model, tok = load_model(sharp_tiny_llama_path)
-    plan_mod.make_plan("cka@1", model, tok, QuantConfig(bits=4), damage_samples=2)
-    plan_mod.make_plan("cka@1", model, tok, QuantConfig(bits=4, include_lm_head=True), damage_samples=2)
-    reports = {k: v.damage for k, v in plan_mod._damage_cache.items()}
+    cache: dict = {}
+    plan_mod.make_plan("cka@1", model, tok, QuantConfig(bits=4), damage_samples=2, damage_cache=cache)
+    plan_mod.make_plan("cka@1", model, tok, QuantConfig(bits=4, include_lm_head=True), damage_samples=2,
+                       damage_cache=cache)
+    reports = {k: v.damage for k, v in cache.items()}
     assert set(reports) == {(4, 0, True, 2), (4, 0, True, 2, "head")}
     assert "lm_head" not in reports[(4, 0, True, 2)] and "lm_head" in reports[(4, 0, True, 2, "head")]
+
+
+def test_make_plan_reuses_only_the_callers_damage_cache(tiny_llama, monkeypatch):
+    """The scores live in the dict the caller passes, not in the package: with it a second plan of
+    the same setting scores nothing, without it every call scores. Catches: a module-level cache
+    brought back (the second uncached call would not score), or the cache ignored (the cached
+    call would score again)."""
+    from spear.select import plan as plan_mod
+    from spear.select.damage import DamageReport
+
+    model, tok = tiny_llama
+    names = list(quantizable_linears(model))
+    calls = []
+
+    def scored(*a, **k):  # the scoring itself is tested above; here only how often it runs
+        calls.append(1)
+        return DamageReport({n: 1.0 + i for i, n in enumerate(names)}, 0.0, 16, False)
+
+    monkeypatch.setattr(plan_mod, "damage_ids", lambda *a, **k: torch.zeros(2, 8, dtype=torch.long))
+    monkeypatch.setattr(plan_mod, "module_damage", scored)
+    q = QuantConfig(bits=4)
+    cache: dict = {}
+    first = plan_mod.make_plan("cka@1", model, tok, q, damage_samples=2, damage_cache=cache)
+    assert plan_mod.make_plan("cka@2", model, tok, q, damage_samples=2, damage_cache=cache) != {}
+    assert len(calls) == 1 and list(cache) == [plan_mod.damage_key(q, 2)]
+    assert plan_mod.make_plan("cka@1", model, tok, q, damage_samples=2) == first
+    plan_mod.make_plan("cka@1", model, tok, q, damage_samples=2)
+    assert len(calls) == 3
