@@ -14,8 +14,10 @@ steps at each batch size, greedy, 64 new tokens per sequence after distinct 128-
 
   schedule   Scheduler.schedule
   inputs     ModelRunner.execute minus the model's forward (the step's input tensors)
-  forward    the model's forward (subtracted from the host total)
-  sample     token selection from the logits (on a GPU: the argmax kernel and the read-back)
+  forward    the model's forward (subtracted from the host total; forward hooks on the model)
+  sample     token selection from the logits (on a GPU: the argmax kernel and the read-back),
+             timed by calling the engine's sampler again on the step's logits right after the
+             step (greedy rows draw nothing, so the call repeats the step's work exactly)
   finish     the rest of the step: scheduler bookkeeping, tokens appended, stop checks,
              incremental detokenization, the per-request outputs
 
@@ -38,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spear.serve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from spear.serve import engine as engine_mod  # noqa: E402
+from spear.serve.sampling import sample  # noqa: E402
 
 PARTS = ("schedule", "inputs", "sample", "finish")
 
@@ -53,44 +55,52 @@ def tiny_model(vocab: int, max_len: int) -> torch.nn.Module:
 
 
 class Timers:
-    """Wraps the engine's parts with wall-clock timers (seconds accumulated per step)."""
+    """Wall-clock timers on this engine instance (seconds accumulated per step): its scheduler's
+    ``schedule`` and runner's ``execute`` wrapped on the instance, the model's forward through
+    forward hooks; the runner's logits and the rows' sampling parameters are kept for
+    :meth:`time_sample`. No package module is changed."""
 
     def __init__(self, eng: LLMEngine):
         self.cur = dict.fromkeys(("schedule", "execute", "forward", "sample"), 0.0)
+        self.last: tuple[torch.Tensor, list] | None = None
         self._wrap(eng.scheduler, "schedule", "schedule")
-        self._wrap(eng.runner, "execute", "execute")
-        self._wrap(eng.runner, "_forward_decode", "forward")
-        self._wrap(eng.runner, "_forward_varlen", "forward")
-        sample = engine_mod.sample
+        self._wrap(eng.runner, "execute", "execute", keep=True)
+        model = eng.runner.model
+        model.register_forward_pre_hook(lambda *_: setattr(self, "_t_forward", time.perf_counter()))
+        model.register_forward_hook(lambda *_: self._add("forward", self._t_forward))
 
-        def timed_sample(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return sample(*a, **k)
-            finally:
-                self.cur["sample"] += time.perf_counter() - t0
+    def _add(self, key: str, t0: float) -> None:
+        self.cur[key] += time.perf_counter() - t0
 
-        self._restore_sample = sample
-        engine_mod.sample = timed_sample
-
-    def _wrap(self, obj, name: str, key: str) -> None:
+    def _wrap(self, obj, name: str, key: str, keep: bool = False) -> None:
         fn = getattr(obj, name)
 
         def timed(*a, **k):
             t0 = time.perf_counter()
             try:
-                return fn(*a, **k)
+                out = fn(*a, **k)
             finally:
-                self.cur[key] += time.perf_counter() - t0
+                self._add(key, t0)
+            if keep:  # execute(sched): the rows the engine samples next, in the sampled chunks' order
+                self.last = (out, [c.seq.params for c in a[0].chunks if c.samples])
+            return out
 
         setattr(obj, name, timed)
 
+    def time_sample(self) -> None:
+        """The sampler on the last step's logits (before the next step can overwrite a graph's
+        output buffer); greedy rows use no generator, so ``None`` ones repeat the step's call."""
+        logits, params = self.last
+        t0 = time.perf_counter()
+        sample(logits, params, [None] * len(params))
+        if logits.is_cuda:
+            torch.cuda.synchronize()
+        self.cur["sample"] += time.perf_counter() - t0
+
     def reset(self) -> None:
+        self.last = None
         for k in self.cur:
             self.cur[k] = 0.0
-
-    def close(self) -> None:
-        engine_mod.sample = self._restore_sample
 
 
 def measure(eng: LLMEngine, prompts: list[list[int]], batch: int, new_tokens: int) -> dict:
@@ -99,21 +109,19 @@ def measure(eng: LLMEngine, prompts: list[list[int]], batch: int, new_tokens: in
         eng.add_request(p, params)
     timers = Timers(eng)
     rows = []
-    try:
-        while eng.has_unfinished():
-            sched = eng.scheduler
-            decode_only = not sched.waiting and len(sched.running) == batch and all(s.is_decode for s in sched.running)
-            timers.reset()
-            t0 = time.perf_counter()
-            eng.step()
-            total = time.perf_counter() - t0
-            if decode_only:
-                c = timers.cur
-                rows.append(dict(total=total, forward=c["forward"], schedule=c["schedule"],
-                                 inputs=c["execute"] - c["forward"], sample=c["sample"],
-                                 finish=total - c["schedule"] - c["execute"] - c["sample"]))
-    finally:
-        timers.close()
+    while eng.has_unfinished():
+        sched = eng.scheduler
+        decode_only = not sched.waiting and len(sched.running) == batch and all(s.is_decode for s in sched.running)
+        timers.reset()
+        t0 = time.perf_counter()
+        eng.step()
+        total = time.perf_counter() - t0
+        if decode_only:
+            timers.time_sample()
+            c = timers.cur
+            rows.append(dict(total=total, forward=c["forward"], schedule=c["schedule"],
+                             inputs=c["execute"] - c["forward"], sample=c["sample"],
+                             finish=total - c["schedule"] - c["execute"] - c["sample"]))
     med = {k: statistics.median(r[k] for r in rows) * 1e6 for k in rows[0]}
     med["host"] = statistics.median((r["total"] - r["forward"]) for r in rows) * 1e6
     med["steps"] = len(rows)
