@@ -18,6 +18,7 @@ from spear.kernels.ec import _ec_gate_finish_kernel, _ec_gate_kernel, _ec_up_ker
 from spear.kernels.fused import _silu_mul_kernel
 from spear.kernels.paged_prefill import _paged_prefill_kernel
 from spear.kernels.paged_prefill import launch_config as prefill_config
+from spear.kernels.tp_reduce import _tp_reduce_ec_kernel
 from spear.kernels.w4a16 import _w4a16_kernel
 
 TARGET = GPUTarget("cuda", 90, 128)
@@ -109,6 +110,17 @@ def compile_small(bf16, ftype="fp32"):
         triton.compile(ASTSource(_silu_mul_kernel, sig(_silu_mul_kernel, p, (), c), c), target=TARGET)
 
 
+def compile_tp_reduce(bf16, peers, ec, gate, bias, ftype="fp32"):
+    """The row-parallel sum with the compensator's second half (tp_reduce.py): peers' buffers as
+    eight pointers, of which PEERS are read."""
+    dt = "*bf16" if bf16 else "*fp16"
+    names = [f"p{i}" for i in range(8)] + ["out_ptr", "bias_ptr", "b_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr"]
+    c = dict(PEERS=peers, EC=ec, GATE=gate, HAS_BIAS=bias, R=32, H=16, BM=16, BN=128, DOT_F32=False)
+    src = ASTSource(_tp_reduce_ec_kernel, sig(_tp_reduce_ec_kernel, {k: dt for k in names}, ("alpha", "bound"), c,
+                                              ftype), c)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=1))
+
+
 def compile_attention(dtype, head_dim, block_size, group, splits=8, pdl=0, rope=False):
     """The paged decode kernel as the launcher specializes it: pointers 16-byte aligned (torch's
     allocations), strides multiples of head_dim >= 16, context_lens contiguous."""
@@ -164,6 +176,12 @@ if __name__ == "__main__":
         compile_w4(bf16, ec_mode, mv, bm, kmajor=True, prefetch=bool(mv), ftype="fp64")
     compile_small(bf16)
     compile_small(bf16, "fp64")
+    for peers, ec, gate, bias in ((1, True, True, True), (2, True, True, False), (8, True, False, True),
+                                  (4, False, False, True)):
+        ptx = compile_tp_reduce(bf16, peers, ec, gate, bias).asm["ptx"]
+        # each peer's buffer is read (PEERS loads of the partial output tile, and of u with an EC)
+        assert len(re.findall(r"ld\.global", ptx)) >= peers * (2 if ec else 1), "a peer's buffer is not read"
+    compile_tp_reduce(bf16, 2, True, True, True, "fp64")
     for head_dim, block_size, group in ((128, 16, 4), (128, 8, 1), (64, 32, 8), (256, 16, 4)):
         compile_attention("bf16" if bf16 else "fp16", head_dim, block_size, group)
     if not bf16:
