@@ -58,8 +58,10 @@ def _vllm_runs(checkpoints: list[Path], tp: int = 1) -> dict[str, dict]:
 @torch.no_grad()
 def _spear_greedy(checkpoint: Path) -> dict:
     """spear's engine: greedy token_ids, and the log-probability of each chosen token under the
-    same model (QuantLinear with its compensators), one forward over prompt + output. The
-    log-probabilities are a finer check than the tokens, whose top choice can survive a wrong shard."""
+    same checkpoint loaded as a transformers model (QuantLinear with its compensators), one forward
+    over prompt + output. The log-probabilities are a finer check than the tokens, whose top choice
+    can survive a wrong shard."""
+    from spear.models.loading import load_model
     from spear.serve.config import EngineConfig
     from spear.serve.engine import LLMEngine
     from spear.serve.sequence import SamplingParams
@@ -68,9 +70,10 @@ def _spear_greedy(checkpoint: Path) -> dict:
                                        dtype=torch.float32, device="cpu")
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     tokens, logprobs = [o.output_token_ids for o in outs], []
+    model, _ = load_model(checkpoint)  # the engine runs its own model; transformers' one scores
     for prompt, gen in zip(PROMPTS, tokens):
         ids = engine.tokenize(prompt)
-        lp = engine.model(torch.tensor([ids + gen])).logits[0].float().log_softmax(-1)
+        lp = model(torch.tensor([ids + gen])).logits[0].float().log_softmax(-1)
         logprobs.append([float(lp[len(ids) - 1 + i, t]) for i, t in enumerate(gen)])
     return {"token_ids": tokens, "logprobs": logprobs}
 
