@@ -7,7 +7,14 @@ full layers), Phi-3 (fused qkv and gate/up), GPT-2 (Conv1D, LayerNorm, biases) a
 (LayerNorm, biases, ReLU). On each: a norm that zeroes some channels of the MLP input (the
 case that made L²QER's 1/S overflow fp16), RTN quantization, every static baseline, a short
 KL calibration and a checkpoint round trip, with finite numbers everywhere, compensators that
-lower the KL to the FP model, and a calibrated state no worse than its static start.
+lower the KL to the FP model, and a calibration whose training beat its static start.
+
+The matrix quantizes at 3 bits, not the project's default 4: these tiny random models show
+quantization error, and what eight calibration steps win back, more at W3. At W4 (the same
+quantize, pack and checkpoint code; only the width differs) every assertion here still held
+when checked, but the calibration gains range 0.45-24% of the start's validation KL (Gemma-2
+the least: its best at step 4, worse again by step 8) against 1.2-16% at W3 (Mistral the least,
+GPT-2 the most), so the check that training improved would rest on a far thinner margin.
 """
 
 from __future__ import annotations
@@ -163,9 +170,20 @@ def test_quality_pipeline_on_architecture(arch, folders, tmp_path, monkeypatch):
             m.set_quantized(*snap[n])
 
     attach_ecs(mods, data.fp_weights, uniform_plan(mods, 2), cfg, data.stats)
+    start = kl()
     report = calibrate(model, data, cfg, progress=False)
     assert math.isfinite(report.best_val_kl)
-    assert report.best_val_kl <= report.initial_val_kl  # never worse than its static start
+    # Calibration is keep-best (it hands back the static start when training did not beat it), so
+    # "no worse than the start" holds by construction. What is checked is that training itself won:
+    # a trained step was kept, and it beat the start by at least 0.5% of the start's held-out KL
+    # (every architecture here gains 1.2-16% at W3; none keeps its start at these sizes).
+    # Catches: `opt.step()` left out of the training loop (the optimizer never steps: every
+    # evaluation equals the start, which is kept), a learning rate of 0 for A and B (only α trains:
+    # Llama, Qwen2 and Mistral keep their start, the others gain under 0.4%), or a report whose
+    # initial_val_kl is the final one (`initial_val_kl=best`).
+    assert report.initial_val_kl == pytest.approx(start, rel=1e-6)
+    assert report.kept == "trained" and 0 < report.best_step <= report.steps_run, report
+    assert report.best_val_kl < 0.995 * report.initial_val_kl, report
     assert report.best_val_kl < base
     assert kl() == pytest.approx(report.best_val_kl, rel=1e-6)
     assert math.isfinite(perplexity(model, data.val_ids, batch_size=4, progress=False).ppl)
