@@ -40,6 +40,14 @@ from spear.errors import SpearError
 from spear.quant.linear import QuantLinear
 
 
+# A full fp16 teacher up to this size (the default model's 80 x 128 self-samples over 49,152
+# tokens: 0.94 GiB); past it the top-AUTO_TOP_K form (25 KB a position). BENCHMARKS.md, "Calibration
+# on a large vocabulary": on Gemma-3-270M (262,144 tokens) the top 64 leave 21% of real text's next
+# tokens and 14% of the W4 model's KL outside the objective, the top 4096 4% and 1%.
+FULL_TEACHER_MAX_BYTES = 2**30
+AUTO_TOP_K = 4096
+
+
 @dataclass(frozen=True)
 class CalibrationConfig:
     """Self-sampling, optimisation and EC-shape settings of one calibration run."""
@@ -70,6 +78,7 @@ class CalibrationConfig:
     # None: follow the vocabulary (the full distribution while it takes at most FULL_TEACHER_MAX_BYTES,
     # else its top AUTO_TOP_K tokens; see for_model); 0: the full teacher; k: its top k + the rest
     teacher_top_k: int | None = None
+    full_teacher_max_bytes: int = FULL_TEACHER_MAX_BYTES  # with teacher_top_k None: the full teacher up to here
     # Also KL-train every quantized linear's scales (a log-factor per scale, folded into the
     # fp16 scales at the end; spear/compensate/scales.py). Off: only the ECs train.
     tune_scales: bool = False
@@ -93,6 +102,9 @@ class CalibrationConfig:
         if self.teacher_top_k is not None and self.teacher_top_k < 0:
             raise SpearError(f"teacher_top_k must be 0 (full distribution), >= 1, or None (by vocabulary); "
                              f"got {self.teacher_top_k}")
+        if isinstance(self.full_teacher_max_bytes, bool) or not isinstance(self.full_teacher_max_bytes, int) or \
+                self.full_teacher_max_bytes < 1:
+            raise SpearError(f"full_teacher_max_bytes must be a whole number >= 1, got {self.full_teacher_max_bytes!r}")
         if self.init not in ("identity", "lqer", "qera-approx", "qera-exact"):
             raise SpearError(f"init must be identity, lqer, qera-approx or qera-exact; got {self.init!r}")
 
@@ -107,11 +119,11 @@ class CalibrationConfig:
 
     def for_vocab(self, vocab_size: int) -> "CalibrationConfig":
         """This config with the settings that follow the model resolved: ``teacher_top_k=None`` becomes 0
-        (the full teacher) while that takes at most FULL_TEACHER_MAX_BYTES, else AUTO_TOP_K."""
+        (the full teacher) while that takes at most ``full_teacher_max_bytes``, else AUTO_TOP_K."""
         if self.teacher_top_k is not None:
             return self
         full = replace(self, teacher_top_k=0)
-        if full.teacher_bytes(vocab_size) <= FULL_TEACHER_MAX_BYTES:
+        if full.teacher_bytes(vocab_size) <= self.full_teacher_max_bytes:
             return full
         return replace(self, teacher_top_k=min(AUTO_TOP_K, vocab_size))
 
@@ -122,12 +134,6 @@ class CalibrationConfig:
         return self.for_vocab(vocab)
 
 
-# A full fp16 teacher up to this size (the default model's 80 x 128 self-samples over 49,152
-# tokens: 0.94 GiB); past it the top-AUTO_TOP_K form (25 KB a position). BENCHMARKS.md, "Calibration
-# on a large vocabulary": on Gemma-3-270M (262,144 tokens) the top 64 leave 21% of real text's next
-# tokens and 14% of the W4 model's KL outside the objective, the top 4096 4% and 1%.
-FULL_TEACHER_MAX_BYTES = 2**30
-AUTO_TOP_K = 4096
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Calibration settings that follow the model: the teacher's form by vocabulary."""
 
+from dataclasses import replace
+
 import pytest
 
-import spear.compensate.calibrate as calibrate_mod
 from spear.compensate.calibrate import AUTO_TOP_K, FULL_TEACHER_MAX_BYTES, CalibrationConfig, TopKTeacher
 from spear.compensate.workflow import prepare_calibration
 from spear.errors import SpearError
@@ -38,13 +39,14 @@ def test_the_teacher_follows_the_vocabulary():
 
 
 def test_prepare_resolves_the_teacher_for_the_model(tiny_llama_path, tmp_path, monkeypatch):
+    """Catches: prepare_calibration ignoring the config's limit (the full teacher at any vocabulary)."""
     monkeypatch.setenv("SPEAR_CACHE", str(tmp_path))
     model, tok = load_model(tiny_llama_path)
     cfg = CalibrationConfig(n_samples=4, val_samples=2, sample_len=12)
     full = prepare_calibration(model, tok, cfg, progress=False)
     assert not isinstance(full.train_teacher, TopKTeacher)
     assert full.train_teacher.shape == (4, 12, model.config.vocab_size)
-    monkeypatch.setattr(calibrate_mod, "FULL_TEACHER_MAX_BYTES", 1000)  # as if the vocabulary were huge
-    top = prepare_calibration(model, tok, cfg, progress=False)
+    # as if the vocabulary were huge: a limit below the full teacher's bytes
+    top = prepare_calibration(model, tok, replace(cfg, full_teacher_max_bytes=1000), progress=False)
     assert isinstance(top.train_teacher, TopKTeacher)
     assert top.train_teacher.shape == (4, 12, AUTO_TOP_K)
