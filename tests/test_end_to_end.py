@@ -13,7 +13,14 @@ from spear.pipeline import run_job
 
 def test_default_job_small(tmp_path):
     """The `spear run` pipeline on the real model (selection at 1%, static row, SPEAR rows), with
-    fewer windows, samples and steps to fit CI."""
+    fewer windows, samples and steps to fit CI (95 s on the 2-core CPU, 2026-12-02, caches
+    warm; 10-12 min with the CPU at a load of 5-7). Measured on it: FP 26.45, W4 51.03, static
+    LQER 43.08, SPEAR EC 41.70 (3.2% below LQER at the same A, B shapes), gated EC 43.56 (its
+    QERA-approx init: 3 steps do not improve on it).
+
+    Catches: ``calibrate`` leaving the ECs at their QERA-approx init (``best_state = snapshot()``
+    on a better validation KL replaced by ``pass``): the EC row is then 43.56, above LQER's 43.08,
+    while ``ec.ppl < w4.ppl`` still holds."""
     cal = CalibrationConfig(n_samples=4, val_samples=2, sample_len=32, steps=3, eval_every=3, batch_size=2)
     res = run_job("smollm2-135m", QuantConfig(), EvalConfig(eval_windows=4, calib_windows=2), ["lqer"],
                   progress=False, log=lambda *_: None, spear_variants=("nogate", "gate"), calib_cfg=cal,
@@ -21,6 +28,9 @@ def test_default_job_small(tmp_path):
     fp, w4, lqer, ec, gated = res.rows
     assert ec.method == "SPEAR EC (KL, no gate) cka@1%" and gated.method == "SPEAR gated EC cka@1%"
     assert ec.ppl < w4.ppl and gated.ppl < w4.ppl
+    # KL calibration beats the static closed form at equal memory, even after 3 steps on 4 samples:
+    # measured 3.2% below static LQER; at least 1.5% asked
+    assert ec.ppl < 0.985 * lqer.ppl, (ec.ppl, lqer.ppl)
     assert lqer.memory_pct < ec.memory_pct < gated.memory_pct <= 1.0  # same A, B; alpha; the gate
     assert 0.9 < lqer.memory_pct  # the selection spends the budget
     # W4 damage is diffuse, so most modules get an EC (all of them from >= 1024 scoring tokens;
@@ -36,6 +46,12 @@ def test_default_job_small(tmp_path):
 
 
 def test_wikitext_file_with_seq_len_2048(article_text, tmp_path):
+    """`spear run` and `spear eval` on a WikiText-layout file with 2048-token windows: the file's
+    label, the window length, the tokens scored and the FP perplexity of its last 2 windows.
+
+    Catches: the CLI dropping ``--seq-len`` (``seq_len=args.seq_len`` left out of
+    ``spear/cli/common.py``'s EvalConfig: 512-token windows), or ``make_split`` taking the evaluation
+    windows from the start of the trailing articles (``eval_ids[:need]``: FP 19.73, not 22.17)."""
     path = tmp_path / "wiki.test.raw"
     path.write_text(article_text)
     window = ["--text", str(path), "--seq-len", "2048", "--eval-windows", "2", "--calib-windows", "1"]
@@ -69,12 +85,15 @@ def test_default_job_headline_claims():
     """`spear run` with its defaults (selection at 1%, static LQER and QERA-approx at that
     selection, the ungated EC KL-calibrated for 240 steps on 64 + 16 self-samples, seed 0) on the
     full protocol (24 x 512-token evaluation windows) reproduces README "Results": SPEAR recovers
-    >= 2x the gap of each static row at the same memory, and lands within +-3 points of the
-    README's 64.5% (that row's seed spread is +-0.5; seed 0 on this CPU draws other self-samples
-    than on the H200 the README figure comes from).
+    >= 1.75x the gap of each static row at the same memory (the README's rows at this selection:
+    64.5% against static QERA-approx's 34.7%, 1.86x; static LQER is not in the table, and at rank 1
+    and rank 2 everywhere it is within 0.4 points of QERA-approx), and lands within +-3 points of
+    the README's 64.5% (that row's seed spread is +-0.5; seed 0 on this CPU draws other
+    self-samples than on the H200 the README figure comes from).
 
     Catches: calibrate() returning before its first optimiser step (the EC stays at its static
-    QERA-approx init: about 35% instead of 64.5%), or a selection that ignores the budget."""
+    QERA-approx init: about 35% instead of 64.5%, a ratio of about 1x), or a selection that ignores
+    the budget."""
     res = run_job("smollm2-135m", QuantConfig(), EvalConfig(), ["lqer", "qera-approx"], progress=False,
                   log=lambda *_: None, spear_variants=("nogate",), calib_cfg=CalibrationConfig(seed=0),
                   budget="1%")
@@ -84,7 +103,7 @@ def test_default_job_headline_claims():
     for static in (lqer, qera):
         assert 0.9 < static.memory_pct <= ec.memory_pct <= 1.0
         assert ec.memory_pct - static.memory_pct < 0.01  # the same A, B; only alpha is extra
-        assert ec.gap_recovered >= 2 * static.gap_recovered, (ec, static)
+        assert ec.gap_recovered >= 1.75 * static.gap_recovered, (ec, static)
     assert abs(qera.gap_recovered - 34.7) < 3
     assert abs(ec.gap_recovered - 64.5) <= 3, ec
 
