@@ -11,8 +11,9 @@ sum (the bias; the gate and alpha · B for a gated compensator). Two implementat
                   buffer of symmetric memory, one barrier, then ``tp_reduce_ec`` reads every
                   rank's buffer over NVLink, sums, applies the gate and B in one launch. Two
                   buffers alternate (a rank writes buffer b again only after the barrier of the
-                  reduction in between, which every rank reaches after reading b), and steps
-                  larger than the buffers take the all-reduce path. NVLink multicast is never
+                  reduction in between, which every rank reaches after reading b; a step that
+                  starts after a reduction on buffer 0 fences first), and steps larger than the
+                  buffers take the all-reduce path. NVLink multicast is never
                   used (TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0).
 
 ``gather`` concatenates the ranks' slices of the vocabulary-parallel output head along the last
@@ -104,13 +105,15 @@ class AllReduceComm:
 
 
 class PeerComm(AllReduceComm):
-    """The peer path (module docstring) over two symmetric-memory buffers of ``max_elems`` values."""
+    """The peer path (module docstring) over two symmetric-memory buffers of ``max_elems`` values.
+    A barrier that waits longer than ``timeout_s`` (a peer gone) traps on the GPU instead of spinning."""
 
-    def __init__(self, tp: TPRank, group, device: torch.device, dtype: torch.dtype, max_elems: int):
+    def __init__(self, tp: TPRank, group, device: torch.device, dtype: torch.dtype, max_elems: int,
+                 timeout_s: float = 300.0):
         super().__init__(tp, group)
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.max_elems = max_elems
+        self.max_elems, self.timeout_ms = max_elems, int(1000 * timeout_s)
         self.bufs, self.handles, self.peers = [], [], []
         for _ in range(2):
             buf = symm_mem.empty(max_elems, dtype=dtype, device=device)
@@ -119,34 +122,33 @@ class PeerComm(AllReduceComm):
             self.handles.append(handle)
             self.peers.append([handle.get_buffer(r, (max_elems,), dtype) for r in range(tp.size)])
         self._next = 0
-        self._fenced = True  # no peer may still read a buffer this rank writes next
+        self._last: int | None = None  # the buffer of the last reduction (None: an all-reduce came after)
 
     def begin_step(self) -> None:
-        # Buffer 0 is written first at every step; if the last step's last reduction read it and no
-        # collective came after (a replicated head has no gather), a peer may still be reading it.
-        if not self._fenced:
-            self.handles[0].barrier(channel=1)
-            self._fenced = True
+        # Buffer 0 is written first at every step. If the last reduction read it, a peer may still be
+        # reading it: fence. A captured graph always fences, since it may replay after any step.
+        if self._last == 0 or torch.cuda.is_current_stream_capturing():
+            self.handles[1].barrier(channel=1, timeout_ms=self.timeout_ms)
+        self._last = None
         self._next = 0
 
     def reduce(self, y: torch.Tensor, u: torch.Tensor | None, post: RowPost) -> torch.Tensor:
         m, n = y.shape
         width = n + (0 if u is None else u.shape[1])
         if m * width > self.max_elems:
-            return super().reduce(y, u, post)  # a collective: every rank is past its earlier reads
+            self._last = None  # a collective with data: every rank is past its earlier reads
+            return super().reduce(y, u, post)
         i, self._next = self._next, self._next ^ 1
         local = self.bufs[i][:m * width].view(m, width)
         local[:, :n].copy_(y)
         if u is not None:
             local[:, n:].copy_(u)
-        self.handles[i].barrier(channel=0)
-        self._fenced = False
+        self.handles[i].barrier(channel=0, timeout_ms=self.timeout_ms)
+        self._last = i
         return post([p[:m * width].view(m, width) for p in self.peers[i]])
 
-    def gather(self, t: torch.Tensor) -> torch.Tensor:
-        out = super().gather(t)
-        self._fenced = True
-        return out
+    def close(self) -> None:
+        self.peers, self.handles, self.bufs = [], [], []
 
 
 def init_group(tp: TPRank, address: str, device: torch.device, timeout_s: float):
@@ -163,12 +165,13 @@ def init_group(tp: TPRank, address: str, device: torch.device, timeout_s: float)
     return dist.group.WORLD
 
 
-def make_comm(tp: TPRank, mode: str, device: torch.device, dtype: torch.dtype, max_elems: int = PEER_ELEMS):
+def make_comm(tp: TPRank, mode: str, device: torch.device, dtype: torch.dtype, timeout_s: float = 300.0,
+              max_elems: int = PEER_ELEMS):
     """The rank's collectives: ``mode`` "peer" takes the symmetric-memory path on CUDA."""
     if mode not in REDUCE_MODES:
         raise SpearError(f"tensor-parallel reduction must be one of {', '.join(REDUCE_MODES)}, got {mode!r}")
     if mode == "peer" and device.type == "cuda":
-        return PeerComm(tp, dist.group.WORLD, device, dtype, max_elems)
+        return PeerComm(tp, dist.group.WORLD, device, dtype, max_elems, timeout_s)
     return AllReduceComm(tp, dist.group.WORLD)
 
 

@@ -20,6 +20,7 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -60,6 +61,7 @@ class WorkerPool:
 
     def __init__(self, spec: WorkerSpec, start_timeout_s: float = 600.0):
         self.spec, self.start_timeout_s = spec, start_timeout_s
+        self.broken: str | None = None  # a step failed on rank 0 after it was sent: workers may wait in it
         ctx = mp.get_context("spawn")  # CUDA and torch's threads do not survive fork
         self.conns, self.procs = [], []
         for rank in range(1, spec.size):
@@ -71,19 +73,43 @@ class WorkerPool:
             self.procs.append(proc)
 
     def wait(self, what: str) -> list:
-        """Each worker's next report (``what`` names it in errors), in rank order."""
-        out = []
+        """Each worker's next report (``what`` names it in errors), in rank order; the first error or
+        exit of any worker is raised at once."""
+        from multiprocessing.connection import wait
+
+        out: dict[int, object] = {}
+        deadline = time.monotonic() + self.start_timeout_s
+        pending = dict(enumerate(self.conns, start=1))
+        while pending:
+            left = deadline - time.monotonic()
+            ready = wait(list(pending.values()) + [self.procs[r - 1].sentinel for r in pending], max(0.0, left))
+            if not ready:
+                raise SpearError(f"tensor-parallel rank {min(pending)} did not report {what} within "
+                                 f"{self.start_timeout_s:.0f} s")
+            for rank, conn in list(pending.items()):
+                proc = self.procs[rank - 1]
+                if conn not in ready and proc.sentinel not in ready:
+                    continue
+                try:
+                    if not conn.poll(0):  # the process ended without a word
+                        raise EOFError
+                    status, value = conn.recv()
+                except EOFError:
+                    proc.join(1)
+                    raise SpearError(f"tensor-parallel rank {rank} exited (code {proc.exitcode}) before {what}") \
+                        from None
+                if status == "error":
+                    raise SpearError(f"tensor-parallel rank {rank}: {value}")
+                out[rank] = value
+                del pending[rank]
+        return [out[r] for r in sorted(out)]
+
+    def errors(self) -> str | None:
+        """A worker's reported error or exit, if any worker has failed (without waiting)."""
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
-            if not conn.poll(self.start_timeout_s):
-                raise SpearError(f"tensor-parallel rank {rank} did not report {what} within {self.start_timeout_s:.0f} s")
-            try:
-                status, value = conn.recv()
-            except EOFError:
-                raise SpearError(f"tensor-parallel rank {rank} exited (code {proc.exitcode}) before {what}") from None
-            if status == "error":
-                raise SpearError(f"tensor-parallel rank {rank}: {value}")
-            out.append(value)
-        return out
+            if conn.poll(0) or not proc.is_alive():
+                return f"rank {rank}: {self._why(rank, conn, proc)}"
+        return None
 
     def send(self, message) -> None:
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
@@ -108,7 +134,10 @@ class WorkerPool:
         return f"exit code {proc.exitcode}"
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the workers (each leaves the process group and exits); kill any that do not."""
+        """Stop the workers (each leaves the process group and exits); kill any that do not (at once
+        when a failed step may hold them in a collective)."""
+        if self.broken is not None:
+            timeout = min(timeout, 2.0)
         for conn in self.conns:
             try:
                 conn.send(None)
@@ -127,8 +156,12 @@ class WorkerPool:
 
 def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     """One worker: join the group, build this rank's share, then run what rank 0 sends."""
+    import signal
+
     from spear.parallel.comm import ENV, destroy_group
 
+    # Ctrl-C reaches the whole process group: rank 0 drains its requests and then stops the workers
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
     try:
@@ -145,7 +178,7 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
                 break
             _, step = message
             runner.run(step)
-    except (EOFError, KeyboardInterrupt):  # rank 0 went away
+    except EOFError:  # rank 0 went away
         pass
     except BaseException as exc:
         traceback.print_exc()
@@ -182,7 +215,7 @@ def build_rank(rank: int, spec: WorkerSpec, conn):
     model, _ = build_model(cfg, quantized, tensors, device, dtype, MAX_RANK, tp=tp)
     conn.send(("ok", local_blocks(cfg, spec.block_size, dtype, device, spec.kv_memory, spec.num_blocks, tp.size)))
     num_blocks, max_model_len = conn.recv()
-    model.set_comm(make_comm(tp, spec.reduce, device, dtype))
+    model.set_comm(make_comm(tp, spec.reduce, device, dtype, spec.timeout_s))
     return ModelRunner(model, num_blocks, spec.block_size, max_model_len, spec.max_num_seqs, spec.policy,
                        cuda_graphs=spec.cuda_graphs)
 

@@ -213,9 +213,13 @@ class LLMEngine:
             config.tp_reduce, verify, config.tp_timeout_s)
         pool = workers.WorkerPool(spec)
         self._pool = pool
-        self._close = weakref.finalize(self, _stop_ranks, pool)
+        self._tp_comms: list = []  # the rank's collectives once made (closed before the group goes)
+        self._close = weakref.finalize(self, _stop_ranks, pool, self._tp_comms)
         pool.wait("that it started")
-        comm.init_group(TPRank(0, n), spec.address, device, config.tp_timeout_s)
+        try:
+            comm.init_group(TPRank(0, n), spec.address, device, config.tp_timeout_s)
+        except Exception as exc:  # a worker that failed after it started: its own message says why
+            raise SpearError(f"the tensor-parallel ranks did not form a group: {pool.errors() or exc}") from None
         return device
 
     def close(self) -> None:
@@ -239,7 +243,8 @@ class LLMEngine:
         pool = getattr(self, "_pool", None) if tp.size > 1 else None
         # before build_model, which takes the tensors over
         self.deployment = deployment_of(model_config, quantized, tensors, source, device, dtype, config.kernels,
-                                        config.block_size, config.cuda_graphs and device.type == "cuda", tp.size)
+                                        config.block_size, config.cuda_graphs and device.type == "cuda", tp.size,
+                                        config.tp_reduce)
         table = given_table(config.latency_table, self.deployment)  # a wrong table fails before the weights load
         self.model, self.load_report = build_model(model_config, quantized, tensors, device, dtype, MAX_RANK, tp=tp)
         for layer, reason in self.load_report:
@@ -254,7 +259,8 @@ class LLMEngine:
             from spear.parallel.comm import make_comm
 
             pool.send((num_blocks, self.max_model_len))
-            self.model.set_comm(make_comm(tp, config.tp_reduce, device, dtype))
+            self._tp_comms.append(make_comm(tp, config.tp_reduce, device, dtype, config.tp_timeout_s))
+            self.model.set_comm(self._tp_comms[0])
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting)
@@ -442,6 +448,11 @@ class LLMEngine:
         try:
             return [c.seq for c in sched.chunks if c.samples], self.runner.execute(sched), []
         except Exception as exc:
+            if self.runner.workers is not None:
+                # the other ranks may hold this step's collectives open: no retry in parts, every
+                # chunk fails (the runner refuses later steps: ModelRunner.broken)
+                log.error("tensor-parallel step of %d chunks failed: %r", len(sched.chunks), exc)
+                return [], None, [(c.seq, exc) for c in sched.chunks]
             if len(sched.chunks) == 1:
                 log.exception("engine step failed on request %s", sched.chunks[0].seq.request_id)
                 return [], None, [(sched.chunks[0].seq, exc)]
@@ -518,8 +529,10 @@ class LLMEngine:
         return out
 
 
-def _stop_ranks(pool) -> None:
+def _stop_ranks(pool, comms: list) -> None:
     from spear.parallel.comm import destroy_group
 
     pool.close()
+    for comm in comms:
+        comm.close()  # symmetric-memory buffers go before the group they were made for
     destroy_group()

@@ -65,10 +65,11 @@ class Deployment:
     density: Density = field(default_factory=Density)
     policy_op_args: tuple[int, ...] = ()
     tensor_parallel: int = 1      # ranks the model is split across
+    tp_reduce: str = "allreduce"  # how the ranks sum (spear.parallel.comm.REDUCE_MODES)
 
     def _key_fields(self) -> tuple[str, ...]:
         # one rank keeps the keys (and cached tables) of deployments from before tensor parallelism
-        return _KEY_FIELDS + (("tensor_parallel",) if self.tensor_parallel != 1 else ())
+        return _KEY_FIELDS + (("tensor_parallel", "tp_reduce") if self.tensor_parallel != 1 else ())
 
     def key(self) -> str:
         text = json.dumps({k: getattr(self, k) for k in self._key_fields()}, sort_keys=True)
@@ -76,7 +77,7 @@ class Deployment:
 
     def mismatches(self, other: "Deployment") -> list[str]:
         return [f"{k} {getattr(self, k)!r} (this engine: {getattr(other, k)!r})"
-                for k in _KEY_FIELDS + ("tensor_parallel",) if getattr(self, k) != getattr(other, k)]
+                for k in _KEY_FIELDS + ("tensor_parallel", "tp_reduce") if getattr(self, k) != getattr(other, k)]
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -93,7 +94,7 @@ class Deployment:
                               float(dens.get("extra_memory_pct", 0.0)))
             out = cls(d["checkpoint"], d["checkpoint_hash"], d["device"], d["dtype"], d["policy_hash"],
                       d["block_size"], d["cuda_graphs"], density, tuple(d.get("policy_op_args", ())),
-                      d.get("tensor_parallel", 1))
+                      d.get("tensor_parallel", 1), d.get("tp_reduce", "allreduce"))
         except KeyError as exc:
             raise SpearError(f"{where}: 'deployment' lacks {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
@@ -108,6 +109,8 @@ class Deployment:
         tp = out.tensor_parallel
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise SpearError(f"{where}: deployment.tensor_parallel must be a whole number >= 1, got {tp!r}")
+        if out.tp_reduce not in ("allreduce", "peer"):
+            raise SpearError(f"{where}: deployment.tp_reduce must be 'allreduce' or 'peer', got {out.tp_reduce!r}")
         return out
 
 
@@ -413,7 +416,8 @@ def _ec_params(ec) -> int:
 
 
 def deployment_of(model_config, quantized: dict, tensors: dict, source: Path | None, device, dtype,
-                  policy, block_size: int, cuda_graphs: bool, tensor_parallel: int = 1) -> Deployment:
+                  policy, block_size: int, cuda_graphs: bool, tensor_parallel: int = 1,
+                  tp_reduce: str = "allreduce") -> Deployment:
     """The deployment an engine is: ``quantized`` / ``tensors`` as the loader gives them (before the
     model is built), ``source`` the folder they came from (None: a model in memory)."""
     from spear.quant.primitives import n_groups, packed_nbytes
@@ -445,7 +449,7 @@ def deployment_of(model_config, quantized: dict, tensors: dict, source: Path | N
                       100 * ec_bytes / model_bytes if model_bytes else 0.0)
     return Deployment(None if source is None else str(source), h.hexdigest(), device_name(device),
                       str(dtype).removeprefix("torch."), policy_hash(policy), block_size, cuda_graphs, density,
-                      tuple(policy.op_args), tensor_parallel)
+                      tuple(policy.op_args), tensor_parallel, tp_reduce)
 
 
 def policy_hash(policy) -> str:

@@ -95,6 +95,7 @@ class ModelRunner:
         self.graphs: dict = {}  # padded batch size -> torch.cuda.CUDAGraph
         self.graph_pdl: dict[int, int] = {}  # padded batch size -> the PDL level its graph was captured with
         self.workers = None  # rank 0 under tensor parallelism: the other ranks (spear.parallel.workers.WorkerPool)
+        self.broken: str | None = None  # why the ranks are out of step (a step failed after it was sent)
         if cuda_graphs and self.device.type == "cuda":
             self._capture_graphs()
 
@@ -113,9 +114,18 @@ class ModelRunner:
         On the CUDA-graph decode path they are a view of the graph's output, overwritten by the
         next call: read them before calling again."""
         step = self.prepare(out)
-        if self.workers is not None:
+        if self.workers is None:
+            return self.run(step)
+        if self.broken is not None:
+            raise SpearError(f"the tensor-parallel ranks are out of step since a failed step ({self.broken}); "
+                             "restart the engine")
+        try:
             self.workers.run(step)
-        return self.run(step)
+            return self.run(step)
+        except Exception as exc:
+            # sent, the step's collectives may be open on the other ranks: a retry would pair with them
+            self.broken = self.workers.broken = repr(exc)
+            raise
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step's inputs on the host (``StepInputs``)."""

@@ -126,3 +126,35 @@ def test_tensor_parallel_needs_a_folder(checkpoints):
 
     with pytest.raises(SpearError, match="loads each rank's share from disk"):
         LLMEngine(*load_model(checkpoints("llama", "fp")), config=_config(2))
+
+
+def test_a_step_that_fails_after_it_was_sent_fails_its_requests_and_the_ranks_stop(checkpoints):
+    """Rank 0 raises after sending a step: the other rank may wait in that step's collectives, so
+    the step's requests fail (no retry in parts, whose collectives would pair with the sent step's),
+    later steps are refused with a one-line reason, and close() stops the workers at once. Catches:
+    later steps sent to ranks still inside the failed one (their collectives pair with the wrong
+    step: a size mismatch aborts gloo, NCCL hangs or mixes data)."""
+    import time
+
+    path = checkpoints("llama", "w4")
+    engine = LLMEngine.from_pretrained(str(path), _config(2), device="cpu")
+    try:
+        real, calls = engine.runner.run, []
+
+        def run(step):
+            calls.append(step.kind)
+            if len(calls) == 3:
+                raise RuntimeError("out of memory on rank 0")
+            return real(step)
+
+        engine.runner.run = run
+        outs = engine.generate(PROMPTS[:2], GREEDY)
+        assert all(o.finish_reason == "error" for o in outs)
+        assert "out of memory on rank 0" in outs[0].error
+        later = engine.generate(PROMPTS[:1], GREEDY)[0]
+        assert later.finish_reason == "error" and "out of step" in later.error
+    finally:
+        t0 = time.monotonic()
+        engine.close()
+    assert time.monotonic() - t0 < 20
+    assert not multiprocessing.active_children()
