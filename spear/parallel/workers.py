@@ -119,8 +119,15 @@ class WorkerPool:
                 raise SpearError(f"tensor-parallel rank {rank} is gone ({self._why(rank, conn, proc)})") from None
 
     def run(self, step) -> None:
-        """Send a step to every worker (rank 0 runs it itself)."""
-        self.send(("run", step))
+        """Send a step to every worker (rank 0 runs it itself), pickled once for all of them."""
+        from multiprocessing.reduction import ForkingPickler
+
+        data = bytes(ForkingPickler.dumps(("run", step)))
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
+            try:
+                conn.send_bytes(data)  # the worker's recv() unpickles it
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                raise SpearError(f"tensor-parallel rank {rank} is gone ({self._why(rank, conn, proc)})") from None
 
     @staticmethod
     def _why(rank: int, conn, proc) -> str:
