@@ -52,13 +52,6 @@ class RowPost:
     packed: object | None = None   # spear.kernels.layout.PackedEC
     dense: object | None = None    # spear.serve.layers.linear._DenseEC
 
-    @property
-    def rank(self) -> int:
-        """Columns of u in the staging buffer (0 without a gated compensator)."""
-        if self.packed is not None:
-            return self.packed.b.shape[1]
-        return 0 if self.dense is None else self.dense.b.shape[1]
-
     def __call__(self, staging: list[torch.Tensor]) -> torch.Tensor:
         s0 = staging[0]
         if s0.is_cuda and self.dense is None and s0.dtype in (torch.float16, torch.bfloat16):

@@ -56,12 +56,41 @@ def free_address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def spawn_ranks(path, config, device, dtype, verify: bool) -> tuple["WorkerPool", object]:
+    """Check that the model at ``path`` splits over ``config.tensor_parallel_size`` ranks (one line
+    now, not one per rank later) and start ranks 1..N-1; (their pool, rank 0's device)."""
+    import torch
+
+    from spear.models.checkpoint import _hf_config
+    from spear.parallel.shard import TPRank, check_splits
+    from spear.serve.llama import check_supported
+
+    n = config.tensor_parallel_size
+    model_config = _hf_config(path)
+    check_supported(model_config)
+    check_splits(model_config, TPRank(0, n))
+    if device.type == "cuda":
+        if torch.cuda.device_count() < n:
+            raise SpearError(f"tensor parallelism over {n} ranks needs {n} CUDA devices; "
+                             f"{torch.cuda.device_count()} visible")
+        if device.index not in (None, 0):
+            raise SpearError("tensor-parallel ranks take cuda:0..N-1 (rank 0 on cuda:0); set "
+                             "CUDA_VISIBLE_DEVICES to choose the GPUs")
+        device = torch.device("cuda:0")
+    spec = WorkerSpec(str(path), n, free_address(), device.type, str(dtype).removeprefix("torch."),
+                      config.block_size, config.kv_memory, config.num_blocks, config.max_num_seqs, config.cuda_graphs,
+                      config.kernels, config.tp_reduce, verify, config.tp_timeout_s)
+    return WorkerPool(spec), device
+
+
 class WorkerPool:
-    """Ranks 1..size-1 of a tensor-parallel engine, one spawned process each."""
+    """Ranks 1..size-1 of a tensor-parallel engine, one spawned process each; ``comms``: rank 0's
+    collectives once made (``shutdown`` closes them before the group they were made for)."""
 
     def __init__(self, spec: WorkerSpec, start_timeout_s: float = 600.0):
         self.spec, self.start_timeout_s = spec, start_timeout_s
         self.broken: str | None = None  # a step failed on rank 0 after it was sent: workers may wait in it
+        self.comms: list = []
         ctx = mp.get_context("spawn")  # CUDA and torch's threads do not survive fork
         self.conns, self.procs = [], []
         for rank in range(1, spec.size):
@@ -71,6 +100,26 @@ class WorkerPool:
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
+
+    def form_group(self, device, timeout_s: float) -> None:
+        """Once every worker has started, join the process group with them as rank 0."""
+        from spear.parallel.comm import init_group
+        from spear.parallel.shard import TPRank
+
+        self.wait("that it started")
+        try:
+            init_group(TPRank(0, self.spec.size), self.spec.address, device, timeout_s)
+        except Exception as exc:  # a worker that failed after it started: its own message says why
+            raise SpearError(f"the tensor-parallel ranks did not form a group: {self.errors() or exc}") from None
+
+    def shutdown(self) -> None:
+        """Stop the workers, close rank 0's collectives and leave the process group."""
+        from spear.parallel.comm import destroy_group
+
+        self.close()
+        for comm in self.comms:
+            comm.close()
+        destroy_group()
 
     def wait(self, what: str) -> list:
         """Each worker's next report (``what`` names it in errors), in rank order; the first error or
@@ -108,29 +157,26 @@ class WorkerPool:
         """A worker's reported error or exit, if any worker has failed (without waiting)."""
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
             if conn.poll(0) or not proc.is_alive():
-                return f"rank {rank}: {self._why(rank, conn, proc)}"
+                return f"rank {rank}: {self._why(conn, proc)}"
         return None
 
     def send(self, message) -> None:
-        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
-            try:
-                conn.send(message)
-            except (BrokenPipeError, ConnectionResetError, OSError):
-                raise SpearError(f"tensor-parallel rank {rank} is gone ({self._why(rank, conn, proc)})") from None
-
-    def run(self, step) -> None:
-        """Send a step to every worker (rank 0 runs it itself), pickled once for all of them."""
+        """Send ``message`` to every worker, pickled once for all of them."""
         from multiprocessing.reduction import ForkingPickler
 
-        data = bytes(ForkingPickler.dumps(("run", step)))
+        data = bytes(ForkingPickler.dumps(message))
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
             try:
                 conn.send_bytes(data)  # the worker's recv() unpickles it
             except (BrokenPipeError, ConnectionResetError, OSError):
-                raise SpearError(f"tensor-parallel rank {rank} is gone ({self._why(rank, conn, proc)})") from None
+                raise SpearError(f"tensor-parallel rank {rank} is gone ({self._why(conn, proc)})") from None
+
+    def run(self, step) -> None:
+        """Send a step to every worker (rank 0 runs it itself)."""
+        self.send(("run", step))
 
     @staticmethod
-    def _why(rank: int, conn, proc) -> str:
+    def _why(conn, proc) -> str:
         try:
             if conn.poll(0):
                 status, value = conn.recv()
@@ -208,7 +254,7 @@ def build_rank(rank: int, spec: WorkerSpec, conn):
     from spear.parallel.shard import TPRank
     from spear.serve import loader
     from spear.serve.llama import build_model
-    from spear.serve.model_runner import ModelRunner
+    from spear.serve.model_runner import ModelRunner, local_blocks
 
     tp = TPRank(rank, spec.size)
     device = torch.device(f"cuda:{rank}" if spec.device_type == "cuda" else "cpu")
@@ -225,32 +271,3 @@ def build_rank(rank: int, spec: WorkerSpec, conn):
     model.set_comm(make_comm(tp, spec.reduce, device, dtype, spec.timeout_s))
     return ModelRunner(model, num_blocks, spec.block_size, max_model_len, spec.max_num_seqs, spec.policy,
                        cuda_graphs=spec.cuda_graphs)
-
-
-GPU_KV_FRACTION = 0.85
-CPU_KV_BYTES = 1 << 30
-
-
-def local_blocks(config, block_size: int, dtype, device, kv_memory: int | None, num_blocks: int | None,
-                 tp_size: int = 1) -> int:
-    """KV blocks this rank can hold: ``num_blocks`` when given, else ``kv_memory`` bytes (default:
-    85% of the free GPU memory, 1 GiB on the CPU) over one rank's block."""
-    import torch
-
-    from spear.serve.model_runner import kv_bytes_per_block
-
-    if num_blocks is not None:
-        return num_blocks
-    per_block = kv_bytes_per_block(config, block_size, dtype, tp_size)
-    budget = kv_memory
-    if budget is None:
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * GPU_KV_FRACTION)
-        else:
-            budget = CPU_KV_BYTES
-    blocks = budget // per_block
-    if blocks < 1:
-        raise SpearError(f"KV memory of {budget} bytes holds no block ({per_block} bytes per block of "
-                         f"{block_size} tokens)")
-    return blocks

@@ -8,12 +8,14 @@ block_manager.py  paged KV block allocation
 block_tables.py   the decode step's block tables, kept on the host between steps
 scheduler.py      continuous batching with chunked prefill, admission control, preemption, latency targets
 latency.py        the deployment's latency table: measured step times, interpolation, margin, cache
+deployment.py     what a latency table is valid for: checkpoint, device, dtype, policy, engine settings
 profiler.py       timing engine steps into a latency table (spear profile), EC costs per linear shape
 model_runner.py   one step of the model over the cache; CUDA graphs for decode
 sampling.py       greedy / temperature / top-k / top-p, seeds
 detokenizer.py    incremental text and stop strings
 chat.py           chat templates, message content tokenized as text
 engine.py         LLMEngine: add_request / step / abort / generate
+outputs.py        RequestOutput, StepRecord, EngineStats: what the engine hands out
 async_engine.py   the engine in a background thread, for the server
 protocol.py       OpenAI request bodies
 server.py         FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
@@ -22,7 +24,8 @@ config.py         EngineConfig (with the kernel policy) and ServerLimits
 """
 
 from spear.serve.config import EngineConfig
-from spear.serve.engine import LLMEngine, RequestOutput
+from spear.serve.engine import LLMEngine
+from spear.serve.outputs import RequestOutput
 from spear.serve.sequence import SamplingParams
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]

@@ -20,7 +20,8 @@ import threading
 import time
 import uuid
 
-from spear.serve.engine import EngineStats, LLMEngine, RequestOutput
+from spear.serve.engine import LLMEngine
+from spear.serve.outputs import EngineStats, RequestOutput
 from spear.serve.metrics import ServingMetrics
 from spear.serve.scheduler import QueueFull
 from spear.serve.sequence import SamplingParams

@@ -23,7 +23,6 @@ import itertools
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -33,8 +32,9 @@ from spear.serve.block_manager import BlockManager
 from spear.serve.config import EngineConfig
 from spear.serve.detokenizer import IncrementalDetokenizer
 from spear.serve.llama import build_model, check_supported
-from spear.parallel.shard import TPRank, check_splits
-from spear.serve.model_runner import ModelRunner
+from spear.parallel.shard import TPRank
+from spear.serve.model_runner import ModelRunner, local_blocks
+from spear.serve.outputs import EngineStats, RequestOutput, StepRecord
 from spear.serve.sampling import make_generator, sample
 from spear.serve.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from spear.serve.sequence import SamplingParams, Sequence
@@ -42,76 +42,6 @@ from spear.serve.sequence import SamplingParams, Sequence
 log = logging.getLogger(__name__)
 
 _DEFAULT_MAX_MODEL_LEN = 8192
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """One request's progress after a step. ``output_token_ids`` and ``text`` (everything so far)
-    are built on access from the sequence's token list and the detokenizer's text as they stood
-    at that step (the list only grows by appends, the text is an immutable string), so a step
-    costs O(1) per request however long the outputs are."""
-
-    request_id: str
-    new_token_ids: list[int]      # tokens of this step (all of them for generate())
-    new_text: str                 # text of this step that is safe to show (stop strings held back)
-    finished: bool
-    finish_reason: str | None     # "stop" | "length" | "abort" | "error" once finished
-    num_prompt_tokens: int
-    arrival_time: float
-    first_token_time: float | None
-    _token_ids: list[int] = field(repr=False)  # the sequence's prompt + output tokens (append-only)
-    _num_tokens: int = field(repr=False)       # its length at this step
-    _text: str = field(repr=False)             # the detokenizer's text at this step
-    _text_end: int = field(repr=False)         # characters of it handed out
-    error: str | None = None      # why the request failed (finish_reason "error")
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        """Every output token so far."""
-        return self._token_ids[self.num_prompt_tokens:self._num_tokens]
-
-    @property
-    def text(self) -> str:
-        """Every output character handed out so far."""
-        return self._text[:self._text_end]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self._num_tokens - self.num_prompt_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """What a step ran, the latency table's prediction for it, and its wall time (schedule, model,
-    sampling and outputs: what the decodes' next tokens wait for)."""
-
-    num_tokens: int                      # scheduled tokens
-    num_seqs: int                        # scheduled sequences
-    decode_only: bool
-    seconds: float                       # wall time
-    index: int = 0                       # steps run so far, this one included
-    num_decodes: int = 0
-    prefill_tokens: int = 0
-    decode_context: float = 0.0          # the decodes' mean context in tokens (0 without decodes)
-    chunk_budget: int | None = None      # prefill tokens the latency target allowed (None: no target)
-    predicted_ms: float | None = None    # None without a table or without decodes
-
-    @property
-    def measured_ms(self) -> float:
-        return 1e3 * self.seconds
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float               # fraction of KV blocks in use
-    num_free_blocks: int
-    num_preemptions: int
-    num_failed_steps: int = 0     # steps in a row in which every request failed (0 after a good one)
-    num_steps: int = 0
-    last_step: StepRecord | None = None
-    itl_slo_ms: float | None = None
 
 
 def _generation_config(path):
@@ -193,33 +123,12 @@ class LLMEngine:
 
     def _start_ranks(self, path, config: EngineConfig, device: torch.device, dtype, verify: bool) -> torch.device:
         """Start ranks 1..N-1 and form the process group with them; this process's device (rank 0)."""
-        from spear.models.checkpoint import _hf_config
-        from spear.parallel import comm, workers
+        from spear.parallel import workers
 
-        n = config.tensor_parallel_size
-        check_supported(_hf_config(path))
-        check_splits(_hf_config(path), TPRank(0, n))  # one line now, not one per rank later
-        if device.type == "cuda":
-            if torch.cuda.device_count() < n:
-                raise SpearError(f"tensor parallelism over {n} ranks needs {n} CUDA devices; "
-                                 f"{torch.cuda.device_count()} visible")
-            if device.index not in (None, 0):
-                raise SpearError("tensor-parallel ranks take cuda:0..N-1 (rank 0 on cuda:0); set "
-                                 "CUDA_VISIBLE_DEVICES to choose the GPUs")
-            device = torch.device("cuda:0")
-        spec = workers.WorkerSpec(
-            str(path), n, workers.free_address(), device.type, str(dtype).removeprefix("torch."), config.block_size,
-            config.kv_memory, config.num_blocks, config.max_num_seqs, config.cuda_graphs, config.kernels,
-            config.tp_reduce, verify, config.tp_timeout_s)
-        pool = workers.WorkerPool(spec)
+        pool, device = workers.spawn_ranks(path, config, device, dtype, verify)
         self._pool = pool
-        self._tp_comms: list = []  # the rank's collectives once made (closed before the group goes)
-        self._close = weakref.finalize(self, _stop_ranks, pool, self._tp_comms)
-        pool.wait("that it started")
-        try:
-            comm.init_group(TPRank(0, n), spec.address, device, config.tp_timeout_s)
-        except Exception as exc:  # a worker that failed after it started: its own message says why
-            raise SpearError(f"the tensor-parallel ranks did not form a group: {pool.errors() or exc}") from None
+        self._close = weakref.finalize(self, pool.shutdown)  # from here on, close() stops them
+        pool.form_group(device, config.tp_timeout_s)
         return device
 
     def close(self) -> None:
@@ -236,8 +145,8 @@ class LLMEngine:
     def _setup(self, model_config, quantized, tensors, generation_config, tokenizer, config, device, dtype,
                source=None, tp: TPRank = TPRank()) -> None:
         from spear.kernels.layout import MAX_RANK
-        from spear.parallel.workers import local_blocks
-        from spear.serve.latency import deployment_of, given_table
+        from spear.serve.deployment import deployment_of
+        from spear.serve.latency import given_table
 
         self.config = config = config or EngineConfig()
         pool = getattr(self, "_pool", None) if tp.size > 1 else None
@@ -259,8 +168,8 @@ class LLMEngine:
             from spear.parallel.comm import make_comm
 
             pool.send((num_blocks, self.max_model_len))
-            self._tp_comms.append(make_comm(tp, config.tp_reduce, device, dtype, config.tp_timeout_s))
-            self.model.set_comm(self._tp_comms[0])
+            pool.comms.append(make_comm(tp, config.tp_reduce, device, dtype, config.tp_timeout_s))
+            self.model.set_comm(pool.comms[0])
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting)
@@ -527,12 +436,3 @@ class LLMEngine:
     def _as_whole(out: RequestOutput) -> RequestOutput:
         out.new_token_ids, out.new_text = list(out.output_token_ids), out.text
         return out
-
-
-def _stop_ranks(pool, comms: list) -> None:
-    from spear.parallel.comm import destroy_group
-
-    pool.close()
-    for comm in comms:
-        comm.close()  # symmetric-memory buffers go before the group they were made for
-    destroy_group()

@@ -39,6 +39,31 @@ def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, tp_size: int
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads // tp_size * head_dim(config) * elem
 
 
+GPU_KV_FRACTION = 0.85
+CPU_KV_BYTES = 1 << 30
+
+
+def local_blocks(config, block_size: int, dtype, device, kv_memory: int | None, num_blocks: int | None,
+                 tp_size: int = 1) -> int:
+    """KV blocks this rank can hold: ``num_blocks`` when given, else ``kv_memory`` bytes (default:
+    85% of the free GPU memory, 1 GiB on the CPU) over one rank's block."""
+    if num_blocks is not None:
+        return num_blocks
+    per_block = kv_bytes_per_block(config, block_size, dtype, tp_size)
+    budget = kv_memory
+    if budget is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * GPU_KV_FRACTION)
+        else:
+            budget = CPU_KV_BYTES
+    blocks = budget // per_block
+    if blocks < 1:
+        raise SpearError(f"KV memory of {budget} bytes holds no block ({per_block} bytes per block of "
+                         f"{block_size} tokens)")
+    return blocks
+
+
 @dataclass
 class StepInputs:
     """One step's inputs on the host: what ``run`` needs, picklable (numpy), sent as is to the

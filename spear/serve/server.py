@@ -42,7 +42,7 @@ from spear.errors import SpearError
 from spear.serve.async_engine import AsyncEngine, EngineDead, RequestStream
 from spear.serve.chat import chat_prompt_ids, has_chat_template
 from spear.serve.config import ServerLimits
-from spear.serve.engine import RequestOutput
+from spear.serve.outputs import RequestOutput
 from spear.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from spear.serve.scheduler import QueueFull
 

@@ -7,10 +7,9 @@ import random
 import pytest
 
 from spear.errors import SpearError
+from spear.serve.deployment import Density, Deployment
 from spear.serve.latency import (
     DEFAULT_MARGIN,
-    Density,
-    Deployment,
     LatencyTable,
     cache_path,
     load_cached,
