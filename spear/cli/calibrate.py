@@ -91,7 +91,8 @@ def main(args) -> int:
     from spear.compensate.spec import check_plan_ranks
     from spear.compensate.workflow import attach_ecs, calibrate, calibrate_layerwise, prepare_calibration
     from spear.eval.memory import compensator_bytes, quantized_model_bytes
-    from spear.models.checkpoint import check_output_folder, is_checkpoint, save_checkpoint
+    from spear.fileio import check_output_folder
+    from spear.models.checkpoint import is_checkpoint, save_checkpoint
     from spear.models.loading import load_model, resolve_model_path
     from spear.models.modules import quantizable_linears
     from spear.quant.api import quantize_model

@@ -20,7 +20,8 @@ def main(args) -> int:
     import torch
 
     from spear.eval.memory import quantized_model_bytes
-    from spear.models.checkpoint import check_output_folder, save_checkpoint
+    from spear.fileio import check_output_folder
+    from spear.models.checkpoint import save_checkpoint
     from spear.quant import quantized_modules
     from spear.quant.hf_import import import_hf_quantized
 

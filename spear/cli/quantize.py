@@ -31,7 +31,8 @@ def main(args) -> int:
     from spear.config import StaticCompensationConfig
     from spear.errors import SpearError
     from spear.eval.memory import compensator_bytes, quantized_model_bytes
-    from spear.models.checkpoint import check_output_folder, is_checkpoint, save_checkpoint
+    from spear.fileio import check_output_folder
+    from spear.models.checkpoint import is_checkpoint, save_checkpoint
     from spear.models.loading import load_model, resolve_model_path
     from spear.models.modules import quantizable_linears
     from spear.pipeline import load_split

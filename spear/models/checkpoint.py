@@ -21,7 +21,7 @@ weights. spear_config.json records each tensor's SHA-256; ``verify=True``
 (``--verify``) checks them, which also catches bit flips that leave values finite.
 Writes go to a temporary sibling folder that is renamed into place, so a failed
 write leaves nothing half-written; the temporary folders of a killed writer are
-removed by the next write to the same place.
+removed by the next write to the same place (spear/fileio.py).
 """
 
 from __future__ import annotations
@@ -29,9 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import socket
-import tempfile
 from pathlib import Path
 
 import torch
@@ -41,6 +38,7 @@ from spear.compensate.registry import STORAGE_DTYPE as COMPENSATOR_DTYPE
 from spear.compensate.registry import build_compensator, compensator_spec
 from spear.config import QuantConfig
 from spear.errors import SpearError
+from spear.fileio import write_folder_atomic
 from spear.models.modules import linearize_conv1d, set_module
 from spear.quant.linear import QuantLinear
 from spear.quant.primitives import n_groups, pack_codes, unpack_codes
@@ -50,7 +48,6 @@ VERSION = 1
 CONFIG_NAME = "spear_config.json"
 WEIGHTS_NAME = "model.safetensors"
 DTYPES = ("float32", "float16", "bfloat16")
-_OWNER_FILE = ".spear-writer"  # inside a temporary folder: the host and pid writing it
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
@@ -105,94 +102,6 @@ def _non_persistent(model: nn.Module) -> set[str]:
     return names
 
 
-def publish_permissions(folder: Path) -> None:
-    """Give a folder made by mkdtemp (mode 0700) the permissions of a normal one."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    for f in folder.rglob("*"):
-        os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
-
-
-def check_output_folder(target: str | os.PathLike, overwrite: bool) -> Path:
-    """Refuse an output folder a write would refuse, before any work is spent on what goes in it.
-    First remove the temporary folders a killed writer of ``target`` left, so that they go even
-    when this run fails too."""
-    target = Path(target).expanduser()
-    clean_stale_temporaries(target)
-    if target.exists() and not target.is_dir():
-        raise SpearError(f"output {target} exists and is not a folder")
-    if target.exists() and any(target.iterdir()) and not overwrite:
-        raise SpearError(f"output folder {target} exists and is not empty (pass --overwrite to replace it)")
-    parent = target.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not os.access(parent, os.W_OK):
-        raise SpearError(f"cannot write {target}: {parent} is not writable")
-    return target
-
-
-def _writer_alive(folder: Path) -> bool:
-    """The process that made this temporary folder still runs (on this host); unknown counts as dead
-    only when the folder is old enough that no live writer can have left it unmarked."""
-    import time
-
-    try:
-        host, pid = (folder / _OWNER_FILE).read_text().split()
-    except (OSError, ValueError):
-        return time.time() - folder.stat().st_mtime < 60  # made a moment ago: the writer is marking it
-    if host != socket.gethostname():
-        return True  # another machine's writer on a shared disk: not ours to judge
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError):
-        return True
-    return True
-
-
-def clean_stale_temporaries(target: Path) -> list[Path]:
-    """Remove the temporary siblings (``.NAME.tmp-*``, ``.NAME.old-*``) of ``target`` that a killed
-    writer left behind; returns what was removed."""
-    removed = []
-    if not target.parent.is_dir():
-        return removed
-    for pattern in (f".{target.name}.tmp-*", f".{target.name}.old-*"):
-        for folder in target.parent.glob(pattern):
-            if folder.is_dir() and not _writer_alive(folder):
-                shutil.rmtree(folder, ignore_errors=True)
-                removed.append(folder)
-    return removed
-
-
-def make_temporary(target: Path, kind: str = "tmp") -> Path:
-    """An empty temporary sibling of ``target`` marked with this process as its writer."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{kind}-", dir=target.parent))
-    (tmp / _OWNER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}")
-    return tmp
-
-
-def _write_atomic_folder(target: Path, write, overwrite: bool) -> None:
-    target = check_output_folder(target, overwrite)  # removes stale temporaries
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temporary(target)
-    try:
-        write(tmp)
-        (tmp / _OWNER_FILE).unlink()
-        publish_permissions(tmp)
-        if target.exists():
-            trash = make_temporary(target, "old")
-            os.replace(target, trash / "old")
-            os.replace(tmp, target)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def save_checkpoint(model: nn.Module, tokenizer, out_dir: str | os.PathLike, quant: QuantConfig,
                     source_model: str, meta: dict | None = None, overwrite: bool = False) -> Path:
     """Write ``model`` (with its QuantLinears and compensators) as a spear checkpoint."""
@@ -222,7 +131,7 @@ def save_checkpoint(model: nn.Module, tokenizer, out_dir: str | os.PathLike, qua
         (tmp / CONFIG_NAME).write_text(json.dumps(spear_cfg, indent=2))
 
     target = Path(out_dir)
-    _write_atomic_folder(target, write, overwrite)
+    write_folder_atomic(target, write, overwrite)
     return target
 
 

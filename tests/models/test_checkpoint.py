@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 from spear.compensate.static import attach_static
 from spear.config import QuantConfig, StaticCompensationConfig
 from spear.errors import SpearError
-from spear.models.checkpoint import WEIGHTS_NAME, check_output_folder, save_checkpoint
+from spear.fileio import check_output_folder
+from spear.models.checkpoint import WEIGHTS_NAME, save_checkpoint
 from spear.models.loading import load_model
 from spear.models.modules import quantizable_linears
 from spear.quant import quantize_model_rtn, quantized_modules

@@ -24,7 +24,8 @@ from spear.cli import main
 from spear.compensate.static import attach_static
 from spear.config import QuantConfig, StaticCompensationConfig
 from spear.errors import SpearError
-from spear.models.checkpoint import CONFIG_NAME, WEIGHTS_NAME, clean_stale_temporaries, save_checkpoint
+from spear.fileio import clean_stale_temporaries
+from spear.models.checkpoint import CONFIG_NAME, WEIGHTS_NAME, save_checkpoint
 from spear.models.loading import load_model
 from spear.models.modules import quantizable_linears
 from spear.quant import quantize_model_rtn
