@@ -197,6 +197,46 @@ def run_http(engine: LLMEngine, reqs: list[Request], name: str = "bench") -> Tra
     return trace
 
 
+def profile_mixed(engine: LLMEngine, vocab: int, decodes: int = 20, prompt: int = 2048, steps: int = 3) -> str:
+    """torch.profiler over ``steps`` mixed steps: ``decodes`` running decodes (128-token prompts) beside
+    a chunk of a ``prompt``-token request, i.e. decodes + (budget - decodes) prefill tokens per step.
+    Returns the step records and the operator tables sorted by CPU and by CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rng = random.Random(1)
+    short, prompt = min(128, engine.max_model_len // 4), min(prompt, engine.max_model_len - 1)
+    rids = [engine.add_request([rng.randrange(vocab) for _ in range(short)],
+                               SamplingParams(max_tokens=engine.max_model_len - short, temperature=0,
+                                              ignore_eos=True))
+            for _ in range(decodes)]
+    engine.last_step = None
+    while engine.last_step is None or not engine.last_step.decode_only:
+        engine.step()
+    long_ids = [engine.add_request([rng.randrange(vocab) for _ in range(prompt)],
+                                   SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+                for _ in range(2)]
+    cuda = engine.runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    records = []
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+            if cuda:
+                torch.cuda.synchronize()
+            s = engine.last_step
+            records.append((s.num_tokens, s.num_seqs, s.decode_only, round(1e3 * s.seconds, 1)))
+    for rid in rids + long_ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    avg = prof.key_averages()
+    text = [f"steps (tokens, seqs, decode_only, ms): {records}",
+            avg.table(sort_by="self_cpu_time_total", row_limit=30)]
+    if cuda:
+        text.append(avg.table(sort_by="self_cuda_time_total", row_limit=30))
+    return "\n".join(text)
+
+
 def build_variants(args, device, dtype):
     """(name, model) pairs on one set of random weights; the model is changed between them."""
     model = build_model(args.shape, args.layers, device, dtype)
@@ -227,6 +267,8 @@ def main(argv=None) -> int:
     p.add_argument("--ec-budget", type=float, default=0.01, help="EC bytes / W4 model bytes (default: 1%%)")
     p.add_argument("--passes", type=int, default=1, help="runs of the workload per engine; the last is reported")
     p.add_argument("--http", action="store_true", help="through the HTTP server and the openai client")
+    p.add_argument("--profile", action="store_true",
+                   help="after each run, torch.profiler over 3 mixed steps (20 decodes + a chunk) into --out")
     p.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU: smoke check")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="folder for results.json and table.md")
@@ -273,6 +315,11 @@ def main(argv=None) -> int:
             row = dict(variant=name, budget=budget, warmup_s=warm, **summarize(trace))
             rows.append(row)
             print("  " + json.dumps(row), flush=True)
+            if args.profile and args.out:
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                slug = name.split(" ")[0].replace("+", "_")
+                (Path(args.out) / f"profile-{slug}-{budget}.txt").write_text(
+                    profile_mixed(engine, vocab, decodes=min(20, args.max_num_seqs - 2)))
             del engine
             gc.collect()
             if device == "cuda":
