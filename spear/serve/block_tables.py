@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 
 class BlockTables:
@@ -15,11 +15,13 @@ class BlockTables:
     blocks, e.g. on preemption), and otherwise only extended (blocks are only ever appended).
     Rows of sequences the step does not decode are reused for new ones. At 64 sequences of 4k
     tokens (250 blocks each) this took the step's inputs from 1.4 ms to 0.13 ms on a 2-core CPU
-    (``benchmarks/bench_decode_inputs.py``)."""
+    (``benchmarks/bench_decode_inputs.py``). The rows are a numpy array: plain host memory, which
+    torch's inference mode does not mark (a torch table grown while a CUDA graph was captured under
+    ``torch.inference_mode`` refused every later in-place update outside it)."""
 
     def __init__(self, width: int, scratch: int):
         self.width, self.scratch = width, scratch
-        self._table = torch.full((1, width), scratch, dtype=torch.long)  # row 0: padding rows
+        self._table = np.full((1, width), scratch, dtype=np.int64)  # row 0: padding rows
         self._rows: dict[str, list] = {}  # request id -> [row, the block_table list, entries written]
         self._free: list[int] = []
 
@@ -30,13 +32,13 @@ class BlockTables:
                 self._free.extend(self._rows.pop(r)[0] for r in stale)
             else:
                 n = self._table.shape[0]
-                grown = torch.full((2 * n, self.width), self.scratch, dtype=torch.long)
+                grown = np.full((2 * n, self.width), self.scratch, dtype=np.int64)
                 grown[:n] = self._table
                 self._table = grown
                 self._free.extend(range(n, 2 * n))
         return self._free.pop()
 
-    def gather(self, seqs, batch: int) -> tuple[torch.Tensor, list[int]]:
+    def gather(self, seqs, batch: int) -> tuple[np.ndarray, list[int]]:
         """(tables (batch, width) int64 with padding rows of ``scratch``, blocks in use per row)."""
         live = {s.request_id for s in seqs}
         rows, used = [], []
@@ -52,11 +54,11 @@ class BlockTables:
                 self._table[row] = self.scratch
                 written = 0
             if n > written:
-                self._table[row, written:n] = torch.tensor(table[written:n], dtype=torch.long)
+                self._table[row, written:n] = table[written:n]
             entry[1], entry[2] = table, n
             rows.append(row)
             used.append(n)
         rows += [0] * (batch - len(rows))
-        # index_select, not table[rows]: torch's CPU advanced indexing took 0.4 ms here on the H200's
-        # host (20 ms on a loaded 2-core CPU) against 12 µs
-        return self._table.index_select(0, torch.tensor(rows, dtype=torch.long)), used
+        # numpy's take: torch's CPU advanced indexing took 0.4 ms here on the H200's host (20 ms on a
+        # loaded 2-core CPU)
+        return self._table.take(rows, axis=0), used

@@ -212,8 +212,7 @@ class ModelRunner:
         for c in chunks:  # list slices: C loops, not per-token Python
             ids += c.seq.token_ids[c.start:c.start + c.num_tokens]
         tables, used = self._block_tables.gather([c.seq for c in chunks], len(chunks))
-        tables = tables[:, :max(used)]
-        table_np = tables.numpy()
+        table_np = tables[:, :max(used)]
         seq = np.repeat(np.arange(len(chunks)), n)
         pos = np.arange(int(qsl[-1])) - qsl[:-1][seq] + start[seq]
         bs = self.block_size
@@ -241,7 +240,7 @@ class ModelRunner:
         # 64 sequences (2-core CPU); BlockTables keeps them between steps.
         tables = self._block_tables.gather([c.seq for c in out.chunks], batch)[0][:, :n_blocks]
         return tuple(torch.tensor(x, dtype=torch.long) for x in (ids, pos, slots)) + (
-            tables, torch.tensor(lens, dtype=torch.long))
+            torch.from_numpy(np.ascontiguousarray(tables)), torch.tensor(lens, dtype=torch.long))
 
     def forward_decode(self, ids, positions, slots, block_tables, context_lens, ctx: Context) -> torch.Tensor:
         meta = AttentionMetadata(positions, slots, self.cos, self.sin, block_tables=block_tables,

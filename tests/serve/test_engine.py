@@ -374,3 +374,23 @@ def test_block_tables_kept_between_steps_equal_fresh_ones():
     assert bt._table.shape[0] <= 8  # rows of finished sequences were reused
     with pytest.raises(ValueError, match="tables hold 12"):
         bt.gather([SimpleNamespace(request_id="big", block_table=list(range(13)))], 1)
+
+
+def test_block_tables_grown_under_inference_mode_update_outside_it():
+    """CUDA-graph capture runs under torch.inference_mode and grows the tables to the largest graph
+    batch; the steps after it run outside. The rows must stay writable there.
+    Catches: the rows kept as a torch tensor (an inference tensor once grown under inference mode:
+    'Inplace update to inference tensor outside InferenceMode')."""
+    from types import SimpleNamespace
+
+    from spear.serve.block_tables import BlockTables
+
+    bt = BlockTables(4, 99)
+    seqs = [SimpleNamespace(request_id=f"r{i}", block_table=[i]) for i in range(5)]
+    with torch.inference_mode():
+        bt.gather(seqs, 5)  # grows 1 -> 2 -> 4 -> 8 rows
+    seqs[0].block_table = [7, 8]  # preempted and back with other blocks: the row is rewritten
+    seqs[1].block_table.append(6)
+    tables, used = bt.gather(seqs[:2] + [SimpleNamespace(request_id="new", block_table=[3])], 4)
+    assert tables.tolist() == [[7, 8, 99, 99], [1, 6, 99, 99], [3, 99, 99, 99], [99] * 4]
+    assert used == [2, 2, 1]
