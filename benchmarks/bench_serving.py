@@ -38,7 +38,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -89,9 +89,10 @@ class Trace:
     arrivals: list[float] = field(default_factory=list)
     tokens: list[list[float]] = field(default_factory=list)
     steps: list[tuple[int, bool, float]] = field(default_factory=list)
+    records: list = field(default_factory=list)   # the engine's StepRecords (in process)
 
 
-def summarize(trace: Trace) -> dict:
+def summarize(trace: Trace, target_ms: float | None = None) -> dict:
     ttft = [t[0] - a for a, t in zip(trace.arrivals, trace.tokens) if t]
     itl = [b - a for t in trace.tokens for a, b in zip(t, t[1:])]
     n_tokens = sum(len(t) for t in trace.tokens)
@@ -101,6 +102,14 @@ def summarize(trace: Trace) -> dict:
                ttft_p50_s=percentile(ttft, 0.5), ttft_p99_s=percentile(ttft, 0.99),
                itl_p50_ms=1e3 * percentile(itl, 0.5), itl_p99_ms=1e3 * percentile(itl, 0.99),
                output_tok_s=n_tokens / span if span > 0 else float("nan"))
+    if target_ms is not None:  # SLO attainment: % of inter-token gaps within the target
+        out["slo_attainment_pct"] = 100 * sum(g <= target_ms / 1e3 for g in itl) / len(itl) if itl else float("nan")
+    if any(r.predicted_ms is not None for r in trace.records):
+        from slo_cases import prediction_accuracy
+
+        out["prediction_within_10pct"] = prediction_accuracy(trace.records)
+        chunks = [r.prefill_tokens for r in trace.records if r.prefill_tokens and r.num_decodes]
+        out["chunk_p50"] = percentile(chunks, 0.5)
     if trace.steps:
         dec = [s for n, d, s in trace.steps if d]
         mixed = [s for n, d, s in trace.steps if not d]
@@ -146,6 +155,7 @@ def run_in_process(engine: LLMEngine, reqs: list[Request]) -> Trace:
         end = time.perf_counter()
         if engine.last_step is not None:
             trace.steps.append((engine.last_step.num_tokens, engine.last_step.decode_only, end - s0))
+            trace.records.append(engine.last_step)
         for o in outs:
             if o.error is None and o.new_token_ids:
                 trace.tokens[index[o.request_id]].extend([end - t0] * len(o.new_token_ids))
@@ -267,6 +277,12 @@ def main(argv=None) -> int:
     p.add_argument("--ec-budget", type=float, default=0.01, help="EC bytes / W4 model bytes (default: 1%%)")
     p.add_argument("--passes", type=int, default=1, help="runs of the workload per engine; the last is reported")
     p.add_argument("--http", action="store_true", help="through the HTTP server and the openai client")
+    p.add_argument("--itl-slo-ms", default="",
+                   help="comma-separated inter-token latency targets: per variant and target, one more run "
+                        "under the latency-target scheduler (ceiling: the largest --budgets; the latency "
+                        "table is profiled at start-up unless cached)")
+    p.add_argument("--slo-ceiling", type=int, help="max_num_batched_tokens of the latency-target runs "
+                   "(default: the largest --budgets)")
     p.add_argument("--profile", action="store_true",
                    help="after each run, torch.profiler over 3 mixed steps (20 decodes + a chunk) into --out")
     p.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU: smoke check")
@@ -277,6 +293,7 @@ def main(argv=None) -> int:
     if set(args.variants) - {"fp16", "w4", "w4+ec"}:
         p.error(f"--variants: choose from fp16, w4, w4+ec; got {args.variants}")
     budgets = [int(b) for b in args.budgets.split(",")]
+    targets = [float(x) for x in args.itl_slo_ms.split(",") if x.strip()]
     if args.tiny:
         device, dtype = "cpu", torch.float32
         args.shape = "tiny"
@@ -298,21 +315,32 @@ def main(argv=None) -> int:
     print(header, flush=True)
     vocab = SHAPES[args.shape]["vocab_size"]
     max_len = args.prompt_max + args.output + 1
+    if args.tiny and targets:
+        max_len = max(max_len, 160)  # the tiny profile grid's contexts
     reqs = workload(args.requests, args.rate, args.prompt_min, args.prompt_max, args.output, vocab, args.seed)
     rows = []
     for name, model in build_variants(args, device, dtype):
-        for budget in budgets:
+        ceiling = args.slo_ceiling or max(budgets)
+        if args.tiny:
+            ceiling = max(ceiling, 68)  # the tiny profile grid: 4 decodes beside 64 tokens
+        for budget, target in [(b, None) for b in budgets] + [(ceiling, x) for x in targets]:
             cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(budget, args.max_num_seqs),
-                               max_model_len=max_len, kernels=policy,
+                               max_model_len=max_len, kernels=policy, itl_slo_ms=target,
                                num_blocks=args.max_num_seqs * math.ceil(max_len / 16) + 16)
             t0 = time.perf_counter()
-            engine = LLMEngine(model, IdsTokenizer(), cfg)
+            if target is not None and args.tiny:  # the start-up grid needs 256-token contexts: a tiny one
+                from spear.serve.profiler import TINY_GRID, profile
+
+                cfg.latency_table = profile(LLMEngine(model, IdsTokenizer(), replace(cfg, itl_slo_ms=None)),
+                                            TINY_GRID, repeats=2)
+            engine = LLMEngine(model, IdsTokenizer(), cfg)  # with a target: profiles its latency table
             warm = engine.warmup()
-            print(f"  {name} budget {budget}: engine in {time.perf_counter() - t0:.1f} s (warm-up {warm:.1f} s)",
+            label = budget if target is None else f"SLO {target:g} ms (<= {budget})"
+            print(f"  {name} budget {label}: engine in {time.perf_counter() - t0:.1f} s (warm-up {warm:.1f} s)",
                   flush=True)
             for _ in range(args.passes):
                 trace = run_http(engine, reqs) if args.http else run_in_process(engine, reqs)
-            row = dict(variant=name, budget=budget, warmup_s=warm, **summarize(trace))
+            row = dict(variant=name, budget=label, warmup_s=warm, **summarize(trace, target))
             rows.append(row)
             print("  " + json.dumps(row), flush=True)
             if args.profile and args.out:
@@ -336,12 +364,15 @@ def main(argv=None) -> int:
 
 def markdown(rows: list[dict], header: str) -> str:
     lines = [header, "", "| variant | budget | mixed step p50 | decode step p50 | ITL p50 | ITL p99 | TTFT p50 | "
-             "TTFT p99 | output tok/s | stalls |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "TTFT p99 | output tok/s | stalls | SLO attained | predicted ±10% |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ms = lambda k: "—" if k not in r or not math.isfinite(r[k]) else f"{r[k]:.1f} ms"  # noqa: E731
+        pct = lambda k, s: "—" if k not in r or not math.isfinite(r[k]) else f"{s * r[k]:.1f}%"  # noqa: E731
         lines.append(f"| {r['variant']} | {r['budget']} | {ms('mixed_step_p50_ms')} | {ms('decode_step_p50_ms')} | "
                      f"{ms('itl_p50_ms')} | {ms('itl_p99_ms')} | {r['ttft_p50_s']:.2f} s | {r['ttft_p99_s']:.2f} s | "
-                     f"{r['output_tok_s']:.0f} | {r.get('stalls', '—')} |")
+                     f"{r['output_tok_s']:.0f} | {r.get('stalls', '—')} | {pct('slo_attainment_pct', 1)} | "
+                     f"{pct('prediction_within_10pct', 100)} |")
     return "\n".join(lines)
 
 

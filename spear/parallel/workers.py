@@ -42,6 +42,7 @@ class WorkerSpec:
     kv_memory: int | None     # bytes for the KV cache of each rank (None: the engine's default)
     num_blocks: int | None
     max_num_seqs: int
+    max_num_batched_tokens: int
     cuda_graphs: bool
     policy: object            # spear.kernels.policy.KernelPolicy
     reduce: str               # spear.parallel.comm.REDUCE_MODES
@@ -78,7 +79,8 @@ def spawn_ranks(path, config, device, dtype, verify: bool) -> tuple["WorkerPool"
                              "CUDA_VISIBLE_DEVICES to choose the GPUs")
         device = torch.device("cuda:0")
     spec = WorkerSpec(str(path), n, free_address(), device.type, str(dtype).removeprefix("torch."),
-                      config.block_size, config.kv_memory, config.num_blocks, config.max_num_seqs, config.cuda_graphs,
+                      config.block_size, config.kv_memory, config.num_blocks, config.max_num_seqs,
+                      config.max_num_batched_tokens, config.cuda_graphs,
                       config.kernels, config.tp_reduce, verify, config.tp_timeout_s)
     return WorkerPool(spec), device
 
@@ -270,4 +272,4 @@ def build_rank(rank: int, spec: WorkerSpec, conn):
     num_blocks, max_model_len = conn.recv()
     model.set_comm(make_comm(tp, spec.reduce, device, dtype, spec.timeout_s))
     return ModelRunner(model, num_blocks, spec.block_size, max_model_len, spec.max_num_seqs, spec.policy,
-                       cuda_graphs=spec.cuda_graphs)
+                       cuda_graphs=spec.cuda_graphs, max_num_batched_tokens=spec.max_num_batched_tokens)

@@ -20,7 +20,7 @@ class EngineConfig:
     num_blocks: int | None = None        # KV blocks; None: from kv_memory
     kv_memory: int | None = None         # bytes for the KV cache; None: 1 GiB on CPU, 85% of free GPU memory
     max_waiting: int = 256               # queued requests beyond the free slots; more raise QueueFull
-    cuda_graphs: bool = True             # capture decode steps on CUDA (ignored on CPU)
+    cuda_graphs: bool = True             # capture decode and mixed steps on CUDA (ignored on CPU)
     # every threshold, launch table and switch of the kernels (spear.kernels.policy): the engine
     # hands it to its layers, so engines in one process may differ
     kernels: KernelPolicy = field(default_factory=KernelPolicy)

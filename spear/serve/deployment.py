@@ -39,7 +39,7 @@ class Deployment:
     dtype: str
     policy_hash: str              # sha256 of the kernel policy (policy_hash)
     block_size: int
-    cuda_graphs: bool             # decode steps replay CUDA graphs
+    cuda_graphs: bool             # decode and mixed steps replay CUDA graphs
     density: Density = field(default_factory=Density)
     policy_op_args: tuple[int, ...] = ()
     tensor_parallel: int = 1      # ranks the model is split across

@@ -174,7 +174,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len, config.max_num_seqs,
-                                  config.kernels, cuda_graphs=config.cuda_graphs)
+                                  config.kernels, cuda_graphs=config.cuda_graphs,
+                                  max_num_batched_tokens=config.max_num_batched_tokens)
         if pool is not None:
             pool.wait("that it is ready")
             self.runner.workers = pool

@@ -54,3 +54,20 @@ def test_tiny_run(bench, tmp_path, http):
         assert r["requests"] == 6 and r["output_tokens"] == 6 * 6
         assert r["ttft_p50_s"] > 0 and r["itl_p50_ms"] > 0 and r["output_tok_s"] > 0
         assert ("mixed_step_p50_ms" in r) != http
+
+
+def test_tiny_run_under_a_latency_target(bench, tmp_path):
+    """--itl-slo-ms adds a run under the latency-target scheduler per variant: its table's
+    predictions are counted and its steps stay within the ceiling; the SLO attainment is the share
+    of inter-token gaps within the target (checked against the static row's own trace at a target
+    no gap meets: 0%).
+    Catches: the target not reaching the engine (no predictions), attainment counted in seconds
+    against milliseconds."""
+    argv = ["--tiny", "--variants", "w4", "--budgets", "32", "--itl-slo-ms", "1000,0.000001", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["budget"] for r in rows] == [32, "SLO 1000 ms (<= 68)", "SLO 1e-06 ms (<= 68)"]
+    assert "slo_attainment_pct" not in rows[0]
+    assert rows[1]["slo_attainment_pct"] == 100.0 and rows[2]["slo_attainment_pct"] == 0.0
+    for r in rows[1:]:
+        assert 0.0 <= r["prediction_within_10pct"] <= 1.0 and r["output_tokens"] == 36

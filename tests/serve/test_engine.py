@@ -320,6 +320,63 @@ def test_decode_graph_path_with_padding_equals_hf(default_model, reference):
     assert [o.output_token_ids for o in outs] == reference[:3]
 
 
+def test_mixed_graph_path_with_padding_equals_hf(default_model, reference):
+    """The CUDA-graph path of mixed steps (static buffers of max_num_seqs sequences, padded token
+    counts 16 / 32 / 40, padding tokens into the scratch block, padding sequences with no query)
+    replayed eagerly on the CPU, with the decode graphs too: 5 prompts of 6-24 tokens under a
+    40-token budget make steps of decodes beside chunks at several padded sizes.
+
+    Catches: padding tokens writing a live block (slots left from a larger step) and every step
+    routed to the largest graph."""
+    eng = engine(default_model, max_num_seqs=6, max_model_len=128, max_num_batched_tokens=40, cuda_graphs=False)
+    eng.runner._capture_graphs(eager=True)
+    eng.runner._capture_mixed_graphs(eager=True)
+    assert list(eng.runner.mixed_graphs) == [16, 32, 40]
+    used = []
+    for size, graph in eng.runner.mixed_graphs.items():
+        graph.replay = (lambda f, size: lambda: (used.append(size), f())[1])(graph.replay, size)
+    outs = eng.generate(PROMPTS[:5], GREEDY)
+    assert [o.output_token_ids for o in outs] == reference[:5]
+    assert {16, 40} <= set(used)  # steps of under 16 tokens and full-budget ones
+
+
+def test_mixed_graph_buffers_of_a_padded_step(default_model):
+    """The static buffers a mixed step of 2 sequences (3 + 2 tokens, 1 sampled row) fills for the
+    16-token graph after a larger step: the paged prefill kernel's contract (sequence b's queries at
+    query_start_loc[b]..[b+1], non-decreasing; padding sequences empty at the step's token count;
+    padding tokens in the scratch block).
+    Catches: query_start_loc padded with 0 (the kernel's binary search assumes it non-decreasing),
+    leftover slots or ids of the larger step, tables or lengths of a previous step's sequences."""
+    import numpy as np
+
+    from spear.serve.model_runner import StepInputs
+
+    eng = engine(default_model, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=20, cuda_graphs=False)
+    runner = eng.runner
+    runner._capture_mixed_graphs(eager=True)
+    seen = []
+    for g in runner.mixed_graphs.values():
+        g.replay = lambda: seen.append({k: v.clone() for k, v in runner._mixed_inputs.items()})
+    i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
+    big = StepInputs("mixed", 3, 3, np.arange(20), np.arange(20), np.arange(20), i64([1, 2], [3, 4], [5, 6]),
+                     i64(8, 8, 4), i64(0, 8, 16, 20), 8, i64(19))
+    small = StepInputs("mixed", 2, 2, i64(7, 8, 9, 10, 11), i64(4, 5, 6, 0, 1), i64(20, 21, 22, 40, 41),
+                       i64([5, 1], [10, 0]), i64(7, 2), i64(0, 3, 5), 3, i64(4))
+    runner.run(big)
+    runner.run(small)
+    b = seen[-1]
+    sb = runner.scratch_block * runner.block_size
+    assert b["ids"][:16].tolist() == [7, 8, 9, 10, 11] + [0] * 11
+    assert b["positions"][:16].tolist() == [4, 5, 6, 0, 1] + [0] * 11
+    assert b["slots"][:16].tolist() == [20, 21, 22, 40, 41] + [sb] * 11
+    assert b["query_start_loc"].tolist() == [0, 3, 5, 5, 5]
+    assert b["seq_lens"].tolist() == [7, 2, 0, 0]
+    assert b["block_tables"][:, :3].tolist() == [[5, 1, runner.scratch_block], [10, 0, runner.scratch_block]] + \
+        [[runner.scratch_block] * 3] * 2
+    assert b["rows"].tolist() == [4, 0, 0, 0]
+    assert list(runner.mixed_graphs) == [16, 20] and len(seen) == 2
+
+
 def test_decode_inputs_pad_the_block_tables_with_the_scratch_block(default_model):
     """The decode step's inputs at a padded batch: each row's block table, then the scratch block to
     the graph's width; padding rows read and write only the scratch block."""
