@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import math
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -34,8 +35,12 @@ from pathlib import Path
 from spear.errors import SpearError
 from spear.serve.deployment import Deployment
 
+log = logging.getLogger(__name__)
+
 FORMAT = "spear-latency-table"
-VERSION = 1
+# 2: mixed steps replay CUDA graphs of padded token counts (version 1 tables timed them eagerly,
+# up to twice as slow on an H200, so their predictions no longer hold)
+VERSION = 2
 MARGIN_QUANTILE = 0.9
 DEFAULT_MARGIN = 0.10  # a table with nothing to learn from (no interior points, no repeats)
 
@@ -313,6 +318,14 @@ def load_cached(deployment: Deployment) -> LatencyTable | None:
     """The cached table of ``deployment``, or None when there is none."""
     path = cache_path(deployment)
     if not path.is_file():
+        return None
+    try:
+        version = json.loads(path.read_text()).get("version")
+    except (OSError, ValueError, AttributeError):
+        version = None  # load_table names the problem
+    if isinstance(version, int) and version < VERSION:
+        log.warning("cached latency table %s is version %d, measured on an older engine; profiling again",
+                    path, version)
         return None
     table = load_table(path)
     table.check_for(deployment, f"cached latency table {path}")

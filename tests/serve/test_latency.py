@@ -10,6 +10,7 @@ from spear.errors import SpearError
 from spear.serve.deployment import Density, Deployment
 from spear.serve.latency import (
     DEFAULT_MARGIN,
+    VERSION,
     LatencyTable,
     cache_path,
     load_cached,
@@ -149,6 +150,12 @@ def test_cache_location_and_lookup(tmp_path, monkeypatch):
     _table((1,), (0, 16), (64,), _multilinear, 0.1, _deployment(dtype="bfloat16")).save(cache_path(dep))
     with pytest.raises(SpearError, match="dtype"):
         load_cached(dep)
+    # a table of an older version (timed before mixed-step graphs) is profiled again, not used;
+    # Catches: an old cached table failing every engine start, or being used as is
+    old = t.to_dict()
+    old["version"] = VERSION - 1
+    cache_path(dep).write_text(json.dumps(old))
+    assert load_cached(dep) is None
 
 
 def _good() -> dict:
@@ -157,7 +164,7 @@ def _good() -> dict:
 
 @pytest.mark.parametrize("change,message", [
     (lambda d: d.update(format="other"), "format must be 'spear-latency-table'"),
-    (lambda d: d.update(version=2), "version 2 is not supported"),
+    (lambda d: d.update(version=VERSION + 1), f"version {VERSION + 1} is not supported"),
     (lambda d: d.update(extra=1), "unknown keys"),
     (lambda d: d.pop("step_ms"), "lacks 'step_ms'"),
     (lambda d: d["grid"].update(decodes=[8, 1]), "grid.decodes must be strictly increasing"),
