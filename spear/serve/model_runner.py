@@ -5,13 +5,8 @@ only attention looks at which sequence a token belongs to (spear/serve/layers/at
 The runner owns the KV cache (one extra block at index ``num_blocks`` that padding rows of
 captured graphs write into), the rotary tables, and on CUDA two sets of CUDA graphs over static
 input buffers: one per padded decode batch size (1, 2, 4, 8, 16, 24, ...), each captured with the
-PDL level the kernel policy gives its batch size, and one per padded token count of a mixed step
-(16, 32, 64, then every 128 up to the token budget). A mixed step's graph is the whole forward at
-that token count for ``max_num_seqs`` sequences: padding tokens write the scratch block, padding
-sequences hold no query (the paged prefill kernel's grid depends on the token and sequence counts
-only), and the head runs on ``max_num_seqs`` rows. Launching a mixed step's ~400 kernels from
-Python took longer than the GPU ran them (H200, Llama-3-8B: 45 ms a 512-token W4 step, of which
-17 ms on the GPU; ``benchmarks/bench_serving.py --profile``); a replay is one launch.
+PDL level the kernel policy gives its batch size, and the mixed steps' graphs, one per padded
+token count (spear/serve/graphs.py).
 
 A step is ``prepare`` (the scheduled chunks -> ``StepInputs``: host arrays, no tensors of the
 device) then ``run`` (the arrays -> the device, the forward or a graph replay). Under tensor
@@ -30,6 +25,7 @@ import torch
 
 from spear.errors import SpearError
 from spear.serve.block_tables import BlockTables
+from spear.serve.graphs import MixedGraphs, capture
 from spear.serve.layers.attention import AttentionMetadata
 from spear.serve.layers.linear import Context
 from spear.serve.layers.rotary import rotary_tables
@@ -94,12 +90,6 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
 
 
-def mixed_graph_sizes(max_tokens: int) -> list[int]:
-    """Padded token counts of the mixed-step graphs: 16, 32, 64, every 128, and the budget itself."""
-    sizes = [16, 32, 64] + list(range(128, max_tokens, 128))
-    return [t for t in sizes if t < max_tokens] + [max_tokens]
-
-
 def pdl_available(device: torch.device) -> bool:
     """Programmatic dependent launch works here: Triton has griddepcontrol and the GPU is Hopper or newer."""
     if device.type != "cuda":
@@ -132,15 +122,15 @@ class ModelRunner:
         self.cos, self.sin = rotary_tables(cfg, max_model_len, self.dtype, self.device)
         self.graphs: dict = {}  # padded batch size -> torch.cuda.CUDAGraph
         self.graph_pdl: dict[int, int] = {}  # padded batch size -> the PDL level its graph was captured with
-        self.mixed_graphs: dict = {}  # padded token count of a mixed step -> torch.cuda.CUDAGraph
+        self.mixed: MixedGraphs | None = None  # the mixed steps' graphs (spear/serve/graphs.py)
         self.workers = None  # rank 0 under tensor parallelism: the other ranks (spear.parallel.workers.WorkerPool)
         self.broken: str | None = None  # why the ranks are out of step (a step failed after it was sent)
         if cuda_graphs and self.device.type == "cuda":
             self._capture_graphs()
             try:
-                self._capture_mixed_graphs()
+                self.mixed = MixedGraphs(self)
             except Exception as exc:  # serve on, slower: eager mixed steps are correct
-                self.mixed_graphs = {}
+                self.mixed = None
                 torch.cuda.synchronize()
                 log.warning("mixed steps run eagerly: capturing their CUDA graphs failed (%r)", exc)
 
@@ -202,8 +192,8 @@ class ModelRunner:
             ctx = Context(self.policy, self.policy.pdl_level(step.n, self.pdl_ok))
             return self.forward_decode(t(step.ids), t(step.positions), t(step.slots), t(step.block_tables),
                                        t(step.seq_lens), ctx)
-        if self.mixed_graphs and len(step.ids) <= max(self.mixed_graphs):
-            return self._replay_mixed(step)
+        if self.mixed is not None and self.mixed.holds(len(step.ids)):
+            return self.mixed.replay(step)
         ids, meta, rows = self._mixed_device(step)
         return self.model(ids, self.kv_caches, meta, self.eager_ctx, rows=rows)
 
@@ -359,101 +349,9 @@ class ModelRunner:
                 def run(batch=batch, args=args, ctx=ctx):
                     self._graph_logits[:batch].copy_(self.forward_decode(*args, ctx))
 
-                if eager:
-                    self.graphs[batch] = _EagerGraph(run)
-                    continue
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):  # warm-up: Triton compilation, the allocator
-                        run()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    run()
-                self.graphs[batch] = graph
+                self.graphs[batch] = capture(run, pool, eager)
         self.graphs = dict(sorted(self.graphs.items()))
         if not eager:
             torch.cuda.synchronize()
             log.info("captured decode CUDA graphs for batch sizes %s (PDL levels %s)", list(self.graphs),
                      self.graph_pdl)
-
-
-    def _capture_mixed_graphs(self, eager: bool = False) -> None:
-        """One graph per padded token count of a mixed step (``mixed_graph_sizes``) over static
-        buffers of ``max_num_seqs`` sequences; ``eager`` as in ``_capture_graphs``."""
-        t_max, b_max, dev = self.max_num_batched_tokens, self.max_num_seqs, self.device
-        width = -(-self.max_model_len // self.block_size)
-        long = dict(dtype=torch.long, device=dev)
-        self._mixed_inputs = dict(
-            ids=torch.zeros(t_max, **long), positions=torch.zeros(t_max, **long),
-            slots=torch.full((t_max,), self.scratch_block * self.block_size, **long),
-            block_tables=torch.full((b_max, width), self.scratch_block, **long),
-            seq_lens=torch.zeros(b_max, **long), query_start_loc=torch.zeros(b_max + 1, dtype=torch.int32, device=dev),
-            rows=torch.zeros(b_max, **long))
-        self._mixed_logits = torch.zeros(b_max, self.model.config.vocab_size, dtype=torch.float32, device=dev)
-        buf = self._mixed_inputs
-        pool = None if eager else torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for tokens in sorted(mixed_graph_sizes(t_max), reverse=True):  # largest first: its pool fits all
-                def run(tokens=tokens):
-                    meta = AttentionMetadata(buf["positions"][:tokens], buf["slots"][:tokens], self.cos, self.sin,
-                                             block_tables=buf["block_tables"], seq_lens=buf["seq_lens"],
-                                             query_start_loc=buf["query_start_loc"], max_query_len=tokens)
-                    self._mixed_logits.copy_(self.model(buf["ids"][:tokens], self.kv_caches, meta, self.eager_ctx,
-                                                        rows=buf["rows"]))
-
-                if eager:
-                    self.mixed_graphs[tokens] = _EagerGraph(run)
-                    continue
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):  # warm-up: Triton compilation, the allocator
-                        run()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    run()
-                self.mixed_graphs[tokens] = graph
-        self.mixed_graphs = dict(sorted(self.mixed_graphs.items()))
-        if not eager:
-            torch.cuda.synchronize()
-            log.info("captured mixed-step CUDA graphs for token counts %s", list(self.mixed_graphs))
-
-    def _replay_mixed(self, step: StepInputs) -> torch.Tensor:
-        """A mixed step through the graph of the smallest padded token count that holds it. The
-        padding: tokens 0 at position 0 into the scratch block; sequences with no query (their
-        query_start_loc at the step's token count) and no keys; sampled rows 0. Returns a view of
-        the graph's logits, valid until the next replay."""
-        tokens = next(t for t in self.mixed_graphs if t >= len(step.ids))
-        t, n, buf, k = len(step.ids), step.n, self._mixed_inputs, len(step.rows)
-        host = lambda a, dtype=torch.long: torch.from_numpy(a).to(dtype)  # noqa: E731
-        buf["ids"][:t].copy_(host(step.ids), non_blocking=True)
-        buf["positions"][:t].copy_(host(step.positions), non_blocking=True)
-        buf["slots"][:t].copy_(host(step.slots), non_blocking=True)
-        if tokens > t:  # what a larger step left there would write into live blocks
-            buf["slots"][t:tokens].fill_(self.scratch_block * self.block_size)
-            buf["ids"][t:tokens].zero_()
-            buf["positions"][t:tokens].zero_()
-        tables = np.full(buf["block_tables"].shape, self.scratch_block, dtype=np.int64)
-        tables[:n, :step.block_tables.shape[1]] = step.block_tables
-        buf["block_tables"].copy_(torch.from_numpy(tables), non_blocking=True)
-        lens = np.zeros(self.max_num_seqs, dtype=np.int64)
-        lens[:n] = step.seq_lens
-        buf["seq_lens"].copy_(torch.from_numpy(lens), non_blocking=True)
-        qsl = np.full(self.max_num_seqs + 1, t, dtype=np.int32)
-        qsl[:n + 1] = step.query_start_loc
-        buf["query_start_loc"].copy_(torch.from_numpy(qsl), non_blocking=True)
-        rows = np.zeros(self.max_num_seqs, dtype=np.int64)
-        rows[:k] = step.rows
-        buf["rows"].copy_(torch.from_numpy(rows), non_blocking=True)
-        self.mixed_graphs[tokens].replay()
-        return self._mixed_logits[:k]
-
-
-class _EagerGraph:
-    """Stands in for a captured graph: ``replay`` runs the forward it would have recorded."""
-
-    def __init__(self, fn):
-        self.replay = fn

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from spear.serve import EngineConfig, LLMEngine, SamplingParams
+from spear.serve.graphs import MixedGraphs
 from tests.serve.conftest import hf_greedy
 
 PROMPTS = [
@@ -330,10 +331,10 @@ def test_mixed_graph_path_with_padding_equals_hf(default_model, reference):
     routed to the largest graph."""
     eng = engine(default_model, max_num_seqs=6, max_model_len=128, max_num_batched_tokens=40, cuda_graphs=False)
     eng.runner._capture_graphs(eager=True)
-    eng.runner._capture_mixed_graphs(eager=True)
-    assert list(eng.runner.mixed_graphs) == [16, 32, 40]
+    eng.runner.mixed = MixedGraphs(eng.runner, eager=True)
+    assert list(eng.runner.mixed.graphs) == [16, 32, 40]
     used = []
-    for size, graph in eng.runner.mixed_graphs.items():
+    for size, graph in eng.runner.mixed.graphs.items():
         graph.replay = (lambda f, size: lambda: (used.append(size), f())[1])(graph.replay, size)
     outs = eng.generate(PROMPTS[:5], GREEDY)
     assert [o.output_token_ids for o in outs] == reference[:5]
@@ -353,10 +354,10 @@ def test_mixed_graph_buffers_of_a_padded_step(default_model):
 
     eng = engine(default_model, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=20, cuda_graphs=False)
     runner = eng.runner
-    runner._capture_mixed_graphs(eager=True)
+    runner.mixed = MixedGraphs(runner, eager=True)
     seen = []
-    for g in runner.mixed_graphs.values():
-        g.replay = lambda: seen.append({k: v.clone() for k, v in runner._mixed_inputs.items()})
+    for g in runner.mixed.graphs.values():
+        g.replay = lambda: seen.append({k: v.clone() for k, v in runner.mixed.inputs.items()})
     i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
     big = StepInputs("mixed", 3, 3, np.arange(20), np.arange(20), np.arange(20), i64([1, 2], [3, 4], [5, 6]),
                      i64(8, 8, 4), i64(0, 8, 16, 20), 8, i64(19))
@@ -374,7 +375,7 @@ def test_mixed_graph_buffers_of_a_padded_step(default_model):
     assert b["block_tables"][:, :3].tolist() == [[5, 1, runner.scratch_block], [10, 0, runner.scratch_block]] + \
         [[runner.scratch_block] * 3] * 2
     assert b["rows"].tolist() == [4, 0, 0, 0]
-    assert list(runner.mixed_graphs) == [16, 20] and len(seen) == 2
+    assert list(runner.mixed.graphs) == [16, 20] and len(seen) == 2
 
 
 def test_decode_inputs_pad_the_block_tables_with_the_scratch_block(default_model):
