@@ -176,6 +176,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len, config.max_num_seqs,
                                   config.kernels, cuda_graphs=config.cuda_graphs,
                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        if self.runner.mixed is not None:  # a mixed step costs its padded size: chunks fill one
+            self.scheduler.token_sizes = tuple(self.runner.mixed.graphs)
         if pool is not None:
             pool.wait("that it is ready")
             self.runner.workers = pool

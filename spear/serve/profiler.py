@@ -49,7 +49,7 @@ class Grid:
             raise SpearError(f"the profile grid's chunks must include 0 (the decode-only step), got {list(self.chunks)}")
 
 
-DEFAULT_GRID = Grid((1, 8, 32, 64), (0, 64, 128, 256, 512, 1024, 2048), (256, 1024, 4096))
+DEFAULT_GRID = Grid((1, 8, 32, 64), (0, 64, 128, 256, 512, 1024, 2048), (256, 1024, 2048, 4096))  # served contexts to 4k
 TINY_GRID = Grid((1, 2, 4), (0, 16, 64), (32, 96))   # seconds on a CPU
 QUICK_REPEATS, QUICK_WARMUP = 3, 1
 

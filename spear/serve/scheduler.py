@@ -30,6 +30,12 @@ predicted step time, with the table's margin, keeps the step within the target:
 prompts still advance), and ``max_num_batched_tokens`` stays the ceiling of a step. A
 step without decodes has no inter-token latency at stake and gets the ceiling. Without
 a target the schedule is exactly the static one; a table alone only adds predictions.
+
+Where the runner replays mixed steps as CUDA graphs of padded token counts (``token_sizes``,
+spear/serve/graphs.py), a step of ``n`` tokens costs what the smallest size ``>= n`` costs: the
+chunk under a target is then the largest that makes ``d + c`` one of the sizes (a chunk between
+two sizes would pay for the larger one while the table priced the smaller), and a step's
+prediction is the table's at its padded size.
 """
 
 from __future__ import annotations
@@ -89,7 +95,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_waiting: int, latency: LatencyTable | None = None, itl_slo_ms: float | None = None,
-                 min_chunk_tokens: int = 16):
+                 min_chunk_tokens: int = 16, token_sizes: tuple[int, ...] | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({max_num_seqs}) so that every running sequence can decode each step")
@@ -98,6 +104,7 @@ class Scheduler:
             max_num_seqs, max_num_batched_tokens, max_waiting)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order
+        self.token_sizes = tuple(sorted(token_sizes)) if token_sizes else None  # padded step sizes (graphs)
         self.set_latency(latency, itl_slo_ms, min_chunk_tokens)
 
     def set_latency(self, table: LatencyTable | None, itl_slo_ms: float | None = None,
@@ -161,6 +168,8 @@ class Scheduler:
         if self.itl_slo_ms is not None:
             if d:
                 fit = self.latency.max_chunk(d, out.decode_context, self.itl_slo_ms, budget)
+                if self.token_sizes and fit > 0:  # the largest chunk that fills a padded size exactly
+                    fit = max((n - d for n in self.token_sizes if d < n <= d + fit), default=fit)
                 budget = min(budget, max(self.min_chunk_tokens, fit))
             out.chunk_budget = budget
 
@@ -186,8 +195,15 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         if self.latency is not None and d:
-            out.predicted_ms = self.latency.predict(d, out.prefill_tokens, out.decode_context)
+            prefill = self.padded(out.num_tokens) - d if out.prefill_tokens else 0  # decode-only: decode graphs
+            out.predicted_ms = self.latency.predict(d, prefill, out.decode_context)
         return out
+
+    def padded(self, tokens: int) -> int:
+        """The token count a step of ``tokens`` runs at: the smallest padded size that holds it."""
+        if self.token_sizes is None or tokens > self.token_sizes[-1]:
+            return tokens
+        return next(n for n in self.token_sizes if n >= tokens)
 
     def advance(self, out: SchedulerOutput) -> None:
         """After the model ran ``out``: its tokens now have K/V in the cache."""

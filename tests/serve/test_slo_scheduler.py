@@ -278,3 +278,30 @@ def test_a_target_needs_a_table_and_sane_settings():
         make(linear_table(), slo=-1.0)
     with pytest.raises(ValueError, match="min_chunk_tokens"):
         make(linear_table(), min_chunk=0)
+
+
+def test_chunks_fill_a_padded_step_size_and_predictions_price_it():
+    """With the runner's mixed-step graph sizes, the chunk under the target is the largest that
+    makes decodes + chunk one of the sizes (the closed form's chunk rounded down to it), and the
+    prediction is the table's at the padded size; a step the prompts leave short is priced at the
+    size it is padded to; decode-only steps keep their own price.
+    Catches: the unrounded chunk (a step padded past what the table priced), a prediction at the
+    unpadded size."""
+    s = make(linear_table())
+    s.token_sizes = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
+    add(s, "a", 100)
+    add(s, "b", 100)
+    step(s)
+    add(s, "c", 2000)
+    chunks, _, out = step(s)
+    assert closed_form(2, 101) == 729           # 2 + 729 = 731 would pad to 768, past the target
+    assert out.chunk_budget == 638 and chunks[-1] == ("c", 0, 638)   # 2 + 638 = 640
+    assert out.predicted_ms == pytest.approx(4 + 2 / 4 + 638 / 64 + 101 / 1024)
+    add(s, "d", 10)  # a short prompt next: 3 decodes + 10 tokens pad to 16
+    s.running[2].num_computed_tokens = 2000  # "c" done with its prompt (its first token is next)
+    s.running[2].append_token(7)
+    chunks, _, out = step(s)
+    assert [c[2] for c in chunks] == [1, 1, 1, 10] and out.num_tokens == 13
+    assert out.predicted_ms == pytest.approx(4 + 3 / 4 + (16 - 3) / 64 + out.decode_context / 1024)
+    chunks, _, out = step(s)  # decodes only
+    assert out.prefill_tokens == 0 and out.predicted_ms == pytest.approx(4 + 4 / 4 + out.decode_context / 1024)
