@@ -77,3 +77,12 @@ def test_floors():
         "TTFT p50 <= 1.2 x best static meeting the target: mixed / none @ 16 ms": True,
         # static 512 meets 16 ms on plain W4 and misses it (19 ms) with ECs on every linear
         "static 512, tuned on plain W4, misses the target with ECs on every linear: mixed @ 16 ms": True}
+    # a part of the grid (no "every linear" rows, no static 512): each floor whose rows are there
+    # Catches: a partial grid raising on a missing row, or a floor checked against absent rows
+    part = [(c, m) for c, m in rows if c.density.name != "every linear" and c.scheduler.name != "static 512"]
+    got = {name: met for name, met, _ in C.floors(part)}
+    assert got == {
+        "ITL p99 <= target: mixed / 1% @ 16 ms": True, "ITL p99 <= target: mixed / none @ 16 ms": True,
+        "TTFT p50 <= 1.2 x best static meeting the target: mixed / 1% @ 16 ms": False,
+        # without static 512, the best static meeting 16 ms on none is 256 (900 ms): 650 <= 1080
+        "TTFT p50 <= 1.2 x best static meeting the target: mixed / none @ 16 ms": True}

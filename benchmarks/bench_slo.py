@@ -1,0 +1,191 @@
+"""The acceptance grid of latency-target scheduling (``slo_cases.py``) on the engine, in process.
+
+    python benchmarks/bench_slo.py --out OUT                                   # H200: the whole grid
+    python benchmarks/bench_slo.py --densities none,1% --workloads mixed --out OUT   # a part of it
+    python benchmarks/bench_slo.py --tiny --out OUT                            # CPU smoke check (CI)
+
+Per compensator density (``slo_cases.DENSITIES``: none, gated rank-16 ECs spread to 1% of the W4
+bytes, ECs on every linear) one random model at the shape (HF init, fp16 on CUDA, RTN W4 g128);
+per workload (``slo_cases.WORKLOADS``, seeded Poisson arrivals, random prompt ids, EOS ignored)
+each static budget runs once and is scored against every target (its schedule does not depend on
+the target), and the latency-target scheduler runs once per target with the largest static
+budget as its ceiling; its latency table is profiled at the first start and cached for the
+deployment (``spear profile``'s quick grid). Requests are replayed in real time against
+``LLMEngine`` as in ``bench_serving.py``: a token's time is the end of the step that made it.
+
+Writes ``results.json`` (every row: case, metrics, prediction accuracy of the latency-target runs),
+``table.md`` and ``floors.md`` (``slo_cases.floors`` on the rows present; a floor whose rows are
+missing is not listed). A case that raises is recorded with its error; a CUDA error ends the run
+(the process's CUDA context is lost), with the rows so far written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import platform
+import random
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import slo_cases as cases  # noqa: E402
+from bench_serving import Request, run_in_process  # noqa: E402
+from decode_cases import GROUP, SHAPES, IdsTokenizer, attach_ecs, build_model, remove_ecs  # noqa: E402
+from spear.config import QuantConfig  # noqa: E402
+from spear.quant import quantize_model_rtn  # noqa: E402
+from spear.serve import EngineConfig, LLMEngine  # noqa: E402
+
+TINY_WORKLOADS = (cases.Workload("mixed", 6, 40.0, 8, 40, 6, 0), cases.Workload("heavy", 8, 60.0, 16, 60, 8, 1))
+TINY_STATIC, TINY_CEILING = (16, 32, 64), 68  # the tiny profile grid: 4 decodes beside a 64-token chunk
+
+
+def requests_of(workload: cases.Workload, vocab: int) -> list[Request]:
+    rng = random.Random(workload.seed + 1000)
+    return [Request(r.arrival_s, [rng.randrange(vocab) for _ in range(r.prompt_tokens)], r.output_tokens)
+            for r in workload.requests()]
+
+
+def timings_of(trace) -> list[cases.RequestTiming]:
+    return [cases.RequestTiming(a, tuple(t)) for a, t in zip(trace.arrivals, trace.tokens)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="Llama-3-8B", help="one of: " + ", ".join(SHAPES))
+    p.add_argument("--layers", type=int, help="decoder layers (default: the model's)")
+    p.add_argument("--densities", default=",".join(d.name for d in cases.DENSITIES),
+                   help="comma-separated, of: " + ", ".join(d.name for d in cases.DENSITIES).replace("%", "%%"))
+    p.add_argument("--workloads", default=",".join(w.name for w in cases.WORKLOADS),
+                   help="comma-separated, of: " + ", ".join(w.name for w in cases.WORKLOADS))
+    p.add_argument("--targets", default=",".join(f"{t:g}" for t in cases.TARGETS_MS), help="ITL targets in ms")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU, tiny workloads: smoke check")
+    p.add_argument("--out", required=True, help="folder for results.json, table.md and floors.md")
+    args = p.parse_args(argv)
+    known_d, known_w = {d.name: d for d in cases.DENSITIES}, {w.name: w for w in cases.WORKLOADS}
+    densities = [d.strip() for d in args.densities.split(",") if d.strip()]
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if set(densities) - set(known_d) or set(workloads) - set(known_w) or not densities or not workloads:
+        p.error(f"--densities from {list(known_d)}, --workloads from {list(known_w)}")
+    try:
+        targets = [float(t) for t in args.targets.split(",") if t.strip()]
+    except ValueError:
+        p.error(f"--targets: numbers of milliseconds, got {args.targets!r}")
+    if not targets or not all(math.isfinite(t) and t > 0 for t in targets):
+        p.error(f"--targets: positive milliseconds, got {args.targets!r}")
+    statics = [s for s in cases.SCHEDULERS if not s.slo]
+    if args.tiny:
+        device, dtype, args.shape, args.max_num_seqs = "cpu", torch.float32, "tiny", 8
+        workloads_of = {w.name: w for w in TINY_WORKLOADS}
+        statics = [replace(s, name=f"static {b}", max_num_batched_tokens=b) for s, b in zip(statics, TINY_STATIC)]
+        ceiling = TINY_CEILING
+    else:
+        if not torch.cuda.is_available():
+            p.error("no CUDA device: the grid needs a GPU (use --tiny for a CPU smoke check)")
+        device, dtype, workloads_of = "cuda", torch.float16, known_w
+        ceiling = max(s.max_num_batched_tokens for s in statics)
+    if args.shape not in SHAPES:
+        p.error(f"unknown shape {args.shape}; known: {sorted(SHAPES)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
+    header = (f"Latency-target grid, {datetime.date.today().isoformat()}, {dev_name}, {args.shape}"
+              + (f" ({args.layers} layers)" if args.layers else "") + f", {dtype}, in process")
+    print(header, flush=True)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    rows: list[dict] = []
+    case_rows: list[tuple] = []
+
+    def write():
+        (out / "results.json").write_text(json.dumps({"header": header, "args": vars(args), "rows": rows}, indent=2))
+        (out / "table.md").write_text(markdown(rows, header) + "\n")
+        checks = cases.floors(case_rows) if case_rows else []
+        (out / "floors.md").write_text("\n".join(f"- {'met' if ok else 'NOT met'}: {name} ({detail})"
+                                                 for name, ok, detail in checks) + "\n")
+
+    model = build_model(args.shape, args.layers, device, dtype)
+    modules = quantize_model_rtn(model, QuantConfig(bits=4, group_size=GROUP), progress=False)
+    try:
+        for dname in densities:
+            density = known_d[dname]
+            ec_pct = 0.0
+            if density.rank:
+                _, ec_pct = attach_ecs(modules, density.rank, density.hidden, density.budget, model)
+            for wname in workloads:
+                workload = workloads_of[wname]
+                reqs = requests_of(workload, vocab)
+                max_len = workload.prompt_max + workload.output_tokens + 1
+                runs = [(s, None) for s in statics] + [(cases.SCHEDULERS[-1], t) for t in targets]
+                for sched, target in runs:
+                    budget = ceiling if sched.slo else sched.max_num_batched_tokens
+                    cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=max(max_len, 160 if args.tiny else 0),
+                                       max_num_batched_tokens=max(budget, args.max_num_seqs), itl_slo_ms=target,
+                                       num_blocks=args.max_num_seqs * math.ceil(max(max_len, 160) / 16) + 16)
+                    base = dict(density=dname, ec_pct=round(ec_pct, 3), workload=wname, scheduler=sched.name,
+                                budget=budget)
+                    try:
+                        if target is not None and args.tiny:  # the start-up grid needs 256-token contexts
+                            from spear.serve.profiler import TINY_GRID, profile
+
+                            cfg.latency_table = profile(LLMEngine(model, IdsTokenizer(), replace(cfg, itl_slo_ms=None)),
+                                                        TINY_GRID, repeats=2)
+                        engine = LLMEngine(model, IdsTokenizer(), cfg)
+                        engine.warmup()
+                        trace = run_in_process(engine, reqs)
+                    except Exception as exc:  # recorded; a CUDA error ends the run
+                        rows.append(dict(base, target_ms=target, error=repr(exc)))
+                        print(f"  {base}: {exc!r}", flush=True)
+                        if device == "cuda" and "CUDA" in str(exc):
+                            raise
+                        continue
+                    timings = timings_of(trace)
+                    for t in (targets if target is None else [target]):
+                        m = cases.summarize(timings, t)
+                        if target is not None:
+                            m["prediction_within_10pct"] = cases.prediction_accuracy(trace.records)
+                        row = dict(base, target_ms=t, **m)
+                        rows.append(row)
+                        case_rows.append((cases.Case(t, density, workload, sched), m))
+                        print("  " + json.dumps(row), flush=True)
+                    del engine
+                    gc.collect()
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+                write()
+            if density.rank:
+                remove_ecs(modules)
+    finally:
+        write()
+    print(markdown(rows, header))
+    print((out / "floors.md").read_text())
+    return 0
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    lines = [header, "", "| density | workload | scheduler | target | ITL p99 | SLO attained | TTFT p50 / p99 | "
+             "output tok/s | predicted ±10% |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['density']} | {r['workload']} | {r['scheduler']} | {r['target_ms']} | "
+                         f"error: {r['error'][:80]} | | | | |")
+            continue
+        acc = r.get("prediction_within_10pct")
+        lines.append(f"| {r['density']} ({r['ec_pct']:.2f}%) | {r['workload']} | {r['scheduler']} | "
+                     f"{r['target_ms']:g} ms | {r['itl_p99_ms']:.1f} ms | {r['slo_attainment_pct']:.1f}% | "
+                     f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} ms | {r['output_tok_s']:.0f} | "
+                     f"{'—' if acc is None else f'{100 * acc:.0f}%'} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""benchmarks/bench_slo.py --tiny: the acceptance grid's runner on the CPU (one density, one
+workload), its rows, SLO attainment and the floors file."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_tiny_grid(tmp_path):
+    """Static budgets 16 / 32 / 64 and the latency-target scheduler at a target every gap meets
+    (1 s) and one none does (1 ns): each static run is scored at both targets from one trace.
+    Catches: a static run scored once, attainment not per target, the latency target not reaching
+    the engine (no predictions), a floors file missing the latency-target rows."""
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_slo", BENCH / "bench_slo.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_slo"] = mod
+    try:
+        spec.loader.exec_module(mod)
+        assert mod.main(["--tiny", "--densities", "1%", "--workloads", "mixed", "--targets", "1000,0.000001",
+                         "--out", str(tmp_path)]) == 0
+    finally:
+        sys.modules.pop("bench_slo", None)
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["scheduler"], r["target_ms"]) for r in rows] == [
+        (f"static {b}", t) for b in (16, 32, 64) for t in (1000.0, 1e-06)] + [("slo", 1000.0), ("slo", 1e-06)]
+    for r in rows:
+        assert r["density"] == "1%" and r["requests"] == 6 and r["output_tokens"] == 36
+        assert r["slo_attainment_pct"] == (100.0 if r["target_ms"] == 1000.0 else 0.0)
+        assert ("prediction_within_10pct" in r) == (r["scheduler"] == "slo")
+    for i in range(0, 6, 2):  # one trace per static budget
+        assert {k: v for k, v in rows[i].items() if k not in ("target_ms", "slo_attainment_pct")} == \
+            {k: v for k, v in rows[i + 1].items() if k not in ("target_ms", "slo_attainment_pct")}
+    floors = (tmp_path / "floors.md").read_text()
+    assert "met: ITL p99 <= target: mixed / 1% @ 1000 ms" in floors
+    assert "NOT met: ITL p99 <= target: mixed / 1% @ 1e-06 ms" in floors
