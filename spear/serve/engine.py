@@ -29,6 +29,7 @@ from torch import nn
 
 from spear.errors import SpearError
 from spear.serve.block_manager import BlockManager
+from spear.serve import loader
 from spear.serve.config import EngineConfig
 from spear.serve.detokenizer import IncrementalDetokenizer
 from spear.serve.llama import build_model, check_supported
@@ -42,26 +43,6 @@ from spear.serve.sequence import SamplingParams, Sequence
 log = logging.getLogger(__name__)
 
 _DEFAULT_MAX_MODEL_LEN = 8192
-
-
-def _generation_config(path):
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(path)
-    except (OSError, ValueError):  # a folder without generation_config.json
-        return None
-
-
-def eos_token_ids(config, generation_config, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(generation_config, "eos_token_id", None), getattr(config, "eos_token_id", None),
-                   getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source is not None:
-            ids.update(source)
-    return ids
 
 
 class LLMEngine:
@@ -79,8 +60,6 @@ class LLMEngine:
 
     def __init__(self, model: nn.Module, tokenizer, config: EngineConfig | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None):
-        from spear.serve import loader
-
         if config is not None and config.tensor_parallel_size > 1:
             raise SpearError("a tensor-parallel engine loads each rank's share from disk: use "
                              "LLMEngine.from_pretrained(<folder>, config) or save the model first")
@@ -99,8 +78,6 @@ class LLMEngine:
         this one instead of the folder's)."""
         from spear.models.checkpoint import load_folder_tokenizer
         from spear.models.loading import resolve_model_path
-        from spear.serve import loader
-
         config = config or EngineConfig()
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.float16 if device.type == "cuda" else torch.float32)
@@ -113,7 +90,7 @@ class LLMEngine:
                 device = self._start_ranks(path, config, device, dtype, verify)
             cfg, quantized, tensors = loader.from_folder(path, verify)
             check_supported(cfg)
-            self._setup(cfg, quantized, tensors, _generation_config(path),
+            self._setup(cfg, quantized, tensors, loader.generation_config(path),
                         tokenizer if tokenizer is not None else load_folder_tokenizer(path), config, device, dtype,
                         source=path, tp=tp)
         except BaseException:
@@ -170,18 +147,17 @@ class LLMEngine:
             pool.send((num_blocks, self.max_model_len))
             pool.comms.append(make_comm(tp, config.tp_reduce, device, dtype, config.tp_timeout_s))
             self.model.set_comm(pool.comms[0])
-        self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_waiting)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len, config.max_num_seqs,
                                   config.kernels, cuda_graphs=config.cuda_graphs,
                                   max_num_batched_tokens=config.max_num_batched_tokens)
-        if self.runner.mixed is not None:  # a mixed step costs its padded size: chunks fill one
-            self.scheduler.token_sizes = tuple(self.runner.mixed.graphs)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        # a mixed step replayed as a graph costs its padded size: the chunks fill one
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_waiting, token_sizes=self.runner.mixed and tuple(self.runner.mixed.graphs))
         if pool is not None:
             pool.wait("that it is ready")
             self.runner.workers = pool
-        self.eos_ids = eos_token_ids(model_config, generation_config, tokenizer)
+        self.eos_ids = loader.eos_token_ids(model_config, generation_config, tokenizer)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._generators: dict[str, torch.Generator | None] = {}

@@ -135,3 +135,25 @@ def _quantized_member(name: str, entry: dict, tensors: dict, where: Path) -> Mem
         ec = factors(comp)
     return MemberWeights(name, quant=QuantTensors(codes, scales, zeros, bits, group, entry["symmetric"]), bias=bias,
                          ec=ec)
+
+
+def generation_config(path):
+    """The folder's generation config (transformers), None without one."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except (OSError, ValueError):  # a folder without generation_config.json
+        return None
+
+
+def eos_token_ids(config, gen_config, tokenizer) -> set[int]:
+    """The ids that end a request: the generation config's, the model config's and the tokenizer's."""
+    ids: set[int] = set()
+    for source in (getattr(gen_config, "eos_token_id", None), getattr(config, "eos_token_id", None),
+                   getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(source)
+    return ids
