@@ -144,28 +144,36 @@ def _tanh(z):
 
 @triton.jit
 def _gate_params(w1_ptr, b1_ptr, w2_ptr, b2_ptr, R: tl.constexpr, H: tl.constexpr):
-    """The gate MLP's weights (w1 [H, R], b1 [H], w2 [R, H], b2 [R]), loaded for ``_gate_apply``."""
+    """The gate MLP's weights, transposed for ``_gate_apply``: w1ᵀ [R, H], b1 [H], w2ᵀ [H, R], b2 [R]
+    (stored as w1 (H, R) and w2 (R, H), layout.py)."""
     offs_r = tl.arange(0, R)
     offs_h = tl.arange(0, H)
-    w1 = tl.load(w1_ptr + offs_h[:, None] * R + offs_r[None, :])
+    w1t = tl.load(w1_ptr + offs_r[:, None] + offs_h[None, :] * R)
     b1 = tl.load(b1_ptr + offs_h)
-    w2 = tl.load(w2_ptr + offs_r[:, None] * H + offs_h[None, :])
+    w2t = tl.load(w2_ptr + offs_h[:, None] + offs_r[None, :] * H)
     b2 = tl.load(b2_ptr + offs_r)
-    return w1, b1, w2, b2
+    return w1t, b1, w2t, b2
 
 
 @triton.jit
-def _gate_apply(uT, w1, b1, w2, b2, bound, H: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
+def _gate_apply(uT, w1t, b1, w2t, b2, bound, H: tl.constexpr, BM: tl.constexpr, R: tl.constexpr,
                 DOT_F32: tl.constexpr):
     """v = gamma(u) ⊙ u on a transposed tile uT [R, BM] fp32 (ranks x tokens), the gate's weights
     given (``_gate_params``). The two small dots take the gate input in the parameter dtype
-    (tensor cores); the nonlinearities and the product with u stay in fp32."""
-    hT = _dot(w1, uT.to(w1.dtype), tl.zeros((H, BM), tl.float32), DOT_F32)
-    hT = hT + b1.to(tl.float32)[:, None]
-    hT = hT * _sigmoid(hT)
-    gT = _dot(w2, hT.to(w2.dtype), tl.zeros((R, BM), tl.float32), DOT_F32)
-    gT = gT + b2.to(tl.float32)[:, None]
-    return (1.0 + bound * _tanh(gT)) * uT
+    (tensor cores); the nonlinearities and the product with u stay in fp32.
+
+    The dots are token-major, [BM, R] · [R, H] and [BM, H] · [H, R]: the token tile is their M.
+    With the ranks as M instead (W1 [H, R] · uT [R, BM]), a 64-wide gate makes a Hopper wgmma of
+    N = BM = 16 whose shared-memory operand Triton 3.6 addresses out of bounds (compute-sanitizer:
+    invalid __shared__ reads; illegal-address faults in the engine at rank or gate width >= 64).
+    A token tile below 64 is an mma.sync product, which needs no shared-memory operand."""
+    u = tl.trans(uT)
+    h = _dot(u.to(w1t.dtype), w1t, tl.zeros((BM, H), tl.float32), DOT_F32)
+    h = h + b1.to(tl.float32)[None, :]
+    h = h * _sigmoid(h)
+    g = _dot(h.to(w2t.dtype), w2t, tl.zeros((BM, R), tl.float32), DOT_F32)
+    g = g + b2.to(tl.float32)[None, :]
+    return tl.trans((1.0 + bound * _tanh(g)) * u)
 
 
 @triton.jit
@@ -173,8 +181,8 @@ def _ec_gate(uT, w1_ptr, b1_ptr, w2_ptr, b2_ptr, bound,
              R: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, GATE: tl.constexpr, DOT_F32: tl.constexpr):
     """v = gamma(u) ⊙ u on a transposed tile uT [R, BM] fp32 (ranks x tokens); GATE False: v = u."""
     if GATE:
-        w1, b1, w2, b2 = _gate_params(w1_ptr, b1_ptr, w2_ptr, b2_ptr, R, H)
-        return _gate_apply(uT, w1, b1, w2, b2, bound, H, BM, R, DOT_F32)
+        w1t, b1, w2t, b2 = _gate_params(w1_ptr, b1_ptr, w2_ptr, b2_ptr, R, H)
+        return _gate_apply(uT, w1t, b1, w2t, b2, bound, H, BM, R, DOT_F32)
     else:
         return uT
 

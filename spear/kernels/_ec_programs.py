@@ -94,7 +94,7 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
     if GATE:
         # the gate's weights before the arrival: whichever program arrives last has them in
         # registers instead of a dependent round trip after its acquire (they are parameters)
-        w1, b1, w2, b2 = _gate_params(w1_ptr, b1_ptr, w2_ptr, b2_ptr, R, H)
+        w1t, b1, w2t, b2 = _gate_params(w1_ptr, b1_ptr, w2_ptr, b2_ptr, R, H)
     tl.store(upart_ptr + split * M * R + u_offs, uT, mask=m_mask[None, :])
     # every thread's stores must precede the (single-thread) release
     tl.debug_barrier()
@@ -105,7 +105,7 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
         uT = _sum_partials(upart_ptr + u_offs, M * R, m_mask[None, :], tl.zeros((R, BM), tl.float32), U_SPLIT,
                            UCHUNK)
         if GATE:
-            vT = _gate_apply(uT, w1, b1, w2, b2, bound, H, BM, R, DOT_F32)
+            vT = _gate_apply(uT, w1t, b1, w2t, b2, bound, H, BM, R, DOT_F32)
         else:
             vT = uT
         tl.store(v_ptr + u_offs, vT.to(v_ptr.dtype.element_ty), mask=m_mask[None, :])

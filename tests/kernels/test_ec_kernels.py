@@ -56,6 +56,34 @@ def test_fused_ec(poisoned, m, gs, sym, dtype, r, h, split, mv, u_split):
         assert int(w.locks.abs().sum()) == 0, "fused-EC counters not re-armed"
 
 
+# rank and gate width 64 and more: a 64-wide gate made a Hopper wgmma (N = 16 tokens) that read
+# shared memory out of bounds (Triton 3.6); 48 pads to 64 (a merged q/k/v of three rank-16 ECs)
+WIDE_GATES = [(1, 48, 48, 1), (3, 64, 64, 4), (16, 64, 64, 0), (33, 128, 128, 0), (2, 64, 16, 2)]
+
+
+@pytest.mark.parametrize("m,r,h,mv", WIDE_GATES)
+def test_wide_gates(poisoned, m, r, h, mv):
+    """Gated ECs of rank / gate width 48-128 through the fused kernel (the decode token classes) and
+    through ec_gate split over K (prefill) equal the reference. On an H200 with the rank-major gate
+    products the fused launch at M = 3, r = h = 64 faulted (illegal address) and ec_gate's finish
+    kernel read shared memory out of bounds; on the CPU this checks the token-major gate's algebra
+    (a transposed W1 or W2 fails it)."""
+    n, k = (N_SMALL, K_SMALL) if DEVICE == "cpu" else (6144, 4096)
+    ec = make_ec(n, k, r, h, torch.float16, seed=r + h)
+    x, w, b, e, expect = setup_case(m, k, n, 128, False, torch.float16, seed=m + r, ec=ec, kmajor=True)
+    cfg = Config(64 if m > 32 else 16, 64, 128, 2, 4, 2, mv=mv)
+    for _ in range(2):
+        out = w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        assert_close(out, expect, torch.float16, f"fused EC M={m} r={r} h={h}")
+    xs = torch.randn(100, k, generator=torch.Generator().manual_seed(r)).half().to(DEVICE)
+    u = xs.float() @ e.a.float().t()
+    for splits in (1, 2):
+        assert_close(ec_gate(xs, e, splits=splits), ref.ec_gate(u, e.w1, e.b1, e.w2, e.b2, e.bound), torch.float16,
+                     f"ec_gate r={r} h={h} splits={splits}")
+
+
 @pytest.mark.parametrize("m,k,splits,dtype,h", [(17, 256, 1, torch.float16, 12), (17, 256, 3, torch.float16, 12),
                                                  (33, 512, 4, torch.bfloat16, None), (1, 256, 2, torch.float16, 8)])
 def test_ec_gate_split_over_k(poisoned, m, k, splits, dtype, h):
