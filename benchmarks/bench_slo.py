@@ -45,7 +45,7 @@ from spear.quant import quantize_model_rtn  # noqa: E402
 from spear.serve import EngineConfig, LLMEngine  # noqa: E402
 
 TINY_WORKLOADS = (cases.Workload("mixed", 6, 40.0, 8, 40, 6, 0), cases.Workload("heavy", 8, 60.0, 16, 60, 8, 1))
-TINY_STATIC, TINY_CEILING = (16, 32, 64), 68  # the tiny profile grid: 4 decodes beside a 64-token chunk
+TINY_STATIC, TINY_CEILING = (16, 32, 64), 64  # the tiny profile grid: steps of up to 64 tokens
 
 
 def requests_of(workload: cases.Workload, vocab: int) -> list[Request]:

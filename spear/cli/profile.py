@@ -28,7 +28,7 @@ def register(sub) -> None:
     fmt = lambda v: ",".join(map(str, v))  # noqa: E731
     p = sub.add_parser("profile", help="time the engine's steps: the latency table of --itl-slo-ms",
                        description="Build the engine as `spear serve` would and time real steps over a grid: "
-                                   "running decodes x prefill-chunk tokens x the decodes' context. Writes the "
+                                   "running decodes x the step's tokens (decodes + prefill) x the decodes' context. Writes the "
                                    "versioned JSON table the latency-target scheduler interpolates (`spear serve "
                                    "--itl-slo-ms`), valid for this checkpoint, device, dtype and kernel policy. "
                                    "--max-num-seqs and --max-num-batched-tokens are raised to fit the grid. "
@@ -38,11 +38,13 @@ def register(sub) -> None:
     g.add_argument("--out", help="the table to write (default: the cache file `spear serve --itl-slo-ms` looks "
                                  "up for this deployment)")
     g.add_argument("--tiny", action="store_true",
-                   help=f"a small grid that runs in seconds on a CPU: decodes {fmt(TINY_GRID.decodes)}, chunks "
-                        f"{fmt(TINY_GRID.chunks)}, contexts {fmt(TINY_GRID.contexts)}, 3 repeats")
+                   help=f"a small grid that runs in seconds on a CPU: decodes {fmt(TINY_GRID.decodes)}, tokens "
+                        f"{fmt(TINY_GRID.tokens)}, contexts {fmt(TINY_GRID.contexts)}, 3 repeats")
     g.add_argument("--decodes", type=_ints(1), help=f"running decodes (default: {fmt(DEFAULT_GRID.decodes)})")
-    g.add_argument("--chunks", type=_ints(0),
-                   help=f"prefill-chunk tokens, 0 among them (default: {fmt(DEFAULT_GRID.chunks)})")
+    g.add_argument("--tokens", type=_ints(0),
+                   help=f"step sizes in tokens, decodes included: 0 (the decode-only step), then sizes above the "
+                        f"most --decodes, best the mixed steps' CUDA graph sizes (16, 32, 64, multiples of 128) "
+                        f"(default: {fmt(DEFAULT_GRID.tokens)})")
     g.add_argument("--contexts", type=_ints(1),
                    help=f"the decodes' context in tokens (default: {fmt(DEFAULT_GRID.contexts)})")
     g.add_argument("--repeats", type=positive_int, help="timed steps per point, their median kept (default: 5; "
@@ -72,18 +74,18 @@ def main(args) -> int:
               f"{args.ec_costs} (use: spear select --latency-budget 3% --ec-costs {args.ec_costs})")
         return 0
     base = TINY_GRID if args.tiny else DEFAULT_GRID
-    grid = Grid(args.decodes or base.decodes, args.chunks or base.chunks, args.contexts or base.contexts)
+    grid = Grid(args.decodes or base.decodes, args.tokens or base.tokens, args.contexts or base.contexts)
     repeats = args.repeats or (3 if args.tiny else 5)
-    d_max, c_max = max(grid.decodes), max(grid.chunks)
-    engine = engine_from_args(args, max_num_seqs=max(args.max_num_seqs, d_max + (c_max > 0)),
-                              max_num_batched_tokens=max(args.max_num_batched_tokens, d_max + c_max))
+    d_max, t_max = max(grid.decodes), max(grid.tokens)
+    engine = engine_from_args(args, max_num_seqs=max(args.max_num_seqs, d_max + (t_max > 0)),
+                              max_num_batched_tokens=max(args.max_num_batched_tokens, t_max))
     table = profile(engine, grid, repeats, args.warmup, progress=progress)
     out = table.save(args.out or cache_path(engine.deployment))
     dep = table.deployment
-    print(f"{dep.device}, {dep.dtype}: {len(grid.decodes)} x {len(grid.chunks)} x {len(grid.contexts)} points in "
+    print(f"{dep.device}, {dep.dtype}: {len(grid.decodes)} x {len(grid.tokens)} x {len(grid.contexts)} points in "
           f"{table.profile['seconds']:.1f} s; margin {100 * table.margin:.1f}% ({table.margin_source})")
     for i, d in enumerate(grid.decodes):
-        row = ", ".join(f"{c}: {table.step_ms[i][j][0]:.2f}" for j, c in enumerate(grid.chunks))
-        print(f"  {d} decodes at context {grid.contexts[0]}, ms by chunk tokens: {row}")
+        row = ", ".join(f"{t}: {table.step_ms[i][j][0]:.2f}" for j, t in enumerate(grid.tokens))
+        print(f"  {d} decodes at context {grid.contexts[0]}, ms by step tokens (0: decode only): {row}")
     print(f"wrote {out}" + ("" if args.out else " (the cache: `spear serve --itl-slo-ms MS` finds it)"))
     return 0

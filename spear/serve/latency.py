@@ -1,24 +1,33 @@
 """The latency model of one deployment: measured engine step times, interpolated.
 
 A :class:`LatencyTable` holds the wall time of ``LLMEngine.step()`` measured over a grid of step
-compositions: ``decodes`` running decodes (d >= 1) x ``chunks`` prefill tokens in the step (c, 0
-included) x ``contexts`` (L, the decodes' mean context in tokens). It is valid only for what it
+compositions: ``decodes`` running decodes (d >= 1) x ``tokens``, the step's tokens (T: the d
+decodes plus T - d prefill tokens; T = 0 is the decode-only step) x ``contexts`` (L, the decodes'
+mean context in tokens). The second axis counts the whole step, not its prefill part, because a
+mixed step replays the CUDA graph of its padded token count (spear/serve/graphs.py): its cost is a
+staircase over T, flat between graph sizes, and a grid of graph sizes measures the steps that run
+(with a prefill axis, d decodes beside a c-token chunk pad to a size that depends on d, so
+neighbouring grid points straddled different steps of the staircase). It is valid only for what it
 was measured on, its :class:`Deployment` (spear/serve/deployment.py: the checkpoint, device,
 dtype, kernel policy and engine settings that change a step's kernels). ``Deployment.key()`` names
 its cache file,
 ``<spear cache>/latency/<key>.json`` (``~/.cache/spear/latency`` by default).
 
-``predict(d, c, L)`` is piecewise-linear in each axis (trilinear inside a grid cell). Beyond an
-axis's last point it extrapolates along the last segment, since a step keeps growing about
-linearly with its tokens and context (the weights are read once, the compute and the attention
-reads scale with them); below an axis's first point it holds the first point's value, which
-overestimates (fewer decodes or a shorter context cost no more than measured): the safe side.
+``predict(d, T, L)`` is piecewise-linear in each axis (trilinear inside a grid cell); T = 0 is
+the decode-only row, a step of its own kind (the decode graphs), never interpolated with the mixed
+steps: T > 0 interpolates among the positive points only. Beyond an axis's last point it
+extrapolates along the last segment, since a step keeps growing about linearly with its tokens and
+context (the weights are read once, the compute and the attention reads scale with them); below an
+axis's first point (for T, its first positive one) it holds that point's value, which
+overestimates (fewer decodes, tokens or a shorter context cost no more than measured): the safe
+side, and for small mixed steps close to the truth (they read every weight whatever their size).
 
 The table carries a relative safety ``margin``: the scheduler keeps ``predict · (1 + margin)``
 under its target. :meth:`LatencyTable.from_measurements` learns it as the larger of two
 ``q``-quantiles (q = 0.9): of the leave-one-out residuals ``(measured - predicted) / predicted``
 (every grid point with neighbours on both sides of an axis predicted from them, and an axis's
-last point from the two before it, as the extrapolation would), and of the timed repeats'
+last point from the two before it, as the extrapolation would; along the tokens axis among the
+mixed steps only), and of the timed repeats'
 deviations from their point's median. Negative quantiles count as 0.
 """
 
@@ -40,7 +49,8 @@ log = logging.getLogger(__name__)
 FORMAT = "spear-latency-table"
 # 2: mixed steps replay CUDA graphs of padded token counts (version 1 tables timed them eagerly,
 # up to twice as slow on an H200, so their predictions no longer hold)
-VERSION = 2
+# 3: the second axis is the step's tokens (decodes included), no longer its prefill tokens
+VERSION = 3
 MARGIN_QUANTILE = 0.9
 DEFAULT_MARGIN = 0.10  # a table with nothing to learn from (no interior points, no repeats)
 
@@ -62,17 +72,18 @@ def quantile(values: list[float], q: float) -> float:
     return s[lo] if lo + 1 >= len(s) else s[lo] + (h - lo) * (s[lo + 1] - s[lo])
 
 
-def loo_residuals(axes: tuple[tuple[int, ...], ...], values) -> list[float]:
+def loo_residuals(axes: tuple[tuple[int, ...], ...], values, first=(0, 0, 0)) -> list[float]:
     """Relative residuals (measured - predicted) / predicted of each grid point predicted from
-    its neighbours along each axis (module docstring); ``values[i][j][k]`` on ``axes``."""
+    its neighbours along each axis (module docstring); ``values[i][j][k]`` on ``axes``. Along
+    axis a only the points from index ``first[a]`` on take part (the tokens axis: 1, its mixed steps)."""
     out = []
     shape = tuple(len(a) for a in axes)
     for idx in _indices(shape):
         for ax, axis in enumerate(axes):
-            i, n = idx[ax], len(axis)
-            if 0 < i < n - 1:
+            i, n, f = idx[ax], len(axis), first[ax]
+            if f < i < n - 1:
                 lo, hi = i - 1, i + 1
-            elif i == n - 1 and n >= 3:
+            elif i == n - 1 and n - f >= 3:
                 lo, hi = i - 2, i - 1
             else:
                 continue
@@ -109,10 +120,10 @@ def _axis(name: str, values, minimum: int, where: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class LatencyTable:
-    """Step times in ms, ``step_ms[i][j][k]`` at (decodes[i], chunks[j], contexts[k])."""
+    """Step times in ms, ``step_ms[i][j][k]`` at (decodes[i], tokens[j], contexts[k])."""
 
     decodes: tuple[int, ...]
-    chunks: tuple[int, ...]
+    tokens: tuple[int, ...]
     contexts: tuple[int, ...]
     step_ms: tuple
     margin: float
@@ -123,10 +134,13 @@ class LatencyTable:
     profile: dict = field(default_factory=dict, compare=False)  # how it was measured
 
     def __post_init__(self, where: str = "latency table"):
-        axes = (_axis("decodes", list(self.decodes), 1, where), _axis("chunks", list(self.chunks), 0, where),
+        axes = (_axis("decodes", list(self.decodes), 1, where), _axis("tokens", list(self.tokens), 0, where),
                 _axis("contexts", list(self.contexts), 1, where))
         if axes[1][0] != 0:
-            raise SpearError(f"{where}: grid.chunks must start at 0 (the decode-only step), got {list(axes[1])}")
+            raise SpearError(f"{where}: grid.tokens must start at 0 (the decode-only step), got {list(axes[1])}")
+        if len(axes[1]) > 1 and axes[1][1] <= axes[0][-1]:
+            raise SpearError(f"{where}: grid.tokens' mixed steps must exceed the most decodes ({axes[0][-1]}): a "
+                             f"step of T tokens holds d decodes and T - d >= 1 prefill tokens; got {list(axes[1])}")
         rows = self.step_ms
         try:
             ok = len(rows) == len(axes[0]) and all(len(r) == len(axes[1]) and all(
@@ -134,13 +148,13 @@ class LatencyTable:
         except TypeError:
             ok = False
         if not ok:
-            raise SpearError(f"{where}: step_ms must be nested lists of shape decodes x chunks x contexts = "
+            raise SpearError(f"{where}: step_ms must be nested lists of shape decodes x tokens x contexts = "
                              f"{len(axes[0])} x {len(axes[1])} x {len(axes[2])}")
         vals = tuple(tuple(tuple(c) for c in r) for r in rows)
         for i, j, k in _indices((len(axes[0]), len(axes[1]), len(axes[2]))):
             v = vals[i][j][k]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
-                raise SpearError(f"{where}: step_ms at decodes={axes[0][i]}, chunk={axes[1][j]}, "
+                raise SpearError(f"{where}: step_ms at decodes={axes[0][i]}, tokens={axes[1][j]}, "
                                  f"context={axes[2][k]} must be a finite number of ms > 0, got {v!r}")
         m = self.margin
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not (math.isfinite(m) and m >= 0):
@@ -149,16 +163,22 @@ class LatencyTable:
             raise SpearError(f"{where}: margin quantile must be in (0, 1), got {self.margin_quantile!r}")
         if self.deployment is not None and not isinstance(self.deployment, Deployment):
             raise SpearError(f"{where}: deployment must be a Deployment, got {type(self.deployment).__name__}")
-        for name, v in zip(("decodes", "chunks", "contexts"), axes):
+        for name, v in zip(("decodes", "tokens", "contexts"), axes):
             object.__setattr__(self, name, v)
         object.__setattr__(self, "step_ms", vals)
         object.__setattr__(self, "margin", float(m))
 
     # ------------------------------------------------------------------ prediction
-    def predict(self, decodes: float, chunk_tokens: float, context: float) -> float:
-        """Predicted step time in ms (module docstring), without the margin."""
+    def predict(self, decodes: float, tokens: float, context: float) -> float:
+        """Predicted time in ms of a step of ``decodes`` decodes and ``tokens`` tokens in all (0: a
+        decode-only step) at mean decode context ``context`` (module docstring), without the margin."""
         di, dj, dt = _bracket(self.decodes, decodes)
-        ci, cj, ct = _bracket(self.chunks, chunk_tokens)
+        if tokens <= 0 or len(self.tokens) == 1:
+            ci = cj = 0
+            ct = 0.0
+        else:  # the mixed steps' points only, held below the first
+            ci, cj, ct = _bracket(self.tokens[1:], tokens)
+            ci, cj = ci + 1, cj + 1
         li, lj, lt = _bracket(self.contexts, context)
         v = self.step_ms
 
@@ -170,25 +190,30 @@ class LatencyTable:
 
         return along_c(di) * (1 - dt) + along_c(dj) * dt
 
-    def fits(self, decodes: float, chunk_tokens: float, context: float, target_ms: float) -> bool:
-        return self.predict(decodes, chunk_tokens, context) * (1 + self.margin) <= target_ms
+    def fits(self, decodes: float, tokens: float, context: float, target_ms: float) -> bool:
+        return self.predict(decodes, tokens, context) * (1 + self.margin) <= target_ms
 
-    def max_chunk(self, decodes: float, context: float, target_ms: float, limit: int) -> int:
-        """The largest chunk c in [0, limit] with predict(decodes, c, context) · (1 + margin) <=
+    def max_chunk(self, decodes: int, context: float, target_ms: float, limit: int) -> int:
+        """The largest prefill chunk c in [0, limit] whose step (d decodes and c prefill tokens:
+        ``d + c`` tokens, or the decode-only step for c = 0) has predict · (1 + margin) <=
         target_ms; -1 when not even the decodes alone fit. The prediction is linear in c between
         grid points, so each piece is solved directly, from the top piece down."""
-        fits = lambda c: self.fits(decodes, c, context, target_ms)  # noqa: E731
+        d = decodes
+        fits = lambda c: self.fits(d, d + c if c else 0, context, target_ms)  # noqa: E731
         if limit < 0:
             return -1
-        knots = [c for c in self.chunks if c < limit] + [limit]
-        for a, b in zip(reversed(knots[:-1]), reversed(knots[1:])):
-            if fits(b):
-                return self._settle(b, limit, fits)
-            if fits(a):
-                fa = self.predict(decodes, a, context) * (1 + self.margin)
-                fb = self.predict(decodes, b, context) * (1 + self.margin)
-                c = a + math.floor((target_ms - fa) / (fb - fa) * (b - a))
-                return self._settle(min(max(c, a), b), limit, fits)
+        if limit >= 1:
+            knots = [1] + [t - d for t in self.tokens[1:] if 1 < t - d < limit] + ([limit] if limit > 1 else [])
+            if len(knots) == 1 and fits(1):
+                return 1
+            for a, b in zip(reversed(knots[:-1]), reversed(knots[1:])):
+                if fits(b):
+                    return self._settle(b, limit, fits)
+                if fits(a):
+                    fa = self.predict(d, d + a, context) * (1 + self.margin)
+                    fb = self.predict(d, d + b, context) * (1 + self.margin)
+                    c = a + math.floor((target_ms - fa) / (fb - fa) * (b - a)) if fb > fa else b
+                    return self._settle(min(max(c, a), b), limit, fits)
         return 0 if fits(0) else -1
 
     @staticmethod
@@ -202,12 +227,12 @@ class LatencyTable:
 
     # ------------------------------------------------------------------ building, files
     @classmethod
-    def from_measurements(cls, decodes, chunks, contexts, step_ms, deployment: Deployment | None,
+    def from_measurements(cls, decodes, tokens, contexts, step_ms, deployment: Deployment | None,
                           repeat_deviations=(), q: float = MARGIN_QUANTILE, profile: dict | None = None,
                           created: str | None = None) -> "LatencyTable":
         """A table whose margin is learned from the grid and the repeats (module docstring)."""
-        table = cls(decodes, chunks, contexts, step_ms, 0.0, deployment, q)  # validates the grid
-        loo = loo_residuals((table.decodes, table.chunks, table.contexts), table.step_ms)
+        table = cls(decodes, tokens, contexts, step_ms, 0.0, deployment, q)  # validates the grid
+        loo = loo_residuals((table.decodes, table.tokens, table.contexts), table.step_ms, first=(0, 1, 0))
         parts, sources = [], []
         if loo:
             parts.append(max(0.0, quantile(loo, q)))
@@ -223,7 +248,7 @@ class LatencyTable:
     def to_dict(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "created": self.created,
                 "deployment": None if self.deployment is None else self.deployment.to_dict(),
-                "grid": {"decodes": list(self.decodes), "chunks": list(self.chunks), "contexts": list(self.contexts)},
+                "grid": {"decodes": list(self.decodes), "tokens": list(self.tokens), "contexts": list(self.contexts)},
                 "step_ms": [[list(c) for c in r] for r in self.step_ms],
                 "margin": {"value": self.margin, "quantile": self.margin_quantile, "source": self.margin_source},
                 "profile": self.profile}
@@ -245,8 +270,8 @@ class LatencyTable:
             if key not in data:
                 raise SpearError(f"{where}: lacks {key!r}")
         grid, margin = data["grid"], data["margin"]
-        if not isinstance(grid, dict) or set(grid) != {"decodes", "chunks", "contexts"}:
-            raise SpearError(f"{where}: grid must be an object with decodes, chunks and contexts")
+        if not isinstance(grid, dict) or set(grid) != {"decodes", "tokens", "contexts"}:
+            raise SpearError(f"{where}: grid must be an object with decodes, tokens and contexts")
         if not isinstance(margin, dict) or "value" not in margin:
             raise SpearError(f"{where}: margin must be an object with a value")
         q = margin.get("quantile", MARGIN_QUANTILE)
@@ -257,7 +282,7 @@ class LatencyTable:
         if not isinstance(profile, dict):
             raise SpearError(f"{where}: profile must be an object")
         table = cls.__new__(cls)
-        for k, v in dict(decodes=grid["decodes"], chunks=grid["chunks"], contexts=grid["contexts"],
+        for k, v in dict(decodes=grid["decodes"], tokens=grid["tokens"], contexts=grid["contexts"],
                          step_ms=data["step_ms"], margin=margin["value"],
                          deployment=None if dep is None else Deployment.from_dict(dep, where),
                          margin_quantile=float(q), margin_source=str(margin.get("source", "given")),

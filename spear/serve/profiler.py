@@ -2,13 +2,15 @@
 
 For each context L and decode count d of the grid, ``profile`` brings d requests to their
 decode phase through the engine's public API (prompts of about L tokens, greedy, EOS ignored),
-then runs rounds over the grid's chunks: a chunk of c tokens is one more request of a c-token
-prompt and ``max_tokens=1``, admitted and prefilled whole in the next step beside the d decodes
-and finished by it. Each timed step is checked against the engine's step record (exactly d
-decodes and c prefill tokens) and timed around ``engine.step()`` with CUDA synchronized on both
+then runs rounds over the grid's step sizes: a step of T tokens (T > 0) is one more request of a
+(T - d)-token prompt and ``max_tokens=1``, admitted and prefilled whole in the next step beside
+the d decodes and finished by it; T = 0 is the decode-only step. The grid's step sizes are CUDA
+graph sizes of the mixed steps (16, 32, 64, multiples of 128: spear/serve/graphs.py), so every
+timed mixed step runs unpadded. Each timed step is checked against the engine's step record
+(exactly d decodes and T - d prefill tokens) and timed around ``engine.step()`` with CUDA synchronized on both
 sides. The first ``warmup`` rounds are not timed; a point's time is the median of its
 ``repeats``. The decodes' context grows by one token a step, so their prompts start about half
-a block's timed steps below L, and the rounds interleave the chunks: every chunk is timed at
+a block's timed steps below L, and the rounds interleave the sizes: every size is timed at
 contexts centred on L (the table records the mean context each point saw).
 
 ``table_for`` is the engine's start-up hook when it has a target and no table: the cached one,
@@ -35,32 +37,41 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Grid:
     decodes: tuple[int, ...]
-    chunks: tuple[int, ...]
+    tokens: tuple[int, ...]   # step sizes: 0 (decode-only), then mixed steps of more tokens than decodes
     contexts: tuple[int, ...]
 
     def __post_init__(self):
-        for name, minimum in (("decodes", 1), ("chunks", 0), ("contexts", 1)):
+        for name, minimum in (("decodes", 1), ("tokens", 0), ("contexts", 1)):
             v = getattr(self, name)
             if not v or any(isinstance(x, bool) or not isinstance(x, int) or x < minimum for x in v) \
                     or list(v) != sorted(set(v)):
                 raise SpearError(f"the profile grid's {name} must be increasing whole numbers >= {minimum}, "
                                  f"got {list(v)}")
-        if self.chunks[0] != 0:
-            raise SpearError(f"the profile grid's chunks must include 0 (the decode-only step), got {list(self.chunks)}")
+        if self.tokens[0] != 0:
+            raise SpearError(f"the profile grid's tokens must include 0 (the decode-only step), got {list(self.tokens)}")
+        if len(self.tokens) > 1 and self.tokens[1] <= self.decodes[-1]:
+            raise SpearError(f"the profile grid's step sizes must exceed its most decodes ({self.decodes[-1]}): a "
+                             f"step of T tokens is d decodes and T - d >= 1 prefill tokens; got {list(self.tokens)}")
+
+    @property
+    def max_chunk(self) -> int:
+        """The longest prefill chunk of the grid: its largest step beside its fewest decodes."""
+        return max(0, self.tokens[-1] - self.decodes[0]) if len(self.tokens) > 1 else 0
 
 
-DEFAULT_GRID = Grid((1, 8, 32, 64), (0, 64, 128, 256, 512, 1024, 2048), (256, 1024, 2048, 4096))  # served contexts to 4k
+# step sizes: mixed-step graph sizes (spear/serve/graphs.py); contexts: served contexts to 4k
+DEFAULT_GRID = Grid((1, 8, 32, 63), (0, 64, 128, 256, 512, 1024, 2048), (256, 1024, 2048, 4096))
 TINY_GRID = Grid((1, 2, 4), (0, 16, 64), (32, 96))   # seconds on a CPU
 QUICK_REPEATS, QUICK_WARMUP = 3, 1
 
 
 def _rounds_steps(grid: Grid, repeats: int, warmup: int) -> int:
-    return (repeats + warmup) * len(grid.chunks)
+    return (repeats + warmup) * len(grid.tokens)
 
 
 def _prompt_len(L: int, grid: Grid, repeats: int, warmup: int) -> int:
     steps = _rounds_steps(grid, repeats, warmup)
-    mean_step = (warmup * len(grid.chunks) + steps - 1) / 2  # of the timed steps, counted from the first decode
+    mean_step = (warmup * len(grid.tokens) + steps - 1) / 2  # of the timed steps, counted from the first decode
     return max(1, round(L - 1 - mean_step))
 
 
@@ -72,11 +83,11 @@ def _max_tokens(engine, d: int, p: int, steps: int) -> int:
 def problems(engine, grid: Grid, repeats: int, warmup: int) -> list[str]:
     """Why ``engine`` cannot produce every step of ``grid`` (empty: it can)."""
     cfg, out = engine.config, []
-    d_max, c_max = max(grid.decodes), max(grid.chunks)
-    if c_max and d_max + 1 > cfg.max_num_seqs:
+    d_max, t_max, c_max = max(grid.decodes), max(grid.tokens), grid.max_chunk
+    if t_max and d_max + 1 > cfg.max_num_seqs:
         out.append(f"{d_max} decodes beside a prefill need max_num_seqs >= {d_max + 1} (it is {cfg.max_num_seqs})")
-    if d_max + c_max > cfg.max_num_batched_tokens:
-        out.append(f"{d_max} decodes + a {c_max}-token chunk need max_num_batched_tokens >= {d_max + c_max} "
+    if t_max > cfg.max_num_batched_tokens:
+        out.append(f"steps of {t_max} tokens need max_num_batched_tokens >= {t_max} "
                    f"(it is {cfg.max_num_batched_tokens})")
     steps = _rounds_steps(grid, repeats, warmup)
     bs, blocks = engine.block_manager.block_size, engine.block_manager.num_free_blocks
@@ -94,21 +105,22 @@ def problems(engine, grid: Grid, repeats: int, warmup: int) -> list[str]:
 
 def quick_grid(engine) -> Grid:
     """The start-up grid: DEFAULT_GRID cut to the engine's limits (max_num_seqs - 1 decodes beside a
-    prefill, max_num_batched_tokens, the contexts the KV cache and max_model_len hold)."""
+    prefill; step sizes above them up to max_num_batched_tokens, which is a graph size; the contexts
+    the KV cache and max_model_len hold)."""
     cfg = engine.config
     d_max = cfg.max_num_seqs - 1
     if d_max < 1:
         raise SpearError("a latency table needs max_num_seqs >= 2 (decodes beside a prefill)")
     decodes = tuple(sorted({d for d in DEFAULT_GRID.decodes if d < d_max} | {d_max}))
-    top = cfg.max_num_batched_tokens - d_max
-    chunks = tuple(sorted({c for c in DEFAULT_GRID.chunks if c < top} | {top}))
+    top = cfg.max_num_batched_tokens
+    tokens = tuple(sorted({t for t in DEFAULT_GRID.tokens if t == 0 or d_max < t < top} | {top}))
     fit = [L for L in DEFAULT_GRID.contexts
-           if not problems(engine, Grid(decodes, chunks, (L,)), QUICK_REPEATS, QUICK_WARMUP)]
+           if not problems(engine, Grid(decodes, tokens, (L,)), QUICK_REPEATS, QUICK_WARMUP)]
     if not fit:
-        why = problems(engine, Grid(decodes, chunks, DEFAULT_GRID.contexts[:1]), QUICK_REPEATS, QUICK_WARMUP)
+        why = problems(engine, Grid(decodes, tokens, DEFAULT_GRID.contexts[:1]), QUICK_REPEATS, QUICK_WARMUP)
         raise SpearError(f"the engine cannot profile even a {DEFAULT_GRID.contexts[0]}-token context: "
                          f"{'; '.join(why)}; give it a table (`spear profile`, --latency-table)")
-    return Grid(decodes, chunks, tuple(fit))
+    return Grid(decodes, tokens, tuple(fit))
 
 
 def _sync(device: torch.device) -> None:
@@ -136,7 +148,7 @@ def profile(engine, grid: Grid = DEFAULT_GRID, repeats: int = 5, warmup: int = 1
     device, vocab = engine.runner.device, engine.model.config.vocab_size
     rng = random.Random(0)
     prompt = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
-    shape = (len(grid.decodes), len(grid.chunks), len(grid.contexts))
+    shape = (len(grid.decodes), len(grid.tokens), len(grid.contexts))
     times = [[[[] for _ in range(shape[2])] for _ in range(shape[1])] for _ in range(shape[0])]
     seen_ctx = [[[[] for _ in range(shape[2])] for _ in range(shape[1])] for _ in range(shape[0])]
     steps = _rounds_steps(grid, repeats, warmup)
@@ -150,7 +162,8 @@ def profile(engine, grid: Grid = DEFAULT_GRID, repeats: int = 5, warmup: int = 1
         while pending:  # every decode past its prompt
             pending -= {o.request_id for o in engine.step() if o.num_output_tokens}
         for r in range(rounds):
-            for j, c in enumerate(grid.chunks):
+            for j, t in enumerate(grid.tokens):
+                c = t - d if t else 0
                 if c:
                     engine.add_request(prompt(c), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
                                        request_id=f"profile-{next(ids)}")
@@ -192,7 +205,7 @@ def profile(engine, grid: Grid = DEFAULT_GRID, repeats: int = 5, warmup: int = 1
             "max_num_seqs": engine.config.max_num_seqs, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
             "observed_context": [[[round(statistics.fmean(seen_ctx[i][j][k]), 2) for k in range(shape[2])]
                                   for j in range(shape[1])] for i in range(shape[0])]}
-    return LatencyTable.from_measurements(grid.decodes, grid.chunks, grid.contexts, med, engine.deployment,
+    return LatencyTable.from_measurements(grid.decodes, grid.tokens, grid.contexts, med, engine.deployment,
                                           deviations, profile=info)
 
 
@@ -204,7 +217,7 @@ def table_for(engine, progress: bool = False) -> LatencyTable:
         return table
     grid = quick_grid(engine)
     log.warning("no latency table is cached for this deployment; profiling %d x %d x %d steps now", len(grid.decodes),
-                len(grid.chunks), len(grid.contexts))
+                len(grid.tokens), len(grid.contexts))
     table = profile(engine, grid, QUICK_REPEATS, QUICK_WARMUP, progress=progress)
     path = table.save(cache_path(engine.deployment))
     log.warning("latency table written to %s", path)

@@ -25,11 +25,12 @@ With an inter-token latency target (``itl_slo_ms``) and a latency table
 after the decodes is no longer fixed: every running decode is scheduled, then the
 prefill chunks (running prompts, then admissions) share the largest chunk ``c`` whose
 predicted step time, with the table's margin, keeps the step within the target:
-``predict(d, c, L) · (1 + margin) <= itl_slo_ms`` for ``d`` decodes of mean context
-``L``. It is at least ``min_chunk_tokens`` (when decodes alone break the target,
-prompts still advance), and ``max_num_batched_tokens`` stays the ceiling of a step. A
-step without decodes has no inter-token latency at stake and gets the ceiling. Without
-a target the schedule is exactly the static one; a table alone only adds predictions.
+``predict(d, d + c, L) · (1 + margin) <= itl_slo_ms`` for ``d`` decodes of mean context
+``L`` (the table's second axis is the step's tokens). It is at least ``min_chunk_tokens``
+(when decodes alone break the target, prompts still advance), and
+``max_num_batched_tokens`` stays the ceiling of a step. A step without decodes has no
+inter-token latency at stake and gets the ceiling. Without a target the schedule is
+exactly the static one; a table alone only adds predictions.
 
 Where the runner replays mixed steps as CUDA graphs of padded token counts (``token_sizes``,
 spear/serve/graphs.py), a step of ``n`` tokens costs what the smallest size ``>= n`` costs: the
@@ -195,8 +196,8 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         if self.latency is not None and d:
-            prefill = self.padded(out.num_tokens) - d if out.prefill_tokens else 0  # decode-only: decode graphs
-            out.predicted_ms = self.latency.predict(d, prefill, out.decode_context)
+            tokens = self.padded(out.num_tokens) if out.prefill_tokens else 0  # decode-only: decode graphs
+            out.predicted_ms = self.latency.predict(d, tokens, out.decode_context)
         return out
 
     def padded(self, tokens: int) -> int:

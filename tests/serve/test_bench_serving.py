@@ -66,7 +66,7 @@ def test_tiny_run_under_a_latency_target(bench, tmp_path):
     argv = ["--tiny", "--variants", "w4", "--budgets", "32", "--itl-slo-ms", "1000,0.000001", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert [r["budget"] for r in rows] == [32, "SLO 1000 ms (<= 68)", "SLO 1e-06 ms (<= 68)"]
+    assert [r["budget"] for r in rows] == [32, "SLO 1000 ms (<= 64)", "SLO 1e-06 ms (<= 64)"]
     assert "slo_attainment_pct" not in rows[0]
     assert rows[1]["slo_attainment_pct"] == 100.0 and rows[2]["slo_attainment_pct"] == 0.0
     for r in rows[1:]:

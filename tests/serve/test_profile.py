@@ -19,12 +19,12 @@ def test_profile_cli_tiny_writes_a_table_the_engine_finds(tiny_llama_path, tmp_p
     engine = LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(max_num_seqs=4))
     table = load_table(cache_path(engine.deployment))  # the same deployment, whatever max_num_seqs
     table.check_for(engine.deployment)
-    assert (table.decodes, table.chunks, table.contexts) == (TINY_GRID.decodes, TINY_GRID.chunks, TINY_GRID.contexts)
+    assert (table.decodes, table.tokens, table.contexts) == (TINY_GRID.decodes, TINY_GRID.tokens, TINY_GRID.contexts)
     assert table.profile["repeats"] == 3 and table.deployment.density.modules == 0
     for i, d in enumerate(table.decodes):
-        for j, c in enumerate(table.chunks):
+        for j, t in enumerate(table.tokens):
             for k, L in enumerate(table.contexts):
-                pred = table.predict(d, c, L)
+                pred = table.predict(d, t, L)
                 assert abs(pred - table.step_ms[i][j][k]) <= table.margin * pred  # the measured points come back
                 # the timed steps' decodes sat at contexts centred on L
                 assert abs(table.profile["observed_context"][i][j][k] - L) <= 1.5
@@ -39,8 +39,9 @@ def test_start_up_profiles_once_when_nothing_is_cached(tiny_llama_path, tmp_path
     cfg = EngineConfig(itl_slo_ms=50.0, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=512)
     engine = LLMEngine.from_pretrained(str(tiny_llama_path), cfg)
     table = engine.scheduler.latency
-    # the quick grid fitted to the engine: 2 decodes beside a prefill, 64 - 2 tokens, the contexts that fit 512
-    assert (table.decodes, table.chunks, table.contexts) == ((1, 2), (0, 62), (256,))
+    # the quick grid fitted to the engine: 2 decodes beside a prefill, steps of 64 tokens (the sizes of
+    # DEFAULT_GRID above 2 and below the budget: none), the contexts that fit 512
+    assert (table.decodes, table.tokens, table.contexts) == ((1, 2), (0, 64), (256,))
     assert load_table(cache_path(engine.deployment)) == table
     assert not engine.has_unfinished() and engine.num_steps == 0 and engine.last_step is None
     out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
@@ -51,12 +52,14 @@ def test_profile_refuses_what_it_cannot_measure(tiny_llama_path):
     engine = LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(max_num_seqs=4, max_num_batched_tokens=64,
                                                                           max_model_len=256))
     with pytest.raises(SpearError, match=r"max_num_seqs >= 9 .*max_num_batched_tokens >= 72 .*max_model_len >= "):
-        profile(engine, Grid((8,), (0, 64), (300,)))
+        profile(engine, Grid((8,), (0, 72), (300,)))
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(SpearError, match="idle engine"):
         profile(engine, Grid((1,), (0,), (16,)))
-    with pytest.raises(SpearError, match="chunks must include 0"):
+    with pytest.raises(SpearError, match="tokens must include 0"):
         Grid((1,), (16,), (16,))
+    with pytest.raises(SpearError, match="step sizes must exceed its most decodes"):
+        Grid((1, 16), (0, 16), (16,))
     with pytest.raises(SpearError, match="decodes must be increasing"):
         Grid((4, 2), (0,), (16,))
 

@@ -18,10 +18,11 @@ TARGET, MARGIN = 20.0, 0.25
 
 
 def table_for(deployment):
-    # step = 4 + d/4 + c/8 + L/1024 ms: at 16 ms (20 / 1.25) one decode leaves room for ~94 tokens
-    f = lambda d, c, L: 4 + d / 4 + c / 8 + L / 1024  # noqa: E731
-    decodes, chunks, contexts = (1, 8), (0, 64, 256), (1, 1024)
-    return LatencyTable(decodes, chunks, contexts, [[[f(d, c, L) for L in contexts] for c in chunks]
+    # d decodes and c prefill tokens (a step of T = d + c tokens) take 4 + d/4 + c/8 + L/1024 ms: at
+    # 16 ms (20 / 1.25) one decode leaves room for ~94 tokens; linear from T = 9 on, so exact there
+    f = lambda d, t, L: 4 + d / 4 + (t - d if t else 0) / 8 + L / 1024  # noqa: E731
+    decodes, tokens, contexts = (1, 8), (0, 9, 64, 256), (1, 1024)
+    return LatencyTable(decodes, tokens, contexts, [[[f(d, t, L) for L in contexts] for t in tokens]
                                                     for d in decodes], MARGIN, deployment)
 
 

@@ -3,8 +3,11 @@ as the table dictates, the starvation bound, preemption), denser compensators ge
 chunks, and without a target the static schedule exactly, against a copy of the static logic.
 
 Synthetic tables are linear in each axis, so the largest chunk within a target has a closed
-form, computed here with exact fractions: step = base + d/a + c/b + L/1024 ms and the table's
-margin m give c* = floor(b · (target / (1 + m) - base - d/a - L/1024)).
+form, computed here with exact fractions: a step of d decodes and c prefill tokens (T = d + c
+tokens, the table's second axis) takes base + d/a + c/b + L/1024 ms, and the table's margin m
+gives c* = floor(b · (target / (1 + m) - base - d/a - L/1024)). Its mixed sizes start at 9 tokens,
+above its 8 decodes; the steps here hold at most 8 decodes and at least 9 tokens, or none (the
+closed form extrapolates the decodes' axis linearly, as the table does).
 """
 
 import math
@@ -25,9 +28,9 @@ TARGET, MARGIN = 20.0, 0.25   # the scheduler keeps predict <= 20 / 1.25 = 16 ms
 
 
 def linear_table(base=4, per_decode=4, per_chunk_token=64, contexts=(1, 8192), margin=MARGIN):
-    f = lambda d, c, L: base + d / per_decode + c / per_chunk_token + L / 1024  # noqa: E731
-    decodes, chunks = (1, 64), (0, 512, 4096)
-    return LatencyTable(decodes, chunks, contexts, [[[f(d, c, L) for L in contexts] for c in chunks]
+    f = lambda d, t, L: base + d / per_decode + (t - d if t else 0) / per_chunk_token + L / 1024  # noqa: E731
+    decodes, tokens = (1, 8), (0, 9, 512, 4096)
+    return LatencyTable(decodes, tokens, contexts, [[[f(d, t, L) for L in contexts] for t in tokens]
                                                     for d in decodes], margin)
 
 
