@@ -9,7 +9,8 @@ bytes, ECs on every linear) one random model at the shape (HF init, fp16 on CUDA
 per workload (``slo_cases.WORKLOADS``, seeded Poisson arrivals, random prompt ids, EOS ignored)
 each static budget runs once and is scored against every target (its schedule does not depend on
 the target), and the latency-target scheduler runs once per target with the largest static
-budget as its ceiling; its latency table is profiled at the first start and cached for the
+budget as its ceiling, on that budget's engine (the same deployment: after the static run its
+scheduler takes the latency table and the target); the table is profiled once and cached for the
 deployment (``spear profile``'s quick grid). Requests are replayed in real time against
 ``LLMEngine`` as in ``bench_serving.py``: a token's time is the end of the step that made it.
 
@@ -46,6 +47,16 @@ from spear.serve import EngineConfig, LLMEngine  # noqa: E402
 
 TINY_WORKLOADS = (cases.Workload("mixed", 6, 40.0, 8, 40, 6, 0), cases.Workload("heavy", 8, 60.0, 16, 60, 8, 1))
 TINY_STATIC, TINY_CEILING = (16, 32, 64), 64  # the tiny profile grid: steps of up to 64 tokens
+
+
+def latency_table(engine: LLMEngine, tiny: bool):
+    """The engine's deployment table: the cached one or the quick grid's (``spear profile``); on the
+    tiny model the tiny grid (the quick grid needs 256-token contexts)."""
+    from spear.serve.profiler import TINY_GRID, profile, table_for
+
+    if engine.scheduler.latency is not None:
+        return engine.scheduler.latency
+    return profile(engine, TINY_GRID, repeats=2) if tiny else table_for(engine)
 
 
 def requests_of(workload: cases.Workload, vocab: int) -> list[Request]:
@@ -125,42 +136,49 @@ def main(argv=None) -> int:
                 workload = workloads_of[wname]
                 reqs = requests_of(workload, vocab)
                 max_len = workload.prompt_max + workload.output_tokens + 1
+                # the latency-target runs reuse the engine of the static budget equal to their ceiling
+                # (the same deployment): after its static run the scheduler gets the table and a target
                 runs = [(s, None) for s in statics] + [(cases.SCHEDULERS[-1], t) for t in targets]
+                engine = None
                 for sched, target in runs:
                     budget = ceiling if sched.slo else sched.max_num_batched_tokens
                     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=max(max_len, 160 if args.tiny else 0),
-                                       max_num_batched_tokens=max(budget, args.max_num_seqs), itl_slo_ms=target,
+                                       max_num_batched_tokens=max(budget, args.max_num_seqs),
                                        num_blocks=args.max_num_seqs * math.ceil(max(max_len, 160) / 16) + 16)
                     base = dict(density=dname, ec_pct=round(ec_pct, 3), workload=wname, scheduler=sched.name,
                                 budget=budget)
                     try:
-                        if target is not None and args.tiny:  # the start-up grid needs 256-token contexts
-                            from spear.serve.profiler import TINY_GRID, profile
-
-                            cfg.latency_table = profile(LLMEngine(model, IdsTokenizer(), replace(cfg, itl_slo_ms=None)),
-                                                        TINY_GRID, repeats=2)
-                        engine = LLMEngine(model, IdsTokenizer(), cfg)
-                        engine.warmup()
+                        if engine is None or engine.config.max_num_batched_tokens != cfg.max_num_batched_tokens:
+                            engine = None
+                            gc.collect()
+                            if device == "cuda":
+                                torch.cuda.empty_cache()
+                            engine = LLMEngine(model, IdsTokenizer(), cfg)
+                            engine.warmup()
+                        if target is not None:
+                            engine.scheduler.set_latency(latency_table(engine, args.tiny), target, cfg.min_chunk_tokens)
                         trace = run_in_process(engine, reqs)
                     except Exception as exc:  # recorded; a CUDA error ends the run
                         rows.append(dict(base, target_ms=target, error=repr(exc)))
                         print(f"  {base}: {exc!r}", flush=True)
                         if device == "cuda" and "CUDA" in str(exc):
                             raise
+                        engine = None
                         continue
                     timings = timings_of(trace)
                     for t in (targets if target is None else [target]):
                         m = cases.summarize(timings, t)
                         if target is not None:
                             m["prediction_within_10pct"] = cases.prediction_accuracy(trace.records)
+                            m["latency_margin"] = engine.scheduler.latency.margin
                         row = dict(base, target_ms=t, **m)
                         rows.append(row)
                         case_rows.append((cases.Case(t, density, workload, sched), m))
                         print("  " + json.dumps(row), flush=True)
-                    del engine
-                    gc.collect()
-                    if device == "cuda":
-                        torch.cuda.empty_cache()
+                engine = None
+                gc.collect()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
                 write()
             if density.rank:
                 remove_ecs(modules)
