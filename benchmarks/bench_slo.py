@@ -15,7 +15,8 @@ deployment (``spear profile``'s quick grid). Requests are replayed in real time 
 ``LLMEngine`` as in ``bench_serving.py``: a token's time is the end of the step that made it.
 
 Writes ``results.json`` (every row: case, metrics, prediction accuracy of the latency-target runs),
-``table.md`` and ``floors.md`` (``slo_cases.floors`` on the rows present; a floor whose rows are
+``steps.json`` (per run, every step: decodes, tokens, padded tokens, decode context, predicted and
+measured ms), ``table.md`` and ``floors.md`` (``slo_cases.floors`` on the rows present; a floor whose rows are
 missing is not listed). A case that raises is recorded with its error; a CUDA error ends the run
 (the process's CUDA context is lost), with the rows so far written.
 """
@@ -57,6 +58,16 @@ def latency_table(engine: LLMEngine, tiny: bool):
     if engine.scheduler.latency is not None:
         return engine.scheduler.latency
     return profile(engine, TINY_GRID, repeats=2) if tiny else table_for(engine)
+
+
+STEP_COLUMNS = ["decodes", "tokens", "padded_tokens", "decode_context", "predicted_ms", "measured_ms"]
+
+
+def step_row(r, engine: LLMEngine) -> list:
+    """One StepRecord as STEP_COLUMNS (padded: the size of the mixed-step graph it replayed)."""
+    pred = None if r.predicted_ms is None else round(r.predicted_ms, 3)
+    return [r.num_decodes, r.num_tokens, 0 if r.decode_only else engine.scheduler.padded(r.num_tokens),
+            round(r.decode_context, 1), pred, round(r.measured_ms, 3)]
 
 
 def requests_of(workload: cases.Workload, vocab: int) -> list[Request]:
@@ -116,9 +127,11 @@ def main(argv=None) -> int:
     vocab = SHAPES[args.shape]["vocab_size"]
     rows: list[dict] = []
     case_rows: list[tuple] = []
+    steps: dict[str, list] = {}
 
     def write():
         (out / "results.json").write_text(json.dumps({"header": header, "args": vars(args), "rows": rows}, indent=2))
+        (out / "steps.json").write_text(json.dumps({"columns": STEP_COLUMNS, "runs": steps}))
         (out / "table.md").write_text(markdown(rows, header) + "\n")
         checks = cases.floors(case_rows) if case_rows else []
         (out / "floors.md").write_text("\n".join(f"- {'met' if ok else 'NOT met'}: {name} ({detail})"
@@ -166,6 +179,8 @@ def main(argv=None) -> int:
                         engine = None
                         continue
                     timings = timings_of(trace)
+                    steps[f"{dname} / {wname} / {sched.name}" + ("" if target is None else f" @ {target:g} ms")] = [
+                        step_row(r, engine) for r in trace.records]
                     for t in (targets if target is None else [target]):
                         m = cases.summarize(timings, t)
                         if target is not None:

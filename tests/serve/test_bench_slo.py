@@ -34,6 +34,14 @@ def test_tiny_grid(tmp_path):
     for i in range(0, 6, 2):  # one trace per static budget
         assert {k: v for k, v in rows[i].items() if k not in ("target_ms", "slo_attainment_pct")} == \
             {k: v for k, v in rows[i + 1].items() if k not in ("target_ms", "slo_attainment_pct")}
+    steps = json.loads((tmp_path / "steps.json").read_text())
+    assert steps["columns"][-2:] == ["predicted_ms", "measured_ms"]
+    work = mod.TINY_WORKLOADS[0].requests()
+    computed = sum(r.prompt_tokens + r.output_tokens - 1 for r in work)  # the last token is never fed back
+    assert len(steps["runs"]) == 5
+    for name, run in steps["runs"].items():  # every step of every run, predictions where a target scheduled
+        assert sum(r[1] for r in run) == computed, name
+        assert all((r[4] is not None) == (name.endswith("ms") and r[0] > 0) for r in run), name
     floors = (tmp_path / "floors.md").read_text()
     assert "met: ITL p99 <= target: mixed / 1% @ 1000 ms" in floors
     assert "NOT met: ITL p99 <= target: mixed / 1% @ 1e-06 ms" in floors
