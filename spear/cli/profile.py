@@ -43,8 +43,8 @@ def register(sub) -> None:
     g.add_argument("--decodes", type=_ints(1), help=f"running decodes (default: {fmt(DEFAULT_GRID.decodes)})")
     g.add_argument("--tokens", type=_ints(0),
                    help=f"step sizes in tokens, decodes included: 0 (the decode-only step), then sizes above the "
-                        f"most --decodes, best the mixed steps' CUDA graph sizes (16, 32, 64, multiples of 128) "
-                        f"(default: {fmt(DEFAULT_GRID.tokens)})")
+                        f"most --decodes (default: on CUDA graphs every mixed-step graph size above them up to "
+                        f"{DEFAULT_GRID.tokens[-1]} or --max-num-batched-tokens, else {fmt(DEFAULT_GRID.tokens)})")
     g.add_argument("--contexts", type=_ints(1),
                    help=f"the decodes' context in tokens (default: {fmt(DEFAULT_GRID.contexts)})")
     g.add_argument("--repeats", type=positive_int, help="timed steps per point, their median kept (default: 5; "
@@ -79,6 +79,10 @@ def main(args) -> int:
     d_max, t_max = max(grid.decodes), max(grid.tokens)
     engine = engine_from_args(args, max_num_seqs=max(args.max_num_seqs, d_max + (t_max > 0)),
                               max_num_batched_tokens=max(args.max_num_batched_tokens, t_max))
+    if not args.tokens and not args.tiny:
+        from spear.serve.profiler import step_sizes
+
+        grid = Grid(grid.decodes, step_sizes(engine, d_max, max(args.max_num_batched_tokens, t_max)), grid.contexts)
     table = profile(engine, grid, repeats, args.warmup, progress=progress)
     out = table.save(args.out or cache_path(engine.deployment))
     dep = table.deployment

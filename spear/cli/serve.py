@@ -62,7 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
                         "'peer' (each GPU reads the others' symmetric-memory buffers in one fused kernel with the "
                         "compensator's gate; no collective on the decode path) (default: %(default)s)")
     if not slo:
-        p.set_defaults(itl_slo_ms=None, latency_table=None, min_chunk=16)
+        p.set_defaults(itl_slo_ms=None, latency_table=None, min_chunk=16, no_latency_correction=False)
         return
     t = p.add_argument_group("latency target")
     t.add_argument("--itl-slo-ms", type=positive_float, metavar="MS",
@@ -75,6 +75,9 @@ def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
     t.add_argument("--min-chunk", type=positive_int, default=16, metavar="TOKENS",
                    help="prefill tokens a step takes at least under --itl-slo-ms, so prompts never starve "
                         "(default: %(default)s)")
+    t.add_argument("--no-latency-correction", action="store_true",
+                   help="predict with the table as measured; by default each kind of step's predictions are "
+                        "corrected by the running ratio of measured to predicted step times while serving")
 
 
 def engine_from_args(args, **changes):
@@ -96,6 +99,7 @@ def engine_from_args(args, **changes):
                   kv_memory=args.kv_memory, max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs,
                   kernels=kernel_policy(pdl=args.pdl, launch_table=args.launch_table), seed=args.seed,
                   itl_slo_ms=args.itl_slo_ms, latency_table=table, min_chunk_tokens=args.min_chunk,
+                  latency_correction=not args.no_latency_correction,
                   tensor_parallel_size=args.tensor_parallel, tp_reduce=args.tp_reduce)
     fields.update(changes)
     cfg = EngineConfig(**fields)

@@ -32,6 +32,8 @@ class EngineConfig:
     # this deployment, else one profiled at start-up and cached. A table alone adds predictions
     latency_table: object = None
     min_chunk_tokens: int = 16           # prefill tokens a step takes at least under a target
+    # correct the table's predictions by the measured steps, per kind of step (latency.Correction)
+    latency_correction: bool = True
     # tensor parallelism (spear/parallel): ranks, one process and device each (cuda:0..N-1, or the
     # CPU over gloo); how row-parallel layers sum ("allreduce": one collective of the partial output
     # and u; "peer": symmetric-memory buffers read by one fused kernel, CUDA); how long a rank
@@ -55,6 +57,8 @@ class EngineConfig:
         if isinstance(self.min_chunk_tokens, bool) or not isinstance(self.min_chunk_tokens, int) or \
                 self.min_chunk_tokens < 1:
             raise SpearError(f"min_chunk_tokens must be a whole number >= 1, got {self.min_chunk_tokens!r}")
+        if not isinstance(self.latency_correction, bool):
+            raise SpearError(f"latency_correction must be True or False, got {self.latency_correction!r}")
         if self.latency_table is not None and not isinstance(self.latency_table, (str, os.PathLike, LatencyTable)):
             raise SpearError(f"latency_table must be a LatencyTable or a path, got {type(self.latency_table).__name__}")
         tp = self.tensor_parallel_size

@@ -153,7 +153,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size)
         # a mixed step replayed as a graph costs its padded size: the chunks fill one
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_waiting, token_sizes=self.runner.mixed and tuple(self.runner.mixed.graphs))
+                                   config.max_waiting, token_sizes=self.runner.mixed and tuple(self.runner.mixed.graphs),
+                                   decode_sizes=tuple(self.runner.graphs) or None, correct=config.latency_correction)
         if pool is not None:
             pool.wait("that it is ready")
             self.runner.workers = pool
@@ -170,7 +171,7 @@ class LLMEngine:
         log.info("engine: %d KV blocks of %d tokens, max_model_len %d, %s %s", num_blocks, config.block_size,
                  self.max_model_len, device, dtype)
         if table is not None:
-            self.scheduler.set_latency(table, config.itl_slo_ms, config.min_chunk_tokens)
+            self.scheduler.set_latency(table, config.itl_slo_ms, config.min_chunk_tokens, config.latency_correction)
         elif config.itl_slo_ms is not None:
             self.prepare_latency()
 
@@ -181,7 +182,7 @@ class LLMEngine:
             from spear.serve.profiler import table_for
 
             self.scheduler.set_latency(table_for(self, progress=progress), self.config.itl_slo_ms,
-                                       self.config.min_chunk_tokens)
+                                       self.config.min_chunk_tokens, self.config.latency_correction)
         return self.scheduler.latency
 
     def warmup(self) -> float:
@@ -328,6 +329,7 @@ class LLMEngine:
                                     time.perf_counter() - t0, self.num_steps, sched.num_decodes,
                                     sched.prefill_tokens, sched.decode_context, sched.chunk_budget,
                                     sched.predicted_ms)
+        self.scheduler.observe(sched, self.last_step.measured_ms)
         return outputs
 
     def _execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor | None,

@@ -53,6 +53,8 @@ FORMAT = "spear-latency-table"
 VERSION = 3
 MARGIN_QUANTILE = 0.9
 DEFAULT_MARGIN = 0.10  # a table with nothing to learn from (no interior points, no repeats)
+CORRECTION_WEIGHT = 0.1          # the newest step's weight in a step kind's running residual
+CORRECTION_BOUNDS = (-0.5, 1.0)  # the running residual stays within these (a factor of 0.5 to 2)
 
 
 def _bracket(axis: tuple[int, ...], x: float) -> tuple[int, int, float]:
@@ -305,6 +307,39 @@ class LatencyTable:
         if bad:
             raise SpearError(f"{where} was measured on another deployment: {'; '.join(bad)}; profile this one "
                              "with `spear profile`")
+
+
+class Correction:
+    """The relative error of a table's predictions while serving, per kind of step, learned online.
+
+    A table is measured under the profile's conditions (every decode at the same context, a fresh
+    prompt admitted and finished in each timed mixed step); served steps differ (decodes of mixed
+    contexts, chunks of long prompts, the GPU's clocks under sustained load), and the difference is
+    mostly a steady bias of each kind of step. After each step with a prediction the engine reports
+    the measured time: the kind's running residual r (measured / predicted - 1, an exponentially
+    weighted mean with ``CORRECTION_WEIGHT``, within ``CORRECTION_BOUNDS``) multiplies the next
+    predictions of that kind by (1 + r). A kind is the step's padded size on CUDA graphs (the
+    decode-only steps are kind 0), or 0 / 1 (decode-only / mixed) without them. Pure Python."""
+
+    def __init__(self, weight: float = CORRECTION_WEIGHT, bounds: tuple[float, float] = CORRECTION_BOUNDS):
+        if not 0 < weight <= 1:
+            raise ValueError(f"the correction's weight must be in (0, 1], got {weight!r}")
+        self.weight, self.bounds = weight, bounds
+        self.residual: dict[int, float] = {}
+        self.steps: dict[int, int] = {}
+
+    def factor(self, kind: int) -> float:
+        return 1.0 + self.residual.get(kind, 0.0)
+
+    def observe(self, kind: int, table_ms: float, measured_ms: float) -> None:
+        """A step of ``kind`` the table priced at ``table_ms`` (uncorrected) took ``measured_ms``."""
+        if not (table_ms > 0 and math.isfinite(measured_ms) and measured_ms > 0):
+            return
+        r = measured_ms / table_ms - 1.0
+        old = self.residual.get(kind, 0.0)  # from the table as measured: one odd step moves it by weight x r
+        new = old + self.weight * (r - old)
+        self.residual[kind] = min(max(new, self.bounds[0]), self.bounds[1])
+        self.steps[kind] = self.steps.get(kind, 0) + 1
 
 
 def load_table(path: str | Path) -> LatencyTable:

@@ -112,8 +112,7 @@ def quick_grid(engine) -> Grid:
     if d_max < 1:
         raise SpearError("a latency table needs max_num_seqs >= 2 (decodes beside a prefill)")
     decodes = tuple(sorted({d for d in DEFAULT_GRID.decodes if d < d_max} | {d_max}))
-    top = cfg.max_num_batched_tokens
-    tokens = tuple(sorted({t for t in DEFAULT_GRID.tokens if t == 0 or d_max < t < top} | {top}))
+    tokens = step_sizes(engine, d_max, cfg.max_num_batched_tokens)
     fit = [L for L in DEFAULT_GRID.contexts
            if not problems(engine, Grid(decodes, tokens, (L,)), QUICK_REPEATS, QUICK_WARMUP)]
     if not fit:
@@ -121,6 +120,15 @@ def quick_grid(engine) -> Grid:
         raise SpearError(f"the engine cannot profile even a {DEFAULT_GRID.contexts[0]}-token context: "
                          f"{'; '.join(why)}; give it a table (`spear profile`, --latency-table)")
     return Grid(decodes, tokens, tuple(fit))
+
+
+def step_sizes(engine, d_max: int, top: int) -> tuple[int, ...]:
+    """The grid's step sizes for an engine: with mixed-step CUDA graphs every graph size above
+    ``d_max`` up to ``top`` (the scheduler picks among them, so each is measured, not interpolated:
+    step time is not linear between sizes, e.g. 384 tokens cost 9% more than halfway between 256 and
+    512 on an H200); without, DEFAULT_GRID's sizes between them and ``top``. 0 first."""
+    sizes = engine.scheduler.token_sizes or DEFAULT_GRID.tokens
+    return (0,) + tuple(sorted({t for t in sizes if d_max < t < top} | {top}))
 
 
 def _sync(device: torch.device) -> None:
@@ -144,7 +152,8 @@ def profile(engine, grid: Grid = DEFAULT_GRID, repeats: int = 5, warmup: int = 1
     from tqdm.auto import tqdm
 
     engine.warmup()  # compile every step shape first (CUDA): no timed step may pay a compilation
-    saved = engine.num_steps, engine.last_step, engine.num_preemptions
+    saved = engine.num_steps, engine.last_step, engine.num_preemptions, engine.scheduler.correction
+    engine.scheduler.correction = None  # the profile's steps teach no correction
     device, vocab = engine.runner.device, engine.model.config.vocab_size
     rng = random.Random(0)
     prompt = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
@@ -196,7 +205,7 @@ def profile(engine, grid: Grid = DEFAULT_GRID, repeats: int = 5, warmup: int = 1
     finally:
         bar.close()
         engine.abort_all()
-        engine.num_steps, engine.last_step, engine.num_preemptions = saved
+        engine.num_steps, engine.last_step, engine.num_preemptions, engine.scheduler.correction = saved
     med = [[[statistics.median(times[i][j][k]) for k in range(shape[2])] for j in range(shape[1])]
            for i in range(shape[0])]
     deviations = [t / med[i][j][k] - 1 for i in range(shape[0]) for j in range(shape[1]) for k in range(shape[2])

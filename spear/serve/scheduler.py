@@ -36,7 +36,13 @@ Where the runner replays mixed steps as CUDA graphs of padded token counts (``to
 spear/serve/graphs.py), a step of ``n`` tokens costs what the smallest size ``>= n`` costs: the
 chunk under a target is then the largest that makes ``d + c`` one of the sizes (a chunk between
 two sizes would pay for the larger one while the table priced the smaller), and a step's
-prediction is the table's at its padded size.
+prediction is the table's at its padded size. Decode-only steps replay the decode graph of their
+padded batch (``decode_sizes``) and are priced at that batch.
+
+While it serves, the scheduler corrects the table by what the steps measure
+(``latency.Correction``, per padded size; off with ``correct=False``): each prediction, and so
+each chunk under a target, is the table's times the running ratio of measured to predicted for
+that kind of step.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from spear.serve.block_manager import BlockManager
-from spear.serve.latency import LatencyTable
+from spear.serve.latency import Correction, LatencyTable
 from spear.serve.sequence import Sequence, Status
 
 
@@ -75,7 +81,9 @@ class SchedulerOutput:
     num_decodes: int = 0                # the first num_decodes chunks are decodes
     decode_context: float = 0.0         # their mean context (tokens attended, the new one included)
     chunk_budget: int | None = None     # prefill tokens the latency target allowed (None: no target)
-    predicted_ms: float | None = None   # the table's step time for this composition (no margin)
+    predicted_ms: float | None = None   # the predicted step time (the table's, corrected; no margin)
+    table_ms: float | None = None       # the table's alone
+    step_kind: int = 0                  # the Correction's kind of this step
 
     @property
     def prefill_tokens(self) -> int:
@@ -96,7 +104,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_waiting: int, latency: LatencyTable | None = None, itl_slo_ms: float | None = None,
-                 min_chunk_tokens: int = 16, token_sizes: tuple[int, ...] | None = None):
+                 min_chunk_tokens: int = 16, token_sizes: tuple[int, ...] | None = None,
+                 decode_sizes: tuple[int, ...] | None = None, correct: bool = True):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({max_num_seqs}) so that every running sequence can decode each step")
@@ -106,11 +115,13 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order
         self.token_sizes = tuple(sorted(token_sizes)) if token_sizes else None  # padded step sizes (graphs)
-        self.set_latency(latency, itl_slo_ms, min_chunk_tokens)
+        self.decode_sizes = tuple(sorted(decode_sizes)) if decode_sizes else None  # decode graphs' batches
+        self.set_latency(latency, itl_slo_ms, min_chunk_tokens, correct)
 
     def set_latency(self, table: LatencyTable | None, itl_slo_ms: float | None = None,
-                    min_chunk_tokens: int = 16) -> None:
-        """Schedule against ``itl_slo_ms`` with ``table`` (module docstring); a table alone only predicts."""
+                    min_chunk_tokens: int = 16, correct: bool = True) -> None:
+        """Schedule against ``itl_slo_ms`` with ``table`` (module docstring); a table alone only predicts.
+        ``correct``: learn the table's error per kind of step from ``observe`` (a fresh correction)."""
         if itl_slo_ms is not None and table is None:
             raise ValueError("an inter-token latency target needs a latency table")
         if itl_slo_ms is not None and not (math.isfinite(itl_slo_ms) and itl_slo_ms > 0):
@@ -118,6 +129,7 @@ class Scheduler:
         if isinstance(min_chunk_tokens, bool) or not isinstance(min_chunk_tokens, int) or min_chunk_tokens < 1:
             raise ValueError(f"min_chunk_tokens must be a whole number >= 1, got {min_chunk_tokens!r}")
         self.latency, self.itl_slo_ms, self.min_chunk_tokens = table, itl_slo_ms, min_chunk_tokens
+        self.correction = Correction() if table is not None and correct else None
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -168,10 +180,7 @@ class Scheduler:
             out.decode_context = sum(c.start + 1 for c in out.chunks) / d
         if self.itl_slo_ms is not None:
             if d:
-                fit = self.latency.max_chunk(d, out.decode_context, self.itl_slo_ms, budget)
-                if self.token_sizes and fit > 0:  # the largest chunk that fills a padded size exactly
-                    fit = max((n - d for n in self.token_sizes if d < n <= d + fit), default=fit)
-                budget = min(budget, max(self.min_chunk_tokens, fit))
+                budget = min(budget, max(self.min_chunk_tokens, self._fit(d, out.decode_context, budget)))
             out.chunk_budget = budget
 
         for seq in self.running:
@@ -196,9 +205,42 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         if self.latency is not None and d:
-            tokens = self.padded(out.num_tokens) if out.prefill_tokens else 0  # decode-only: decode graphs
-            out.predicted_ms = self.latency.predict(d, tokens, out.decode_context)
+            if out.prefill_tokens:
+                tokens = self.padded(out.num_tokens)
+                out.table_ms = self.latency.predict(d, tokens, out.decode_context)
+                out.step_kind = tokens if self.token_sizes else 1
+            else:  # the decode graph of the padded batch
+                out.table_ms = self.latency.predict(self.decode_batch(d), 0, out.decode_context)
+                out.step_kind = 0
+            out.predicted_ms = out.table_ms * self._factor(out.step_kind)
         return out
+
+    def _factor(self, kind: int) -> float:
+        return 1.0 if self.correction is None else self.correction.factor(kind)
+
+    def _fit(self, d: int, context: float, limit: int) -> int:
+        """The largest prefill chunk within the target beside ``d`` decodes (0 or -1: none). With graph
+        sizes, the largest that fills one exactly, each size priced at its own (corrected) time."""
+        if not self.token_sizes:
+            return self.latency.max_chunk(d, context, self.itl_slo_ms / self._factor(1), limit)
+        scale = 1 + self.latency.margin
+        for n in reversed(self.token_sizes):
+            if n <= d:
+                break
+            if n - d <= limit and self.latency.predict(d, n, context) * self._factor(n) * scale <= self.itl_slo_ms:
+                return n - d
+        return 0
+
+    def observe(self, out: SchedulerOutput, measured_ms: float) -> None:
+        """The step ``out`` took ``measured_ms``: teach the correction (module docstring)."""
+        if self.correction is not None and out.table_ms is not None:
+            self.correction.observe(out.step_kind, out.table_ms, measured_ms)
+
+    def decode_batch(self, decodes: int) -> int:
+        """The batch a decode-only step of ``decodes`` sequences runs at (its decode graph's)."""
+        if self.decode_sizes is None or decodes > self.decode_sizes[-1]:
+            return decodes
+        return next(b for b in self.decode_sizes if b >= decodes)
 
     def padded(self, tokens: int) -> int:
         """The token count a step of ``tokens`` runs at: the smallest padded size that holds it."""

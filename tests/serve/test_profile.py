@@ -79,3 +79,19 @@ def test_ec_costs_on_a_w4_checkpoint(tiny_llama_path, tmp_path, capsys):
     assert costs.base_step_us > 0 and "decode step" in costs.base
     assert main(["-q", "profile", "--model", str(tiny_llama_path), "--ec-costs", str(out)]) == 2
     assert "no quantized linear" in capsys.readouterr().err
+
+
+def test_the_grid_steps_are_every_graph_size_the_scheduler_picks():
+    """On CUDA graphs the profile times every mixed-step graph size above the most decodes up to the
+    budget (the scheduler picks among them; step time is not linear between sizes); without graphs,
+    DEFAULT_GRID's sizes. Catches: sizes at or below the decodes (no prefill token), a missing size."""
+    from types import SimpleNamespace
+
+    from spear.serve.graphs import mixed_graph_sizes
+    from spear.serve.profiler import DEFAULT_GRID, step_sizes
+
+    graphs = SimpleNamespace(scheduler=SimpleNamespace(token_sizes=tuple(mixed_graph_sizes(1024))))
+    assert step_sizes(graphs, 63, 1024) == (0, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
+    assert step_sizes(graphs, 8, 200) == (0, 16, 32, 64, 128, 200)
+    eager = SimpleNamespace(scheduler=SimpleNamespace(token_sizes=None))
+    assert step_sizes(eager, 63, 1536) == (0,) + tuple(t for t in DEFAULT_GRID.tokens if 63 < t < 1536) + (1536,)

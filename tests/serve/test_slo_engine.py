@@ -54,7 +54,7 @@ def _run(engine, prompts, metrics=None):
 def test_the_engine_schedules_the_chunks_the_table_allows(static_engine, tiny_llama_path):
     table = table_for(static_engine.deployment)
     engine = LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(
-        max_num_seqs=4, max_num_batched_tokens=256, itl_slo_ms=TARGET, latency_table=table))
+        max_num_seqs=4, max_num_batched_tokens=256, itl_slo_ms=TARGET, latency_table=table, latency_correction=False))
     prompts = [[(7 * i + j) % 1000 + 1 for j in range(n)] for i, n in enumerate((30, 300, 250))]
     want, _ = _run(static_engine, prompts)
     metrics = ServingMetrics()
@@ -89,6 +89,38 @@ def test_the_engine_schedules_the_chunks_the_table_allows(static_engine, tiny_ll
     assert value("spear_step_chunk_budget_tokens") == records[-1].chunk_budget
 
 
+def test_the_correction_learns_the_measured_steps_and_moves_the_chunks(static_engine, tiny_llama_path):
+    """With the correction on, each prediction is the table's times (1 + the running residual of
+    its kind: 0 decode-only, 1 mixed on the CPU) over the steps before it, and each chunk budget is
+    the table's under the target divided by the mixed kind's factor; replayed here from the step
+    records with the synthetic formula. The CPU steps take ~3 ms against the table's ~15: the
+    residuals fall and the chunks grow beyond the table's.
+    Catches: a correction not fed by the engine, applied to the wrong kind, or learned from the
+    corrected prediction instead of the table's."""
+    engine = LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=256, itl_slo_ms=TARGET, latency_table=table_for(static_engine.deployment)))
+    prompts = [[(5 * i + j) % 900 + 1 for j in range(n)] for i, n in enumerate((20, 400, 400, 300))]
+    want, _ = _run(static_engine, prompts)
+    got, records = _run(engine, prompts)
+    assert got == want
+    residual = {0: 0.0, 1: 0.0}
+    for rec in records:
+        if rec.num_decodes == 0:
+            continue
+        kind = 0 if rec.prefill_tokens == 0 else 1
+        table_ms = 4 + rec.num_decodes / 4 + rec.prefill_tokens / 8 + rec.decode_context / 1024
+        assert rec.predicted_ms == pytest.approx(table_ms * (1 + residual[kind]), rel=1e-9)
+        fit = math.floor(8 * (TARGET / (1.25 * (1 + residual[1])) - 4 - rec.num_decodes / 4
+                              - rec.decode_context / 1024))
+        assert rec.chunk_budget == min(256 - rec.num_decodes, max(16, fit))
+        r = rec.measured_ms / table_ms - 1
+        residual[kind] = min(max(residual[kind] + 0.1 * (r - residual[kind]), -0.5), 1.0)
+    assert engine.scheduler.correction.residual == pytest.approx({k: v for k, v in residual.items() if v})
+    # faster than the table: chunks beyond what the table alone allows
+    assert residual[1] < -0.3 and any(r.num_decodes and r.chunk_budget > allowed(
+        r.num_decodes, Fraction(r.decode_context).limit_denominator(16), 256) for r in records)
+
+
 def test_a_table_alone_predicts_without_changing_the_schedule(static_engine, tiny_llama_path):
     engine = LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(
         max_num_seqs=4, max_num_batched_tokens=256, latency_table=table_for(static_engine.deployment)))
@@ -110,7 +142,8 @@ def test_tables_of_another_deployment_and_bad_settings_are_refused(static_engine
         LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(itl_slo_ms=TARGET, latency_table=str(path)))
     for bad, message in [(dict(itl_slo_ms=0), "itl_slo_ms must be a finite number"),
                          (dict(itl_slo_ms=float("nan")), "itl_slo_ms"), (dict(min_chunk_tokens=0), "min_chunk_tokens"),
-                         (dict(latency_table=3), "latency_table must be a LatencyTable or a path")]:
+                         (dict(latency_table=3), "latency_table must be a LatencyTable or a path"),
+                         (dict(latency_correction=1), "latency_correction must be True or False")]:
         with pytest.raises(SpearError, match=message):
             EngineConfig(**bad)
 
