@@ -154,7 +154,7 @@ class LLMEngine:
         # a mixed step replayed as a graph costs its padded size: the chunks fill one
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_waiting, token_sizes=self.runner.mixed and tuple(self.runner.mixed.graphs),
-                                   decode_sizes=tuple(self.runner.graphs) or None, correct=config.latency_correction)
+                                   correct=config.latency_correction)
         if pool is not None:
             pool.wait("that it is ready")
             self.runner.workers = pool

@@ -36,8 +36,10 @@ Where the runner replays mixed steps as CUDA graphs of padded token counts (``to
 spear/serve/graphs.py), a step of ``n`` tokens costs what the smallest size ``>= n`` costs: the
 chunk under a target is then the largest that makes ``d + c`` one of the sizes (a chunk between
 two sizes would pay for the larger one while the table priced the smaller), and a step's
-prediction is the table's at its padded size. Decode-only steps replay the decode graph of their
-padded batch (``decode_sizes``) and are priced at that batch.
+prediction is the table's at its padded size. Decode-only steps are priced at their own decode
+count, not their decode graph's padded batch: a padded row attends to one key, so the step costs
+what its real sequences cost (on an H200 the padded batch predicted 48-53% of decode-only steps
+within 10%, the real count 68-75%: benchmarks/replay_steps.py).
 
 While it serves, the scheduler corrects the table by what the steps measure
 (``latency.Correction``, per padded size; off with ``correct=False``): each prediction, and so
@@ -105,7 +107,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_waiting: int, latency: LatencyTable | None = None, itl_slo_ms: float | None = None,
                  min_chunk_tokens: int = 16, token_sizes: tuple[int, ...] | None = None,
-                 decode_sizes: tuple[int, ...] | None = None, correct: bool = True):
+                 correct: bool = True):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({max_num_seqs}) so that every running sequence can decode each step")
@@ -115,7 +117,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order
         self.token_sizes = tuple(sorted(token_sizes)) if token_sizes else None  # padded step sizes (graphs)
-        self.decode_sizes = tuple(sorted(decode_sizes)) if decode_sizes else None  # decode graphs' batches
         self.set_latency(latency, itl_slo_ms, min_chunk_tokens, correct)
 
     def set_latency(self, table: LatencyTable | None, itl_slo_ms: float | None = None,
@@ -209,8 +210,8 @@ class Scheduler:
                 tokens = self.padded(out.num_tokens)
                 out.table_ms = self.latency.predict(d, tokens, out.decode_context)
                 out.step_kind = tokens if self.token_sizes else 1
-            else:  # the decode graph of the padded batch
-                out.table_ms = self.latency.predict(self.decode_batch(d), 0, out.decode_context)
+            else:
+                out.table_ms = self.latency.predict(d, 0, out.decode_context)
                 out.step_kind = 0
             out.predicted_ms = out.table_ms * self._factor(out.step_kind)
         return out
@@ -235,12 +236,6 @@ class Scheduler:
         """The step ``out`` took ``measured_ms``: teach the correction (module docstring)."""
         if self.correction is not None and out.table_ms is not None:
             self.correction.observe(out.step_kind, out.table_ms, measured_ms)
-
-    def decode_batch(self, decodes: int) -> int:
-        """The batch a decode-only step of ``decodes`` sequences runs at (its decode graph's)."""
-        if self.decode_sizes is None or decodes > self.decode_sizes[-1]:
-            return decodes
-        return next(b for b in self.decode_sizes if b >= decodes)
 
     def padded(self, tokens: int) -> int:
         """The token count a step of ``tokens`` runs at: the smallest padded size that holds it."""

@@ -45,3 +45,26 @@ def test_tiny_grid(tmp_path):
     floors = (tmp_path / "floors.md").read_text()
     assert "met: ITL p99 <= target: mixed / 1% @ 1000 ms" in floors
     assert "NOT met: ITL p99 <= target: mixed / 1% @ 1e-06 ms" in floors
+
+
+def test_replay_scores_the_table_and_the_correction_on_recorded_steps():
+    """benchmarks/replay_steps.py on steps measured 20% over a synthetic table: none within 10% as
+    measured; corrected, a kind's k-th step is predicted at 1 + 0.2 (1 - 0.9^k) times the table,
+    within 10% of the measured 1.2 x once 0.2 x 0.9^k <= 0.12 (from k = 5 on).
+    Catches: the correction fed the corrected prediction, or kinds mixed up (decode-only vs mixed)."""
+    sys.path.insert(0, str(BENCH))
+    import replay_steps
+
+    from spear.serve.latency import LatencyTable
+
+    f = lambda d, t, L: 5 + d + (t / 100 if t else 0)  # noqa: E731
+    table = LatencyTable((1, 8), (0, 64, 128), (256, 1024), [[[f(d, t, L) for L in (256, 1024)] for t in (0, 64, 128)]
+                                                             for d in (1, 8)], 0.1)
+    rows = []
+    for i in range(40):  # alternating kinds: decode-only, then a 128-token mixed step
+        rows.append([4, 4, 0, 512.0, None, 1.2 * f(4, 0, 512)])
+        rows.append([4, 100, 128, 512.0, None, 1.2 * f(4, 128, 512)])
+    plain, fixed, n = replay_steps.replay(rows, table, [])
+    # per kind the residual after k steps is 0.2 (1 - 0.9^k): within 10% of 1.2 x from k = 6 on
+    within = sum(abs(1.2 - (1 + 0.2 * (1 - 0.9 ** k))) <= 0.12 for k in range(40)) * 2
+    assert (plain, n) == (0.0, 80) and fixed == within / 80

@@ -314,12 +314,10 @@ def test_the_correction_moves_a_chunk_to_the_next_size_once_that_size_runs_faste
     """Steps of 768 tokens measured at 0.85 x the table: after three of them the running residual
     (-0.15 (1 - 0.9^k)) is below -0.0342, where 768 fits 16 ms with the margin (the table prices 2
     decodes + 766 tokens at 16.566 ms), and the chunk grows from 638 to 766; decode-only steps are
-    priced at their decode graph's batch.
-    Catches: a correction that ignores the kind, one that jumps to the newest residual, decode-only
-    steps priced at the unpadded batch."""
+    priced at their real decode count (kind 0).
+    Catches: a correction that ignores the kind, one that jumps to the newest residual."""
     s = make(linear_table())
     s.token_sizes = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
-    s.decode_sizes = (1, 2, 4, 8)
     add(s, "a", 100)
     add(s, "b", 100)
     step(s)
@@ -338,12 +336,11 @@ def test_the_correction_moves_a_chunk_to_the_next_size_once_that_size_runs_faste
         s.observe(SchedulerOutput(table_ms=table_768, step_kind=768), 0.85 * table_768)
         expect[768] += 0.1 * (-0.15 - expect[768])
         assert s.correction.residual == pytest.approx(expect)
-    # a decode-only step of 3 sequences runs the 4-sequence graph: priced at 4 decodes
+    # a decode-only step of 3 sequences (a 4-sequence graph on CUDA) is priced at its 3 decodes
     s2 = make(linear_table())
-    s2.decode_sizes = (1, 2, 4, 8)
     for rid in "xyz":
         add(s2, rid, 10)
     step(s2)
     _, _, out = step(s2)
     assert out.prefill_tokens == 0 and out.num_decodes == 3 and out.step_kind == 0
-    assert out.table_ms == pytest.approx(4 + 4 / 4 + out.decode_context / 1024)
+    assert out.table_ms == pytest.approx(4 + 3 / 4 + out.decode_context / 1024)

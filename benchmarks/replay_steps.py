@@ -1,0 +1,70 @@
+"""Replay the steps a bench_slo run recorded (``steps.json``) against a latency table: the share of
+predictions within 10% of the measured step time, with the table as measured and with the online
+correction (``spear.serve.latency.Correction``) fed the measured times in order.
+
+    python benchmarks/replay_steps.py STEPS_JSON TABLE_JSON [--max-num-seqs 64] [--runs SUBSTRING]
+
+Predictions follow the scheduler's rules (spear/serve/scheduler.py): a mixed step at its padded
+size, a decode-only step at its decode count (``--decode-batch padded``: at its decode graph's
+batch, ``graph_batch_sizes``, the rule the scheduler does not use). The schedule itself is the
+recorded one: this scores the latency model on those steps, not a scheduler that would have
+chosen differently with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from spear.serve.latency import Correction, load_table  # noqa: E402
+from spear.serve.model_runner import graph_batch_sizes  # noqa: E402
+
+TOL = 0.10
+
+
+def replay(rows: list, table, decode_sizes: list[int]) -> tuple[float, float, int]:
+    """(share within TOL as measured, share within TOL corrected, steps with a prediction)."""
+    corr, plain, fixed, n = Correction(), 0, 0, 0
+    for decodes, _tokens, padded, context, _pred, measured in rows:
+        if not decodes:
+            continue
+        if padded:
+            kind, table_ms = padded, table.predict(decodes, padded, context)
+        else:
+            batch = next((b for b in decode_sizes if b >= decodes), decodes)  # no sizes: the decode count
+            kind, table_ms = 0, table.predict(batch, 0, context)
+        predicted = table_ms * corr.factor(kind)
+        plain += abs(table_ms - measured) <= TOL * measured
+        fixed += abs(predicted - measured) <= TOL * measured
+        n += 1
+        corr.observe(kind, table_ms, measured)
+    return plain / max(n, 1), fixed / max(n, 1), n
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("steps", help="steps.json of a bench_slo run")
+    p.add_argument("table", help="the latency table the run used (spear-latency-table JSON)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="the runs' max_num_seqs (decode graph batches)")
+    p.add_argument("--decode-batch", choices=["real", "padded"], default="real",
+                   help="price decode-only steps at their decode count (the scheduler's rule) or at the padded "
+                        "batch of their decode graph")
+    p.add_argument("--runs", default="slo", help="replay the runs whose name contains this (default: slo)")
+    args = p.parse_args(argv)
+    data = json.loads(Path(args.steps).read_text())
+    table = load_table(args.table)
+    sizes = graph_batch_sizes(args.max_num_seqs) if args.decode_batch == "padded" else []
+    print("| run | steps | within 10%, table | within 10%, corrected |\n|---|---:|---:|---:|")
+    for name, rows in data["runs"].items():
+        if args.runs in name:
+            plain, fixed, n = replay(rows, table, sizes)
+            print(f"| {name} | {n} | {100 * plain:.0f}% | {100 * fixed:.0f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
