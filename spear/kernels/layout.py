@@ -39,7 +39,10 @@ Error compensator (EC) y += alpha * B (gamma(u) * u), u = A x, gamma = 1 + bound
   b  (N, R)      B padded with zero columns
   w1 (H, R), b1 (H,), w2 (R, H), b2 (R,)   gate MLP, hidden padded to H = max(16, next_pow2(h));
                  padded hidden units see 0 input and 0 bias, so silu gives 0 and they add nothing;
-                 padded ranks get gamma = 1 but u = 0 there.
+                 padded ranks get gamma = 1 but u = 0 there. A gated EC pads rank and hidden to
+                 the same R = H = max of the two: the gate's products are then square in them,
+                 the only shapes seen clean on Hopper (a [64, 16] shared-memory operand of a
+                 wgmma was read out of bounds by Triton 3.6: _common._gate_apply).
   All EC tensors are stored in the activation dtype (fp16 or bf16).
 """
 
@@ -202,6 +205,6 @@ def pack_ec(a: torch.Tensor, b: torch.Tensor, alpha: float, dtype: torch.dtype,
                              f"{tuple(w1.shape)}, {tuple(b1.shape)}, {tuple(w2.shape)}, {tuple(b2.shape)}")
         if not 1 <= h <= MAX_RANK:
             raise ValueError(f"gate hidden size must be in 1..{MAX_RANK}; got {h}")
-        hp = padded_dim(h)
+        rp = hp = max(rp, padded_dim(h))  # square gate products (module docstring)
         gate = [padded(w1, (hp, rp)), padded(b1, (hp,)), padded(w2, (rp, hp)), padded(b2, (rp,))]
     return PackedEC(padded(a, (rp, k)), padded(b, (n, rp)), *gate, alpha=float(alpha), bound=float(bound), rank=r)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spear.kernels.layout import pack_ec
+from spear.kernels.layout import pack_ec, padded_dim
 from spear.kernels import reference as ref
 from spear.kernels.ec import ec_gate, ec_up
 from spear.kernels.w4a16 import Config, w4a16_matmul
@@ -58,7 +58,8 @@ def test_fused_ec(poisoned, m, gs, sym, dtype, r, h, split, mv, u_split):
 
 # rank and gate width 64 and more: a 64-wide gate made a Hopper wgmma (N = 16 tokens) that read
 # shared memory out of bounds (Triton 3.6); 48 pads to 64 (a merged q/k/v of three rank-16 ECs)
-WIDE_GATES = [(1, 48, 48, 1), (3, 64, 64, 4), (16, 64, 64, 0), (33, 128, 128, 0), (2, 64, 16, 2)]
+WIDE_GATES = [(1, 48, 48, 1), (3, 64, 64, 4), (16, 64, 64, 0), (33, 128, 128, 0), (2, 64, 16, 2), (40, 64, 16, 0),
+              (40, 16, 64, 0)]
 
 
 @pytest.mark.parametrize("m,r,h,mv", WIDE_GATES)
@@ -67,10 +68,13 @@ def test_wide_gates(poisoned, m, r, h, mv):
     through ec_gate split over K (prefill) equal the reference. On an H200 with the rank-major gate
     products the fused launch at M = 3, r = h = 64 faulted (illegal address) and ec_gate's finish
     kernel read shared memory out of bounds; on the CPU this checks the token-major gate's algebra
-    (a transposed W1 or W2 fails it)."""
+    (a transposed W1 or W2 fails it) and that rank and gate width pad to one size (square gate
+    products, the only shapes seen clean under compute-sanitizer)."""
     n, k = (N_SMALL, K_SMALL) if DEVICE == "cpu" else (6144, 4096)
     ec = make_ec(n, k, r, h, torch.float16, seed=r + h)
     x, w, b, e, expect = setup_case(m, k, n, 128, False, torch.float16, seed=m + r, ec=ec, kmajor=True)
+    side = padded_dim(max(r, h))  # rank and gate width padded alike: square gate products
+    assert e.a.shape[0] == e.w1.shape[0] == e.w1.shape[1] == e.w2.shape[0] == side and e.rank == r
     cfg = Config(64 if m > 32 else 16, 64, 128, 2, 4, 2, mv=mv)
     for _ in range(2):
         out = w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg)
