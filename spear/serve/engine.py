@@ -285,7 +285,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.block_manager.usage,
                            self.block_manager.num_free_blocks, self.num_preemptions, self.num_failed_steps,
-                           self.num_steps, self.last_step, self.scheduler.itl_slo_ms)
+                           self.num_steps, self.last_step, self.scheduler.itl_slo_ms,
+                           dict(self.scheduler.correction.residual) if self.scheduler.correction else {})
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:

@@ -51,6 +51,10 @@ class ServingMetrics:
                                    "(measured - predicted) / predicted of the last predicted step", registry=r)
         self.steps_over_slo = Counter("spear_steps_over_slo", "Steps with decodes that took longer than the target",
                                       registry=r)
+        self.correction = Gauge("spear_latency_correction_ratio",
+                                "Running (measured - table) / table of the steps of a kind, which corrects the "
+                                "latency table's predictions (step_tokens: 0 decode-only, N mixed steps of N padded "
+                                "tokens, 1 every mixed step without CUDA graphs)", ["step_tokens"], registry=r)
         self._preempted_seen = 0
         self._steps_seen = 0
 
@@ -75,6 +79,8 @@ class ServingMetrics:
             self.preemptions.inc(stats.num_preemptions - self._preempted_seen)
             self._preempted_seen = stats.num_preemptions
         self.itl_slo.set(0.0 if stats.itl_slo_ms is None else stats.itl_slo_ms / 1e3)
+        for kind, ratio in stats.latency_correction.items():
+            self.correction.labels(str(kind)).set(ratio)
         step = stats.last_step
         if step is not None and stats.num_steps > self._steps_seen:  # stats are also published between steps
             self._steps_seen = stats.num_steps

@@ -73,3 +73,5 @@ class EngineStats:
     num_steps: int = 0
     last_step: StepRecord | None = None
     itl_slo_ms: float | None = None
+    # the latency table's online correction: kind of step -> running (measured / predicted - 1)
+    latency_correction: dict[int, float] = field(default_factory=dict)

@@ -101,7 +101,8 @@ def test_the_correction_learns_the_measured_steps_and_moves_the_chunks(static_en
         max_num_seqs=4, max_num_batched_tokens=256, itl_slo_ms=TARGET, latency_table=table_for(static_engine.deployment)))
     prompts = [[(5 * i + j) % 900 + 1 for j in range(n)] for i, n in enumerate((20, 400, 400, 300))]
     want, _ = _run(static_engine, prompts)
-    got, records = _run(engine, prompts)
+    metrics = ServingMetrics()
+    got, records = _run(engine, prompts, metrics)
     assert got == want
     residual = {0: 0.0, 1: 0.0}
     for rec in records:
@@ -116,6 +117,10 @@ def test_the_correction_learns_the_measured_steps_and_moves_the_chunks(static_en
         r = rec.measured_ms / table_ms - 1
         residual[kind] = min(max(residual[kind] + 0.1 * (r - residual[kind]), -0.5), 1.0)
     assert engine.scheduler.correction.residual == pytest.approx({k: v for k, v in residual.items() if v})
+    text = metrics.render().decode()  # /metrics: the running residual of each kind
+    for kind, v in engine.scheduler.correction.residual.items():
+        got_v = float(re.search(rf'^spear_latency_correction_ratio{{step_tokens="{kind}"}} (\S+)$', text, re.M).group(1))
+        assert got_v == pytest.approx(v)
     # faster than the table: chunks beyond what the table alone allows
     assert residual[1] < -0.3 and any(r.num_decodes and r.chunk_budget > allowed(
         r.num_decodes, Fraction(r.decode_context).limit_denominator(16), 256) for r in records)
