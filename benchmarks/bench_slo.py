@@ -9,9 +9,10 @@ bytes, ECs on every linear) one random model at the shape (HF init, fp16 on CUDA
 per workload (``slo_cases.WORKLOADS``, seeded Poisson arrivals, random prompt ids, EOS ignored)
 each static budget runs once and is scored against every target (its schedule does not depend on
 the target), and the latency-target scheduler runs once per target with the largest static
-budget as its ceiling, on that budget's engine (the same deployment: after the static run its
-scheduler takes the latency table and the target); the table is profiled once and cached for the
-deployment (``spear profile``'s quick grid). Requests are replayed in real time against
+budget as its ceiling, on that budget's engine (the same deployment: after the static runs its
+scheduler takes the latency table and the target, with a fresh online correction each run); the
+table is profiled once and cached for the deployment (``spear profile``'s quick grid). One engine
+per budget serves every workload (its max_model_len the longest workload's). Requests are replayed in real time against
 ``LLMEngine`` as in ``bench_serving.py``: a token's time is the end of the step that made it.
 
 Writes ``results.json`` (every row: case, metrics, prediction accuracy of the latency-target runs),
@@ -145,19 +146,19 @@ def main(argv=None) -> int:
             ec_pct = 0.0
             if density.rank:
                 _, ec_pct = attach_ecs(modules, density.rank, density.hidden, density.budget, model)
-            for wname in workloads:
-                workload = workloads_of[wname]
-                reqs = requests_of(workload, vocab)
-                max_len = workload.prompt_max + workload.output_tokens + 1
-                # the latency-target runs reuse the engine of the static budget equal to their ceiling
-                # (the same deployment): after its static run the scheduler gets the table and a target
-                runs = [(s, None) for s in statics] + [(cases.SCHEDULERS[-1], t) for t in targets]
-                engine = None
-                for sched, target in runs:
-                    budget = ceiling if sched.slo else sched.max_num_batched_tokens
-                    cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=max(max_len, 160 if args.tiny else 0),
-                                       max_num_batched_tokens=max(budget, args.max_num_seqs),
-                                       num_blocks=args.max_num_seqs * math.ceil(max(max_len, 160) / 16) + 16)
+            # one engine per budget serves every workload (max_model_len their longest), and the
+            # latency-target runs reuse the engine of the static budget equal to their ceiling (the same
+            # deployment): its scheduler gets the table and the target, a fresh correction each run
+            max_len = max(max(w.prompt_max + w.output_tokens + 1 for w in map(workloads_of.get, workloads)),
+                          160 if args.tiny else 0)
+            cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_len,
+                               num_blocks=args.max_num_seqs * math.ceil(max_len / 16) + 16)
+            engine = None
+            for sched, target in [(s, None) for s in statics] + [(cases.SCHEDULERS[-1], t) for t in targets]:
+                budget = ceiling if sched.slo else sched.max_num_batched_tokens
+                cfg = replace(cfg, max_num_batched_tokens=max(budget, args.max_num_seqs))
+                for wname in workloads:
+                    workload = workloads_of[wname]
                     base = dict(density=dname, ec_pct=round(ec_pct, 3), workload=wname, scheduler=sched.name,
                                 budget=budget)
                     try:
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
                             engine.warmup()
                         if target is not None:
                             engine.scheduler.set_latency(latency_table(engine, args.tiny), target, cfg.min_chunk_tokens)
-                        trace = run_in_process(engine, reqs)
+                        trace = run_in_process(engine, requests_of(workload, vocab))
                     except Exception as exc:  # recorded; a CUDA error ends the run
                         rows.append(dict(base, target_ms=target, error=repr(exc)))
                         print(f"  {base}: {exc!r}", flush=True)
@@ -190,11 +191,11 @@ def main(argv=None) -> int:
                         rows.append(row)
                         case_rows.append((cases.Case(t, density, workload, sched), m))
                         print("  " + json.dumps(row), flush=True)
-                engine = None
-                gc.collect()
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-                write()
+                    write()
+            engine = None
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
             if density.rank:
                 remove_ecs(modules)
     finally:
