@@ -91,6 +91,10 @@ def main(argv=None) -> int:
     p.add_argument("--workloads", default=",".join(w.name for w in cases.WORKLOADS),
                    help="comma-separated, of: " + ", ".join(w.name for w in cases.WORKLOADS))
     p.add_argument("--targets", default=",".join(f"{t:g}" for t in cases.TARGETS_MS), help="ITL targets in ms")
+    p.add_argument("--budgets", default=",".join(map(str, cases.STATIC_BUDGETS)),
+                   help="static token budgets (the largest is the latency-target scheduler's ceiling); e.g. add 384 "
+                        "to look for a budget tuned on plain W4 that misses once compensators are dense "
+                        "(default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU, tiny workloads: smoke check")
     p.add_argument("--out", required=True, help="folder for results.json, table.md and floors.md")
@@ -106,7 +110,13 @@ def main(argv=None) -> int:
         p.error(f"--targets: numbers of milliseconds, got {args.targets!r}")
     if not targets or not all(math.isfinite(t) and t > 0 for t in targets):
         p.error(f"--targets: positive milliseconds, got {args.targets!r}")
-    statics = [s for s in cases.SCHEDULERS if not s.slo]
+    try:
+        budgets = sorted({int(b) for b in args.budgets.split(",") if b.strip()})
+    except ValueError:
+        p.error(f"--budgets: whole numbers of tokens, got {args.budgets!r}")
+    if not budgets or budgets[0] < 1:
+        p.error(f"--budgets: positive token counts, got {args.budgets!r}")
+    statics = [cases.Scheduler(f"static {b}", b, False) for b in budgets]
     if args.tiny:
         device, dtype, args.shape, args.max_num_seqs = "cpu", torch.float32, "tiny", 8
         workloads_of = {w.name: w for w in TINY_WORKLOADS}
