@@ -283,6 +283,16 @@ def test_a_target_needs_a_table_and_sane_settings():
         make(linear_table(), min_chunk=0)
 
 
+def two_decodes_on_graph_sizes():
+    """A scheduler on mixed-step graph sizes whose next step has two decodes at context 101."""
+    s = make(linear_table())
+    s.token_sizes = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
+    add(s, "a", 100)
+    add(s, "b", 100)
+    step(s)
+    return s
+
+
 def test_chunks_fill_a_padded_step_size_and_predictions_price_it():
     """With the runner's mixed-step graph sizes, the chunk under the target is the largest that
     makes decodes + chunk one of the sizes (the closed form's chunk rounded down to it), and the
@@ -290,11 +300,7 @@ def test_chunks_fill_a_padded_step_size_and_predictions_price_it():
     size it is padded to; decode-only steps keep their own price.
     Catches: the unrounded chunk (a step padded past what the table priced), a prediction at the
     unpadded size."""
-    s = make(linear_table())
-    s.token_sizes = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
-    add(s, "a", 100)
-    add(s, "b", 100)
-    step(s)
+    s = two_decodes_on_graph_sizes()
     add(s, "c", 2000)
     chunks, _, out = step(s)
     assert closed_form(2, 101) == 729           # 2 + 729 = 731 would pad to 768, past the target
@@ -316,11 +322,7 @@ def test_the_correction_moves_a_chunk_to_the_next_size_once_that_size_runs_faste
     decodes + 766 tokens at 16.566 ms), and the chunk grows from 638 to 766; decode-only steps are
     priced at their real decode count (kind 0).
     Catches: a correction that ignores the kind, one that jumps to the newest residual."""
-    s = make(linear_table())
-    s.token_sizes = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
-    add(s, "a", 100)
-    add(s, "b", 100)
-    step(s)
+    s = two_decodes_on_graph_sizes()
     add(s, "c", 4000)
     table_768 = 4 + 2 / 4 + 766 / 64 + 101 / 1024
     expect = {640: 0.0, 768: 0.0}
