@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import slo_cases as cases  # noqa: E402
-from bench_serving import Request, run_in_process  # noqa: E402
+from bench_serving import Request, percentile, run_in_process  # noqa: E402
 from decode_cases import GROUP, SHAPES, IdsTokenizer, attach_ecs, build_model, remove_ecs  # noqa: E402
 from spear.config import QuantConfig  # noqa: E402
 from spear.quant import quantize_model_rtn  # noqa: E402
@@ -194,6 +194,9 @@ def main(argv=None) -> int:
                         step_row(r, engine) for r in trace.records]
                     for t in (targets if target is None else [target]):
                         m = cases.summarize(timings, t)
+                        # the prefill tokens of the median step that held decodes and a chunk
+                        chunks = [r.prefill_tokens for r in trace.records if r.prefill_tokens and r.num_decodes]
+                        m["chunk_p50"] = percentile(chunks, 0.5) if chunks else 0.0
                         if target is not None:
                             m["prediction_within_10pct"] = cases.prediction_accuracy(trace.records)
                             m["latency_margin"] = engine.scheduler.latency.margin
@@ -217,17 +220,17 @@ def main(argv=None) -> int:
 
 def markdown(rows: list[dict], header: str) -> str:
     lines = [header, "", "| density | workload | scheduler | target | ITL p99 | SLO attained | TTFT p50 / p99 | "
-             "output tok/s | predicted ±10% |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "output tok/s | chunk p50 | predicted ±10% |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['density']} | {r['workload']} | {r['scheduler']} | {r['target_ms']} | "
-                         f"error: {r['error'][:80]} | | | | |")
+                         f"error: {r['error'][:80]} | | | | | |")
             continue
         acc = r.get("prediction_within_10pct")
         lines.append(f"| {r['density']} ({r['ec_pct']:.2f}%) | {r['workload']} | {r['scheduler']} | "
                      f"{r['target_ms']:g} ms | {r['itl_p99_ms']:.1f} ms | {r['slo_attainment_pct']:.1f}% | "
                      f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} ms | {r['output_tok_s']:.0f} | "
-                     f"{'—' if acc is None else f'{100 * acc:.0f}%'} |")
+                     f"{r['chunk_p50']:.0f} | {'—' if acc is None else f'{100 * acc:.0f}%'} |")
     return "\n".join(lines)
 
 

@@ -164,4 +164,11 @@ def floors(rows: list[tuple[Case, dict]]) -> list[tuple[str, bool, str]]:
             itl = by[(t, dense, work, s.name)]["itl_p99_ms"]
             out.append((f"{s.name}, tuned on plain W4, misses the target with ECs on {dense}: "
                         f"{work} @ {t:g} ms", itl > t, f"{itl:.1f} ms"))
+        # compensator-aware: under one target, a denser placement gets no larger chunks
+        chunks = [(d.name, by[(t, d.name, work, "slo")]["chunk_p50"]) for d in DENSITIES
+                  if "chunk_p50" in by.get((t, d.name, work, "slo"), {})]
+        if len(chunks) >= 2:
+            out.append((f"denser compensators, no larger chunks under the target: {work} @ {t:g} ms",
+                        all(a >= b for (_, a), (_, b) in zip(chunks, chunks[1:])),
+                        ", ".join(f"{name} {c:.0f}" for name, c in chunks)))
     return out

@@ -64,8 +64,10 @@ def test_floors():
         "every linear": {"static 256": (15, 1000), "static 512": (19, 640), "static 2048": (40, 320),
                          "slo": (16.5, 900)}}
     dens = {d.name: d for d in C.DENSITIES}
+    chunk = {"none": 640, "1%": 512, "every linear": 384}  # the latency-target runs' chunk p50
     rows = [(C.Case(16.0, dens[d], C.WORKLOADS[0], s), {"itl_p99_ms": values[d][s.name][0],
-                                                        "ttft_p50_ms": values[d][s.name][1]})
+                                                        "ttft_p50_ms": values[d][s.name][1],
+                                                        **({"chunk_p50": chunk[d]} if s.slo else {})})
             for d in values for s in C.SCHEDULERS]
     got = {name: met for name, met, _ in C.floors(rows)}
     assert got == {
@@ -76,7 +78,8 @@ def test_floors():
         "TTFT p50 <= 1.2 x best static meeting the target: mixed / every linear @ 16 ms": True,
         "TTFT p50 <= 1.2 x best static meeting the target: mixed / none @ 16 ms": True,
         # static 512 meets 16 ms on plain W4 and misses it (19 ms) with ECs on every linear
-        "static 512, tuned on plain W4, misses the target with ECs on every linear: mixed @ 16 ms": True}
+        "static 512, tuned on plain W4, misses the target with ECs on every linear: mixed @ 16 ms": True,
+        "denser compensators, no larger chunks under the target: mixed @ 16 ms": True}
     # a part of the grid (no "every linear" rows, no static 512): each floor whose rows are there
     # Catches: a partial grid raising on a missing row, or a floor checked against absent rows
     part = [(c, m) for c, m in rows if c.density.name != "every linear" and c.scheduler.name != "static 512"]
@@ -85,4 +88,13 @@ def test_floors():
         "ITL p99 <= target: mixed / 1% @ 16 ms": True, "ITL p99 <= target: mixed / none @ 16 ms": True,
         "TTFT p50 <= 1.2 x best static meeting the target: mixed / 1% @ 16 ms": False,
         # without static 512, the best static meeting 16 ms on none is 256 (900 ms): 650 <= 1080
-        "TTFT p50 <= 1.2 x best static meeting the target: mixed / none @ 16 ms": True}
+        "TTFT p50 <= 1.2 x best static meeting the target: mixed / none @ 16 ms": True,
+        "denser compensators, no larger chunks under the target: mixed @ 16 ms": True}
+    # a denser placement with larger chunks than a sparser one fails it
+    # Catches: the densities compared out of order, or the check always met
+    chunk["1%"] = 700
+    for c, m in rows:
+        if c.scheduler.slo:
+            m["chunk_p50"] = chunk[c.density.name]
+    assert {name: met for name, met, _ in C.floors(rows)}[
+        "denser compensators, no larger chunks under the target: mixed @ 16 ms"] is False
