@@ -42,7 +42,6 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
     CUDA it then waits until each of the n_wt W tiles has signalled that it is past its wait, and
     re-arms both counters for the next call (``_fused_ec``)."""
     offs_r = tl.arange(0, R)
-    offs_k = tl.arange(0, BK)
     if MV > 0:
         # decode's few tokens: fp32 FMAs on [R, BK] tiles, one accumulator per token (a tensor-core
         # dot here would set the register count of the whole kernel, W programs included); UK
