@@ -20,15 +20,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spear.serve.latency import Correction, load_table  # noqa: E402
+from spear.serve.latency import Correction, load_table, quantile  # noqa: E402
 from spear.serve.model_runner import graph_batch_sizes  # noqa: E402
 
 TOL = 0.10
 
 
-def replay(rows: list, table, decode_sizes: list[int]) -> tuple[float, float, int]:
-    """(share within TOL as measured, share within TOL corrected, steps with a prediction)."""
-    corr, plain, fixed, n = Correction(), 0, 0, 0
+def replay_steps(rows: list, table, decode_sizes: list[int]) -> list[tuple[int, float, float, float]]:
+    """Per recorded step with decodes, in order: (kind, measured, table's prediction, corrected
+    prediction); the correction learns from each step after its prediction, as the scheduler's."""
+    corr, out = Correction(), []
     for decodes, _tokens, padded, context, _pred, measured in rows:
         if not decodes:
             continue
@@ -37,12 +38,34 @@ def replay(rows: list, table, decode_sizes: list[int]) -> tuple[float, float, in
         else:
             batch = next((b for b in decode_sizes if b >= decodes), decodes)  # no sizes: the decode count
             kind, table_ms = 0, table.predict(batch, 0, context)
-        predicted = table_ms * corr.factor(kind)
-        plain += abs(table_ms - measured) <= TOL * measured
-        fixed += abs(predicted - measured) <= TOL * measured
-        n += 1
+        out.append((kind, measured, table_ms, table_ms * corr.factor(kind)))
         corr.observe(kind, table_ms, measured)
-    return plain / max(n, 1), fixed / max(n, 1), n
+    return out
+
+
+def within(pairs) -> float:
+    """Share of (measured, predicted) pairs within TOL of the measured time."""
+    pairs = list(pairs)
+    return sum(abs(p - m) <= TOL * m for m, p in pairs) / max(len(pairs), 1)
+
+
+def replay(rows: list, table, decode_sizes: list[int]) -> tuple[float, float, int]:
+    """(share within TOL as measured, share within TOL corrected, steps with a prediction)."""
+    steps = replay_steps(rows, table, decode_sizes)
+    return within((m, t) for _, m, t, _ in steps), within((m, c) for _, m, _, c in steps), len(steps)
+
+
+def by_kind(steps) -> list[tuple]:
+    """Per kind of step (0: decode-only, else the padded size): steps, the median of measured / table
+    - 1, the share within TOL as measured and corrected, and the 0.9- and 0.99-quantiles of
+    measured / corrected - 1."""
+    out = []
+    for kind in sorted({k for k, *_ in steps}):
+        s = [x for x in steps if x[0] == kind]
+        out.append((kind, len(s), quantile([m / t - 1 for _, m, t, _ in s], 0.5), within((m, t) for _, m, t, _ in s),
+                    within((m, c) for _, m, _, c in s), quantile([m / c - 1 for _, m, _, c in s], 0.9),
+                    quantile([m / c - 1 for _, m, _, c in s], 0.99)))
+    return out
 
 
 def main(argv=None) -> int:
@@ -54,15 +77,24 @@ def main(argv=None) -> int:
                    help="price decode-only steps at their decode count (the scheduler's rule) or at the padded "
                         "batch of their decode graph")
     p.add_argument("--runs", default="slo", help="replay the runs whose name contains this (default: slo)")
+    p.add_argument("--by-kind", action="store_true", help="also a table per kind of step (decode-only, each "
+                                                             "padded size)")
     args = p.parse_args(argv)
     data = json.loads(Path(args.steps).read_text())
     table = load_table(args.table)
     sizes = graph_batch_sizes(args.max_num_seqs) if args.decode_batch == "padded" else []
     print("| run | steps | within 10%, table | within 10%, corrected |\n|---|---:|---:|---:|")
-    for name, rows in data["runs"].items():
-        if args.runs in name:
-            plain, fixed, n = replay(rows, table, sizes)
-            print(f"| {name} | {n} | {100 * plain:.0f}% | {100 * fixed:.0f}% |")
+    runs = {name: rows for name, rows in data["runs"].items() if args.runs in name}
+    for name, rows in runs.items():
+        plain, fixed, n = replay(rows, table, sizes)
+        print(f"| {name} | {n} | {100 * plain:.0f}% | {100 * fixed:.0f}% |")
+    if args.by_kind:
+        print("\n| run | step tokens (0: decode-only) | steps | measured / table - 1, median | within 10%, table | "
+              "within 10%, corrected | measured / corrected - 1, q90 / q99 |\n|---|---:|---:|---:|---:|---:|---:|")
+        for name, rows in runs.items():
+            for kind, n, med, plain, fixed, q90, q99 in by_kind(replay_steps(rows, table, sizes)):
+                print(f"| {name} | {kind} | {n} | {100 * med:+.1f}% | {100 * plain:.0f}% | {100 * fixed:.0f}% | "
+                      f"{100 * q90:+.1f}% / {100 * q99:+.1f}% |")
     return 0
 
 

@@ -82,7 +82,7 @@ def main(args) -> int:
     if not args.tokens and not args.tiny:
         from spear.serve.profiler import step_sizes
 
-        grid = Grid(grid.decodes, step_sizes(engine, d_max, max(args.max_num_batched_tokens, t_max)), grid.contexts)
+        grid = Grid(grid.decodes, step_sizes(engine, d_max, engine.config.max_num_batched_tokens), grid.contexts)
     table = profile(engine, grid, repeats, args.warmup, progress=progress)
     out = table.save(args.out or cache_path(engine.deployment))
     dep = table.deployment

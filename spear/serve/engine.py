@@ -153,8 +153,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size)
         # a mixed step replayed as a graph costs its padded size: the chunks fill one
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_waiting, token_sizes=self.runner.mixed and tuple(self.runner.mixed.graphs),
-                                   correct=config.latency_correction)
+                                   config.max_waiting, token_sizes=self.runner.mixed and tuple(self.runner.mixed.graphs))
         if pool is not None:
             pool.wait("that it is ready")
             self.runner.workers = pool

@@ -205,16 +205,16 @@ class LatencyTable:
         if limit < 0:
             return -1
         if limit >= 1:
-            knots = [1] + [t - d for t in self.tokens[1:] if 1 < t - d < limit] + ([limit] if limit > 1 else [])
-            if len(knots) == 1 and fits(1):
-                return 1
+            if fits(limit):
+                return limit
+            # top piece down: each piece's upper knot is known not to fit, so one that fits at its
+            # lower knot holds the answer
+            knots = [1] + [t - d for t in self.tokens[1:] if 1 < t - d < limit] + [limit]
             for a, b in zip(reversed(knots[:-1]), reversed(knots[1:])):
-                if fits(b):
-                    return self._settle(b, limit, fits)
                 if fits(a):
                     fa = self.predict(d, d + a, context) * (1 + self.margin)
                     fb = self.predict(d, d + b, context) * (1 + self.margin)
-                    c = a + math.floor((target_ms - fa) / (fb - fa) * (b - a)) if fb > fa else b
+                    c = a + math.floor((target_ms - fa) / (fb - fa) * (b - a)) if fb > fa else a
                     return self._settle(min(max(c, a), b), limit, fits)
         return 0 if fits(0) else -1
 
@@ -326,7 +326,6 @@ class Correction:
             raise ValueError(f"the correction's weight must be in (0, 1], got {weight!r}")
         self.weight, self.bounds = weight, bounds
         self.residual: dict[int, float] = {}
-        self.steps: dict[int, int] = {}
 
     def factor(self, kind: int) -> float:
         return 1.0 + self.residual.get(kind, 0.0)
@@ -339,7 +338,6 @@ class Correction:
         old = self.residual.get(kind, 0.0)  # from the table as measured: one odd step moves it by weight x r
         new = old + self.weight * (r - old)
         self.residual[kind] = min(max(new, self.bounds[0]), self.bounds[1])
-        self.steps[kind] = self.steps.get(kind, 0) + 1
 
 
 def load_table(path: str | Path) -> LatencyTable:
