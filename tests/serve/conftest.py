@@ -63,3 +63,19 @@ def running_server(engine, model_name: str = "test-model", limits=None):
         server.should_exit = True
         thread.join(30)
         assert not async_engine._thread.is_alive(), "the engine thread outlived the server"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_path):
+    """The tiny Llama and its tokenizer, loaded once per module."""
+    from spear.models.loading import load_model
+
+    return load_model(tiny_llama_path)
+
+
+def make_engine(tiny, **cfg):
+    """An engine on ``tiny`` (model, tokenizer) with small KV limits, ``cfg`` over them."""
+    from spear.serve import EngineConfig, LLMEngine
+
+    model, tok = tiny
+    return LLMEngine(model, tok, EngineConfig(**{"num_blocks": 64, "max_model_len": 256, "max_num_seqs": 8, **cfg}))
