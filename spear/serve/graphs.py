@@ -3,8 +3,8 @@
 A mixed step (prefill chunks, with or without decodes) launches ~400 kernels on an 8B model; from
 Python that took longer than the GPU ran them (H200, Llama-3-8B W4, a 512-token step: 45 ms eager
 against 17.8 ms of GPU work; replayed, 20.5 ms; BENCHMARKS.md "Serving: mixed steps").
-``MixedGraphs`` captures the whole forward once per padded token count (16, 32, 64, then every 128
-up to the token budget) over static buffers of ``max_num_seqs`` sequences, and ``replay`` runs a
+``MixedGraphs`` captures the whole forward once per padded token count (16, 32, 64, 96, 128, 192,
+then every 128 up to the token budget) over static buffers of ``max_num_seqs`` sequences, and ``replay`` runs a
 step through the smallest one that holds it. Padding is made harmless, not skipped: padding tokens
 (id 0, position 0) write the runner's scratch block; padding sequences have no query (their
 ``query_start_loc`` at the step's token count, non-decreasing as the paged prefill kernel's binary
@@ -25,8 +25,11 @@ log = logging.getLogger(__name__)
 
 
 def mixed_graph_sizes(max_tokens: int) -> list[int]:
-    """Padded token counts of the mixed-step graphs: 16, 32, 64, every 128, and the budget itself."""
-    sizes = [16, 32, 64] + list(range(128, max_tokens, 128))
+    """Padded token counts of the mixed-step graphs: 16, 32, 64, 96, 128, 192, every 128 from 256, and
+    the budget itself. A latency target picks among them, and under tight targets the step sizes it
+    picks lie below 256, where each doubling was a third or more of the step's time (H200, Llama-3-8B
+    W4: 128 tokens beside 32 decodes 12 ms, 256 tokens 15 ms): 96 and 192 halve those jumps."""
+    sizes = [16, 32, 64, 96, 128, 192] + list(range(256, max_tokens, 128))
     return [t for t in sizes if t < max_tokens] + [max_tokens]
 
 
