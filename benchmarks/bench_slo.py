@@ -16,8 +16,8 @@ per budget serves every workload (its max_model_len the longest workload's). Req
 ``LLMEngine`` as in ``bench_serving.py``: a token's time is the end of the step that made it.
 
 Writes ``results.json`` (every row: case, metrics, prediction accuracy of the latency-target runs),
-``steps.json`` (per run, every step: decodes, tokens, padded tokens, decode context, predicted and
-measured ms), ``table.md`` and ``floors.md`` (``slo_cases.floors`` on the rows present; a floor whose rows are
+``steps.json`` (per run, every step: decodes, tokens, padded tokens, decode context, predicted,
+measured and interval ms), ``table.md`` and ``floors.md`` (``slo_cases.floors`` on the rows present; a floor whose rows are
 missing is not listed). A case that raises is recorded with its error; a CUDA error ends the run
 (the process's CUDA context is lost), with the rows so far written.
 """
@@ -61,14 +61,14 @@ def latency_table(engine: LLMEngine, tiny: bool):
     return profile(engine, TINY_GRID, repeats=2) if tiny else table_for(engine)
 
 
-STEP_COLUMNS = ["decodes", "tokens", "padded_tokens", "decode_context", "predicted_ms", "measured_ms"]
+STEP_COLUMNS = ["decodes", "tokens", "padded_tokens", "decode_context", "predicted_ms", "measured_ms", "interval_ms"]
 
 
 def step_row(r, engine: LLMEngine) -> list:
     """One StepRecord as STEP_COLUMNS (padded: the size of the mixed-step graph it replayed)."""
     pred = None if r.predicted_ms is None else round(r.predicted_ms, 3)
     return [r.num_decodes, r.num_tokens, 0 if r.decode_only else engine.scheduler.padded(r.num_tokens),
-            round(r.decode_context, 1), pred, round(r.measured_ms, 3)]
+            round(r.decode_context, 1), pred, round(r.measured_ms, 3), round(r.interval_ms, 3)]
 
 
 def requests_of(workload: cases.Workload, vocab: int) -> list[Request]:

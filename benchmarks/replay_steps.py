@@ -1,6 +1,7 @@
 """Replay the steps a bench_slo run recorded (``steps.json``) against a latency table: the share of
-predictions within 10% of the measured step time, with the table as measured and with the online
-correction (``spear.serve.latency.Correction``) fed the measured times in order.
+predictions within 10% of the measured step time (its interval from the previous step's end where
+the run recorded it, else its wall time), with the table as measured and with the online correction
+(``spear.serve.latency.Correction``) fed the measured times in order.
 
     python benchmarks/replay_steps.py STEPS_JSON TABLE_JSON [--max-num-seqs 64] [--runs SUBSTRING]
 
@@ -30,7 +31,8 @@ def replay_steps(rows: list, table, decode_sizes: list[int]) -> list[tuple[int, 
     """Per recorded step with decodes, in order: (kind, measured, table's prediction, corrected
     prediction); the correction learns from each step after its prediction, as the scheduler's."""
     corr, out = Correction(), []
-    for decodes, _tokens, padded, context, _pred, measured in rows:
+    for decodes, _tokens, padded, context, _pred, wall, *interval in rows:
+        measured = interval[0] if interval else wall  # runs before the interval column: the wall time
         if not decodes:
             continue
         if padded:

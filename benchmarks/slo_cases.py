@@ -131,9 +131,10 @@ def summarize(timings: list[RequestTiming], target_ms: float) -> dict:
 
 def prediction_accuracy(steps, tol: float = PREDICTION_TOL) -> float:
     """Share of the steps with a prediction (engine StepRecords) whose prediction is within ``tol``
-    of the measured step time (relative to the measured one)."""
+    of the step's measured interval (from the previous step's end: what its decodes waited for),
+    relative to the measured one."""
     pred = [s for s in steps if s.predicted_ms is not None]
-    return sum(abs(s.predicted_ms - s.measured_ms) <= tol * s.measured_ms for s in pred) / len(pred) if pred \
+    return sum(abs(s.predicted_ms - s.interval_ms) <= tol * s.interval_ms for s in pred) / len(pred) if pred \
         else float("nan")
 
 

@@ -166,6 +166,7 @@ class LLMEngine:
         self.num_failed_steps = 0  # steps in a row in which every request failed
         self.num_steps = 0
         self.last_step: StepRecord | None = None
+        self._went_on_at: float | None = None  # the last step's end, while it left requests unfinished
         torch.manual_seed(config.seed)
         log.info("engine: %d KV blocks of %d tokens, max_model_len %d, %s %s", num_blocks, config.block_size,
                  self.max_model_len, device, dtype)
@@ -325,11 +326,13 @@ class LLMEngine:
         everyone_failed = bool(failed) and logits is None
         self.num_failed_steps = self.num_failed_steps + 1 if everyone_failed else 0
         self.num_steps += 1
+        end = time.perf_counter()
         self.last_step = StepRecord(sched.num_tokens, len(sched.chunks), sched.is_decode_only,
-                                    time.perf_counter() - t0, self.num_steps, sched.num_decodes,
+                                    end - t0, self.num_steps, sched.num_decodes,
                                     sched.prefill_tokens, sched.decode_context, sched.chunk_budget,
-                                    sched.predicted_ms)
-        self.scheduler.observe(sched, self.last_step.measured_ms)
+                                    sched.predicted_ms, None if self._went_on_at is None else end - self._went_on_at)
+        self._went_on_at = end if self.has_unfinished() else None
+        self.scheduler.observe(sched, self.last_step.interval_ms)
         return outputs
 
     def _execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], torch.Tensor | None,

@@ -48,11 +48,11 @@ class ServingMetrics:
                                         "The latency table's prediction of each step with decodes",
                                         buckets=_STEP_BUCKETS, registry=r)
         self.step_residual = Gauge("spear_step_prediction_error_ratio",
-                                   "(measured - predicted) / predicted of the last predicted step", registry=r)
-        self.steps_over_slo = Counter("spear_steps_over_slo", "Steps with decodes that took longer than the target",
+                                   "(interval - predicted) / predicted of the last predicted step (interval: from the previous step's end)", registry=r)
+        self.steps_over_slo = Counter("spear_steps_over_slo", "Steps with decodes whose interval (from the previous step's end) exceeded the target",
                                       registry=r)
         self.correction = Gauge("spear_latency_correction_ratio",
-                                "Running (measured - table) / table of the steps of a kind, which corrects the "
+                                "Running (interval - table) / table of the steps of a kind, which corrects the "
                                 "latency table's predictions (step_tokens: 0 decode-only, N mixed steps of N padded "
                                 "tokens, 1 every mixed step without CUDA graphs)", ["step_tokens"], registry=r)
         self._preempted_seen = 0
@@ -94,8 +94,8 @@ class ServingMetrics:
             self.chunk_budget.set(step.chunk_budget)
         if step.predicted_ms is not None:
             self.step_predicted.observe(step.predicted_ms / 1e3)
-            self.step_residual.set((step.measured_ms - step.predicted_ms) / step.predicted_ms)
-        if itl_slo_ms is not None and step.num_decodes and step.measured_ms > itl_slo_ms:
+            self.step_residual.set((step.interval_ms - step.predicted_ms) / step.predicted_ms)
+        if itl_slo_ms is not None and step.num_decodes and step.interval_ms > itl_slo_ms:
             self.steps_over_slo.inc()
 
     def render(self) -> bytes:

@@ -43,8 +43,11 @@ class RequestOutput:
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
-    """What a step ran, the latency table's prediction for it, and its wall time (schedule, model,
-    sampling and outputs: what the decodes' next tokens wait for)."""
+    """What a step ran, the latency table's prediction for it, its wall time (schedule, model,
+    sampling and outputs) and its interval: the time since the previous step's end when the engine
+    went straight on (it left requests unfinished), else the wall time. The interval is what the
+    decodes' next tokens waited for, the caller's work between steps included (admitting requests,
+    streaming outputs); the latency target and its correction are on it."""
 
     num_tokens: int                      # scheduled tokens
     num_seqs: int                        # scheduled sequences
@@ -56,10 +59,15 @@ class StepRecord:
     decode_context: float = 0.0          # the decodes' mean context in tokens (0 without decodes)
     chunk_budget: int | None = None      # prefill tokens the latency target allowed (None: no target)
     predicted_ms: float | None = None    # None without a table or without decodes
+    interval_s: float | None = None      # None: the wall time (the first step, or one after idling)
 
     @property
     def measured_ms(self) -> float:
         return 1e3 * self.seconds
+
+    @property
+    def interval_ms(self) -> float:
+        return 1e3 * (self.seconds if self.interval_s is None else max(self.interval_s, self.seconds))
 
 
 @dataclass(slots=True)

@@ -35,13 +35,14 @@ def test_tiny_grid(tmp_path):
         assert {k: v for k, v in rows[i].items() if k not in ("target_ms", "slo_attainment_pct")} == \
             {k: v for k, v in rows[i + 1].items() if k not in ("target_ms", "slo_attainment_pct")}
     steps = json.loads((tmp_path / "steps.json").read_text())
-    assert steps["columns"][-2:] == ["predicted_ms", "measured_ms"]
+    assert steps["columns"][-3:] == ["predicted_ms", "measured_ms", "interval_ms"]
     work = mod.TINY_WORKLOADS[0].requests()
     computed = sum(r.prompt_tokens + r.output_tokens - 1 for r in work)  # the last token is never fed back
     assert len(steps["runs"]) == 5
     for name, run in steps["runs"].items():  # every step of every run, predictions where a target scheduled
         assert sum(r[1] for r in run) == computed, name
         assert all((r[4] is not None) == (name.endswith("ms") and r[0] > 0) for r in run), name
+        assert all(0 < r[5] <= r[6] for r in run), name  # the interval holds the step
     floors = (tmp_path / "floors.md").read_text()
     assert "met: ITL p99 <= target: mixed / 1% @ 1000 ms" in floors
     assert "NOT met: ITL p99 <= target: mixed / 1% @ 1e-06 ms" in floors
@@ -68,3 +69,6 @@ def test_replay_scores_the_table_and_the_correction_on_recorded_steps():
     # per kind the residual after k steps is 0.2 (1 - 0.9^k): within 10% of 1.2 x from k = 6 on
     within = sum(abs(1.2 - (1 + 0.2 * (1 - 0.9 ** k))) <= 0.12 for k in range(40)) * 2
     assert (plain, n) == (0.0, 80) and fixed == within / 80
+    # rows with the interval column (later runs) are scored on it, not on the step's wall time
+    timed = [r[:5] + [r[5] / 1.2, r[5]] for r in rows]
+    assert replay_steps.replay(timed, table, []) == (plain, fixed, n)
