@@ -3,8 +3,8 @@
 A mixed step (prefill chunks, with or without decodes) launches ~400 kernels on an 8B model; from
 Python that took longer than the GPU ran them (H200, Llama-3-8B W4, a 512-token step: 45 ms eager
 against 17.8 ms of GPU work; replayed, 20.5 ms; BENCHMARKS.md "Serving: mixed steps").
-``MixedGraphs`` captures the whole forward once per padded token count (16, 32, 64, 96, 128, 192,
-then every 128 up to the token budget) over static buffers of ``max_num_seqs`` sequences, and ``replay`` runs a
+``MixedGraphs`` captures the whole forward once per padded token count (16, 32, 64, 128, 192, then
+every 128 up to the token budget) over static buffers of ``max_num_seqs`` sequences, and ``replay`` runs a
 step through the smallest one that holds it. Padding is made harmless, not skipped: padding tokens
 (id 0, position 0) write the runner's scratch block; padding sequences have no query (their
 ``query_start_loc`` at the step's token count, non-decreasing as the paged prefill kernel's binary
@@ -25,11 +25,12 @@ log = logging.getLogger(__name__)
 
 
 def mixed_graph_sizes(max_tokens: int) -> list[int]:
-    """Padded token counts of the mixed-step graphs: 16, 32, 64, 96, 128, 192, every 128 from 256, and
-    the budget itself. A latency target picks among them, and under tight targets the step sizes it
-    picks lie below 256, where each doubling was a third or more of the step's time (H200, Llama-3-8B
-    W4: 128 tokens beside 32 decodes 12 ms, 256 tokens 15 ms): 96 and 192 halve those jumps."""
-    sizes = [16, 32, 64, 96, 128, 192] + list(range(256, max_tokens, 128))
+    """Padded token counts of the mixed-step graphs: 16, 32, 64, 128, 192, every 128 from 256, and the
+    budget itself. A latency target picks among them; 192 lies between the 128 and 256 that tight
+    targets choose between. No size between 64 and 128: below ``dequant_mm_min_m`` (128) the W4
+    layers run the fused kernel, and 96 tokens cost more than 128 (H200, Llama-3-8B W4, ECs on every
+    linear, 32 decodes at 1k context: 17.1 ms against 14.1; BENCHMARKS.md "Latency targets")."""
+    sizes = [16, 32, 64, 128, 192] + list(range(256, max_tokens, 128))
     return [t for t in sizes if t < max_tokens] + [max_tokens]
 
 

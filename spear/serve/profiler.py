@@ -5,7 +5,7 @@ decode phase through the engine's public API (prompts of about L tokens, greedy,
 then runs rounds over the grid's step sizes: a step of T tokens (T > 0) is one more request of a
 (T - d)-token prompt and ``max_tokens=1``, admitted and prefilled whole in the next step beside
 the d decodes and finished by it; T = 0 is the decode-only step. The grid's step sizes are CUDA
-graph sizes of the mixed steps (16 to 192, then multiples of 128: spear/serve/graphs.py), so every
+graph sizes of the mixed steps (16, 32, 64, 128, 192, then multiples of 128: spear/serve/graphs.py), so every
 timed mixed step runs unpadded. Each timed step is checked against the engine's step record
 (exactly d decodes and T - d prefill tokens) and timed around ``engine.step()`` with CUDA synchronized on both
 sides. The first ``warmup`` rounds are not timed; a point's time is the median of its

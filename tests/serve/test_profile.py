@@ -91,7 +91,7 @@ def test_the_grid_steps_are_every_graph_size_the_scheduler_picks():
     from spear.serve.profiler import DEFAULT_GRID, step_sizes
 
     graphs = SimpleNamespace(scheduler=SimpleNamespace(token_sizes=tuple(mixed_graph_sizes(1024))))
-    assert step_sizes(graphs, 63, 1024) == (0, 64, 96, 128, 192, 256, 384, 512, 640, 768, 896, 1024)
-    assert step_sizes(graphs, 8, 200) == (0, 16, 32, 64, 96, 128, 192, 200)
+    assert step_sizes(graphs, 63, 1024) == (0, 64, 128, 192, 256, 384, 512, 640, 768, 896, 1024)
+    assert step_sizes(graphs, 8, 200) == (0, 16, 32, 64, 128, 192, 200)
     eager = SimpleNamespace(scheduler=SimpleNamespace(token_sizes=None))
     assert step_sizes(eager, 63, 1536) == (0,) + tuple(t for t in DEFAULT_GRID.tokens if 63 < t < 1536) + (1536,)
