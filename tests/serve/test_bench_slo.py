@@ -1,10 +1,13 @@
 """benchmarks/bench_slo.py --tiny: the acceptance grid's runner on the CPU (one density, one
-workload), its rows, SLO attainment and the floors file."""
+workload), its rows, SLO attainment and the floors file; replay_steps.py and slo_report.py on
+synthetic runs."""
 
 import importlib.util
 import json
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -72,3 +75,39 @@ def test_replay_scores_the_table_and_the_correction_on_recorded_steps():
     # rows with the interval column (later runs) are scored on it, not on the step's wall time
     timed = [r[:5] + [r[5] / 1.2, r[5]] for r in rows]
     assert replay_steps.replay(timed, table, []) == (plain, fixed, n)
+
+
+def test_report_scores_parts_together(tmp_path):
+    """benchmarks/slo_report.py on two parts (W4 alone, ECs on every linear alone): the floor that
+    compares them (static 256 meets 16 ms on W4, 17.6 ms with ECs: shown) and the chunk order appear,
+    which neither part's own floors hold; a case in both parts is refused.
+    Catches: parts scored one by one, rows with an error scored, a repeated case taking the last."""
+    sys.path.insert(0, str(BENCH))
+    import slo_report
+
+    def row(density, sched, itl, ttft, chunk, **extra):
+        return dict(density=density, ec_pct=0.0, workload="mixed", scheduler=sched, target_ms=16.0,
+                    budget=2048 if sched == "slo" else 256, requests=40, output_tokens=5120, slo_attainment_pct=99.0,
+                    ttft_p50_ms=ttft, ttft_p99_ms=2 * ttft, itl_p50_ms=10.0, itl_p99_ms=itl, output_tok_s=700.0,
+                    chunk_p50=chunk, **extra)
+
+    parts = [[row("none", "static 256", 15.9, 380, 246), row("none", "slo", 15.5, 420, 222)],
+             [row("every linear", "static 256", 17.6, 500, 246), row("every linear", "slo", 15.3, 900, 121),
+              dict(density="every linear", workload="mixed", scheduler="static 512", target_ms=16.0, budget=512,
+                   error="RuntimeError('boom')")]]
+    files = []
+    for i, rows in enumerate(parts):
+        (tmp_path / f"p{i}").mkdir()
+        files.append(tmp_path / f"p{i}" / "results.json")
+        files[-1].write_text(json.dumps({"header": "grid", "rows": rows}))
+    assert slo_report.main(["--out", str(tmp_path / "out")] + [str(f) for f in files]) == 0
+    floors = (tmp_path / "out" / "floors.md").read_text().splitlines()
+    assert "- met: static 256, tuned on plain W4, misses the target with ECs on every linear: mixed @ 16 ms " \
+           "(17.6 ms)" in floors
+    assert "- met: denser compensators, no larger chunks under the target: mixed @ 16 ms (none 222, every linear " \
+           "121)" in floors
+    assert "- met: TTFT p50 <= 1.2 x best static meeting the target: mixed / none @ 16 ms (420 ms vs 380 ms)" in floors
+    assert not any("every linear @ 16 ms (900" in f for f in floors)  # no static meets 16 ms with ECs
+    assert "error: RuntimeError('boom')" in (tmp_path / "out" / "table.md").read_text()
+    with pytest.raises(SystemExit):
+        slo_report.main(["--out", str(tmp_path / "dup"), str(files[0]), str(files[0])])
