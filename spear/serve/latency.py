@@ -316,9 +316,9 @@ class Correction:
     prompt admitted and finished in each timed mixed step); served steps differ (decodes of mixed
     contexts, chunks of long prompts, the GPU's clocks under sustained load), and the difference is
     mostly a steady bias of each kind of step. After each step with a prediction the engine reports
-    the measured time: the kind's running residual r (measured / predicted - 1, an exponentially
-    weighted mean with ``CORRECTION_WEIGHT``, within ``CORRECTION_BOUNDS``) multiplies the next
-    predictions of that kind by (1 + r). A kind is the step's padded size on CUDA graphs (the
+    the measured time (its interval): the kind's running residual r, an exponentially weighted mean
+    with ``CORRECTION_WEIGHT`` of each step's measured / table - 1 held within ``CORRECTION_BOUNDS``,
+    multiplies the next predictions of that kind by (1 + r). A kind is the step's padded size on CUDA graphs (the
     decode-only steps are kind 0), or 0 / 1 (decode-only / mixed) without them. Pure Python."""
 
     def __init__(self, weight: float = CORRECTION_WEIGHT, bounds: tuple[float, float] = CORRECTION_BOUNDS):
@@ -334,10 +334,12 @@ class Correction:
         """A step of ``kind`` the table priced at ``table_ms`` (uncorrected) took ``measured_ms``."""
         if not (table_ms > 0 and math.isfinite(measured_ms) and measured_ms > 0):
             return
-        r = measured_ms / table_ms - 1.0
-        old = self.residual.get(kind, 0.0)  # from the table as measured: one odd step moves it by weight x r
-        new = old + self.weight * (r - old)
-        self.residual[kind] = min(max(new, self.bounds[0]), self.bounds[1])
+        # each step's residual is held within the bounds before it is weighed in, so one odd step (a
+        # pause of the caller between steps, a collection) moves the running one by at most
+        # weight x the bound, never straight to it
+        r = min(max(measured_ms / table_ms - 1.0, self.bounds[0]), self.bounds[1])
+        old = self.residual.get(kind, 0.0)  # from the table as measured
+        self.residual[kind] = old + self.weight * (r - old)
 
 
 def load_table(path: str | Path) -> LatencyTable:

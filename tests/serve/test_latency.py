@@ -217,3 +217,28 @@ def test_unreadable_files(tmp_path):
     (tmp_path / "x.json").write_text("{not json")
     with pytest.raises(SpearError, match="not valid JSON"):
         load_table(tmp_path / "x.json")
+
+
+def test_correction_weighs_each_step_held_within_the_bounds():
+    """Correction: residual_k = residual_(k-1) + 0.1 (r_k - residual_(k-1)), r_k = measured / table - 1
+    held within (-0.5, 1), by hand. One step 100x slower than the table (a pause of the caller) moves
+    the residual by 0.1, not to the bound; steady 3x and 0.1x steps approach the bounds; kinds are
+    apart; a step without a valid time is ignored.
+    Catches: the bound applied after the mean (one odd step would jump to x2), kinds mixed."""
+    from spear.serve.latency import Correction
+
+    c = Correction()
+    c.observe(128, 10.0, 1000.0)
+    assert c.residual == {128: pytest.approx(0.1)} and c.factor(128) == pytest.approx(1.1) and c.factor(0) == 1.0
+    c.observe(128, 10.0, 11.0)  # r = 0.1: stays
+    assert c.residual[128] == pytest.approx(0.1)
+    for _ in range(60):
+        c.observe(128, 10.0, 30.0)
+        c.observe(0, 10.0, 1.0)
+    assert c.residual[128] == pytest.approx(1 - 0.9 * 0.9 ** 60) and c.residual[0] == pytest.approx(-0.5 * (1 - 0.9 ** 60))
+    before = dict(c.residual)
+    for table, measured in ((0.0, 5.0), (10.0, float("nan")), (10.0, 0.0), (-1.0, 5.0)):
+        c.observe(0, table, measured)
+    assert c.residual == before
+    with pytest.raises(ValueError, match="weight"):
+        Correction(weight=0)
