@@ -17,8 +17,8 @@ per budget serves every workload (its max_model_len the longest workload's). Req
 
 Writes ``results.json`` (every row: case, metrics, prediction accuracy of the latency-target runs),
 ``steps.json`` (per run, every step: decodes, tokens, padded tokens, decode context, predicted,
-measured and interval ms), ``table.md`` and ``floors.md`` (``slo_cases.floors`` on the rows present; a floor whose rows are
-missing is not listed). A case that raises is recorded with its error; a CUDA error ends the run
+measured and interval ms), ``table.md`` and ``floors.md`` (``slo_cases.floors`` on the rows
+present; a floor whose rows are missing is not listed). A case that raises is recorded with its error; a CUDA error ends the run
 (the process's CUDA context is lost), with the rows so far written.
 """
 
@@ -144,9 +144,7 @@ def main(argv=None) -> int:
         (out / "results.json").write_text(json.dumps({"header": header, "args": vars(args), "rows": rows}, indent=2))
         (out / "steps.json").write_text(json.dumps({"columns": STEP_COLUMNS, "runs": steps}))
         (out / "table.md").write_text(markdown(rows, header) + "\n")
-        checks = cases.floors(case_rows) if case_rows else []
-        (out / "floors.md").write_text("\n".join(f"- {'met' if ok else 'NOT met'}: {name} ({detail})"
-                                                 for name, ok, detail in checks) + "\n")
+        (out / "floors.md").write_text(cases.floors_markdown(cases.floors(case_rows) if case_rows else []))
 
     model = build_model(args.shape, args.layers, device, dtype)
     modules = quantize_model_rtn(model, QuantConfig(bits=4, group_size=GROUP), progress=False)

@@ -138,6 +138,11 @@ def prediction_accuracy(steps, tol: float = PREDICTION_TOL) -> float:
         else float("nan")
 
 
+def floors_markdown(checks: list[tuple[str, bool, str]]) -> str:
+    """``floors``' checks as the lines of floors.md."""
+    return "\n".join(f"- {'met' if ok else 'NOT met'}: {name} ({detail})" for name, ok, detail in checks) + "\n"
+
+
 def floors(rows: list[tuple[Case, dict]]) -> list[tuple[str, bool, str]]:
     """The acceptance floors on (case, summarize(...)) rows: (floor, met, detail). A floor is
     checked where its rows are present (a part of the grid checks its part); the static

@@ -20,12 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import slo_cases as cases  # noqa: E402
 from bench_slo import markdown  # noqa: E402
 
-METRICS = ("requests", "output_tokens", "slo_attainment_pct", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-           "itl_p99_ms", "output_tok_s", "chunk_p50")
-
-
 def case_rows(rows: list[dict]) -> list[tuple[cases.Case, dict]]:
-    """(case, metrics) of results rows (rows with an error are left out); a repeated case raises."""
+    """(case, row) of results rows (rows with an error are left out); a repeated case raises."""
     densities = {d.name: d for d in cases.DENSITIES}
     workloads = {w.name: w for w in cases.WORKLOADS}
     out, seen = [], set()
@@ -37,8 +33,7 @@ def case_rows(rows: list[dict]) -> list[tuple[cases.Case, dict]]:
             raise ValueError(f"case {key} is in more than one part")
         seen.add(key)
         sched = cases.Scheduler(r["scheduler"], r["budget"], r["scheduler"] == "slo")
-        out.append((cases.Case(r["target_ms"], densities[r["density"]], workloads[r["workload"]], sched),
-                    {k: r[k] for k in METRICS if k in r}))
+        out.append((cases.Case(r["target_ms"], densities[r["density"]], workloads[r["workload"]], sched), r))
     return out
 
 
@@ -57,9 +52,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     header = "; ".join(dict.fromkeys(part["header"] for part in parts))
     (out / "table.md").write_text(markdown(rows, header) + "\n")
-    floors = "\n".join(f"- {'met' if ok else 'NOT met'}: {name} ({detail})" for name, ok, detail in cases.floors(scored))
-    (out / "floors.md").write_text(floors + "\n")
-    print(floors)
+    floors = cases.floors_markdown(cases.floors(scored))
+    (out / "floors.md").write_text(floors)
+    print(floors, end="")
     return 0
 
 

@@ -4,9 +4,9 @@ A mixed step (prefill chunks, with or without decodes) launches ~400 kernels on 
 Python that took longer than the GPU ran them (H200, Llama-3-8B W4, a 512-token step: 45 ms eager
 against 17.8 ms of GPU work; replayed, 20.5 ms; BENCHMARKS.md "Serving: mixed steps").
 ``MixedGraphs`` captures the whole forward once per padded token count (16, 32, 64, 128, 192, then
-every 128 up to the token budget) over static buffers of ``max_num_seqs`` sequences, and ``replay`` runs a
-step through the smallest one that holds it. Padding is made harmless, not skipped: padding tokens
-(id 0, position 0) write the runner's scratch block; padding sequences have no query (their
+every 128 up to the token budget) over static buffers of ``max_num_seqs`` sequences, and ``replay``
+runs a step through the smallest one that holds it. Padding is made harmless, not skipped: padding
+tokens (id 0, position 0) write the runner's scratch block; padding sequences have no query (their
 ``query_start_loc`` at the step's token count, non-decreasing as the paged prefill kernel's binary
 search needs) and no keys; padded sampled rows read row 0. The paged prefill kernel's grid depends
 on the token and sequence counts only, so one graph serves every composition of a token count.

@@ -318,8 +318,9 @@ class Correction:
     mostly a steady bias of each kind of step. After each step with a prediction the engine reports
     the measured time (its interval): the kind's running residual r, an exponentially weighted mean
     with ``CORRECTION_WEIGHT`` of each step's measured / table - 1 held within ``CORRECTION_BOUNDS``,
-    multiplies the next predictions of that kind by (1 + r). A kind is the step's padded size on CUDA graphs (the
-    decode-only steps are kind 0), or 0 / 1 (decode-only / mixed) without them. Pure Python."""
+    multiplies the next predictions of that kind by (1 + r). A kind is the step's padded size on
+    CUDA graphs (the decode-only steps are kind 0), or 0 / 1 (decode-only / mixed) without them.
+    Pure Python."""
 
     def __init__(self, weight: float = CORRECTION_WEIGHT, bounds: tuple[float, float] = CORRECTION_BOUNDS):
         if not 0 < weight <= 1:

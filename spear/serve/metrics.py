@@ -48,9 +48,10 @@ class ServingMetrics:
                                         "The latency table's prediction of each step with decodes",
                                         buckets=_STEP_BUCKETS, registry=r)
         self.step_residual = Gauge("spear_step_prediction_error_ratio",
-                                   "(interval - predicted) / predicted of the last predicted step (interval: from the previous step's end)", registry=r)
-        self.steps_over_slo = Counter("spear_steps_over_slo", "Steps with decodes whose interval (from the previous step's end) exceeded the target",
-                                      registry=r)
+                                   "(interval - predicted) / predicted of the last predicted step (interval: from "
+                                   "the previous step's end)", registry=r)
+        self.steps_over_slo = Counter("spear_steps_over_slo", "Steps with decodes whose interval (from the previous "
+                                      "step's end) exceeded the target", registry=r)
         self.correction = Gauge("spear_latency_correction_ratio",
                                 "Running (interval - table) / table of the steps of a kind, which corrects the "
                                 "latency table's predictions (step_tokens: 0 decode-only, N mixed steps of N padded "

@@ -67,7 +67,7 @@ class StepRecord:
 
     @property
     def interval_ms(self) -> float:
-        return 1e3 * (self.seconds if self.interval_s is None else max(self.interval_s, self.seconds))
+        return 1e3 * (self.seconds if self.interval_s is None else self.interval_s)
 
 
 @dataclass(slots=True)

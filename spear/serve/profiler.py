@@ -1,17 +1,17 @@
 """Measuring a deployment's latency table by timing real engine steps (``spear profile``).
 
-For each context L and decode count d of the grid, ``profile`` brings d requests to their
-decode phase through the engine's public API (prompts of about L tokens, greedy, EOS ignored),
-then runs rounds over the grid's step sizes: a step of T tokens (T > 0) is one more request of a
-(T - d)-token prompt and ``max_tokens=1``, admitted and prefilled whole in the next step beside
-the d decodes and finished by it; T = 0 is the decode-only step. The grid's step sizes are CUDA
-graph sizes of the mixed steps (16, 32, 64, 128, 192, then multiples of 128: spear/serve/graphs.py), so every
-timed mixed step runs unpadded. Each timed step is checked against the engine's step record
-(exactly d decodes and T - d prefill tokens) and timed around ``engine.step()`` with CUDA synchronized on both
-sides. The first ``warmup`` rounds are not timed; a point's time is the median of its
-``repeats``. The decodes' context grows by one token a step, so their prompts start about half
-a block's timed steps below L, and the rounds interleave the sizes: every size is timed at
-contexts centred on L (the table records the mean context each point saw).
+For each context L and decode count d of the grid, ``profile`` brings d requests to their decode
+phase through the engine's public API (prompts of about L tokens, greedy, EOS ignored), then runs
+rounds over the grid's step sizes: a step of T tokens (T > 0) is one more request of a (T - d)-token
+prompt and ``max_tokens=1``, admitted and prefilled whole in the next step beside the d decodes and
+finished by it; T = 0 is the decode-only step. The grid's step sizes are CUDA graph sizes of the
+mixed steps (16, 32, 64, 128, 192, then multiples of 128: spear/serve/graphs.py), so every timed
+mixed step runs unpadded. Each timed step is checked against the engine's step record (exactly d
+decodes and T - d prefill tokens) and timed around ``engine.step()`` with CUDA synchronized on both
+sides. The first ``warmup`` rounds are not timed; a point's time is the median of its ``repeats``.
+The decodes' context grows by one token a step, so their prompts start about half a block's timed
+steps below L, and the rounds interleave the sizes: every size is timed at contexts centred on L
+(the table records the mean context each point saw).
 
 ``table_for`` is the engine's start-up hook when it has a target and no table: the cached one,
 else a profile on ``quick_grid`` (fitted to the engine's limits), written to the cache.

@@ -235,7 +235,8 @@ def test_correction_weighs_each_step_held_within_the_bounds():
     for _ in range(60):
         c.observe(128, 10.0, 30.0)
         c.observe(0, 10.0, 1.0)
-    assert c.residual[128] == pytest.approx(1 - 0.9 * 0.9 ** 60) and c.residual[0] == pytest.approx(-0.5 * (1 - 0.9 ** 60))
+    assert c.residual[128] == pytest.approx(1 - 0.9 * 0.9 ** 60)
+    assert c.residual[0] == pytest.approx(-0.5 * (1 - 0.9 ** 60))
     before = dict(c.residual)
     for table, measured in ((0.0, 5.0), (10.0, float("nan")), (10.0, 0.0), (-1.0, 5.0)):
         c.observe(0, table, measured)
