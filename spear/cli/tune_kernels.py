@@ -1,4 +1,4 @@
-"""``spear tune-kernels``: measure the W4 kernel's decode launches on this GPU and write a launch table."""
+"""``spear tune-kernels``: measure the W4 kernel's launches on this GPU and write a launch table."""
 
 from __future__ import annotations
 
@@ -20,18 +20,58 @@ def _tokens(text: str) -> tuple[int, ...]:
     return tokens
 
 
+def _shapes(text: str) -> list[tuple[str, int, int]]:
+    import argparse
+
+    out = []
+    for part in text.split(","):
+        try:
+            n, k = (int(v) for v in part.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected layer shapes such as 4096x4096,28672x4096 (out x in "
+                                             f"features); got {part!r}") from None
+        if n < 16 or k < 64 or n % 16 or k % 64:
+            raise argparse.ArgumentTypeError(f"layer shape {part!r}: out features a multiple of 16, in features "
+                                             f"of 64 (the fragment layout's tile)")
+        out.append((part, n, k))
+    return out
+
+
+def _classes(text: str) -> list[str]:
+    import argparse
+
+    from spear.kernels.launch import MMA_CLASSES
+
+    out = [c.strip() for c in text.split(",") if c.strip()]
+    if not out or set(out) - set(MMA_CLASSES):
+        raise argparse.ArgumentTypeError(f"token classes among {','.join(MMA_CLASSES)}; got {text!r}")
+    return out
+
+
 def register(sub) -> None:
     from spear.cli.common import add_model_arg
 
-    p = sub.add_parser("tune-kernels", help="measure the W4 kernel's decode launches on this GPU (a launch table)",
-                       description="Time the W4 kernel's one-token loops (1, 2 and 4 tokens) over a grid of launch "
-                                   "shapes on the layer shapes of --model, on this CUDA GPU, and write the fastest "
-                                   "as a JSON launch table for `spear serve --launch-table` (the built-in table was "
-                                   "chosen on an H200). Needs a CUDA GPU; a few minutes.")
+    p = sub.add_parser("tune-kernels", help="measure the W4 kernel's launches on this GPU (a launch table)",
+                       description="Time the W4 kernel over a grid of launch shapes on the layer shapes of --model "
+                                   "(or --shapes), on this CUDA GPU, and write the fastest as a JSON launch table "
+                                   "for `spear serve --launch-table` (the built-in table was chosen on an H200). "
+                                   "--layout mma (default): the tensor-core GEMM of the fragment layout, per token "
+                                   "class from 1 to 4096 tokens, against cuBLAS FP16; --layout kmajor: the "
+                                   "K-major layout's one-token loops (1, 2 and 4 tokens). Needs a CUDA GPU; "
+                                   "minutes.")
     add_model_arg(p)
+    p.add_argument("--shapes", type=_shapes, default=None,
+                   help="tune on these layer shapes instead of --model's, e.g. 4096x4096,28672x4096,4096x14336 "
+                        "(out x in features)")
+    p.add_argument("--layout", choices=["mma", "kmajor"], default="mma",
+                   help="the packed layout whose launches to tune (default: %(default)s)")
+    p.add_argument("--classes", type=_classes, default=None,
+                   help="--layout mma: the token classes to tune, among 16,32,64,128,256,big (default: all); the "
+                        "others keep the built-in launches")
     p.add_argument("--out", required=True, help="the launch table to write (JSON)")
+    p.add_argument("--rows", default=None, help="also write every timing (JSON), with cuBLAS FP16 beside each")
     p.add_argument("--tokens", type=_tokens, default=(1, 2, 4),
-                   help="token counts to tune, from 1, 2, 4 (default: 1,2,4)")
+                   help="--layout kmajor: token counts to tune, from 1, 2, 4 (default: 1,2,4)")
     p.add_argument("--budget-s", type=float, default=600,
                    help="stop starting new launches after this many seconds (default: %(default)s)")
     p.set_defaults(func=main)
@@ -53,16 +93,23 @@ def main(args) -> int:
     from spear.kernels import launch, tune
     from spear.models.loading import resolve_model_path
 
-    config = AutoConfig.from_pretrained(resolve_model_path(args.model))
-    try:
-        shapes = tune.model_shapes(config)
-    except AttributeError as exc:
-        raise SpearError(f"--model {args.model}: not a Llama-family config ({exc})") from None
+    if args.shapes:
+        shapes = args.shapes
+    else:
+        config = AutoConfig.from_pretrained(resolve_model_path(args.model))
+        try:
+            shapes = tune.model_shapes(config)
+        except AttributeError as exc:
+            raise SpearError(f"--model {args.model}: not a Llama-family config ({exc})") from None
+    if args.layout == "mma":
+        return _tune_mma(args, shapes)
     table, rows = tune.tune(shapes, tokens=args.tokens, budget_s=args.budget_s, progress=not args.quiet)
     if not table:
         raise SpearError("no launch was timed on every shape within --budget-s; give it more time")
     out = {k: launch._thaw(v) for k, v in launch.merged_table(table).items()}
     _write_json(args.out, out)
+    if args.rows:
+        _write_json(args.rows, {"rows": rows})
     print(f"{torch.cuda.get_device_name()}: {len(rows)} shape x token rows on {', '.join(s[0] for s in shapes)}")
     for m in args.tokens:
         rs = [r for r in rows if r["m"] == m]
@@ -70,5 +117,31 @@ def main(args) -> int:
         if best is not None:
             tc = tune.geomean(r["kmajor"]["tc_us"] for r in rs)
             print(f"  {m} token(s): {best} {us:.1f} us geomean (tensor-core tiles {tc:.1f} us)")
+    print(f"wrote {args.out}: serve with `spear serve --model ... --launch-table {args.out}`")
+    return 0
+
+
+def _tune_mma(args, shapes) -> int:
+    import torch
+
+    from spear.errors import SpearError
+    from spear.kernels import launch, tune
+
+    table, rows = tune.tune_mma(shapes, classes=args.classes, budget_s=args.budget_s, progress=not args.quiet)
+    if not table["mma"]:
+        raise SpearError("no launch was timed on every shape within --budget-s; give it more time")
+    out = {k: launch._thaw(v) for k, v in launch.merged_table(table).items()}
+    _write_json(args.out, out)
+    if args.rows:
+        _write_json(args.rows, {"device": torch.cuda.get_device_name(), "rows": rows})
+    print(f"{torch.cuda.get_device_name()}: {len(rows)} shape x token rows on {', '.join(s[0] for s in shapes)}")
+    print(f"{'M':>6} {'shape':>12} {'fp16 us':>9} {'kmajor us':>10} {'best mma us':>12}  vs fp16  launch")
+    for r in rows:
+        timed = {kk: v["us"] for kk, v in r["sweep"].items() if "us" in v}
+        if not timed:
+            continue
+        best = min(timed, key=timed.get)
+        print(f"{r['m']:>6} {r['shape']:>12} {r['fp16_us']:>9.1f} {r['kmajor_us']:>10.1f} {timed[best]:>12.1f} "
+              f"{r['fp16_us'] / timed[best]:>7.2f}x  {best}")
     print(f"wrote {args.out}: serve with `spear serve --model ... --launch-table {args.out}`")
     return 0

@@ -1,4 +1,4 @@
-"""CUDA-core main loop of the W4A16 GEMM over the K-major layout (``pack(..., kmajor=True)``).
+"""CUDA-core main loop of the W4A16 GEMM over the K-major layout (``pack(..., layout="kmajor")``).
 
 It returns accT [BN, BM] (output features x tokens) with every scale applied, so the
 split-K reduction and the epilogue of w4a16.py (bias, fused compensator) are shared with

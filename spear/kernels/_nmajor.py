@@ -1,4 +1,4 @@
-"""CUDA-core main loop of the W4A16 GEMM over the N-major layout (``pack(..., kmajor=False)``):
+"""CUDA-core main loop of the W4A16 GEMM over the N-major layout (``pack(..., layout="nmajor")``):
 output features along rows, each row's K as consecutive int32 words (``_fma_mainloop``).
 
 The K-major counterpart is _kmajor.py; both return accT [BN, BM] for the split-K reduction and

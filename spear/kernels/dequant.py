@@ -16,6 +16,7 @@ import triton.language as tl
 
 from spear.kernels import _common
 from spear.kernels._common import _dequant, _halves, _magic, _unpack_w4
+from spear.kernels._mma import _dequant_mma_kernel
 from spear.kernels.layout import PackedW4
 
 
@@ -112,6 +113,19 @@ def dequantize(w: PackedW4, dtype: torch.dtype, launch=None, kn: bool = False,
                             or out.stride(0) < k):
         raise ValueError(f"out must be a ({n}, {k}) {dtype} tensor with rows of unit stride, without kn; got "
                          f"{tuple(out.shape)} {out.dtype}, strides {out.stride()}, kn={kn}")
+    if w.layout == "mma":
+        if kn:
+            raise ValueError("kn is for K-major weights only")
+        if out is None:
+            out = _common.alloc((n, k), dtype=dtype, device=w.qweight.device)
+        bn = 64 if n % 64 == 0 else 16
+        kernel = _dequant_mma_kernel if launch is None else launch(_dequant_mma_kernel)
+        kernel[(triton.cdiv(n, bn) * (k // 64),)](
+            w.qweight, w.scales, w.zeros, out, n, k, out.stride(0),
+            GROUP=w.group_size, SYMMETRIC=w.symmetric, IS_BF16=dtype == torch.bfloat16, BN=bn,
+            ASM=not _common.INTERPRET, num_warps=4, num_stages=1,
+        )
+        return out
     if w.kmajor and kn:
         wt = _common.alloc((k, n), dtype=dtype, device=w.qweight.device)
         bn, bk = 64, 128

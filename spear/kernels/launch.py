@@ -56,7 +56,17 @@ _BUILTIN = {
     # split-K 2-8 instead of 4-16, because at 64 tokens every split writes an M x N fp32 partial
     "tc_wide": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=256),
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
+    # the fragment layout's tensor-core loop (_mma.py) by token class (tokens up to the key; "big"
+    # above 256): BM tokens a tile, split-K until about ``programs`` programs run (absent: none).
+    # `spear tune-kernels --layout mma` on Llama-3-8B's shapes, H200, 2026-12-04 (BENCHMARKS.md)
+    "mma": {"16": dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3, programs=264),
+            "32": dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=3, programs=264),
+            "64": dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=3, programs=132),
+            "128": dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=3, programs=528),
+            "256": dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=3, programs=264),
+            "big": dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=3)},
 }
+MMA_CLASSES = ("16", "32", "64", "128", "256", "big")  # the "mma" entries' token classes, in order
 
 
 def _frozen(v):
@@ -100,6 +110,14 @@ def check_table(table) -> dict:
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 4:
                 raise ValueError(f"{key} must be an integer from 0 to 4 (the CUDA-core loop's token counts), "
                                  f"got {v!r}")
+        elif key == "mma":
+            if not isinstance(v, (dict, MappingProxyType)) or set(v) - set(MMA_CLASSES):
+                raise ValueError(f"mma must map token classes among {', '.join(MMA_CLASSES)} to launch entries, "
+                                 f"got {v!r}")
+            for cls, e in v.items():
+                _check_entry(f"mma.{cls}", e)
+                if e.get("BK", 64) not in (64, 128) or e.get("BN", 16) % 16:
+                    raise ValueError(f"mma.{cls}: the fragment loop takes BK 64 or 128 and BN a multiple of 16")
         elif key.endswith("_by_mv"):
             if not isinstance(v, (dict, MappingProxyType)) or set(v) - {"2", "4"}:
                 raise ValueError(f"{key} must map token classes \"2\" and \"4\" to launch entries, got {v!r}")
@@ -131,7 +149,11 @@ def merged_table(table=None):
     read-only."""
     if table is None:
         return BUILTIN
-    return _frozen({**{k: _thaw(v) for k, v in BUILTIN.items()}, **_thaw(read_table(table))})
+    own = _thaw(read_table(table))
+    merged = {**{k: _thaw(v) for k, v in BUILTIN.items()}, **own}
+    if "mma" in own:  # per token class: a table may tune some classes only
+        merged["mma"] = {**_thaw(BUILTIN["mma"]), **own["mma"]}
+    return _frozen(merged)
 
 
 def _thaw(v):
@@ -150,8 +172,26 @@ def _split_for(tiles: int, k: int, bk: int, programs: int) -> int:
     return split
 
 
-def pick_config(m: int, n: int, k: int, group_size: int, kmajor: bool = False, table=BUILTIN) -> Config:
-    """The launch of an (m, n, k) W4 GEMM under ``table`` (``merged_table``'s result)."""
+def mma_class(m: int) -> str:
+    """The "mma" table class of ``m`` tokens."""
+    return next((c for c in MMA_CLASSES[:-1] if m <= int(c)), "big")
+
+
+def pick_config(m: int, n: int, k: int, group_size: int, layout: str = "nmajor", table=BUILTIN) -> Config:
+    """The launch of an (m, n, k) W4 GEMM over a weight of ``layout`` under ``table``
+    (``merged_table``'s result)."""
+    if layout == "mma":
+        mma = table["mma"]
+        cls = mma_class(m)
+        # a class the table leaves out takes the nearest smaller one that it holds
+        c = mma.get(cls) or next(mma[x] for x in reversed(MMA_CLASSES[:MMA_CLASSES.index(cls)]) if x in mma)
+        # BK 128 where it divides K and no group ends inside a step (the loop's scales are per step)
+        bk = c["BK"] if k % c["BK"] == 0 and (group_size == 0 or group_size >= c["BK"]) else 64
+        split = 1
+        if c.get("programs"):
+            split = _split_for(_cdiv(m, c["BM"]) * _cdiv(n, c["BN"]), k, bk, c["programs"])
+        return Config(c["BM"], c["BN"], bk, split, c["num_warps"], c["num_stages"], u_split=c.get("u_split", 0))
+    kmajor = layout == "kmajor"
     kmax = group_size if group_size else k  # BK must divide a group (one scale per step)
     fma = "fma_kmajor" if kmajor else "fma"
     if m <= table[fma + "_max_m"]:

@@ -1,10 +1,11 @@
 """The registered op ``spear::w4a16_ec`` and its dispatch by the kernel policy.
 
-    torch.ops.spear.w4a16_ec(x, qweight, scales, zeros, locks, group_size, symmetric, kmajor, bias,
+    torch.ops.spear.w4a16_ec(x, qweight, scales, zeros, locks, group_size, symmetric, layout, bias,
                              ec_a, ec_b, gate_w1, gate_b1, gate_w2, gate_b2, alpha, bound, act,
                              policy, pdl) -> Tensor
 
-x (..., K) fp16/bf16; the weight and EC tensors in the layouts of layout.py; ec_a None means
+x (..., K) fp16/bf16; the weight and EC tensors in the layouts of layout.py (``layout`` the index
+of the weight's in layout.LAYOUTS); ec_a None means
 no compensator, gate_w1 None means gamma = 1 (static low-rank term). act 1: the output
 features are interleaved (gate, up) pairs and the op returns silu(gate) * up (N / 2
 features), in the GEMM's epilogue wherever the Triton GEMM writes the output. ``policy`` is
@@ -36,7 +37,7 @@ from spear.kernels import ec as ec_kernels
 from spear.kernels import fused
 from spear.kernels import reference
 from spear.kernels.dequant import dequantize
-from spear.kernels.layout import PackedEC, PackedW4
+from spear.kernels.layout import LAYOUTS, PackedEC, PackedW4
 from spear.kernels.policy import KernelPolicy, _plan, settings
 from spear.kernels.w4a16 import check_act, w4a16_matmul
 
@@ -53,7 +54,7 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _w4_part(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], config, pdl: int, act: int = 0,
-             launch=wrap_triton):
+             launch=None):
     """The W4 product alone: the decode GEMM with a ``Config``, or dequantize + cuBLAS (None)."""
     if config is None:
         y = torch.nn.functional.linear(x, dequantize(w, x.dtype, launch=launch), bias)
@@ -75,7 +76,7 @@ def _beside(device: torch.device, work):
 
 
 def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC, config, overlap: bool,
-                gate_programs: int, pdl: int, act: int = 0, launch=wrap_triton) -> torch.Tensor:
+                gate_programs: int, pdl: int, act: int = 0, launch=None) -> torch.Tensor:
     v = _common.alloc((x.shape[0], e.a.shape[0]), dtype=x.dtype, device=x.device)
 
     def gate():
@@ -95,9 +96,9 @@ def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: P
 
 
 def w4a16_ec_impl(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: Optional[PackedEC], act: int,
-                  s, pdl: int, launch=wrap_triton) -> torch.Tensor:
-    """The op's body: ``s`` the decoded policy (``policy.settings``), ``launch`` how Triton kernels
-    are launched (``wrap_triton`` inside the registered op, plain launches when called directly)."""
+                  s, pdl: int, launch=None) -> torch.Tensor:
+    """The op's body: ``s`` the decoded policy (``policy.settings``), ``launch`` a wrapper of the
+    Triton kernels' launches (None: plain launches)."""
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the packed weight expects in_features={k}")
@@ -113,7 +114,7 @@ def w4a16_ec_impl(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e:
     if x.device.type != "cuda":
         y = reference.w4a16_ec_packed(x2, w, bias, e)
         return (reference.silu_mul_pairs(y) if act else y).to(x.dtype).reshape(*lead, n_out)
-    p = _plan(m, n, k, w.group_size, w.kmajor, 0 if e is None else e.a.shape[0], s, cuda=True)
+    p = _plan(m, n, k, w.group_size, w.layout, 0 if e is None else e.a.shape[0], s, cuda=True)
     if p.path in ("gemm", "dequant_cublas"):
         y = _w4_part(x2, w, bias, p.config, pdl, act, launch=launch)
     elif p.path == "fused_ec":
@@ -128,17 +129,19 @@ def w4a16_ec_impl(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e:
 
 @triton_op("spear::w4a16_ec", mutates_args=())
 def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-             locks: torch.Tensor, group_size: int, symmetric: bool, kmajor: bool, bias: Optional[torch.Tensor],
+             locks: torch.Tensor, group_size: int, symmetric: bool, layout: int, bias: Optional[torch.Tensor],
              ec_a: Optional[torch.Tensor], ec_b: Optional[torch.Tensor], gate_w1: Optional[torch.Tensor],
              gate_b1: Optional[torch.Tensor], gate_w2: Optional[torch.Tensor], gate_b2: Optional[torch.Tensor],
              alpha: float, bound: float, act: int, policy: list[int], pdl: int) -> torch.Tensor:
-    w = PackedW4(qweight, scales, zeros, locks, group_size, symmetric, kmajor)
+    if not 0 <= layout < len(LAYOUTS):
+        raise ValueError(f"layout must index {LAYOUTS}; got {layout}")
+    w = PackedW4(qweight, scales, zeros, locks, group_size, symmetric, LAYOUTS[layout])
     e = None
     if ec_a is not None:
         if ec_b is None:
             raise ValueError("ec_a given without ec_b: the compensator needs both A and B")
         e = PackedEC(ec_a, ec_b, gate_w1, gate_b1, gate_w2, gate_b2, alpha, bound, ec_a.shape[0])
-    return w4a16_ec_impl(x, w, bias, e, act, settings(policy), pdl)
+    return w4a16_ec_impl(x, w, bias, e, act, settings(policy), pdl, launch=wrap_triton)
 
 
 def w4a16_linear(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
@@ -154,7 +157,7 @@ def w4a16_linear(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     if torch.compiler.is_compiling():
         g = ec is not None and ec.gated
         return torch.ops.spear.w4a16_ec(
-            x, w.qweight, w.scales, w.zeros, w.locks, w.group_size, w.symmetric, w.kmajor, bias,
+            x, w.qweight, w.scales, w.zeros, w.locks, w.group_size, w.symmetric, w.layout_id, bias,
             ec.a if ec is not None else None, ec.b if ec is not None else None,
             ec.w1 if g else None, ec.b1 if g else None, ec.w2 if g else None, ec.b2 if g else None,
             float(ec.alpha) if ec is not None else 0.0, float(ec.bound) if ec is not None else 0.0, act,

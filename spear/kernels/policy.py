@@ -4,7 +4,7 @@ The serving engine holds one (``EngineConfig.kernels``) and hands it to its laye
 it to the ops: nothing the kernels decide is read from a module-level setting, so two engines in
 one process may run different policies, and a benchmark variant is another policy object.
 
-``plan(tokens, n, k, group_size, kmajor, rank, policy)`` answers which path a W4 layer call
+``plan(tokens, n, k, group_size, layout, rank, policy)`` answers which path a W4 layer call
 takes and with which launch. The registered op ``spear::w4a16_ec`` receives the same policy
 flattened to integers (``KernelPolicy.op_args``) and plans inside, so torch.compile and CUDA
 graphs see one opaque op whatever the token count.
@@ -12,7 +12,8 @@ graphs see one opaque op whatever the token count.
 Paths of a W4 layer (CUDA; everywhere else the fp32 torch reference of reference.py runs):
 
   gemm            the Triton W4 GEMM (split-K at decode)                no EC, M < dequant_mm_min_m
-  dequant_cublas  dequantize the weight, then cuBLAS                     no EC, M >= dequant_mm_min_m
+                                                                         (fragment layout: M < mma_cublas_min_m)
+  dequant_cublas  dequantize the weight, then cuBLAS                     no EC, M >= that threshold
   fused_ec        the GEMM with u = A x, the gate and alpha B v fused    EC, M <= fused_max_m
   semi_fused_ec   ec_gate beside the W4 part (one of the two above       EC, M > fused_max_m
                   by M), then ec_up adds alpha v Bᵀ
@@ -25,7 +26,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from types import MappingProxyType
 
-from spear.kernels.launch import BUILTIN, _frozen, _thaw, check_table, merged_table, pick_config
+from spear.kernels.launch import BUILTIN, MMA_CLASSES, _frozen, _thaw, check_table, merged_table, pick_config
+from spear.kernels.layout import LAYOUTS
 
 PATHS = ("reference", "gemm", "dequant_cublas", "fused_ec", "semi_fused_ec")
 PDL_MODES = ("off", "wait", "auto")
@@ -38,6 +40,13 @@ class KernelPolicy:
 
     fused_max_m: int = 64            # the EC fused into the W4 GEMM up to here, semi-fused above
     dequant_mm_min_m: int = 128      # from here the W4 part is dequantize + cuBLAS (0.36-0.52x the GEMM's time)
+    # the same threshold for the fragment layout's tensor-core GEMM (_mma.py; 0: never cuBLAS). At
+    # 256 tokens the GEMM ties or beats dequantize + cuBLAS on Llama-3-8B's shapes, at 512 it loses
+    # by 1.1-1.8x (H200, 2026-12-04, bench_kernels.py: BENCHMARKS.md)
+    mma_cublas_min_m: int = 257
+    # the packed layout W4 layers take where their shape allows it (layout.layout_for): "mma", the
+    # fragment layout of the tensor-core GEMM; "kmajor"; "nmajor"
+    w4_layout: str = "mma"
     semi_fused_overlap: bool = True  # ec_gate on a side stream beside the W4 part (else before it)
     u_split_max: int = 32            # fused EC: u = A x programs per m-tile at most
     gate_programs: int = 264         # ec_gate splits K until about this many programs run
@@ -56,16 +65,18 @@ class KernelPolicy:
     _op_args: tuple = field(init=False, repr=False, compare=True, default=())
 
     def __post_init__(self):
-        ints = ("fused_max_m", "dequant_mm_min_m", "u_split_max", "gate_programs", "attention_target_programs",
+        ints = ("fused_max_m", "dequant_mm_min_m", "mma_cublas_min_m", "u_split_max", "gate_programs", "attention_target_programs",
                 "attention_max_splits", "attention_min_split_tiles", "pdl_auto_max_batch")
         for name in ints:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "fused_max_m" else 1):
-                raise ValueError(f"KernelPolicy.{name} must be a whole number >= "
-                                 f"{0 if name == 'fused_max_m' else 1}, got {v!r}")
+            low = 0 if name in ("fused_max_m", "mma_cublas_min_m") else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"KernelPolicy.{name} must be a whole number >= {low}, got {v!r}")
         for name in ("semi_fused_overlap", "rope_in_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelPolicy.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.w4_layout not in LAYOUTS:
+            raise ValueError(f"KernelPolicy.w4_layout must be one of {', '.join(LAYOUTS)}, got {self.w4_layout!r}")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"KernelPolicy.pdl must be one of {', '.join(PDL_MODES)}, got {self.pdl!r}")
         if self.fused_max_m > 64:
@@ -124,19 +135,22 @@ class Plan:
     config: object | None
 
 
-def plan(tokens: int, n: int, k: int, group_size: int, kmajor: bool, rank: int, policy: KernelPolicy,
+def plan(tokens: int, n: int, k: int, group_size: int, layout: str, rank: int, policy: KernelPolicy,
          cuda: bool = True) -> Plan:
-    """Which path a W4 layer call of ``tokens`` rows takes under ``policy`` (module docstring);
-    ``rank`` 0 means no compensator."""
-    return _plan(tokens, n, k, group_size, kmajor, rank, _settings(policy.op_args), cuda)
+    """Which path a W4 layer call of ``tokens`` rows over a weight of ``layout`` (layout.LAYOUTS)
+    takes under ``policy`` (module docstring); ``rank`` 0 means no compensator."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
+    return _plan(tokens, n, k, group_size, layout, rank, _settings(policy.op_args), cuda)
 
 
 @lru_cache(maxsize=4096)
-def _plan(tokens, n, k, group_size, kmajor, rank, s: "_Settings", cuda: bool) -> Plan:
+def _plan(tokens, n, k, group_size, layout, rank, s: "_Settings", cuda: bool) -> Plan:
     if not cuda:
         return Plan("reference", None)
-    if tokens < s.dequant_mm_min_m:
-        config, w4 = pick_config(tokens, n, k, group_size, kmajor, s.table), "gemm"
+    cublas_from = s.mma_cublas_min_m if layout == "mma" else s.dequant_mm_min_m
+    if not cublas_from or tokens < cublas_from:
+        config, w4 = pick_config(tokens, n, k, group_size, layout, s.table), "gemm"
     else:
         config, w4 = None, "dequant_cublas"
     if rank == 0:
@@ -150,9 +164,9 @@ def _plan(tokens, n, k, group_size, kmajor, rank, s: "_Settings", cuda: bool) ->
 # The launch table flattened: its scalar keys, then each entry as a presence flag and its fields.
 _SCALARS = ("fma_max_m", "fma_kmajor_max_m")
 _ENTRIES = ("fma", "fma_kmajor", "fma_kmajor_by_mv.2", "fma_kmajor_by_mv.4", "fma_kmajor_narrow", "tc", "tc_wide",
-            "prefill")
+            "prefill") + tuple(f"mma.{c}" for c in MMA_CLASSES)
 _FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "programs", "max_n", "u_split", "prefetch")
-_VERSION = 1
+_VERSION = 2
 
 
 def _entry(table, key):
@@ -163,7 +177,8 @@ def _entry(table, key):
 
 
 def _encode(p: KernelPolicy) -> tuple[int, ...]:
-    out = [_VERSION, p.fused_max_m, p.dequant_mm_min_m, int(p.semi_fused_overlap), p.u_split_max, p.gate_programs]
+    out = [_VERSION, p.fused_max_m, p.dequant_mm_min_m, int(p.semi_fused_overlap), p.u_split_max, p.gate_programs,
+           p.mma_cublas_min_m]
     table = p.launch_table
     out += [int(table[key]) for key in _SCALARS]
     for key in _ENTRIES:
@@ -179,6 +194,7 @@ class _Settings:
     key: tuple
     fused_max_m: int
     dequant_mm_min_m: int
+    mma_cublas_min_m: int
     semi_fused_overlap: bool
     u_split_max: int
     gate_programs: int
@@ -196,9 +212,10 @@ def _settings(args: tuple[int, ...]) -> _Settings:
     """``op_args`` back into what the op reads (cached: a policy's integers are decoded once)."""
     if not args or args[0] != _VERSION:
         raise ValueError(f"op policy arguments of an unknown version: {args[:1]}")
-    head, rest = args[1:6], list(args[6:])
+    head, rest = args[1:7], list(args[7:])
     table: dict = {key: rest.pop(0) for key in _SCALARS}
     table["fma_kmajor_by_mv"] = {}
+    table["mma"] = {}
     for key in _ENTRIES:
         present, values = rest[0], rest[1:1 + len(_FIELDS)]
         del rest[:1 + len(_FIELDS)]
@@ -213,7 +230,7 @@ def _settings(args: tuple[int, ...]) -> _Settings:
                 table[outer][inner] = e
         else:
             table[key] = e
-    return _Settings(args, head[0], head[1], bool(head[2]), head[3], head[4], _frozen(check_table(table)))
+    return _Settings(args, head[0], head[1], head[5], bool(head[2]), head[3], head[4], _frozen(check_table(table)))
 
 
 def settings(args) -> _Settings:

@@ -25,7 +25,7 @@ import torch
 
 from spear.kernels import reference
 from spear.kernels.layout import pack
-from spear.kernels.launch import Config, _split_for, merged_table, pick_config
+from spear.kernels.launch import MMA_CLASSES, Config, _split_for, merged_table, pick_config
 from spear.kernels.timing import copies_for, time_calls
 from spear.kernels.w4a16 import w4a16_matmul
 
@@ -50,7 +50,7 @@ def geomean(xs) -> float:
 def tc_config(m: int, n: int, k: int, kmajor: bool) -> Config:
     """The tensor-core launch pick_config makes when the CUDA-core loop is switched off."""
     key = "fma_kmajor_max_m" if kmajor else "fma_max_m"
-    return pick_config(m, n, k, GROUP, kmajor, merged_table({key: 0}))
+    return pick_config(m, n, k, GROUP, "kmajor" if kmajor else "nmajor", merged_table({key: 0}))
 
 
 def fma_configs(m: int, n: int, k: int, kmajor: bool, grid=GRID):
@@ -176,7 +176,7 @@ def tune(shapes, tokens=(1, 2, 4), grid=TUNE_GRID, layout: str = "kmajor", budge
     with tqdm(total=n_launch, desc="tune-kernels", unit="launch", disable=not progress) as bar:
         for label, n, k in shapes:
             codes, scales, zeros = random_layer(n, k)
-            ws = [pack(codes, scales, zeros, GROUP, kmajor=kmajor)
+            ws = [pack(codes, scales, zeros, GROUP, layout=layout)
                   for _ in range(copies_for(n * k // 2, l2))]
             for m in tokens:
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -204,3 +204,149 @@ def narrow_launch(rows, one_token: dict, max_n: int = 4096) -> dict | None:
         return None
     return dict(max_n=max_n, **_launch_entry(narrow[0]["kmajor"]["sweep"][best]["launch"]))
 
+
+
+# ---------------------------------------------------------------------------- the fragment layout
+# Token counts timed per "mma" class (launch.MMA_CLASSES), and each class's launch grid: split-K
+# ("programs") where the tiles alone leave SMs idle, wider token tiles and 8 warps as M grows.
+MMA_TOKENS = {"16": (1, 16), "32": (32,), "64": (64,), "128": (96, 128), "256": (192, 256),
+              "big": (512, 1024, 2048, 4096)}
+
+
+def _mma_grid(cls: str) -> list[dict]:
+    p = itertools.product
+    if cls in ("16", "32"):
+        return [dict(BM=int(cls), BN=bn, BK=128, num_warps=4, num_stages=st, programs=pr)
+                for bn, st, pr in p((64, 128), (3, 4), (264, 528, 1056))]
+    if cls == "64":
+        return [dict(BM=64, BN=bn, BK=bk, num_warps=4, num_stages=st, programs=pr)
+                for bn, bk, st, pr in p((64, 128), (64, 128), (3, 4), (132, 264, 528))]
+    if cls in ("128", "256"):
+        # narrow column tiles with split-K keep 2-4 programs on each SM (one 8-warp program per SM
+        # left the H200 at 12% occupancy, ncu 2026-12-04); wide ones (8 warps) re-read the
+        # activations from L2 fewer times
+        return ([dict(BM=bm, BN=64, BK=128, num_warps=4, num_stages=3, programs=pr)
+                 for bm, pr in p((64, 128), (264, 528))]
+                + [dict(BM=bm, BN=bn, BK=bk, num_warps=8, num_stages=3, **({"programs": pr} if pr else {}))
+                   for bm, bn, bk, pr in p((64, 128), (128, 256), (64, 128), (0, 264))])
+    return [dict(BM=bm, BN=bn, BK=bk, num_warps=8, num_stages=st)
+            for bm, bn, bk, st in ((256, 128, 64, 3), (256, 128, 64, 4), (256, 128, 128, 3), (128, 256, 64, 3),
+                                   (128, 256, 128, 3), (128, 128, 64, 4), (128, 128, 128, 3))]
+
+
+def mma_launch_key(e: dict) -> str:
+    return (f"BM{e['BM']}_BN{e['BN']}_BK{e['BK']}_w{e['num_warps']}_s{e['num_stages']}"
+            + (f"_p{e['programs']}" if e.get("programs") else ""))
+
+
+def mma_config(m: int, n: int, k: int, e: dict) -> Config:
+    """The launch ``pick_config`` makes for table entry ``e`` (class of m) at an (m, n, k) GEMM."""
+    return pick_config(m, n, k, GROUP, "mma", merged_table({"mma": {"16": e, "32": e, "64": e, "128": e, "256": e,
+                                                                     "big": e}}))
+
+
+def _compile_one(args) -> int:
+    """Compile (into Triton's disk cache) the launches of ``args`` = [(m, n, k, entry)], on small
+    tensors of the same specialisation (a worker process of ``warm_mma``)."""
+    launches, = args
+    from spear.quant.primitives import rtn
+
+    for m, n, k, e in launches:
+        cfg = mma_config(m, n, k, dict(e))
+        nn_, kk = max(cfg.BN, 64), 128 * cfg.split_k * 2
+        codes, scales, zeros = rtn(torch.randn(nn_, kk, device="cuda") * 0.02, 4, GROUP, symmetric=False)
+        w = pack(codes, scales.half(), zeros, GROUP, layout="mma")
+        x = torch.randn(m, kk, device="cuda", dtype=torch.float16)
+        try:
+            w4a16_matmul(x, w, config=cfg)
+        except Exception:  # out of resources: the sweep records it
+            pass
+    torch.cuda.synchronize()
+    return len(launches)
+
+
+def warm_mma(launches, workers: int = 12) -> None:
+    """Triton compiles on one thread per process: compile the sweep's launches in parallel first."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    chunks = [launches[i::workers] for i in range(workers) if launches[i::workers]]
+    try:
+        with cf.ProcessPoolExecutor(max_workers=len(chunks), mp_context=mp.get_context("spawn")) as pool:
+            list(pool.map(_compile_one, [(c,) for c in chunks]))
+    except Exception as exc:  # only a speed-up: the sweep compiles on first use anyway
+        print(f"parallel compile pass failed ({type(exc).__name__}: {exc}); compiling on first use", flush=True)
+
+
+def tune_mma(shapes, classes=None, budget_s: float = 900, progress: bool = True,
+             baselines: bool = True) -> tuple[dict, list]:
+    """Sweep the fragment layout's launches (``_mma_grid``) on ``shapes`` [(label, n, k)] at each
+    class's token counts (``MMA_TOKENS``): ({"mma": {class: best entry}}, rows). Each row holds the
+    timings of one (shape, M) in µs, and with ``baselines`` cuBLAS FP16 and the K-major path the
+    default policy takes. Best = the geometric mean over the class's shapes and token counts."""
+    from tqdm.auto import tqdm
+
+    from spear.kernels.dequant import dequantize
+    from spear.kernels.ops import w4a16_linear
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("tuning times the W4 kernel on a CUDA GPU; none is available")
+    classes = list(classes or MMA_TOKENS)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    todo = [(cls, m, e) for cls in classes for m in MMA_TOKENS[cls] for e in _mma_grid(cls)]
+    warm_mma(sorted({(m, n, k, tuple(sorted(e.items()))) for cls, m, e in todo for _, n, k in shapes}))
+    deadline = time.time() + budget_s
+    rows = []
+    with tqdm(total=len(todo) * len(shapes), desc="tune-kernels mma", unit="launch", disable=not progress) as bar:
+        for label, n, k in shapes:
+            codes, scales, zeros = random_layer(n, k)
+            nbytes = n * k // 2
+            ws = [pack(codes, scales, zeros, GROUP, layout="mma") for _ in range(copies_for(nbytes, l2))]
+            base = {}
+            if baselines:
+                wk = [pack(codes, scales, zeros, GROUP, layout="kmajor") for _ in range(copies_for(nbytes, l2))]
+                w16 = dequantize(wk[0], torch.float16)
+                fp16 = [w16] + [w16.clone() for _ in range(copies_for(2 * n * k, l2) - 1)]
+            for cls in classes:
+                for m in MMA_TOKENS[cls]:
+                    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                    ref = reference.w4a16_ec(x, codes, scales, zeros, GROUP)
+                    row = {"m": m, "class": cls, "shape": label, "n": n, "k": k, "sweep": {}}
+                    if baselines:
+                        row["fp16_us"] = time_calls([lambda w_=w_: torch.nn.functional.linear(x, w_) for w_ in fp16])
+                        row["kmajor_us"] = time_calls([lambda w_=w_: w4a16_linear(x, w_) for w_ in wk])
+                    for e in _mma_grid(cls):
+                        key = mma_launch_key(e)
+                        if time.time() > deadline:
+                            break
+                        try:
+                            cfg = mma_config(m, n, k, e)
+                            s_ = sqnr(ref, w4a16_matmul(x, ws[0], config=cfg))
+                            if s_ < 40:
+                                row["sweep"][key] = dict(launch=e, error=f"SQNR {s_:.1f} dB")
+                            else:
+                                row["sweep"][key] = dict(launch=e, us=time_calls(
+                                    [lambda w_=w_: w4a16_matmul(x, w_, config=cfg) for w_ in ws]))
+                        except Exception as exc:
+                            row["sweep"][key] = dict(launch=e, error=f"{type(exc).__name__}: {str(exc)[:100]}")
+                        bar.update()
+                    rows.append(row)
+            del ws, base
+            if baselines:
+                del wk, fp16, w16
+            torch.cuda.empty_cache()
+    return {"mma": mma_table(rows)}, rows
+
+
+def mma_table(rows) -> dict:
+    """Per class: the launch with the best geometric mean over its rows (shapes x token counts)."""
+    out = {}
+    for cls in MMA_CLASSES:
+        rs = [r for r in rows if r["class"] == cls]
+        if not rs:
+            continue
+        keys = set.intersection(*(set(kk for kk, v in r["sweep"].items() if "us" in v) for r in rs))
+        if keys:
+            best = min(keys, key=lambda kk: geomean(r["sweep"][kk]["us"] for r in rs))
+            out[cls] = dict(rs[0]["sweep"][best]["launch"])
+    return out

@@ -62,6 +62,7 @@ from spear.kernels._common import INTERPRET, _dequant, _dot, _pdl_wait, _unpack_
 from spear.kernels._ec_programs import _fused_ec, _u_program
 from spear.kernels._epilogue import _epilogue, _finish_tile
 from spear.kernels._kmajor import _kmajor_mainloop
+from spear.kernels._mma import _mma_mainloop
 from spear.kernels._nmajor import _fma_mainloop
 from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
 from spear.kernels.launch import BUILTIN, Config, pick_config
@@ -97,6 +98,8 @@ def _w4a16_kernel(
     # programmatic dependent launch (KernelPolicy.pdl): start loading weights before the kernel
     # before this one has finished; everything that reads x or writes waits for it
     PDL: tl.constexpr = False,
+    # the fragment layout (layout.py, "mma"): the tensor-core loop of _mma.py; ASM its PTX conversion
+    MMA: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
     # torch.compile passes Python floats as fp64 scalars; fp32 keeps the accumulators fp32
     alpha = tl.cast(alpha, tl.float32)
@@ -129,13 +132,13 @@ def _w4a16_kernel(
                        v_ptr, alpha, SPLIT_K, U_SPLIT, w_local // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
                        w_local % SPLIT_K, M, N, K, stride_xm, stride_om,
                        GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
-                       PREFETCH, ACT, PDL)
+                       PREFETCH, ACT, PDL, MMA, ASM)
     else:
         _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
                    alpha, SPLIT_K, U_SPLIT, local // SPLIT_K, n_wt, lock_base, offs_m, m_mask, local % SPLIT_K,
                    M, N, K, stride_xm, stride_om,
                    GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH,
-                   ACT, PDL)
+                   ACT, PDL, MMA, ASM)
 
 
 @triton.jit
@@ -146,7 +149,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
                EC_MODE: tl.constexpr, R: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
                PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr, ACT: tl.constexpr,
-               PDL: tl.constexpr):
+               PDL: tl.constexpr, MMA: tl.constexpr = False, ASM: tl.constexpr = False):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
     if not (KMAJOR and MV > 0 and PTX and PREFETCH):
         _pdl_wait(PDL)  # the K-major PTX loop waits after loading its first weights
@@ -156,6 +159,40 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
     offs_n = wt * BN + tl.arange(0, BN)
     n_mask = offs_n < N
     n_ld = offs_n % N  # in-bounds rows: unmasked, vectorized loads
+    if MMA:  # scales applied inside
+        accT = _mma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt * BN, k_lo, k_hi, offs_m, m_mask, N, K,
+                             stride_xm, GROUP, SYMMETRIC, IS_BF16, BN, BK, BM, DOT_F32, ASM)
+    else:
+        accT = _w_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt, k_lo, k_hi, offs_m, m_mask, offs_n, n_mask, n_ld, M,
+                       N, K, stride_xm, GROUP, SYMMETRIC, IS_BF16, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH, PDL)
+    if EC_MODE == 1:
+        # the fused EC rides on the tile's last split (the shortest K range, so the first to
+        # finish) before its partial is stored, off the split-K reduction's tail
+        if split == SPLIT_K - 1:
+            accT = _fused_ec(accT, offs_m, m_mask, n_ld, n_wt, lock_base, locks_ptr, b_ptr, v_ptr, alpha, U_SPLIT,
+                             R, DOT_F32, MV)
+
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    mn_offs = offs_m[None, :] * N + offs_n[:, None]
+    if SPLIT_K > 1:
+        tl.store(part_ptr + split * M * N + mn_offs, accT, mask=out_mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(locks_ptr + lock_base + wt, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            _finish_tile(wt, offs_m, m_mask, lock_base, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr, alpha,
+                         M, N, stride_om, SPLIT_K, HAS_BIAS, EC_MODE, R, BN, DOT_F32, MV, ACT)
+    else:
+        _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, bias_ptr, out_ptr, b_ptr, v_ptr, alpha, stride_om,
+                  HAS_BIAS, EC_MODE, R, DOT_F32, MV, ACT, wt, N)
+
+
+@triton.jit
+def _w_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt, k_lo, k_hi, offs_m, m_mask, offs_n, n_mask, n_ld, M, N, K,
+            stride_xm, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr, BM: tl.constexpr,
+            BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr,
+            KMAJOR: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+    """accT [BN, BM] of the N- and K-major layouts over one K range, scales applied: the CUDA-core
+    loops (MV > 0) or the tensor-core tiles with the tile unpacked on chip."""
     offs_k = tl.arange(0, BK)
     offs_kw = tl.arange(0, BK // 8)
     x_base = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
@@ -198,25 +235,7 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
             accT = _dot(w, xt, accT, DOT_F32)
     if GROUP == 0 and not (KMAJOR and MV > 0):
         accT = accT * s[:, None]
-    if EC_MODE == 1:
-        # the fused EC rides on the tile's last split (the shortest K range, so the first to
-        # finish) before its partial is stored, off the split-K reduction's tail
-        if split == SPLIT_K - 1:
-            accT = _fused_ec(accT, offs_m, m_mask, n_ld, n_wt, lock_base, locks_ptr, b_ptr, v_ptr, alpha, U_SPLIT,
-                             R, DOT_F32, MV)
-
-    out_mask = n_mask[:, None] & m_mask[None, :]
-    mn_offs = offs_m[None, :] * N + offs_n[:, None]
-    if SPLIT_K > 1:
-        tl.store(part_ptr + split * M * N + mn_offs, accT, mask=out_mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(locks_ptr + lock_base + wt, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            _finish_tile(wt, offs_m, m_mask, lock_base, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr, alpha,
-                         M, N, stride_om, SPLIT_K, HAS_BIAS, EC_MODE, R, BN, DOT_F32, MV, ACT)
-    else:
-        _epilogue(accT, offs_m, m_mask, offs_n, n_mask, n_ld, bias_ptr, out_ptr, b_ptr, v_ptr, alpha, stride_om,
-                  HAS_BIAS, EC_MODE, R, DOT_F32, MV, ACT, wt, N)
+    return accT
 
 
 def _check(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, ec: PackedEC | None) -> None:
@@ -253,8 +272,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
 
     ``ec_mode``: 0 no EC, 1 fused (needs ``ec``), 2 epilogue from ``v`` = gamma(u) ⊙ u (M, R)
     (needs ``ec`` for B). Defaults to 1 when ``ec`` is given. ``config``: the launch (default:
-    ``pick_config`` from ``table``). ``launch`` wraps the kernel (``torch.library.wrap_triton``
-    inside the registered op). ``act`` 1: the output features are interleaved (gate, up) pairs
+    ``pick_config`` from ``table``). ``launch`` wraps the kernel (None: a plain launch). ``act`` 1: the output features are interleaved (gate, up) pairs
     and the result is silu(gate) * up, (M, N / 2). ``pdl`` 1: launched with programmatic
     dependent launch (CUDA, Hopper or newer).
     """
@@ -266,9 +284,15 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     m, k = x.shape
     n = w.out_features
     check_act(act, n)
-    cfg = config or pick_config(m, n, k, w.group_size, w.kmajor, table)
-    # one scale per K step
-    if k % cfg.BK or (w.group_size and w.group_size % cfg.BK):
+    cfg = config or pick_config(m, n, k, w.group_size, w.layout, table)
+    mma = w.layout == "mma"
+    if mma:  # the fragment loop: any group within a step, 64-input blocks, no CUDA-core loop
+        if (cfg.mv or cfg.BK not in (64, 128) or k % cfg.BK or (cfg.BK == 128 and 0 < w.group_size < 128)
+                or cfg.BN % 16 or cfg.BM < 16):
+            raise ValueError(f"the fragment layout takes tensor-core launches with BK 64 or 128 dividing "
+                             f"in_features={k} (128 only with groups of 128 or more), BN a multiple of 16 "
+                             f"and BM >= 16; got {cfg}")
+    elif k % cfg.BK or (w.group_size and w.group_size % cfg.BK):  # one scale per K step
         raise ValueError(f"BK={cfg.BK} must divide in_features={k} and the group size {w.group_size}")
     m_tiles, n_wt = triton.cdiv(m, cfg.BM), triton.cdiv(n, cfg.BN)
     if cfg.mv and (m > cfg.mv or cfg.mv not in (1, 2, 4) or cfg.mv > cfg.BM):
@@ -313,6 +337,7 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
         PTX=bool(cfg.mv and cfg.ptx and aligned and x.dtype == torch.float16 and not INTERPRET), KMAJOR=w.kmajor,
         SPLIT_K=cfg.split_k, U_SPLIT=u_split, PREFETCH=bool(cfg.prefetch and w.kmajor and cfg.mv), ACT=act,
+        MMA=mma, ASM=mma and not INTERPRET,
         **_common.pdl_args(pdl),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -267,7 +267,7 @@ def build_rank(rank: int, spec: WorkerSpec, conn):
     from pathlib import Path
 
     cfg, quantized, tensors = loader.from_folder(Path(spec.path), spec.verify)
-    model, _ = build_model(cfg, quantized, tensors, device, dtype, MAX_RANK, tp=tp)
+    model, _ = build_model(cfg, quantized, tensors, device, dtype, MAX_RANK, tp=tp, layout=spec.policy.w4_layout)
     conn.send(("ok", local_blocks(cfg, spec.block_size, dtype, device, spec.kv_memory, spec.num_blocks, tp.size)))
     num_blocks, max_model_len = conn.recv()
     model.set_comm(make_comm(tp, spec.reduce, device, dtype, spec.timeout_s))

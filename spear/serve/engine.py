@@ -132,7 +132,8 @@ class LLMEngine:
                                         config.block_size, config.cuda_graphs and device.type == "cuda", tp.size,
                                         config.tp_reduce)
         table = given_table(config.latency_table, self.deployment)  # a wrong table fails before the weights load
-        self.model, self.load_report = build_model(model_config, quantized, tensors, device, dtype, MAX_RANK, tp=tp)
+        self.model, self.load_report = build_model(model_config, quantized, tensors, device, dtype, MAX_RANK, tp=tp,
+                                                   layout=config.kernels.w4_layout)
         for layer, reason in self.load_report:
             log.warning("%s runs off the W4 kernel path: %s", layer, reason)
         self.tokenizer = tokenizer

@@ -152,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 def build_model(config, quantized: dict[str, MemberWeights], tensors: dict[str, torch.Tensor], device, dtype,
-                max_rank: int, kernels: bool | None = None, tp: TPRank = TPRank(),
+                max_rank: int, kernels: bool | None = None, tp: TPRank = TPRank(), layout: str = "mma",
                 ) -> tuple[LlamaForCausalLM, list[tuple[str, str]]]:
     """The model with every weight in place on ``device``. ``quantized``: the checkpoint's quantized
     linears by module name (with their compensators); ``tensors``: every other tensor by name (dense
@@ -160,7 +160,8 @@ def build_model(config, quantized: dict[str, MemberWeights], tensors: dict[str, 
     dense) for each quantized layer off the kernel path on CUDA). Every tensor the model needs must
     be given and every one given must be used, else a SpearError names it. ``kernels``: see
     ``Linear.finalize`` (True packs for the kernels off CUDA too, where the ops run their references).
-    ``tp``: build this tensor-parallel rank's share (each linear cuts its tensors as it loads them)."""
+    ``tp``: build this tensor-parallel rank's share (each linear cuts its tensors as it loads them).
+    ``layout``: the packed W4 layout the linears prefer (``KernelPolicy.w4_layout``)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
     model.to_empty(device="cpu")
@@ -205,7 +206,7 @@ def build_model(config, quantized: dict[str, MemberWeights], tensors: dict[str, 
         if id(lin) in seen:
             continue
         seen.add(id(lin))
-        lin.finalize(torch.device(device), dtype, max_rank, kernels)
+        lin.finalize(torch.device(device), dtype, max_rank, kernels, layout)
         if lin.reason is not None:
             report.append((", ".join(lin.names), lin.reason))
     return model.eval(), report

@@ -290,7 +290,7 @@ class ModelRunner:
             for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 if lin.kind == "w4":
                     w, e = lin.packed, lin.packed_ec
-                    shapes.add((w.out_features, w.in_features, w.group_size, w.kmajor, 0 if e is None else e.a.shape[0]))
+                    shapes.add((w.out_features, w.in_features, w.group_size, w.layout, 0 if e is None else e.a.shape[0]))
         return sorted(shapes)
 
     @property

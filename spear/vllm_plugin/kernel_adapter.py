@@ -58,11 +58,11 @@ def prepare(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, grou
     uint8; ``ec`` holds fp32 ``a`` (R, K), ``b`` (N, R) with alpha folded, ``bound`` and, gated,
     ``w1`` (H, R) with the input scale folded, ``b1``, ``w2`` (R, H), ``b2``."""
     if uses_kernels(codes.device, dtype):
-        from spear.kernels.layout import KMAJOR_K_MULTIPLE, pack, pack_ec
+        from spear.kernels.layout import layout_for, pack, pack_ec
 
-        k = codes.shape[1]
+        n, k = codes.shape
         try:
-            packed = pack(codes, scales, zeros, group_size, symmetric, kmajor=k % KMAJOR_K_MULTIPLE == 0)
+            packed = pack(codes, scales, zeros, group_size, symmetric, layout=layout_for(n, k))
             packed_ec = None
             if ec is not None:
                 gate = {n: ec[n] for n in ("w1", "b1", "w2", "b2")} if "w1" in ec else {}

@@ -41,7 +41,8 @@ def divisible(fn):
             if n.endswith("_ptr") or n in ("N", "K", "stride_xm", "stride_om", "stride_wn")}
 
 
-def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, act=0, pdl=0, ftype="fp32"):
+def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, act=0, pdl=0, ftype="fp32", mma=False,
+               bn=64, bk=64, group=128, sym=False, split=4, num_warps=4):
     dt = "bf16" if bf16 else "fp16"
     ptrs = dict(x_ptr=dt, qw_ptr="i32", scales_ptr="fp16", zeros_ptr="u8", bias_ptr=dt, out_ptr=dt, part_ptr="fp32",
                 locks_ptr="i32", a_ptr=dt, b_ptr=dt, w1_ptr=dt, b1_ptr=dt, w2_ptr=dt, b2_ptr=dt, upart_ptr="fp32",
@@ -51,13 +52,28 @@ def compile_w4(bf16, ec_mode, mv, bm, gate=True, kmajor=False, prefetch=False, a
         {"a_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr"} if ec_mode == 2 else set())
     ptrs = {k: "*" + ("fp16" if k in unused else v) for k, v in ptrs.items()}
     gate = gate and ec_mode == 1
-    consts = dict(GROUP=128, SYMMETRIC=False, HAS_BIAS=True, IS_BF16=bf16, EC_MODE=ec_mode, GATE=gate, R=32, H=32,
-                  BM=bm, BN=64, BK=64, MV=mv, DOT_F32=False,
-                  PTX=bool(mv) and not bf16, KMAJOR=kmajor, PREFETCH=prefetch, SPLIT_K=4, U_SPLIT=8 if ec_mode == 1 else 0,
-                  ACT=act, PDL=pdl)
+    consts = dict(GROUP=group, SYMMETRIC=sym, HAS_BIAS=True, IS_BF16=bf16, EC_MODE=ec_mode, GATE=gate, R=32, H=32,
+                  BM=bm, BN=bn, BK=bk, MV=mv, DOT_F32=False,
+                  PTX=bool(mv) and not bf16, KMAJOR=kmajor, PREFETCH=prefetch, SPLIT_K=split,
+                  U_SPLIT=8 if ec_mode == 1 else 0, ACT=act, PDL=pdl, MMA=mma, ASM=mma)
     src = ASTSource(_w4a16_kernel, sig(_w4a16_kernel, ptrs, ("alpha", "bound"), consts, ftype), consts,
                     divisible(_w4a16_kernel))
-    return triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=2))
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=3 if mma else 2))
+
+
+def check_mma_loop(ptx: str) -> None:
+    """The fragment layout's main loop (the PTX loop that issues wgmma): the weight tile never
+    passes through shared memory (no st.shared: it reaches the wgmma from the registers its
+    16-byte loads filled), the wgmma takes it as its register operand, and each step ends with
+    ``wgmma.wait_group 0`` (_mma._wgmma_drain: the next step's conversion reuses those registers)."""
+    parts = re.split(r"\n\$L__BB\d+_\d+:", ptx)
+    loops = [p for p in parts if "Inner Loop Header" in p.split("\n")[0] and "wgmma.mma_async" in p]
+    assert loops, "no main loop issues wgmma"
+    loop = loops[0]
+    assert "st.shared" not in loop, "the weight tile takes a trip through shared memory in the main loop"
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(f16|bf16)\.(f16|bf16) \{[^}]*\}, \{%r",
+                     loop), "the wgmma does not take the weight tile from registers"
+    assert "wgmma.wait_group.sync.aligned 0" in loop, "no wgmma drain at the end of a step"
 
 
 def check_polls(ptx: str) -> int:
@@ -174,6 +190,15 @@ if __name__ == "__main__":
         assert check_polls(kernel.asm["ptx"]) == (2 if ec_mode == 1 else 0)
     for ec_mode, mv, bm in ((1, 1, 16), (1, 0, 16), (2, 0, 128)):  # fp64 scalars, as torch.compile passes them
         compile_w4(bf16, ec_mode, mv, bm, kmajor=True, prefetch=bool(mv), ftype="fp64")
+    # the fragment layout: decode tiles with split-K, the fused EC and the v-epilogue with SiLU·mul,
+    # prefill tiles of 8 warps, per-channel symmetric and 64-input steps
+    for ec_mode, bm, bn, bk, warps, split, group, sym, act in ((0, 16, 64, 128, 4, 4, 128, False, 0),
+                                                              (1, 16, 64, 128, 4, 4, 128, False, 0),
+                                                              (2, 64, 64, 128, 4, 2, 128, True, 1),
+                                                              (0, 256, 128, 64, 8, 1, 128, False, 0),
+                                                              (0, 64, 128, 64, 4, 1, 0, True, 0)):
+        check_mma_loop(compile_w4(bf16, ec_mode, 0, bm, mma=True, bn=bn, bk=bk, group=group, sym=sym, split=split,
+                                  num_warps=warps, act=act).asm["ptx"])
     compile_small(bf16)
     compile_small(bf16, "fp64")
     for peers, ec, gate, bias in ((1, True, True, True), (2, True, True, False), (8, True, False, True),

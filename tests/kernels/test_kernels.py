@@ -111,7 +111,7 @@ def test_w4a16_gemm_kmajor(poisoned, m, gs, sym, dtype, bias, cfg):
                                          (64, torch.bfloat16, True)])
 def test_dequantize_kmajor(poisoned, gs, dtype, kn):
     codes, scales, zeros = make_layer(N_SMALL, K_SMALL, gs, False, 6)
-    w_hat = dequantize(pack(codes, scales, zeros, gs, kmajor=True), dtype, kn=kn)
+    w_hat = dequantize(pack(codes, scales, zeros, gs, layout="kmajor"), dtype, kn=kn)
     expect = ref.dequantize(codes, scales, zeros, gs).to(dtype)
     assert w_hat.shape == expect.shape
     # (N, K) row-major as the fp16 weight is, or the transposed view of a (K, N) buffer
@@ -124,13 +124,13 @@ def test_dequantize_kmajor(poisoned, gs, dtype, kn):
 
 def test_kmajor_pack_roundtrip_and_errors():
     codes, scales, zeros = make_layer(48, 256, 32, False, 7)
-    w = pack(codes, scales, zeros, 32, kmajor=True)
+    w = pack(codes, scales, zeros, 32, layout="kmajor")
     assert (w.in_features, w.out_features) == (256, 48)
     c, s_, z = unpack(w)
     assert torch.equal(c, codes) and torch.equal(s_, scales) and torch.equal(z, zeros)
     bad = make_layer(16, 96, 32, False, 8)
     with pytest.raises(ValueError, match="multiple of 128"):
-        pack(*bad, 32, kmajor=True)
+        pack(*bad, 32, layout="kmajor")
 
 
 @pytest.mark.parametrize("gs,dtype", [(0, torch.bfloat16), (32, torch.float16)])

@@ -72,27 +72,27 @@ def test_unreadable_files_are_refused(tmp_path):
 
 
 def test_a_merged_table_changes_the_launch_key_by_key(tmp_path):
-    before = launch.pick_config(2, 4096, 4096, 128, kmajor=True)
+    before = launch.pick_config(2, 4096, 4096, 128, layout="kmajor")
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"fma_kmajor_by_mv": {"2": dict(BN=32, BK=128, num_warps=4, num_stages=1,
                                                               programs=264)},
                                 "fma_kmajor_narrow": None}))
     table = launch.merged_table(path)
-    two = launch.pick_config(2, 4096, 4096, 128, kmajor=True, table=table)
+    two = launch.pick_config(2, 4096, 4096, 128, layout="kmajor", table=table)
     assert (two.BN, two.num_warps, two.num_stages, two.prefetch) == (32, 4, 1, False)
     assert (before.BN, before.num_warps, before.num_stages) == (64, 2, 3)
     # keys the file does not name keep the built-in values; the narrow launch is off in the merged
     # table only, and the file's "by_mv" replaces the built-in one whole (class "4" is gone)
     assert table["tc"] == launch.BUILTIN["tc"] and table["fma_kmajor_narrow"] is None
     assert launch.BUILTIN["fma_kmajor_narrow"] is not None and set(table["fma_kmajor_by_mv"]) == {"2"}
-    one = launch.pick_config(1, 4096, 4096, 128, kmajor=True, table=table)
+    one = launch.pick_config(1, 4096, 4096, 128, layout="kmajor", table=table)
     assert (one.num_warps, one.split_k) == (launch.BUILTIN["fma_kmajor"]["num_warps"], 16)
-    narrow = launch.pick_config(1, 4096, 4096, 128, kmajor=True)  # the built-in table: the narrow launch
+    narrow = launch.pick_config(1, 4096, 4096, 128, layout="kmajor")  # the built-in table: the narrow launch
     assert (narrow.num_warps, narrow.split_k) == (4, 8)
-    four = launch.pick_config(4, 4096, 4096, 128, kmajor=True, table=table)
+    four = launch.pick_config(4, 4096, 4096, 128, layout="kmajor", table=table)
     assert (four.mv, four.num_warps, four.num_stages) == (4, 2, 1)  # no class "4" launch: M = 1's
     # the built-in table did not change under the merge
-    assert launch.pick_config(2, 4096, 4096, 128, kmajor=True) == before
+    assert launch.pick_config(2, 4096, 4096, 128, layout="kmajor") == before
     with pytest.raises(ValueError, match="power of two"):
         launch.merged_table({"tc": {"BN": 100}})
     assert launch.BUILTIN["tc"]["BN"] != 100
@@ -100,13 +100,13 @@ def test_a_merged_table_changes_the_launch_key_by_key(tmp_path):
 
 def test_an_entrys_u_split_reaches_the_fused_launch():
     """A launch entry may cap the fused EC's u programs for its token class only."""
-    assert launch.pick_config(8, 4096, 4096, 128, kmajor=True).u_split == 0  # built in: w4a16.U_SPLIT_MAX
+    assert launch.pick_config(8, 4096, 4096, 128, layout="kmajor").u_split == 0  # built in: w4a16.U_SPLIT_MAX
     table = launch.merged_table({"tc": dict(plain(launch.BUILTIN["tc"]), u_split=16)})
-    assert launch.pick_config(8, 4096, 4096, 128, kmajor=True, table=table).u_split == 16
-    assert launch.pick_config(16, 4096, 4096, 128, kmajor=True, table=table).u_split == 16
-    assert launch.pick_config(32, 4096, 4096, 128, kmajor=True, table=table).u_split == 0  # tc_wide
-    assert launch.pick_config(1, 4096, 4096, 128, kmajor=True, table=table).u_split == 0   # the CUDA-core loop
-    assert launch.pick_config(8, 4096, 4096, 128, kmajor=True).u_split == 0  # the built-in table unchanged
+    assert launch.pick_config(8, 4096, 4096, 128, layout="kmajor", table=table).u_split == 16
+    assert launch.pick_config(16, 4096, 4096, 128, layout="kmajor", table=table).u_split == 16
+    assert launch.pick_config(32, 4096, 4096, 128, layout="kmajor", table=table).u_split == 0  # tc_wide
+    assert launch.pick_config(1, 4096, 4096, 128, layout="kmajor", table=table).u_split == 0   # the CUDA-core loop
+    assert launch.pick_config(8, 4096, 4096, 128, layout="kmajor").u_split == 0  # the built-in table unchanged
 
 
 def test_pick_config_reads_a_token_class_launch():
@@ -114,30 +114,30 @@ def test_pick_config_reads_a_token_class_launch():
         fma_kmajor_max_m=4, fma_kmajor_narrow=None,
         fma_kmajor=dict(BN=64, BK=128, num_warps=2, num_stages=1, programs=528, prefetch=True),
         fma_kmajor_by_mv={"4": dict(BN=64, BK=128, num_warps=4, num_stages=2, programs=264)}))
-    one, two, four = (launch.pick_config(m, 4096, 4096, 128, kmajor=True, table=table) for m in (1, 2, 3))
+    one, two, four = (launch.pick_config(m, 4096, 4096, 128, layout="kmajor", table=table) for m in (1, 2, 3))
     assert (one.mv, one.num_warps, one.prefetch) == (1, 2, True)
     assert (two.mv, two.num_warps, two.num_stages, two.prefetch) == (2, 2, 1, True)  # no class launch: M = 1's
     assert (four.mv, four.num_warps, four.num_stages, four.prefetch) == (4, 4, 2, False)
     # smallest power-of-two split reaching the programs: 64 column tiles x 8 >= 264; x 16 >= 528
     assert (four.split_k, one.split_k) == (8, 16)
-    assert launch.pick_config(5, 4096, 4096, 128, kmajor=True, table=table).mv == 0  # above max_m: tensor cores
+    assert launch.pick_config(5, 4096, 4096, 128, layout="kmajor", table=table).mv == 0  # above max_m: tensor cores
     # one token on a narrow layer: the narrow launch (not for 2+ tokens, wider layers, N-major)
     narrow_entry = dict(max_n=4096, BN=64, BK=128, num_warps=4, num_stages=2, programs=264, prefetch=True)
     with_narrow = launch.merged_table(dict(plain(table), fma_kmajor_narrow=narrow_entry))
-    narrow = launch.pick_config(1, 4096, 4096, 128, kmajor=True, table=with_narrow)
+    narrow = launch.pick_config(1, 4096, 4096, 128, layout="kmajor", table=with_narrow)
     assert (narrow.num_warps, narrow.num_stages, narrow.split_k, narrow.prefetch) == (4, 2, 8, True)
-    assert launch.pick_config(1, 4096, 4096, 128, kmajor=False, table=with_narrow).num_warps == \
+    assert launch.pick_config(1, 4096, 4096, 128, layout="nmajor", table=with_narrow).num_warps == \
         launch.BUILTIN["fma"]["num_warps"]
-    assert launch.pick_config(1, 11008, 4096, 128, kmajor=True, table=with_narrow).num_warps == 2
-    assert launch.pick_config(2, 4096, 4096, 128, kmajor=True, table=with_narrow).num_warps == 2
+    assert launch.pick_config(1, 11008, 4096, 128, layout="kmajor", table=with_narrow).num_warps == 2
+    assert launch.pick_config(2, 4096, 4096, 128, layout="kmajor", table=with_narrow).num_warps == 2
     # 17-64 tokens read "tc_wide": BM by token count, split-K from its program target (64 tiles x 2 >= 128)
     wide_table = launch.merged_table({"tc_wide": dict(BN=64, BK=128, num_warps=8, num_stages=3, programs=128)})
-    wide = launch.pick_config(64, 4096, 4096, 128, kmajor=True, table=wide_table)
+    wide = launch.pick_config(64, 4096, 4096, 128, layout="kmajor", table=wide_table)
     tc16 = launch.pick_config(16, 4096, 4096, 128, table=wide_table)
     assert (wide.BM, wide.num_warps, wide.split_k) == (64, 8, 2) and tc16.num_warps == launch.BUILTIN["tc"]["num_warps"]
     assert launch.pick_config(32, 4096, 4096, 128, table=wide_table).BM == 32
     off = launch.merged_table(dict(plain(with_narrow), fma_kmajor_narrow=dict(narrow_entry, max_n=1)))
-    assert launch.pick_config(1, 4096, 4096, 128, kmajor=True, table=off).split_k == 16
+    assert launch.pick_config(1, 4096, 4096, 128, layout="kmajor", table=off).split_k == 16
 
 
 def test_pick_config_fills_the_gpu_at_decode():

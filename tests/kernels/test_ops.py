@@ -133,7 +133,7 @@ def test_gpu_dispatch(poisoned, m, policy):
     dtype = torch.float16
     codes, scales, zeros, w, e = _layer(4096, 4096, 128, dtype, "cuda", r=32, h=32)
     if policy is SERIAL:
-        assert plan(m, 4096, 4096, 128, False, 32, policy).path == "semi_fused_ec"
+        assert plan(m, 4096, 4096, 128, "nmajor", 32, policy).path == "semi_fused_ec"
     torch.manual_seed(m)
     x = torch.randn(m, 4096, device="cuda").to(dtype)
     bias = torch.randn(4096, device="cuda").to(dtype)

@@ -38,33 +38,33 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,policy,paths", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("kmajor", [True, False])
-def test_plan_gives_each_token_count_its_path(name, policy, paths, kmajor):
+@pytest.mark.parametrize("layout", ["kmajor", "nmajor"])
+def test_plan_gives_each_token_count_its_path(name, policy, paths, layout):
     assert set(paths) == set(TOKENS)
     for tokens in TOKENS:
         for rank, path in zip((0, 16), paths[tokens]):
-            p = plan(tokens, N, K, GROUP, kmajor, rank, policy)
+            p = plan(tokens, N, K, GROUP, layout, rank, policy)
             assert p.path == path, f"{name}: {tokens} tokens, rank {rank}: {p.path}, expected {path}"
             # the Triton GEMM's launch where the path runs it (the W4 part below the cuBLAS threshold)
             if tokens < policy.dequant_mm_min_m:
-                assert p.config == pick_config(tokens, N, K, GROUP, kmajor, policy.launch_table), (name, tokens)
+                assert p.config == pick_config(tokens, N, K, GROUP, layout, policy.launch_table), (name, tokens)
             else:
                 assert p.config is None, (name, tokens)
-            off = plan(tokens, N, K, GROUP, kmajor, rank, policy, cuda=False)
+            off = plan(tokens, N, K, GROUP, layout, rank, policy, cuda=False)
             assert off.path == "reference" and off.config is None, (name, tokens, rank)
 
 
 def test_plan_uses_the_policys_launch_table():
     """The launch of a planned GEMM comes from the policy's table (merged over the built-in one)."""
     p = KernelPolicy(launch_table=CUSTOM_TABLE)
-    one, three, sixteen, wide = (plan(m, N, K, GROUP, True, 16, p).config for m in (1, 3, 16, 40))
+    one, three, sixteen, wide = (plan(m, N, K, GROUP, "kmajor", 16, p).config for m in (1, 3, 16, 40))
     assert (one.mv, one.BN, one.num_warps, one.split_k) == (1, 64, 2, 16)  # no narrow launch: fma_kmajor
     assert three.mv == 0 and (three.BN, three.BK, three.num_warps, three.u_split) == (32, 64, 8, 16)  # max_m 2
     assert (sixteen.BN, sixteen.num_stages) == (32, 4)
     assert (wide.BN, wide.BM, wide.num_warps) == (64, 64, 4)  # tc_wide: built in
     prefill = KernelPolicy(launch_table=CUSTOM_TABLE, dequant_mm_min_m=1024)
-    assert plan(512, N, K, GROUP, True, 0, prefill).config == launch.Config(64, 256, 32, 1, 4, 4)
-    default = plan(1, N, K, GROUP, True, 16, KernelPolicy()).config
+    assert plan(512, N, K, GROUP, "kmajor", 0, prefill).config == launch.Config(64, 256, 32, 1, 4, 4)
+    default = plan(1, N, K, GROUP, "kmajor", 16, KernelPolicy()).config
     assert (default.num_warps, default.split_k) == (4, 8)  # the built-in narrow launch at N = 4096
 
 
@@ -121,9 +121,9 @@ def test_two_policies_in_one_process_keep_their_own_paths():
               (b, 48): ("semi_fused_ec", None), (a, 1): ("fused_ec", 64), (b, 1): ("fused_ec", 64)}
     for _ in range(2):
         for (policy, tokens), (path, bn) in expect.items():
-            p = plan(tokens, N, K, GROUP, True, 16, policy)
+            p = plan(tokens, N, K, GROUP, "kmajor", 16, policy)
             assert p.path == path and (p.config.BN if p.config else None) == bn, (policy.fused_max_m, tokens)
-            assert plan(1, N, K, GROUP, True, 16, policy).config.split_k == (8 if policy is a else 16)
+            assert plan(1, N, K, GROUP, "kmajor", 16, policy).config.split_k == (8 if policy is a else 16)
     assert settings(a.op_args).semi_fused_overlap and not settings(b.op_args).semi_fused_overlap
     assert a == KernelPolicy() and b != a  # neither was changed by the other's plans
 
@@ -174,6 +174,6 @@ def test_pdl_level():
 
 
 def test_paths_are_the_documented_ones():
-    seen = {plan(m, N, K, GROUP, True, r, KernelPolicy(), cuda=c).path
+    seen = {plan(m, N, K, GROUP, "kmajor", r, KernelPolicy(), cuda=c).path
             for m in TOKENS for r in (0, 16) for c in (True, False)}
     assert seen == set(PATHS)

@@ -44,7 +44,7 @@ def test_semi_fused_side_path(poisoned, m, kmajor, act):
     dtype = torch.float16
     ec = make_ec(N_SMALL, K_SMALL, 16, 16, dtype, seed=9)
     x, w, b, e, expect = setup_case(m, K_SMALL, N_SMALL, 64, False, dtype, seed=9 + m, ec=ec, kmajor=kmajor)
-    p = plan(m, N_SMALL, K_SMALL, 64, kmajor, e.a.shape[0], DEFAULT)
+    p = plan(m, N_SMALL, K_SMALL, 64, "kmajor" if kmajor else "nmajor", e.a.shape[0], DEFAULT)
     assert p.path == "semi_fused_ec" and (p.config is None) == (m >= DEFAULT.dequant_mm_min_m)
     out = ops._semi_fused(x, w, b, e, p.config, False, DEFAULT.gate_programs, 0, act)
     what = f"side M={m} kmajor={kmajor} act={act} {'cuBLAS' if p.config is None else 'v-epilogue'}"
@@ -89,7 +89,7 @@ def test_gpu_side_path_dispatch(poisoned, overlap, m, act):
     dtype = torch.float16
     ec = make_ec(4096, 4096, 32, 32, dtype, seed=2)
     x, w, b, e, expect = setup_case(m, 4096, 4096, 128, False, dtype, seed=2, ec=ec, kmajor=True)
-    assert plan(m, 4096, 4096, 128, True, e.a.shape[0], policy).path == "semi_fused_ec"
+    assert plan(m, 4096, 4096, 128, "kmajor", e.a.shape[0], policy).path == "semi_fused_ec"
     expect = ref.silu_mul_pairs(expect) if act else expect
     what = f"side overlap={overlap} M={m} act={act}"
     assert_close(w4a16_linear(x, w, b, e, act=act, policy=policy), expect, dtype, what)

@@ -31,8 +31,8 @@ def test_tc_config_is_the_tensor_core_launch_without_touching_the_table():
     for kmajor in (True, False):
         key = "fma_kmajor_max_m" if kmajor else "fma_max_m"
         c = tune.tc_config(1, 4096, 4096, kmajor)
-        assert c.mv == 0 and c == launch.pick_config(1, 4096, 4096, tune.GROUP, kmajor, launch.merged_table({key: 0}))
-        assert launch.pick_config(1, 4096, 4096, tune.GROUP, kmajor).mv == 1  # the built-in table: the loop
+        assert c.mv == 0 and c == launch.pick_config(1, 4096, 4096, tune.GROUP, "kmajor" if kmajor else "nmajor", launch.merged_table({key: 0}))
+        assert launch.pick_config(1, 4096, 4096, tune.GROUP, "kmajor" if kmajor else "nmajor").mv == 1  # the built-in table: the loop
     assert launch.BUILTIN["fma_kmajor_max_m"] == 4 and launch.BUILTIN["fma_max_m"] == 1
 
 
@@ -136,4 +136,4 @@ def test_gpu_tune_writes_a_table_the_engine_takes():
     assert len(rows) == 4 and all(len(r["kmajor"]["sweep"]) == 8 for r in rows)
     assert all("us" in v for r in rows for v in r["kmajor"]["sweep"].values()), "a launch failed its check"
     merged = launch.merged_table(table)
-    assert launch.pick_config(1, 1024, 1024, 128, kmajor=True, table=merged).BN == 64
+    assert launch.pick_config(1, 1024, 1024, 128, layout="kmajor", table=merged).BN == 64

@@ -182,12 +182,14 @@ class Linear(nn.Module):
     def missing(self) -> list[str]:
         return [n for n, m in zip(self.names, self._members) if m is None]
 
-    def finalize(self, device: torch.device, dtype: torch.dtype, max_rank: int, kernels: bool | None = None) -> None:
+    def finalize(self, device: torch.device, dtype: torch.dtype, max_rank: int, kernels: bool | None = None,
+                 layout: str = "mma") -> None:
         """Build the runtime form (module docstring); the members' loaded tensors are released.
         ``kernels``: take the kernels' packed forms where the members allow (default: on CUDA in
         fp16/bf16). Off CUDA the registered ops then run their torch references on the packed
-        tensors, which is how CPU tests check the packing."""
-        self._build(device, dtype, max_rank, kernels)
+        tensors, which is how CPU tests check the packing. ``layout``: the packed W4 layout to take
+        where the layer's shape allows it (``KernelPolicy.w4_layout``; layout.layout_for)."""
+        self._build(device, dtype, max_rank, kernels, layout)
         if self.split == "row":
             self._row_post()
 
@@ -204,7 +206,8 @@ class Linear(nn.Module):
             post.dense, self.ec = self.ec, None
         self.post = post
 
-    def _build(self, device: torch.device, dtype: torch.dtype, max_rank: int, kernels: bool | None) -> None:
+    def _build(self, device: torch.device, dtype: torch.dtype, max_rank: int, kernels: bool | None,
+               layout: str = "mma") -> None:
         members = self._members
         if any(m is None for m in members):
             raise SpearError(f"{self.missing()[0]}: not in the checkpoint")
@@ -221,7 +224,7 @@ class Linear(nn.Module):
                 reasons = [f"merged compensator rank {ec.rank} / gate width {ec.hidden} beyond the kernels' "
                            f"{max_rank}"]
             else:
-                self._finalize_w4(members, ec, bias, dtype, device)
+                self._finalize_w4(members, ec, bias, dtype, device, layout)
                 return
         if cuda and len(members) == 1 and _w8_packable(members[0]) and members[0].ec is None:
             from spear.kernels.w8a16 import pack_w8
@@ -246,8 +249,8 @@ class Linear(nn.Module):
         return torch.cat([m.bias.to(dtype) if m.bias is not None else torch.zeros(n, dtype=dtype)
                           for m, n in zip(members, self.outs)]).to(device)
 
-    def _finalize_w4(self, members, ec: ECFactors | None, bias, dtype, device) -> None:
-        from spear.kernels.layout import KMAJOR_K_MULTIPLE, pack, pack_ec
+    def _finalize_w4(self, members, ec: ECFactors | None, bias, dtype, device, layout: str) -> None:
+        from spear.kernels.layout import layout_for, pack, pack_ec
 
         q0 = members[0].quant
         codes = torch.cat([m.quant.codes for m in members])
@@ -259,10 +262,8 @@ class Linear(nn.Module):
             b = None if b is None else _interleave(b, 0)
             bias = None if bias is None else _interleave(bias, 0)
             self.interleaved = True
-        # the K-major layout (faster at decode) needs in_features % 128 == 0
-        kmajor = self.in_features % KMAJOR_K_MULTIPLE == 0
         self.packed = pack(codes.to(device), scales.to(device), zeros.to(device), q0.group_size, q0.symmetric,
-                           kmajor=kmajor)
+                           layout=layout_for(codes.shape[0], self.in_features, layout))
         self.bias = bias
         self.packed_ec = None
         if ec is not None:
