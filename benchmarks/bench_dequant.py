@@ -53,7 +53,7 @@ def main(argv=None) -> int:
         codes, scales, zeros = rtn(torch.randn(n, k, device="cuda", generator=g) * 0.02, 4, GROUP, symmetric=False)
         scales = scales.half()
         expect = reference.dequantize(codes, scales, zeros, GROUP).half()
-        ws = [pack(codes, scales, zeros, GROUP, kmajor=True) for _ in range(copies_for(n * k // 2, l2))]
+        ws = [pack(codes, scales, zeros, GROUP, layout="kmajor") for _ in range(copies_for(n * k // 2, l2))]
         for kn in (False, True):
             if not torch.equal(dequantize(ws[0], torch.float16, kn=kn), expect):
                 raise SystemExit(f"{label}: dequantize(kn={kn}) differs from the reference")

@@ -42,9 +42,8 @@ from kernel_timing import ceilings, profile_calls, time_calls  # noqa: E402
 
 from spear.kernels import ops  # noqa: E402
 from spear.kernels.dequant import dequantize  # noqa: E402
-from spear.kernels.launch import pick_config  # noqa: E402
 from spear.kernels.ops import w4a16_linear  # noqa: E402
-from spear.kernels.policy import KernelPolicy  # noqa: E402
+from spear.kernels.policy import KernelPolicy, plan  # noqa: E402
 from spear.kernels.w4a16 import w4a16_matmul  # noqa: E402
 
 M_ALL = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
@@ -67,8 +66,9 @@ def variants(layer, m, ranks, ecs, policy: KernelPolicy):
     x = torch.randn(m, layer.k, device=DEVICE).half()
     xb = x.bfloat16()
     table = policy.launch_table
-    # the W4 part of the semi-fused path: the Triton GEMM below dequant_mm_min_m, cuBLAS above
-    w4_cfg = None if m >= policy.dequant_mm_min_m else pick_config(m, layer.n, layer.k, GROUP, layer.kmajor, table)
+    # the W4 part of the semi-fused path as the policy plans it (the Triton GEMM, or cuBLAS from its
+    # layout's threshold on)
+    w4_cfg = plan(m, layer.n, layer.k, GROUP, layer.layout, 0, policy).config
     # default arguments bind each copy (and each rank's EC) at definition time
     v = {
         "fp16": [lambda w=w: torch.nn.functional.linear(x, w) for w in layer.fp16],
@@ -76,7 +76,7 @@ def variants(layer, m, ranks, ecs, policy: KernelPolicy):
     }
     if layer.int4 and (m < 1024 or layer.n == layer.k):  # slow at large M: q/o only there
         v["int4mm"] = [lambda w=w: torch._weight_int4pack_mm(xb, w[0], GROUP, w[1]) for w in layer.int4]
-    if m >= 128:
+    if m >= 128 or layer.layout == "mma":
         v["w4_triton"] = [lambda w=w: w4a16_matmul(x, w, table=table) for w in layer.w4]
         v["w4_dqmm"] = [lambda w=w: torch.nn.functional.linear(x, dequantize(w, x.dtype)) for w in layer.w4]
     for r in ranks:
@@ -118,9 +118,9 @@ def floor_us(n, k, m, bw, peak):
     return max(nbytes / bw, 2 * m * n * k / peak) * 1e6, nbytes, 2 * m * n * k
 
 
-def _warm_one(m, ranks, n, k, policy, kmajor):
+def _warm_one(m, ranks, n, k, policy, layout):
     """Compile every kernel variant that the sweep will launch at this M (into Triton's disk cache)."""
-    layer = Layer(n, k, 0, with_int4=False, kmajor=kmajor)
+    layer = Layer(n, k, 0, with_int4=False, layout=layout)
     ecs = {r: make_ec(n, k, r) for r in ranks}
     _, v = variants(layer, m, ranks, ecs, policy)
     for fns in v.values():
@@ -129,7 +129,7 @@ def _warm_one(m, ranks, n, k, policy, kmajor):
     return m
 
 
-def warm_cache(ms, ranks, kmajor, policy):
+def warm_cache(ms, ranks, layout, policy):
     """Triton compiles on one CPU thread per process; compile the sweep's kernels in parallel first."""
     import concurrent.futures as cf
     import multiprocessing as mp
@@ -137,7 +137,7 @@ def warm_cache(ms, ranks, kmajor, policy):
     try:
         with cf.ProcessPoolExecutor(max_workers=min(12, len(ms)), mp_context=mp.get_context("spawn")) as pool:
             list(pool.map(_warm_one, ms, [ranks] * len(ms), [512] * len(ms), [1024] * len(ms),
-                          [policy] * len(ms), [kmajor] * len(ms)))
+                          [policy] * len(ms), [layout] * len(ms)))
     except Exception as exc:  # only a speed-up: the sweep compiles on first use anyway
         print(f"parallel compile pass failed ({type(exc).__name__}: {exc}); compiling on first use", flush=True)
     print(f"compile pass for M in {ms}: {time.time() - t:.0f} s", flush=True)
@@ -153,7 +153,7 @@ def sweep(args, out_dir, policy):
     ms = [int(v) for v in args.ms.split(",")] if args.ms else ([1, 4, 16, 64, 512, 2048] if args.quick else M_ALL)
     ranks = [int(v) for v in args.ranks.split(",")] if args.ranks else ([16, 32] if args.quick else RANKS)
     if not args.no_warm:
-        warm_cache(ms, ranks, args.layout == "kmajor", policy)
+        warm_cache(ms, ranks, args.layout, policy)
     bw, peak = ceilings()
     print("kernels from", Path(ops.__file__).parent, f"({policy})", flush=True)
     print(f"device {props.name}, L2 {l2 >> 20} MB; measured copy {bw / 1e12:.2f} TB/s, fp16 mm {peak / 1e12:.0f} TFLOP/s",
@@ -164,7 +164,7 @@ def sweep(args, out_dir, policy):
     for model, proj, n, k in layer_shapes(models):
         if time.time() - t_start > args.budget_s:
             break
-        layer = Layer(n, k, l2, with_int4=has_int4, kmajor=args.layout == "kmajor")
+        layer = Layer(n, k, l2, with_int4=has_int4, layout=args.layout)
         ecs = {r: make_ec(n, k, r) for r in ranks}
         for m in (1, 512):
             check(layer, m, ranks, ecs, checks, policy)
@@ -222,6 +222,14 @@ def report(meta, results, checks, ranks):
         cells = [f"{r[c]:.1f}" if r.get(c) is not None else "–" for c in cols]
         lines.append(f"| {r['model']} | {r['proj']} | {r['n']}×{r['k']} | {r['m']} | {r['floor_us']:.1f} | "
                      + " | ".join(cells) + " |")
+    lines += ["", "Per shape, FP16 / W4 and FP16 / W4+EC (the op as dispatched; speed-ups above 1 beat cuBLAS):", "",
+              "| shape | " + " | ".join(str(m) for m in sorted({r['m'] for r in results})) + " |",
+              "|---|" + "---:|" * len({r['m'] for r in results})]
+    for proj in dict.fromkeys(r["proj"] for r in results):
+        for name in ["w4"] + [f"ec r{k}" for k in ranks[:1]]:
+            cells = [f"{r['fp16'] / r[name]:.2f}" if r.get(name) else "–"
+                     for r in sorted((r for r in results if r["proj"] == proj), key=lambda r: r["m"])]
+            lines.append(f"| {proj} {name} | " + " | ".join(cells) + " |")
     lines += ["", "Medians over the Llama-2-7B and Llama-3-8B shapes (q and o counted separately):", ""]
     lines.append("| M | fp16/w4 | fp16/int4mm | w4 % of floor | " + " | ".join(f"ec r{r}/w4 − 1" for r in ranks) +
                  " | fused/semi r32 | dqmm/triton |")
@@ -261,9 +269,9 @@ def main():
                         "(KernelPolicy.gate_programs)")
     p.add_argument("--profile", help="comma-separated variants (e.g. 'w4,ec r32') whose GPU time per call is also "
                                      "split by kernel (torch.profiler over graph replays) and printed per row")
-    p.add_argument("--layout", choices=["kmajor", "nmajor"], default="kmajor",
-                   help="packed weight layout of the W4 variants (the engine serves K-major; the sweeps of "
-                        "2026-11-29 and the quick run of 2026-11-30 used N-major; --tune packs K-major)")
+    p.add_argument("--layout", choices=["mma", "kmajor", "nmajor"], default="mma",
+                   help="packed weight layout of the W4 variants (default: the fragment layout the engine serves; "
+                        "--tune packs K-major)")
     args = p.parse_args()
     try:
         policy = KernelPolicy(**({} if args.gate_programs is None else {"gate_programs": args.gate_programs}),

@@ -3,11 +3,15 @@
     python benchmarks/bench_serving.py --out results/serving                       # H200: Llama-3-8B shape
     python benchmarks/bench_serving.py --budgets 512,2048 --variants w4,w4+ec      # a subset
     python benchmarks/bench_serving.py --http                                      # through the HTTP server
+    python benchmarks/bench_serving.py --workload saturating --budgets 512          # arrivals beyond FP16's capacity
     python benchmarks/bench_serving.py --tiny                                      # CPU smoke check (CI)
 
 Workload (seeded): ``--requests`` requests with Poisson arrivals at ``--rate`` per second, prompts
 of random tokens with lengths uniform in ``--prompt-min``..``--prompt-max``, ``--output`` tokens
-each (ignore_eos). Variants on the same random weights (HF init at the model's shape, fp16 on
+each (ignore_eos). ``--workload saturating`` replaces these with a load no variant keeps up with: 240
+requests at 48/s (FP16 serves about 1 request/s of this size on one H200), prompts 128-2,048
+tokens, outputs 32-512 tokens (uniform), ``--max-num-seqs`` 128: the engine always has work, so
+output tokens/s measures throughput, reported for W4 and W4+EC as a ratio of FP16's. Variants on the same random weights (HF init at the model's shape, fp16 on
 CUDA): fp16, w4 (RTN W4 g128 on every linear but the head), w4+ec (rank-16 gated ECs on evenly
 spread linears up to --ec-budget of the W4 bytes). Per variant and token budget
 (``max_num_batched_tokens``) the engine is built, warmed up (``LLMEngine.warmup``) and runs the
@@ -61,14 +65,20 @@ class Request:
     output: int
 
 
+SATURATING = dict(requests=240, rate=48.0, prompt_min=128, prompt_max=2048, output=32, output_max=512,
+                  max_num_seqs=128)
+
+
 def workload(n: int, rate: float, prompt_min: int, prompt_max: int, output: int, vocab: int,
-             seed: int = 0) -> list[Request]:
-    """Poisson arrivals (exponential gaps at ``rate`` per second), uniform prompt lengths."""
+             seed: int = 0, output_max: int | None = None) -> list[Request]:
+    """Poisson arrivals (exponential gaps at ``rate`` per second), uniform prompt lengths; output
+    lengths ``output`` or, with ``output_max``, uniform in output..output_max."""
     rng = random.Random(seed)
     t, out = 0.0, []
     for _ in range(n):
         t += rng.expovariate(rate)
-        out.append(Request(t, [rng.randrange(vocab) for _ in range(rng.randint(prompt_min, prompt_max))], output))
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(prompt_min, prompt_max))]
+        out.append(Request(t, prompt, output if output_max is None else rng.randint(output, output_max)))
     return out
 
 
@@ -273,6 +283,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-min", type=int, default=256)
     p.add_argument("--prompt-max", type=int, default=3072)
     p.add_argument("--output", type=int, default=128, help="output tokens per request")
+    p.add_argument("--workload", choices=["default", "saturating"], default="default",
+                   help="saturating: arrivals beyond FP16's capacity with varied lengths (module docstring); "
+                        "sets --requests, --rate, --prompt-min/max, --output and --max-num-seqs")
+    p.add_argument("--w4-layout", choices=["mma", "kmajor", "nmajor"], default="mma",
+                   help="packed layout of the W4 layers (KernelPolicy.w4_layout; default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--ec-budget", type=float, default=0.01, help="EC bytes / W4 model bytes (default: 1%%)")
     p.add_argument("--passes", type=int, default=1, help="runs of the workload per engine; the last is reported")
@@ -289,6 +304,10 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="folder for results.json and table.md")
     args = p.parse_args(argv)
+    args.output_max = None
+    if args.workload == "saturating":
+        for key, value in SATURATING.items():
+            setattr(args, key, value)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if set(args.variants) - {"fp16", "w4", "w4+ec"}:
         p.error(f"--variants: choose from fp16, w4, w4+ec; got {args.variants}")
@@ -298,6 +317,7 @@ def main(argv=None) -> int:
         device, dtype = "cpu", torch.float32
         args.shape = "tiny"
         args.requests, args.rate, args.prompt_min, args.prompt_max, args.output = 6, 40.0, 8, 40, 6
+        args.output_max = 10 if args.workload == "saturating" else None
         args.max_num_seqs = 8
         budgets = [min(b, 64) for b in budgets]
     else:
@@ -307,17 +327,20 @@ def main(argv=None) -> int:
     if args.shape not in SHAPES:
         p.error(f"unknown shape {args.shape}; known: {sorted(SHAPES)}")
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
-    policy = KernelPolicy()
+    policy = KernelPolicy(w4_layout=args.w4_layout)
+    outputs = f"{args.output}" if args.output_max is None else f"{args.output}-{args.output_max}"
     header = (f"Serving, {datetime.date.today().isoformat()}, {dev_name}, {args.shape}"
               + (f" ({args.layers} layers)" if args.layers else "") + f", {dtype}, {args.requests} requests, "
-              f"Poisson {args.rate:g}/s, prompts {args.prompt_min}-{args.prompt_max}, {args.output} output tokens, "
-              f"{'HTTP + openai client' if args.http else 'in process'}, prefill dequantize + cuBLAS")
+              f"Poisson {args.rate:g}/s, prompts {args.prompt_min}-{args.prompt_max}, {outputs} output tokens, "
+              f"max_num_seqs {args.max_num_seqs}, {'HTTP + openai client' if args.http else 'in process'}, "
+              f"W4 layout {args.w4_layout}")
     print(header, flush=True)
     vocab = SHAPES[args.shape]["vocab_size"]
-    max_len = args.prompt_max + args.output + 1
+    max_len = args.prompt_max + (args.output_max or args.output) + 1
     if args.tiny and targets:
         max_len = max(max_len, 160)  # the tiny profile grid's contexts
-    reqs = workload(args.requests, args.rate, args.prompt_min, args.prompt_max, args.output, vocab, args.seed)
+    reqs = workload(args.requests, args.rate, args.prompt_min, args.prompt_max, args.output, vocab, args.seed,
+                    args.output_max)
     rows = []
     for name, model in build_variants(args, device, dtype):
         ceiling = args.slo_ceiling or max(budgets)
@@ -352,7 +375,7 @@ def main(argv=None) -> int:
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
-    table = markdown(rows, header)
+    table = markdown(rows, header) + throughput_ratios(rows)
     print(table)
     if args.out:
         out = Path(args.out)
@@ -360,6 +383,16 @@ def main(argv=None) -> int:
         (out / "results.json").write_text(json.dumps({"header": header, "args": vars(args), "rows": rows}, indent=2))
         (out / "table.md").write_text(table + "\n")
     return 0
+
+
+def throughput_ratios(rows: list[dict]) -> str:
+    """Output tok/s of each W4 variant over FP16's at the same budget (lines for the table's foot)."""
+    full = ("fp16", "fp32")  # the unquantized variant: fp32 on the CPU
+    fp = {r["budget"]: r for r in rows if r["variant"] in full}
+    lines = [f"{r['variant']} / {fp[r['budget']]['variant']} output tok/s at budget {r['budget']}: "
+             f"{r['output_tok_s'] / fp[r['budget']]['output_tok_s']:.2f}x"
+             for r in rows if r["variant"] not in full and r["budget"] in fp]
+    return ("\n\n" + "\n".join(lines)) if lines else ""
 
 
 def markdown(rows: list[dict], header: str) -> str:

@@ -36,16 +36,16 @@ def layer_shapes(models):
 class Layer:
     """One quantized random layer and the copies each variant rotates through."""
 
-    def __init__(self, n, k, l2, with_int4, seed=0, kmajor=True):
+    def __init__(self, n, k, l2, with_int4, seed=0, layout="kmajor"):
         g = torch.Generator(device=DEVICE).manual_seed(seed)
         w = torch.randn(n, k, device=DEVICE, generator=g) * 0.02
         self.codes, self.scales, self.zeros = rtn(w, 4, GROUP, symmetric=False)
         self.scales = self.scales.half()
         del w
-        self.n, self.k = n, k
-        base = pack(self.codes, self.scales, self.zeros, GROUP, kmajor=kmajor)
+        self.n, self.k, self.layout = n, k, layout
+        base = pack(self.codes, self.scales, self.zeros, GROUP, layout=layout)
         w4_bytes = sum(t.numel() * t.element_size() for t in (base.qweight, base.scales, base.zeros))
-        self.w4 = [base] + [pack(self.codes, self.scales, self.zeros, GROUP, kmajor=kmajor)
+        self.w4 = [base] + [pack(self.codes, self.scales, self.zeros, GROUP, layout=layout)
                             for _ in range(copies_for(w4_bytes, l2) - 1)]
         w16 = dequantize(base, torch.float16)
         self.fp16 = [w16] + [w16.clone() for _ in range(copies_for(w16.numel() * 2, l2) - 1)]
