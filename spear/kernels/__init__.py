@@ -7,7 +7,7 @@ reference.py      plain-torch references of every kernel (the contract)
 w4a16.py          W4 GEMM: split-K, fused compensator epilogue (_kmajor.py, _nmajor.py: its decode loops)
 dequant.py        W4 -> fp16/bf16 for the dequantize + cuBLAS prefill path
 ec.py             compensator kernels of the semi-fused prefill path
-ops.py            ``spear::w4a16_ec`` (torch.library.triton_op), dispatched by the policy
+ops.py            ``spear::w4a16_ec`` (torch.library.custom_op), dispatched by the policy
 fused.py          RMSNorm (+ residual), rotary + KV write, SiLU·mul
 attention.py      paged decode attention over the serving engine's block tables
 w8a16.py          W8 GEMM (int8 per-channel weights) for an 8-bit output head, ``spear::w8a16``

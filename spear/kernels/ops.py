@@ -20,9 +20,12 @@ and join are captured as graph edges; while torch.compile traces the op, which h
 the serial variant runs: ec_gate, then the GEMM with the v-epilogue). On any other device
 the op runs the fp32 torch reference (reference.py) and casts.
 
-Registered with ``torch.library.triton_op`` and every launch goes through ``wrap_triton``,
-so torch.compile sees the Triton kernels and CUDA graphs can capture them. ``locks`` is
-scratch that every kernel returns to zero, hence not declared mutated.
+Registered with ``torch.library.custom_op``: one opaque node for torch.compile, whose fake
+implementation gives the output's shape and dtype without planning, so it traces with a
+symbolic token count (vLLM compiles with a dynamic token dimension); the real implementation
+plans on the concrete M it receives, at run time, so a compiled graph or a captured CUDA graph
+takes the path eager mode takes. ``locks`` is scratch that every kernel returns to zero,
+hence not declared mutated.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import custom_op
 
 from spear.kernels import _common
 from spear.kernels import ec as ec_kernels
@@ -127,7 +130,7 @@ def w4a16_ec_impl(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e:
     return y.reshape(*lead, n_out)
 
 
-@triton_op("spear::w4a16_ec", mutates_args=())
+@custom_op("spear::w4a16_ec", mutates_args=())
 def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
              locks: torch.Tensor, group_size: int, symmetric: bool, layout: int, bias: Optional[torch.Tensor],
              ec_a: Optional[torch.Tensor], ec_b: Optional[torch.Tensor], gate_w1: Optional[torch.Tensor],
@@ -141,7 +144,28 @@ def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         if ec_b is None:
             raise ValueError("ec_a given without ec_b: the compensator needs both A and B")
         e = PackedEC(ec_a, ec_b, gate_w1, gate_b1, gate_w2, gate_b2, alpha, bound, ec_a.shape[0])
-    return w4a16_ec_impl(x, w, bias, e, act, settings(policy), pdl, launch=wrap_triton)
+    return w4a16_ec_impl(x, w, bias, e, act, settings(policy), pdl, launch=None)
+
+
+@w4a16_ec.register_fake
+def _w4a16_ec_fake(x, qweight, scales, zeros, locks, group_size, symmetric, layout, bias, ec_a, ec_b, gate_w1,
+                   gate_b1, gate_w2, gate_b2, alpha, bound, act, policy, pdl):
+    """The output's shape and dtype only: no plan, so the token count may be symbolic."""
+    if not 0 <= layout < len(LAYOUTS):
+        raise ValueError(f"layout must index {LAYOUTS}; got {layout}")
+    w = PackedW4(qweight, scales, zeros, locks, group_size, symmetric, LAYOUTS[layout])
+    n = w.out_features
+    check_act(act, n)
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"x has {x.shape[-1]} features, the packed weight expects in_features={w.in_features}")
+    return x.new_empty((*x.shape[:-1], n // 2 if act else n))
+
+
+def _traced(x: torch.Tensor) -> bool:
+    """Whether ``x`` is being traced (torch.compile, fake or symbolic shapes): then the op's node,
+    whose fake implementation needs no concrete token count."""
+    return (torch.compiler.is_compiling() or type(x) is not torch.Tensor
+            or not all(isinstance(d, int) for d in x.shape))
 
 
 def w4a16_linear(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
@@ -150,11 +174,12 @@ def w4a16_linear(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     """``x W_hatᵀ (+ bias) (+ alpha · B (gamma(A x) ⊙ A x))`` under ``policy``; with ``act`` 1,
     silu(gate) * up of that output's interleaved (gate, up) features.
 
-    While torch.compile traces, through the registered op ``spear::w4a16_ec`` (one opaque node);
-    otherwise its body runs directly: the dispatcher's argument handling cost ~100 µs of host time
-    a call (a 2-core x86-64 CPU), which at ~160 W4 calls per prefill step of an 8B model left the
-    H200 idle (BENCHMARKS.md, "Serving: mixed steps"). CUDA graphs capture either."""
-    if torch.compiler.is_compiling():
+    While traced (torch.compile, fake tensors, symbolic sizes), through the registered op
+    ``spear::w4a16_ec`` (one opaque node); otherwise its body runs directly: the dispatcher's
+    argument handling cost ~100 µs of host time a call (a 2-core x86-64 CPU), which at ~160 W4
+    calls per prefill step of an 8B model left the H200 idle (BENCHMARKS.md, "Serving: mixed
+    steps"). CUDA graphs capture either."""
+    if _traced(x):
         g = ec is not None and ec.gated
         return torch.ops.spear.w4a16_ec(
             x, w.qweight, w.scales, w.zeros, w.locks, w.group_size, w.symmetric, w.layout_id, bias,

@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import custom_op
 
 from spear.kernels import _common
 from spear.kernels import reference
@@ -196,7 +196,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bi
     """``(x qweightᵀ) * scale (+ bias)`` for 2-D ``x`` in x's dtype, accumulated in fp32.
 
     ``config`` overrides keys of the ``LAUNCH`` entry for M (BM, BN, BK, num_warps, num_stages,
-    dot); ``launch`` wraps the kernel (``torch.library.wrap_triton`` inside the registered op);
+    dot); ``launch`` wraps the kernel (None: a plain launch);
     ``pdl`` 1: launched with programmatic dependent launch.
     """
     _check(x, qweight, scale, bias)
@@ -228,7 +228,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bi
     return out
 
 
-@triton_op("spear::w8a16", mutates_args=())
+@custom_op("spear::w8a16", mutates_args=())
 def w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
           pdl: int = 0) -> torch.Tensor:
     """x (..., K) -> (..., N): the Triton kernel on CUDA, the fp32 reference (cast to x's dtype) elsewhere."""
@@ -245,8 +245,18 @@ def w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Opt
     if x.device.type != "cuda":
         y = reference.w8a16(x2, qweight, scale, bias).to(x.dtype)
     else:
-        y = w8a16_matmul(x2, qweight, scale, bias, launch=wrap_triton, pdl=pdl)
+        y = w8a16_matmul(x2, qweight, scale, bias, pdl=pdl)
     return y.reshape(*lead, n)
+
+
+@w8a16.register_fake
+def _w8a16_fake(x, qweight, scale, bias, pdl=0):
+    """The output's shape and dtype only: the launch is picked at run time on the concrete token
+    count, so the op traces with a symbolic one (ops.py, spear::w4a16_ec)."""
+    n, k = qweight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight expects in_features={k}")
+    return x.new_empty((*x.shape[:-1], n))
 
 
 def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,

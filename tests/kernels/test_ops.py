@@ -204,6 +204,68 @@ def test_gpu_cuda_graph_replay(m):
 
 
 @pytest.mark.gpu
+def _fake_like(t):
+    """A fake CUDA tensor of t's shape and dtype (inside a FakeTensorMode)."""
+    return torch.empty(t.shape, dtype=t.dtype, device="cuda")
+
+
+@pytest.mark.parametrize("layout", ["nmajor", "kmajor", "mma"])
+def test_op_traces_with_a_symbolic_token_count(layout):
+    """vLLM compiles with a dynamic token dimension: under FakeTensorMode with an unbacked SymInt
+    token count and fake CUDA tensors (what torch.compile(dynamic=True) hands the op), the W4 and
+    W8 ops give their output's shape and dtype without planning a launch on the symbol (which
+    raised TypeError: unhashable type: non-nested SymInt from the plan cache)."""
+    import dataclasses
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from spear.kernels.w8a16 import w8a16_linear
+
+    codes, scales, zeros = make_layer(64, 256, 128, False, 0, "cpu")
+    w = pack(codes, scales, zeros, 128, layout=layout)
+    e = pack_ec(**make_ec(64, 256, 8, 8, torch.float16, 0, "cpu"))
+    shape_env = ShapeEnv()
+    with FakeTensorMode(shape_env=shape_env):
+        m = shape_env.create_unbacked_symint()
+        x = torch.empty(m, 256, dtype=torch.float16, device="cuda")
+        wf = dataclasses.replace(w, **{f: _fake_like(getattr(w, f)) for f in ("qweight", "scales", "zeros", "locks")})
+        ef = dataclasses.replace(e, **{f: _fake_like(getattr(e, f)) for f in ("a", "b", "w1", "b1", "w2", "b2")})
+        for ec, act, n_out in ((None, 0, 64), (ef, 0, 64), (ef, 1, 32)):
+            y = w4a16_linear(x, wf, None, ec, act)
+            assert tuple(y.shape) == (m, n_out) and y.dtype == torch.float16 and y.device.type == "cuda"
+        y3 = w4a16_linear(torch.empty(2, m, 256, dtype=torch.float16, device="cuda"), wf)
+        assert tuple(y3.shape) == (2, m, 64)
+        y8 = w8a16_linear(x, torch.empty(32, 256, dtype=torch.int8, device="cuda"),
+                          torch.empty(32, dtype=torch.float32, device="cuda"))
+        assert tuple(y8.shape) == (m, 32) and y8.dtype == torch.float16
+
+
+def test_op_under_torch_compile_with_dynamic_shapes():
+    """torch.compile(dynamic=True, fullgraph=True) over the op (the CPU build: the op's reference
+    path at run time; a backend that runs dynamo's graph as traced, so no C++ toolchain is
+    needed): one graph for every token count, the results those of eager calls."""
+    codes, scales, zeros = make_layer(64, 256, 64, False, 3, "cpu")
+    w = pack(codes, scales, zeros, 64, layout="mma")
+    e = pack_ec(**make_ec(64, 256, 8, 8, torch.float16, 3, "cpu"))
+    torch._dynamo.reset()
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+
+    @torch.compile(dynamic=True, fullgraph=True, backend=backend)
+    def f(x):
+        return w4a16_linear(x, w, None, e) * 2.0
+
+    for m in (3, 17, 40):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).half()
+        assert torch.equal(f(x), 2.0 * w4a16_linear(x, w, None, e))
+    assert len(frames) == 1, f"{len(frames)} graphs for three token counts: the token dimension is not dynamic"
+    assert any("spear.w4a16_ec" in str(n.target) for n in frames[0].graph.nodes), "the op is not one node"
+
+
 def test_gpu_torch_compile():
     _need_cuda()
     dtype = torch.float16
