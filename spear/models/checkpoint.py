@@ -123,6 +123,7 @@ def save_checkpoint(model: nn.Module, tokenizer, out_dir: str | os.PathLike, qua
 
     def write(tmp: Path):
         model.config.save_pretrained(tmp)
+        _name_method(tmp / "config.json", quant)
         gen = getattr(model, "generation_config", None)
         if gen is not None:
             gen.save_pretrained(tmp)
@@ -133,6 +134,21 @@ def save_checkpoint(model: nn.Module, tokenizer, out_dir: str | os.PathLike, qua
     target = Path(out_dir)
     write_folder_atomic(target, write, overwrite)
     return target
+
+
+def quantization_config(quant: QuantConfig) -> dict:
+    """config.json's ``quantization_config`` of a spear checkpoint: the method's name, which is what
+    vLLM reads to pick the ``spear`` plugin without ``--quantization``, and a summary; every
+    module's own settings stay in spear_config.json, which the plugin and spear's loader read."""
+    return {"quant_method": "spear", "format": FORMAT, "version": VERSION, "config_file": CONFIG_NAME,
+            "bits": quant.bits, "group_size": quant.group_size, "sym": quant.symmetric}
+
+
+def _name_method(config_json: Path, quant: QuantConfig) -> None:
+    """Add ``quantization_config`` to the config.json ``save_pretrained`` just wrote."""
+    cfg = json.loads(config_json.read_text())
+    cfg["quantization_config"] = quantization_config(quant)
+    config_json.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def _fail(path: Path, message: str):

@@ -42,6 +42,19 @@ def test_roundtrip_gives_identical_outputs(saved):
     assert not list(path.glob("*.bin")) and not list(path.glob("*.pt"))  # never pickle
 
 
+def test_config_json_names_the_method(saved):
+    """config.json carries quantization_config with quant_method "spear" (vLLM picks the plugin
+    from it without --quantization), and transformers still reads the folder's config."""
+    from transformers import AutoConfig
+
+    _, path = saved
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert qc == {"quant_method": "spear", "format": "spear-checkpoint", "version": 1, "config_file": "spear_config.json",
+                  "bits": 3, "group_size": 32, "sym": False}
+    hf = AutoConfig.from_pretrained(path)
+    assert hf.quantization_config["quant_method"] == "spear" and hf.num_hidden_layers >= 1
+
+
 def test_packed_codes_are_stored(saved):
     _, path = saved
     t = load_file(str(path / WEIGHTS_NAME))

