@@ -15,7 +15,9 @@ shard.py      which rows / columns of each checkpoint tensor a rank holds (pure 
 comm.py       the collectives a rank's layers call: the row-parallel reduction with the
               compensator's second half after it, and the head's gather; an all-reduce path
               (gloo / NCCL) and a peer path over symmetric memory (CUDA)
-workers.py    the worker processes of ranks 1..N-1 and the step messages rank 0 sends them
+
+The worker processes of ranks 1..N-1 live with the engine that drives them (spear/serve/workers.py;
+every rank is built by spear/serve/rank.py): nothing here imports spear.serve.
 
 The selection's communication cost (spear/select/allocate.py) reads ``ROW_PARALLEL`` from here,
 the same names the engine's model splits by (``split_of``).

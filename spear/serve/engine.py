@@ -32,18 +32,14 @@ from spear.serve.block_manager import BlockManager
 from spear.serve import loader
 from spear.serve.config import EngineConfig
 from spear.serve.detokenizer import IncrementalDetokenizer
-from spear.serve.llama import build_model, check_supported
+from spear.serve.llama import check_supported
 from spear.parallel.shard import TPRank
-from spear.serve.model_runner import ModelRunner, local_blocks
 from spear.serve.outputs import EngineStats, RequestOutput, StepRecord
 from spear.serve.sampling import make_generator, sample
 from spear.serve.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from spear.serve.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
-
-_DEFAULT_MAX_MODEL_LEN = 8192
-
 
 class LLMEngine:
     """The engine over its own model of the checkpoint (spear/serve/llama.py).
@@ -55,8 +51,9 @@ class LLMEngine:
     path on CUDA, with the reason.
 
     With ``EngineConfig.tensor_parallel_size`` N > 1 (``from_pretrained`` only), this process is
-    rank 0 and starts ranks 1..N-1 as worker processes (spear/parallel/workers.py), each loading
-    its share of the checkpoint; ``close()`` stops them."""
+    rank 0 and starts ranks 1..N-1 as worker processes (spear/serve/workers.py), each loading
+    its share of the checkpoint; every rank, this one too, is built by spear/serve/rank.py;
+    ``close()`` stops them."""
 
     def __init__(self, model: nn.Module, tokenizer, config: EngineConfig | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None):
@@ -100,7 +97,7 @@ class LLMEngine:
 
     def _start_ranks(self, path, config: EngineConfig, device: torch.device, dtype, verify: bool) -> torch.device:
         """Start ranks 1..N-1 and form the process group with them; this process's device (rank 0)."""
-        from spear.parallel import workers
+        from spear.serve import workers
 
         pool, device = workers.spawn_ranks(path, config, device, dtype, verify)
         self._pool = pool
@@ -121,36 +118,34 @@ class LLMEngine:
 
     def _setup(self, model_config, quantized, tensors, generation_config, tokenizer, config, device, dtype,
                source=None, tp: TPRank = TPRank()) -> None:
-        from spear.kernels.layout import MAX_RANK
         from spear.serve.deployment import deployment_of
         from spear.serve.latency import given_table
+        from spear.serve.rank import alone, build_rank, max_model_len
 
         self.config = config = config or EngineConfig()
         pool = getattr(self, "_pool", None) if tp.size > 1 else None
-        # before build_model, which takes the tensors over
+        # before build_rank, which takes the tensors over
         self.deployment = deployment_of(model_config, quantized, tensors, source, device, dtype, config.kernels,
                                         config.block_size, config.cuda_graphs and device.type == "cuda", tp.size,
                                         config.tp_reduce)
         table = given_table(config.latency_table, self.deployment)  # a wrong table fails before the weights load
-        self.model, self.load_report = build_model(model_config, quantized, tensors, device, dtype, MAX_RANK, tp=tp,
-                                                   layout=config.kernels.w4_layout)
+        agree = alone(model_config, config)
+        if pool is not None:
+            def agree(blocks: int) -> tuple[int, int]:
+                # every rank holds the same blocks: the fewest any rank can
+                blocks = min([blocks] + pool.wait("its KV cache capacity"))
+                decided = (blocks, max_model_len(model_config, config, blocks))
+                pool.send(decided)
+                return decided
+
+        rank = build_rank(model_config, quantized, tensors, config, tp, device, dtype, agree)
+        if rank.comm is not None:
+            pool.comms.append(rank.comm)
+        self.model, self.load_report, self.runner = rank.model, rank.load_report, rank.runner
+        self.max_model_len, num_blocks = rank.max_model_len, rank.num_blocks
         for layer, reason in self.load_report:
             log.warning("%s runs off the W4 kernel path: %s", layer, reason)
         self.tokenizer = tokenizer
-        num_blocks = local_blocks(model_config, config.block_size, dtype, device, config.kv_memory, config.num_blocks,
-                                  tp.size)
-        if pool is not None:  # every rank holds the same blocks: the fewest any rank can
-            num_blocks = min([num_blocks] + pool.wait("its KV cache capacity"))
-        self.max_model_len = self._max_model_len(model_config, num_blocks)
-        if pool is not None:
-            from spear.parallel.comm import make_comm
-
-            pool.send((num_blocks, self.max_model_len))
-            pool.comms.append(make_comm(tp, config.tp_reduce, device, dtype, config.tp_timeout_s))
-            self.model.set_comm(pool.comms[0])
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.max_model_len, config.max_num_seqs,
-                                  config.kernels, cuda_graphs=config.cuda_graphs,
-                                  max_num_batched_tokens=config.max_num_batched_tokens)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         # a mixed step replayed as a graph costs its padded size: the chunks fill one
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -198,20 +193,6 @@ class LLMEngine:
         seconds = time.perf_counter() - t0
         log.info("warm-up: %d step shapes (%s tokens) in %.1f s", len(counts), counts, seconds)
         return seconds
-
-    def _max_model_len(self, cfg, num_blocks: int) -> int:
-        capacity = num_blocks * self.config.block_size
-        limits = {"max_position_embeddings": getattr(cfg, "max_position_embeddings", None) or _DEFAULT_MAX_MODEL_LEN,
-                  "KV cache capacity": capacity}
-        window = getattr(cfg, "sliding_window", None)
-        if window and getattr(cfg, "use_sliding_window", True):
-            limits["sliding_window"] = window  # attention here is full; stay inside the window
-        if self.config.max_model_len is None:
-            return min(min(limits.values()), _DEFAULT_MAX_MODEL_LEN)
-        for name, limit in limits.items():
-            if self.config.max_model_len > limit:
-                raise SpearError(f"max_model_len {self.config.max_model_len} exceeds the model's {name} ({limit})")
-        return self.config.max_model_len
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:

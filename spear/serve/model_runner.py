@@ -11,7 +11,7 @@ token count (spear/serve/graphs.py).
 A step is ``prepare`` (the scheduled chunks -> ``StepInputs``: host arrays, no tensors of the
 device) then ``run`` (the arrays -> the device, the forward or a graph replay). Under tensor
 parallelism rank 0 prepares and sends the same ``StepInputs`` to the other ranks' runners
-(``workers``, spear/parallel/workers.py), and every rank runs it: their layers meet in the same
+(``workers``, spear/serve/workers.py), and every rank runs it: their layers meet in the same
 collectives in the same order.
 """
 
@@ -100,15 +100,21 @@ def pdl_available(device: torch.device) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, policy, cuda_graphs: bool = True, max_num_batched_tokens: int | None = None):
+    """One rank's runner over ``model`` under the engine's ``config`` (its batch limits, block
+    size, CUDA graphs and kernel policy), with ``num_blocks`` KV blocks for contexts of up to
+    ``max_model_len`` tokens (what the ranks agreed on, spear/serve/rank.py)."""
+
+    def __init__(self, model: LlamaForCausalLM, config, num_blocks: int, max_model_len: int):
         cfg = model.config
+        policy = config.kernels
         self.model, self.policy = model, policy
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
+        block_size = config.block_size
         self.block_size, self.num_blocks, self.max_model_len = block_size, num_blocks, max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens or max_num_seqs
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        cuda_graphs = config.cuda_graphs
         self.pdl_ok = pdl_available(self.device)
         if policy.pdl == "wait" and not self.pdl_ok:
             raise SpearError(f"programmatic dependent launch (pdl='wait') needs a Hopper-or-newer CUDA GPU and a "
@@ -123,7 +129,7 @@ class ModelRunner:
         self.graphs: dict = {}  # padded batch size -> torch.cuda.CUDAGraph
         self.graph_pdl: dict[int, int] = {}  # padded batch size -> the PDL level its graph was captured with
         self.mixed: MixedGraphs | None = None  # the mixed steps' graphs (spear/serve/graphs.py)
-        self.workers = None  # rank 0 under tensor parallelism: the other ranks (spear.parallel.workers.WorkerPool)
+        self.workers = None  # rank 0 under tensor parallelism: the other ranks (spear.serve.workers.WorkerPool)
         self.broken: str | None = None  # why the ranks are out of step (a step failed after it was sent)
         if cuda_graphs and self.device.type == "cuda":
             self._capture_graphs()

@@ -23,31 +23,28 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 from spear.errors import SpearError
+from spear.serve.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What a worker needs to build its rank (picklable)."""
+    """What a worker needs to build its rank (picklable): the engine's own config, whole."""
 
     path: str                 # the checkpoint or HF folder
-    size: int                 # ranks in all
+    config: EngineConfig      # the engine's settings (tensor_parallel_size ranks in all)
     address: str              # tcp://host:port of the process group's rendezvous
     device_type: str          # "cuda" (rank r on cuda:r) or "cpu"
     dtype: str                # "float16", "bfloat16", "float32"
-    block_size: int
-    kv_memory: int | None     # bytes for the KV cache of each rank (None: the engine's default)
-    num_blocks: int | None
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    cuda_graphs: bool
-    policy: object            # spear.kernels.policy.KernelPolicy
-    reduce: str               # spear.parallel.comm.REDUCE_MODES
     verify: bool
-    timeout_s: float          # a collective waits at most this long
+
+    @property
+    def size(self) -> int:
+        return self.config.tensor_parallel_size
 
 
 def free_address() -> str:
@@ -78,10 +75,7 @@ def spawn_ranks(path, config, device, dtype, verify: bool) -> tuple["WorkerPool"
             raise SpearError("tensor-parallel ranks take cuda:0..N-1 (rank 0 on cuda:0); set "
                              "CUDA_VISIBLE_DEVICES to choose the GPUs")
         device = torch.device("cuda:0")
-    spec = WorkerSpec(str(path), n, free_address(), device.type, str(dtype).removeprefix("torch."),
-                      config.block_size, config.kv_memory, config.num_blocks, config.max_num_seqs,
-                      config.max_num_batched_tokens, config.cuda_graphs,
-                      config.kernels, config.tp_reduce, verify, config.tp_timeout_s)
+    spec = WorkerSpec(str(path), config, free_address(), device.type, str(dtype).removeprefix("torch."), verify)
     return WorkerPool(spec), device
 
 
@@ -225,7 +219,7 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         if spec.device_type == "cpu":  # ranks share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
         conn.send(("ok", "started"))
-        runner = build_rank(rank, spec, conn)
+        runner = _build(rank, spec, conn)
         conn.send(("ok", "ready"))
         while True:
             message = conn.recv()
@@ -247,29 +241,25 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     conn.close()
 
 
-def build_rank(rank: int, spec: WorkerSpec, conn):
-    """Rank ``rank``'s model share, KV cache and runner, agreeing with rank 0 over ``conn``."""
+def _build(rank: int, spec: WorkerSpec, conn):
+    """Rank ``rank``'s share (spear/serve/rank.py), agreeing with rank 0 over ``conn``: this rank's
+    KV capacity up, the blocks and context every rank uses down."""
     import torch
 
-    from spear.kernels.layout import MAX_RANK
-    from spear.parallel.comm import init_group, make_comm
+    from spear.parallel.comm import init_group
     from spear.parallel.shard import TPRank
     from spear.serve import loader
-    from spear.serve.llama import build_model
-    from spear.serve.model_runner import ModelRunner, local_blocks
+    from spear.serve.rank import build_rank
 
     tp = TPRank(rank, spec.size)
     device = torch.device(f"cuda:{rank}" if spec.device_type == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dtype = getattr(torch, spec.dtype)
-    init_group(tp, spec.address, device, spec.timeout_s)
-    from pathlib import Path
-
+    init_group(tp, spec.address, device, spec.config.tp_timeout_s)
     cfg, quantized, tensors = loader.from_folder(Path(spec.path), spec.verify)
-    model, _ = build_model(cfg, quantized, tensors, device, dtype, MAX_RANK, tp=tp, layout=spec.policy.w4_layout)
-    conn.send(("ok", local_blocks(cfg, spec.block_size, dtype, device, spec.kv_memory, spec.num_blocks, tp.size)))
-    num_blocks, max_model_len = conn.recv()
-    model.set_comm(make_comm(tp, spec.reduce, device, dtype, spec.timeout_s))
-    return ModelRunner(model, num_blocks, spec.block_size, max_model_len, spec.max_num_seqs, spec.policy,
-                       cuda_graphs=spec.cuda_graphs, max_num_batched_tokens=spec.max_num_batched_tokens)
+
+    def agree(blocks: int) -> tuple[int, int]:
+        conn.send(("ok", blocks))
+        return conn.recv()
+
+    return build_rank(cfg, quantized, tensors, spec.config, tp, device, getattr(torch, spec.dtype), agree).runner
