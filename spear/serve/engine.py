@@ -56,23 +56,26 @@ class LLMEngine:
     ``close()`` stops them."""
 
     def __init__(self, model: nn.Module, tokenizer, config: EngineConfig | None = None,
-                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                 detokenize: bool = True):
         if config is not None and config.tensor_parallel_size > 1:
             raise SpearError("a tensor-parallel engine loads each rank's share from disk: use "
                              "LLMEngine.from_pretrained(<folder>, config) or save the model first")
         check_supported(model.config)
         ref = model.get_input_embeddings().weight
         cfg, quantized, tensors = loader.from_module(model)
+        self.detokenize = detokenize
         self._setup(cfg, quantized, tensors, getattr(model, "generation_config", None), tokenizer, config,
                     torch.device(device) if device is not None else ref.device, dtype or ref.dtype)
 
     @classmethod
     def from_pretrained(cls, model: str = "smollm2-135m", config: EngineConfig | None = None,
                         dtype: torch.dtype | None = None, device: str | None = None,
-                        verify: bool = False, tokenizer=None) -> "LLMEngine":
+                        verify: bool = False, tokenizer=None, detokenize: bool = True) -> "LLMEngine":
         """Load the default model, an HF folder or a spear checkpoint; fp32 on CPU, fp16 on CUDA by default
         (``verify``: a checkpoint's tensors checked against their recorded digests; ``tokenizer``: use
-        this one instead of the folder's)."""
+        this one instead of the folder's; ``detokenize`` False: outputs carry token ids only, no
+        text, and stop strings are left to the caller, as the HTTP server's engine core runs)."""
         from spear.models.checkpoint import load_folder_tokenizer
         from spear.models.loading import resolve_model_path
         config = config or EngineConfig()
@@ -81,6 +84,7 @@ class LLMEngine:
         path = resolve_model_path(model)
         self = cls.__new__(cls)
         self._close = None
+        self.detokenize = detokenize
         tp = TPRank(0, config.tensor_parallel_size)
         try:
             if tp.size > 1:
@@ -234,7 +238,7 @@ class LLMEngine:
             raise SpearError(f"request id {rid!r} is already in use")
         # everything that can fail first; the scheduler (which may refuse with QueueFull) last
         seq = Sequence(rid, ids, params, arrival_time=arrival_time or time.monotonic())
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop) if self.detokenize else None
         gen = make_generator(params.seed)
         self.scheduler.add(seq)
         self._seqs[rid], self._detok[rid], self._generators[rid] = seq, detok, gen
@@ -365,7 +369,8 @@ class LLMEngine:
         p = seq.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
             return "stop"
-        if self._detok[seq.request_id].add(tok):
+        detok = self._detok[seq.request_id]
+        if detok is not None and detok.add(tok):
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -373,6 +378,10 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, new_ids: list[int], final_text: bool = True) -> RequestOutput:
         detok = self._detok[seq.request_id]
+        if detok is None:  # token ids only
+            return RequestOutput(seq.request_id, new_ids, "", seq.is_finished, seq.finish_reason,
+                                 seq.num_prompt_tokens, seq.arrival_time, seq.first_token_time, seq.token_ids,
+                                 seq.num_tokens, "", 0)
         new_text = detok.delta(final=seq.is_finished) if final_text else ""
         return RequestOutput(seq.request_id, new_ids, new_text, seq.is_finished, seq.finish_reason,
                              seq.num_prompt_tokens, seq.arrival_time, seq.first_token_time,
@@ -381,7 +390,14 @@ class LLMEngine:
     # ------------------------------------------------------------------ offline
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
-        """Run prompts to completion (continuously batched); the final output of each, in order."""
+        """Run prompts to completion (continuously batched); the final output of each, in order.
+
+        The engine must hold no other request: ``generate`` steps until its own prompts finish, and
+        the outputs of requests queued with ``add_request`` would be consumed here, lost to their
+        caller (a SpearError says so; drain those with ``step`` first, or ``abort`` them)."""
+        if self.has_unfinished():
+            raise SpearError(f"generate() needs an idle engine; it holds {len(self._seqs)} request(s) added with "
+                             "add_request: step() until they finish, or abort() them, first")
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise SpearError(f"{len(prompts)} prompts but {len(plist)} sampling parameter sets")

@@ -36,11 +36,29 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int | None]:
     """One token per row of ``logits`` (N, V), or None for a row that cannot be sampled (NaN or
-    +inf in it, or nothing but -inf): that request fails alone, the others of the batch are not
-    touched. Greedy rows take the argmax; ``None`` generators draw from torch's default generator."""
+    +inf in it, nothing but -inf, or settings the batch cannot hold): that request fails alone,
+    the others of the batch are not touched. Greedy rows take the argmax; ``None`` generators
+    draw from torch's default generator.
+
+    The batch is sampled in one pass; should that raise (a row's settings, whatever the field),
+    each row is sampled on its own and the rows that still raise give None."""
     if logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError(f"need one SamplingParams and one generator per row; got {logits.shape[0]} rows, "
                          f"{len(params)} params, {len(generators)} generators")
+    try:
+        return _sample(logits, params, generators)
+    except Exception:
+        out: list[int | None] = []
+        for i in range(logits.shape[0]):
+            try:
+                out += _sample(logits[i:i + 1], params[i:i + 1], generators[i:i + 1])
+            except Exception:
+                out.append(None)
+        return out
+
+
+def _sample(logits: torch.Tensor, params: list[SamplingParams],
+            generators: list[torch.Generator | None]) -> list[int | None]:
     logits = logits.float()
     # torch's max propagates NaN, so one reduction gives the argmax and tells the bad rows apart;
     # argmax alone is 3x slower on the CPU (torch 2.13); the first index wins ties in both
@@ -55,7 +73,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     index = torch.tensor(rows, device=logits.device)
     temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=logits.device)
     sub = (logits[index] - top[index, None]) / temps[:, None]
-    top_k = torch.tensor([params[i].top_k for i in rows], device=logits.device)
+    # a cut beyond the vocabulary is no cut: clamped before the tensor, which holds 64-bit integers
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([min(params[i].top_k, vocab) for i in rows], device=logits.device)
     if bool((top_k > 0).any()):
         sub = apply_top_k(sub, top_k)
     top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device)
@@ -69,6 +89,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return out
 
 
+def _mix64(seed: int) -> int:
+    """SplitMix64's finalizer of ``seed`` (mod 2**64): every input bit moves every output bit."""
+    z = seed % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
+
+
 def make_generator(seed: int | None) -> torch.Generator | None:
-    """A CPU generator for a seeded request (draws happen on a CPU copy of the row)."""
-    return None if seed is None else torch.Generator().manual_seed(seed)
+    """A CPU generator for a seeded request (draws happen on a CPU copy of the row).
+
+    torch's CPU generator (a Mersenne Twister) keeps only the low 32 bits of the seed it is given,
+    so seeds that differ above them would draw the same stream: the 64-bit seed is mixed first and
+    the generator takes the mix's high 32 bits."""
+    return None if seed is None else torch.Generator().manual_seed(_mix64(seed) >> 32)

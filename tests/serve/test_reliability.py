@@ -206,3 +206,73 @@ def test_queue_bound_counts_the_free_slots():
     assert len(out.chunks) == 8 and len(sched.waiting) == 2
     with pytest.raises(QueueFull):  # every slot busy now: only max_waiting may wait
         sched.add(Sequence("r11", [1, 2, 3], GREEDY))
+
+
+# ---------------------------------------------------------------------- the sampler's rows
+def test_a_top_k_beyond_64_bits_fails_nobody(tiny, clean):
+    """Catches: top_k >= 2**63 overflowing the sampler's int64 tensor, which failed every request of
+    the step (the sender got a 500, its neighbours too, three such requests turned /health 503).
+    A cut beyond the vocabulary is no cut."""
+    eng = make_engine(tiny)
+    huge = SamplingParams(max_tokens=8, temperature=0.7, top_k=2**63 + 5, seed=3, ignore_eos=True)
+    rids = [eng.add_request(p, GREEDY) for p in PROMPTS] + [eng.add_request("Hello there", huge)]
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert [outs[r].output_token_ids for r in rids[:-1]] == clean
+    assert outs[rids[-1]].finish_reason == "length" and outs[rids[-1]].error is None
+    plain = make_engine(tiny).generate(["Hello there"], SamplingParams(max_tokens=8, temperature=0.7, seed=3,
+                                                                       ignore_eos=True))[0]
+    assert outs[rids[-1]].output_token_ids == plain.output_token_ids
+
+
+def test_a_row_the_sampler_cannot_take_fails_alone(monkeypatch):
+    """Whatever field makes the batch's pass raise, each row is then sampled on its own: the row
+    that still raises gives None (its request fails alone), the others their tokens."""
+    from spear.serve import sampling
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, seed=2),
+              SamplingParams(temperature=0)]
+    want = sample(logits, params, [sampling.make_generator(p.seed) for p in params])
+    real = sampling._sample
+
+    def fragile(lg, ps, gens):
+        if any(p.seed == 2 for p in ps):
+            raise RuntimeError("a setting the step cannot hold")
+        return real(lg, ps, gens)
+
+    monkeypatch.setattr(sampling, "_sample", fragile)
+    got = sample(logits, params, [sampling.make_generator(p.seed) for p in params])
+    assert got == [want[0], None, want[2]]
+
+
+def test_every_bit_of_a_64_bit_seed_counts():
+    """Catches: torch's CPU generator keeping only the low 32 bits of a seed, so that seeds 7 and
+    7 + 2**40 drew the same tokens."""
+    from spear.serve.sampling import make_generator
+
+    p = torch.full((1000,), 1e-3)
+    draws = {s: torch.multinomial(p, 8, generator=make_generator(s)).tolist()
+             for s in (7, 7 + 2**32, 7 + 2**40, 7 + 2**63, -7)}
+    assert len({tuple(v) for v in draws.values()}) == len(draws)
+    assert torch.multinomial(p, 8, generator=make_generator(7)).tolist() == draws[7]  # still reproducible
+
+
+def test_generate_refuses_an_engine_holding_other_requests(tiny):
+    """Catches: generate() beside a request queued with add_request raising KeyError (it consumed
+    that request's outputs as its own). It now refuses with a message saying what to do, and the
+    other request is untouched."""
+    eng = make_engine(tiny)
+    rid = eng.add_request("Hello there", GREEDY)
+    with pytest.raises(SpearError, match="idle engine"):
+        eng.generate(["The capital of France is"], GREEDY)
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert outs[rid].num_output_tokens == 8
+    assert eng.generate(["Hi"], SamplingParams(max_tokens=2))[0].num_output_tokens == 2
