@@ -1,7 +1,9 @@
-"""Files and folders written whole or not at all."""
+"""Files and folders written whole or not at all, checked before the work that fills them; JSON
+files read with every failure named."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -38,21 +40,83 @@ def publish_permissions(folder: Path) -> None:
         os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
 
 
-def check_output_folder(target: str | os.PathLike, overwrite: bool) -> Path:
-    """Refuse an output folder a write would refuse, before any work is spent on what goes in it.
-    First remove the temporary folders a killed writer of ``target`` left, so that they go even
-    when this run fails too."""
+def read_json(path: str | os.PathLike, what: str = ""):
+    """The JSON value stored in ``path``. Every way the file can fail to hold one is a SpearError
+    naming it (``what`` says what the file is, e.g. "latency table"): unreadable, not UTF-8, not
+    JSON, a number too long to convert, or nested deeper than the parser's recursion limit (a
+    RecursionError that would otherwise end a command with a traceback)."""
+    path = Path(path)
+    label = f"{what} {path}" if what else str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpearError(f"{label} is not valid JSON: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise SpearError(f"cannot read {label}: {exc.strerror or exc}") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise SpearError(f"{label} is not valid JSON: nested too deeply to parse") from None
+    except ValueError as exc:  # JSONDecodeError, and ints past Python's digit limit
+        raise SpearError(f"{label} is not valid JSON: {exc}") from None
+
+
+def check_can_write_in(folder: str | os.PathLike, target: str | os.PathLike | None = None) -> None:
+    """Prove that ``folder`` is, or can be made, a folder to write in: its nearest existing
+    ancestor (or itself) is a folder in which a folder can be created, which a probe folder
+    created and removed at once shows. A permission bit cannot tell (root passes every access
+    check, yet nothing is created under /proc, /sys, or a file). ``target`` names the output in
+    the error (default: ``folder``)."""
+    folder = Path(folder).expanduser()
+    target = folder if target is None else Path(target)
+    existing = folder
+    while not os.path.lexists(existing):  # lexists: a dangling link is there, and is no folder
+        existing = existing.parent
+    if not os.path.isdir(existing):
+        raise SpearError(f"cannot write {target}: {existing} is not a folder")
+    try:
+        probe = tempfile.mkdtemp(prefix=".spear-probe-", dir=existing)
+    except OSError as exc:
+        raise SpearError(f"cannot write {target}: no folder can be created in {existing} "
+                         f"({exc.strerror or exc})") from None
+    os.rmdir(probe)
+
+
+def _refuse_to_replace(target: Path, overwrite: bool, marker: str | None) -> None:
+    """Refuse to replace ``target`` when it holds files and this write may not replace them: only
+    with ``overwrite``, and only a folder holding ``marker``, the file every folder of this kind of
+    output holds (a spear checkpoint's spear_config.json), so that a mistyped --out never deletes
+    anything else. An empty folder is always fine."""
+    if not os.path.isdir(target):
+        return
+    try:
+        if not any(target.iterdir()):
+            return
+    except OSError as exc:
+        raise SpearError(f"cannot read output folder {target}: {exc.strerror or exc}") from None
+    replaceable = marker is not None and (target / marker).is_file()
+    if replaceable and overwrite:
+        return
+    if replaceable:
+        raise SpearError(f"output folder {target} exists and is not empty (pass --overwrite to replace it)")
+    held = f" and holds no {marker}" if marker else ""
+    allowed = f", or one holding {marker} with --overwrite" if marker else ""
+    raise SpearError(f"output folder {target} exists and is not empty{held}: spear writes only to a new or "
+                     f"empty folder{allowed} (choose another one, or remove it yourself if it should go)")
+
+
+def check_output_folder(target: str | os.PathLike, overwrite: bool, marker: str | None = None) -> Path:
+    """Refuse an output folder a write would refuse, before any work is spent on what goes in it:
+    a file in its place; a folder holding files, unless ``overwrite`` and it holds ``marker`` (so
+    that --overwrite replaces what spear wrote, never a folder of anything else); a place where no
+    folder can be created. First remove the temporary folders a killed writer of ``target`` left,
+    so that they go even when this run fails too."""
     target = Path(target).expanduser()
     clean_stale_temporaries(target)
-    if target.exists() and not target.is_dir():
+    if os.path.lexists(target) and not os.path.isdir(target):
         raise SpearError(f"output {target} exists and is not a folder")
-    if target.exists() and any(target.iterdir()) and not overwrite:
-        raise SpearError(f"output folder {target} exists and is not empty (pass --overwrite to replace it)")
-    parent = target.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not os.access(parent, os.W_OK):
-        raise SpearError(f"cannot write {target}: {parent} is not writable")
+    _refuse_to_replace(target, overwrite, marker)
+    check_can_write_in(target.parent, target)  # the write goes to a temporary sibling of target
     return target
 
 
@@ -80,7 +144,7 @@ def clean_stale_temporaries(target: Path) -> list[Path]:
     """Remove the temporary siblings (``.NAME.tmp-*``, ``.NAME.old-*``) of ``target`` that a killed
     writer left behind; returns what was removed."""
     removed = []
-    if not target.parent.is_dir():
+    if not os.path.isdir(target.parent):  # os.path: a parent it may not look into is none to clean
         return removed
     for pattern in (f".{target.name}.tmp-*", f".{target.name}.old-*"):
         for folder in target.parent.glob(pattern):
@@ -97,11 +161,13 @@ def make_temporary(target: Path, kind: str = "tmp") -> Path:
     return tmp
 
 
-def write_folder_atomic(target: Path, write, overwrite: bool = False, keep_existing: bool = False) -> bool:
+def write_folder_atomic(target: Path, write, overwrite: bool = False, keep_existing: bool = False,
+                        marker: str | None = None) -> bool:
     """Have ``write(tmp)`` fill a temporary sibling of ``target``, then rename it into place: a failed
-    or killed write leaves no half-written folder. ``keep_existing``: a ``target`` that another
+    or killed write leaves no half-written folder. ``overwrite``: replace a ``target`` holding
+    ``marker`` (see :func:`check_output_folder`). ``keep_existing``: a ``target`` that another
     writer completed meanwhile is kept and this one dropped. True when this write is in place."""
-    target = check_output_folder(target, overwrite)  # removes stale temporaries
+    target = check_output_folder(target, overwrite, marker)  # removes stale temporaries
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_temporary(target)
     try:
@@ -112,6 +178,7 @@ def write_folder_atomic(target: Path, write, overwrite: bool = False, keep_exist
             shutil.rmtree(tmp)
             return False
         if target.exists():
+            _refuse_to_replace(target, overwrite, marker)  # again: it may have been filled meanwhile
             trash = make_temporary(target, "old")
             os.replace(target, trash / "old")
             os.replace(tmp, target)

@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,3 +77,52 @@ def test_bad_plan_file(tiny_llama_path, tmp_path, capsys):
     assert main(["-q", "quantize", "--model", str(tiny_llama_path), "--out", str(tmp_path / "o"),
                  "--compensator", "identity", "--plan", str(plan)]) == 2
     assert "non-negative integer ranks" in capsys.readouterr().err
+
+
+@pytest.fixture()
+def unloadable_model(tiny_llama_path, tmp_path):
+    """A model folder whose weights file is truncated: a command that loads it fails naming it, so
+    an error about --out shows that --out was checked first."""
+    import shutil
+
+    folder = shutil.copytree(tiny_llama_path, tmp_path / "model")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    return folder
+
+
+def _one_line_error(capsys, command) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"spear {command}: error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["quantize", "calibrate", "run", "select"])
+@pytest.mark.parametrize("where", ["under a file", "under /proc"])
+def test_an_out_no_folder_can_be_made_at_fails_before_the_model_loads(unloadable_model, tmp_path, capsys,
+                                                                      command, where):
+    """Catches: the --out check by permission bits, which root passes for /proc/x and for a path
+    under a file; the command then worked for minutes and ended in a traceback."""
+    if where == "under a file":
+        (tmp_path / "file").write_text("x")
+        out, fragment = tmp_path / "file" / "x", f"{tmp_path / 'file'} is not a folder"
+    else:
+        if not Path("/proc").is_dir():
+            pytest.skip("no /proc here")
+        out, fragment = Path("/proc/x"), "no folder can be created in /proc"
+    assert main(["-q", command, "--model", str(unloadable_model), "--out", str(out)]) == 2
+    line = _one_line_error(capsys, command)
+    assert f"cannot write {out}" in line and fragment in line and "safetensors" not in line, line
+
+
+@pytest.mark.parametrize("command", ["quantize", "calibrate"])
+def test_overwrite_refuses_a_folder_that_is_not_a_checkpoint(unloadable_model, tmp_path, capsys, command):
+    """Catches: --overwrite deleting any folder --out names, not only a spear checkpoint."""
+    out = tmp_path / "home"
+    (out / "docs").mkdir(parents=True)
+    (out / "docs" / "thesis.tex").write_text("years of work")
+    assert main(["-q", command, "--model", str(unloadable_model), "--out", str(out), "--overwrite"]) == 2
+    line = _one_line_error(capsys, command)
+    assert "holds no spear_config.json" in line and "safetensors" not in line, line
+    assert (out / "docs" / "thesis.tex").read_text() == "years of work"

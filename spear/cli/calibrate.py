@@ -70,7 +70,8 @@ def register(sub) -> None:
                                    "KL(p_FP || p_quantized) on self-sampled text, and write a checkpoint.")
     add_model_arg(p)
     p.add_argument("--out", required=True, help="checkpoint folder to write")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it is a spear checkpoint (a folder of anything else is never replaced)")
     add_plan_args(p, latency=True)
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--blockwise", action="store_true",
@@ -91,8 +92,8 @@ def main(args) -> int:
     from spear.compensate.spec import check_plan_ranks
     from spear.compensate.workflow import attach_ecs, calibrate, calibrate_layerwise, prepare_calibration
     from spear.eval.memory import compensator_bytes, quantized_model_bytes
-    from spear.fileio import check_output_folder
-    from spear.models.checkpoint import is_checkpoint, save_checkpoint
+    from spear.fileio import check_can_write_in
+    from spear.models.checkpoint import check_checkpoint_out, is_checkpoint, save_checkpoint
     from spear.models.loading import load_model, resolve_model_path
     from spear.models.modules import quantizable_linears
     from spear.quant.api import quantize_model
@@ -104,7 +105,9 @@ def main(args) -> int:
         raise SpearError("--tune-scales and --tune-norms need end-to-end KL calibration (not --blockwise)")
     if is_checkpoint(resolve_model_path(args.model)):
         raise SpearError(f"{args.model} is already a spear checkpoint; calibrate from its source model")
-    check_output_folder(args.out, args.overwrite)
+    check_checkpoint_out(args.out, args.overwrite)
+    if args.gate_report:
+        check_can_write_in(args.gate_report)
     progress = not args.quiet
     model, tok = load_model(args.model, device=args.device)
     cfg = cfg.for_model(model)  # the teacher's form follows the vocabulary; the checkpoint records it

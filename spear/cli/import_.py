@@ -10,7 +10,8 @@ def register(sub) -> None:
                                    "(bit-exact), and write a spear checkpoint that every spear command loads.")
     p.add_argument("--model", required=True, help="local folder of the quantized HF model")
     p.add_argument("--out", required=True, help="spear checkpoint folder to write")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it is a spear checkpoint (a folder of anything else is never replaced)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                    help="dtype of the non-quantized tensors and of compute (default: %(default)s)")
     p.set_defaults(func=main)
@@ -20,12 +21,11 @@ def main(args) -> int:
     import torch
 
     from spear.eval.memory import quantized_model_bytes
-    from spear.fileio import check_output_folder
-    from spear.models.checkpoint import save_checkpoint
+    from spear.models.checkpoint import check_checkpoint_out, save_checkpoint
     from spear.quant import quantized_modules
     from spear.quant.hf_import import import_hf_quantized
 
-    check_output_folder(args.out, args.overwrite)
+    check_checkpoint_out(args.out, args.overwrite)
     model, tokenizer, quant, source_cfg = import_hf_quantized(args.model, dtype=getattr(torch, args.dtype))
     meta = {"imported_from": {k: v for k, v in source_cfg.items() if isinstance(v, (str, int, float, bool, type(None)))}}
     out = save_checkpoint(model, tokenizer, args.out, quant, args.model, meta=meta, overwrite=args.overwrite)

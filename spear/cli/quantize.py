@@ -13,7 +13,8 @@ def register(sub) -> None:
                                    "safetensors. Calibration windows come from --text (see 'spear run').")
     add_model_arg(p)
     p.add_argument("--out", required=True, help="checkpoint folder to write")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it is a spear checkpoint (a folder of anything else is never replaced)")
     add_quant_args(p)
     g = p.add_argument_group("static compensation")
     g.add_argument("--compensator", choices=["none", *STATIC_METHODS], default="none",
@@ -31,8 +32,7 @@ def main(args) -> int:
     from spear.config import StaticCompensationConfig
     from spear.errors import SpearError
     from spear.eval.memory import compensator_bytes, quantized_model_bytes
-    from spear.fileio import check_output_folder
-    from spear.models.checkpoint import is_checkpoint, save_checkpoint
+    from spear.models.checkpoint import check_checkpoint_out, is_checkpoint, save_checkpoint
     from spear.models.loading import load_model, resolve_model_path
     from spear.models.modules import quantizable_linears
     from spear.pipeline import load_split
@@ -41,7 +41,7 @@ def main(args) -> int:
     quant = quant_config_from(args)
     if is_checkpoint(resolve_model_path(args.model)):
         raise SpearError(f"{args.model} is already a spear checkpoint; quantize its source model instead")
-    check_output_folder(args.out, args.overwrite)
+    check_checkpoint_out(args.out, args.overwrite)
     comp = None if args.compensator == "none" else StaticCompensationConfig(
         method=args.compensator, rank=args.rank, plan=read_plan(args.plan))
     progress = not args.quiet

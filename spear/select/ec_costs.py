@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from spear.errors import SpearError
+from spear.fileio import read_json
 
 FORMAT = "spear-ec-costs"
 VERSION = 1
@@ -143,13 +144,7 @@ class ECCostTable:
 
 def load_ec_costs(path: str | Path) -> ECCostTable:
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise SpearError(f"cannot read EC cost table {path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise SpearError(f"EC cost table {path} is not valid JSON: {exc}") from None
-    return ECCostTable.from_dict(data, f"EC cost table {path}")
+    return ECCostTable.from_dict(read_json(path, "EC cost table"), f"EC cost table {path}")
 
 
 _UNITS_US = {"us": 1.0, "µs": 1.0, "ms": 1e3}

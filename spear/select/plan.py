@@ -17,7 +17,7 @@ from torch import nn
 
 from spear.config import QuantConfig
 from spear.errors import SpearError
-from spear.fileio import write_text_atomic
+from spear.fileio import read_json, write_text_atomic
 from spear.models.modules import quantizable_linears
 from spear.select.allocate import Allocation, cka_entropy_allocation, random_allocation, uniform_allocation
 from spear.select.budget import estimate_quantized_bytes, parse_budget
@@ -183,10 +183,7 @@ def load_plan(path: str | Path, modules=None) -> dict[str, int]:
         path = path / PLAN_FILE
     if not path.is_file():
         raise SpearError(f"no plan at {path} (write one with `spear select`)")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise SpearError(f"{path} is not valid JSON: {exc}") from exc
+    data = read_json(path)
     plan = data.get("plan") if isinstance(data, dict) and "plan" in data else data
     if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, int) and v >= 0
                                              for k, v in plan.items()):

@@ -42,6 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from spear.errors import SpearError
+from spear.fileio import read_json
 from spear.serve.deployment import Deployment
 
 log = logging.getLogger(__name__)
@@ -346,15 +347,7 @@ class Correction:
 def load_table(path: str | Path) -> LatencyTable:
     """Read and validate a table file; every problem is a SpearError naming the file."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpearError(f"cannot read latency table {path}: {exc.strerror or exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SpearError(f"latency table {path} is not valid JSON: {exc}") from None
-    return LatencyTable.from_dict(data, str(path))
+    return LatencyTable.from_dict(read_json(path, "latency table"), str(path))
 
 
 def given_table(table: "LatencyTable | str | Path | None", deployment: Deployment) -> LatencyTable | None:
@@ -381,9 +374,10 @@ def load_cached(deployment: Deployment) -> LatencyTable | None:
     if not path.is_file():
         return None
     try:
-        version = json.loads(path.read_text()).get("version")
-    except (OSError, ValueError, AttributeError):
-        version = None  # load_table names the problem
+        data = read_json(path)
+    except SpearError:
+        data = None  # load_table names the problem
+    version = data.get("version") if isinstance(data, dict) else None
     if isinstance(version, int) and version < VERSION:
         log.warning("cached latency table %s is version %d, measured on an older engine; profiling again",
                     path, version)

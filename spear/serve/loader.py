@@ -16,7 +16,6 @@ was calibrated. Nothing is unpickled.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from torch import nn
 
 from spear.compensate.spec import factors
 from spear.errors import SpearError
+from spear.fileio import read_json
 from spear.serve.layers.linear import MemberWeights, QuantTensors
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints store the recomputed rotary buffer
@@ -56,10 +56,11 @@ def from_module(model: nn.Module) -> tuple[object, dict[str, MemberWeights], dic
 def _safetensor_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
+        data = read_json(index)
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise SpearError(f"{index} is not a valid safetensors index: {exc}") from None
+            names = sorted(set(data["weight_map"].values()))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise SpearError(f"{index} is not a valid safetensors index: no weight_map of file names ({exc})") from None
         return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -138,13 +139,11 @@ def _quantized_member(name: str, entry: dict, tensors: dict, where: Path) -> Mem
 
 
 def generation_config(path):
-    """The folder's generation config (transformers), None without one."""
-    from transformers import GenerationConfig
+    """The folder's generation config (transformers), None without one; a damaged one is a
+    SpearError naming it (:func:`spear.models.checkpoint.read_generation_config`)."""
+    from spear.models.checkpoint import read_generation_config
 
-    try:
-        return GenerationConfig.from_pretrained(path)
-    except (OSError, ValueError):  # a folder without generation_config.json
-        return None
+    return read_generation_config(path)
 
 
 def eos_token_ids(config, gen_config, tokenizer) -> set[int]:

@@ -113,3 +113,71 @@ def test_window_split_refuses_overlap(tokenizer, tmp_path):
     assert make_split(src, tokenizer, seq_len=64, eval_windows=2, calib_windows=2).calib.shape == (2, 64)
     with pytest.raises(SpearError, match=r"split by window.*calibration windows of 64 need"):
         make_split(src, tokenizer, seq_len=64, eval_windows=3, calib_windows=3)
+
+
+class _CountingTokenizer:
+    """The tokenizer, recording how many characters each call is given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.chars = tokenizer, []
+
+    def __call__(self, text, **kwargs):
+        self.chars.append(len(text))
+        return self.tokenizer(text, **kwargs)
+
+
+def _whole_text_windows(tokenizer, src, seq_len, eval_windows, calib_windows):
+    """(calibration ids, evaluation ids) by the protocol's definition, from tokenizations of the
+    whole text or of whole groups of articles."""
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    need, need_calib = eval_windows * seq_len, calib_windows * seq_len
+    if not src.by_article:
+        whole = ids(src.text)
+        return whole[:need_calib], whole[-need:]
+    counts = [len(ids(a)) for a in src.articles]
+    n_eval, acc = 0, 0
+    while acc < need + seq_len:
+        n_eval += 1
+        acc += counts[-n_eval]
+    return ids("".join(src.articles[:-n_eval]))[:need_calib], ids("".join(src.articles[-n_eval:]))[-need:]
+
+
+@pytest.mark.parametrize("layout", ["articles", "one line per article"])
+def test_windows_are_the_whole_texts_tokens_though_only_stretches_are_tokenized(tokenizer, article_text, tmp_path,
+                                                                                layout):
+    """On a text long enough that only a stretch at each end is tokenized, every window is token
+    for token the whole text's. Catches: the whole text tokenized to cut a few windows out of it,
+    and windows taken next to a cut, where tokens can differ from the whole text's."""
+    path = tmp_path / "text.txt"
+    if layout == "articles":
+        path.write_text(article_text)
+    else:
+        path.write_text("\n".join(" ".join(a.split()) for a in load_text("wikipedia").articles[:12]) + "\n")
+    src = load_text(path)
+    counting = _CountingTokenizer(tokenizer)
+    sp = make_split(src, counting, seq_len=128, eval_windows=4, calib_windows=3)
+    assert max(counting.chars) < len(src.text) // 10, counting.chars
+    calib, eval_ids = _whole_text_windows(tokenizer, src, 128, 4, 3)
+    assert sp.eval.reshape(-1).tolist() == eval_ids
+    assert sp.calib.reshape(-1).tolist() == calib
+
+
+@pytest.mark.parametrize("separator", ["\n\n", " "], ids=["paragraphs", "one line"])
+def test_a_20_mb_text_is_tokenized_only_where_the_windows_come_from(tokenizer, tmp_path, separator):
+    """20 MB of text and the default protocol (24 + 16 windows of 512 tokens, ~200 kB of text):
+    the tokenizer sees a bounded stretch at each end, not the file. Catches: the whole text (or
+    its calibration part) tokenized at once, which held ~3.8 GB for a 20 MB file."""
+    paragraph = " ".join(["the quick brown fox jumps over the lazy dog"] * 20)
+    path = tmp_path / "big.txt"
+    path.write_text(separator.join([paragraph] * (20_000_000 // len(paragraph))))
+    src = load_text(path)
+    assert src.by_article == (separator == "\n\n")
+    counting = _CountingTokenizer(tokenizer)
+    sp = make_split(src, counting, seq_len=512, eval_windows=24, calib_windows=16)
+    assert sp.eval.shape == (24, 512) and sp.calib.shape == (16, 512)
+    assert sum(counting.chars) < 1_000_000, f"{sum(counting.chars)} characters tokenized in {len(counting.chars)} calls"
+    # the text repeats one paragraph: calibration starts where it does
+    first = tokenizer(paragraph, add_special_tokens=False)["input_ids"]
+    assert sp.calib[0, :len(first) - 1].tolist() == first[:-1]

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import socket
 import subprocess
 
@@ -11,7 +12,8 @@ from spear.compensate.static import attach_static
 from spear.config import QuantConfig, StaticCompensationConfig
 from spear.errors import SpearError
 from spear.fileio import check_output_folder
-from spear.models.checkpoint import WEIGHTS_NAME, save_checkpoint
+from spear.models.checkpoint import (WEIGHTS_NAME, check_checkpoint_out, read_generation_config, read_spear_config,
+                                     save_checkpoint)
 from spear.models.loading import load_model
 from spear.models.modules import quantizable_linears
 from spear.quant import quantize_model_rtn, quantized_modules
@@ -210,3 +212,57 @@ def test_using_the_default_model_removes_a_killed_conversions_temporaries(tmp_pa
     monkeypatch.setattr(loading, "_convert_default", lambda t: pytest.fail("converted again"))
     assert loading.resolve_model_path(loading.DEFAULT_MODEL) == target
     assert not dead.exists() and live.exists()
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError on it
+
+
+def test_a_spear_config_nested_too_deeply_is_a_spear_error_naming_it(tmp_path):
+    """Catches: read_spear_config turning JSONDecodeError into a SpearError but letting the
+    RecursionError of deep nesting end the command with a traceback."""
+    (tmp_path / "spear_config.json").write_text(DEEP)
+    with pytest.raises(SpearError, match=re.escape(f"{tmp_path / 'spear_config.json'} is not valid JSON: "
+                                                   "nested too deeply")):
+        read_spear_config(tmp_path)
+
+
+@pytest.mark.parametrize("text,message", [
+    (DEEP, "is not valid JSON: nested too deeply"),
+    ('{"eos_token_id": 2, "x": ' + '{"a": ' * 600 + "1" + "}" * 600 + "}",
+     "is not a generation config transformers accepts: maximum recursion depth"),  # parses; copying it recurses
+    ("{nope", "is not valid JSON"),
+    ("[2]", "expected a JSON object, got list"),
+])
+def test_a_damaged_generation_config_is_a_spear_error_naming_it(tmp_path, text, message):
+    """Its end-of-sequence ids decide where generation stops. Catches: a RecursionError traceback,
+    and a malformed file read as no generation config at all."""
+    (tmp_path / "generation_config.json").write_text(text)
+    with pytest.raises(SpearError, match=re.escape(f"{tmp_path / 'generation_config.json'}") + ".*" + message):
+        read_generation_config(tmp_path)
+
+
+def test_generation_config_is_read_and_optional(tmp_path):
+    assert read_generation_config(tmp_path) is None
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 7], "max_new_tokens": 5}')
+    assert read_generation_config(tmp_path).eos_token_id == [2, 7]
+
+
+def test_overwrite_replaces_a_checkpoint_never_another_folder(tiny_llama, tmp_path):
+    """Catches: --overwrite deleting whatever folder --out names (a home folder, a dataset)."""
+    model, tok = tiny_llama
+    cfg = QuantConfig()
+    quantize_model_rtn(model, cfg, progress=False)
+    other = tmp_path / "data"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(SpearError, match="holds no spear_config.json"):
+        save_checkpoint(model, tok, other, cfg, "tiny", overwrite=True)
+    with pytest.raises(SpearError, match="holds no spear_config.json"):
+        check_checkpoint_out(other, overwrite=True)
+    assert [p.name for p in other.iterdir()] == ["notes.txt"] and (other / "notes.txt").read_text() == "keep me"
+    ckpt = save_checkpoint(model, tok, tmp_path / "ckpt", cfg, "first")
+    save_checkpoint(model, tok, ckpt, cfg, "second", overwrite=True)
+    assert json.loads((ckpt / "spear_config.json").read_text())["source_model"] == "second"
+    (tmp_path / "empty").mkdir()
+    assert check_checkpoint_out(tmp_path / "empty", overwrite=False) == tmp_path / "empty"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "data", "empty"]

@@ -116,6 +116,7 @@ def _edit_config(fn):
 
 
 Q = "model.layers.0.self_attn.q_proj"
+DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError on it
 
 CASES = {  # name -> (damage, fragment of the one-line error)
     "truncated": (_truncate, "not a readable safetensors file"),
@@ -127,6 +128,7 @@ CASES = {  # name -> (damage, fragment of the one-line error)
     "no spear_config": (lambda p: (p / CONFIG_NAME).unlink(), "no spear_config.json"),
     "config is a list": (_config([1, 2, 3]), "expected a JSON object"),
     "config is not json": (_config("{nope"), "not valid JSON"),
+    "config nested too deeply": (_config(DEEP), f"{CONFIG_NAME} is not valid JSON: nested too deeply"),
     "modules is a string": (_edit_config(lambda c: c.__setitem__("modules", "x")), "modules must be"),
     "version as a string": (_edit_config(lambda c: c.__setitem__("version", "1")), "version must be the whole number 1"),
     "version 2": (_edit_config(lambda c: c.__setitem__("version", 2)), "version 2 is not supported"),
@@ -140,6 +142,7 @@ CASES = {  # name -> (damage, fragment of the one-line error)
     "quant": (_edit_config(lambda c: c["quant"].__setitem__("bits", "four")), "quant"),
     "no config.json": (lambda p: (p / "config.json").unlink(), "config.json"),
     "garbled config.json": (lambda p: (p / "config.json").write_text("]"), "config.json"),
+    "config.json nested too deeply": (lambda p: (p / "config.json").write_text(DEEP), "config.json"),
     "missing tensor": (lambda p: _rewrite(p, lambda t: t.pop(f"{Q}.scales")), f"lacks tensor {Q}.scales"),
     "extra tensor": (lambda p: _rewrite(p, lambda t: t.__setitem__("stray", torch.zeros(2))), "tensor stray"),
     "NaN in scales": (lambda p: _rewrite(p, lambda t: t[f"{Q}.scales"].__setitem__(0, float("nan"))),
@@ -162,6 +165,25 @@ def test_damaged_checkpoint_is_a_one_line_error(ckpt, capsys, case):
     assert_one_line_error(*run(ckpt, capsys), fragment)
     with pytest.raises(SpearError, match=re.escape(fragment) if case != "extra tensor" else "tensor stray"):
         load_model(ckpt)
+
+
+def test_eval_on_a_checkpoint_whose_config_nests_too_deeply_is_one_line(ckpt, capsys):
+    """Catches: the RecursionError of json.loads escaping as a traceback from `spear eval`."""
+    (ckpt / CONFIG_NAME).write_text(DEEP)
+    code = main(["-q", "eval", "--model", str(ckpt)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("spear eval: error: ") and f"{ckpt / CONFIG_NAME} is not valid JSON" in lines[0]
+
+
+@pytest.mark.parametrize("text,fragment", [(DEEP, "is not valid JSON: nested too deeply"),
+                                           ("{nope", "is not valid JSON")])
+def test_a_damaged_generation_config_is_one_line(ckpt, capsys, text, fragment):
+    """The engine reads generation_config.json for its end-of-sequence ids. Catches: a
+    RecursionError traceback, and a malformed file dropped silently (generation would then run
+    past the model's end-of-sequence token)."""
+    (ckpt / "generation_config.json").write_text(text)
+    assert_one_line_error(*run(ckpt, capsys), f"{ckpt / 'generation_config.json'} {fragment}")
 
 
 def test_pristine_checkpoint_and_extra_files_load(ckpt, capsys):
@@ -220,6 +242,22 @@ def test_damaged_hf_folder_is_a_one_line_error(hf_folder, capsys, case):
     assert_one_line_error(*run(hf_folder, capsys), fragment)
     with pytest.raises(SpearError, match=re.escape(fragment)):
         load_model(hf_folder)
+
+
+def test_hf_folder_json_nested_too_deeply_is_one_line(hf_folder, capsys):
+    """generation_config.json (read by transformers when it loads the model for `spear eval`, and
+    by the engine) and model.safetensors.index.json (read by the engine). Catches: the
+    RecursionError of json.loads escaping as a traceback, or as an error naming no file."""
+    gen = hf_folder / "generation_config.json"
+    gen.write_text(DEEP)
+    code = main(["-q", "eval", "--model", str(hf_folder)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and f"spear eval: error: {gen} is not valid JSON" in lines[0], lines
+    assert_one_line_error(*run(hf_folder, capsys), f"{gen} is not valid JSON")
+    gen.unlink()
+    index = hf_folder / "model.safetensors.index.json"
+    index.write_text(DEEP)
+    assert_one_line_error(*run(hf_folder, capsys), f"{index} is not valid JSON: nested too deeply")
 
 
 # ---------------------------------------------------------------------- writers killed mid-write
