@@ -80,12 +80,24 @@ def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
                         "corrected by the running ratio of measured to predicted step times while serving")
 
 
-def engine_from_args(args, **changes):
-    """The engine the arguments describe; ``changes`` replace EngineConfig fields."""
+def port(text: str) -> int:
+    """A TCP port, 1..65535 (0 asks the system for a free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 0 to 65535, got {value}")
+    return value
+
+
+def engine_config_from_args(args, **changes):
+    """(EngineConfig, dtype name or None, device or None) the arguments describe; ``changes``
+    replace EngineConfig fields. Every check that needs no model runs here, before any loading."""
     import torch
 
     from spear.errors import SpearError
-    from spear.serve import EngineConfig, LLMEngine
+    from spear.serve import EngineConfig
     from spear.serve.config import kernel_policy
     from spear.serve.latency import load_table
 
@@ -102,7 +114,16 @@ def engine_from_args(args, **changes):
                   latency_correction=not args.no_latency_correction,
                   tensor_parallel_size=args.tensor_parallel, tp_reduce=args.tp_reduce)
     fields.update(changes)
-    cfg = EngineConfig(**fields)
+    return EngineConfig(**fields), dtype, device
+
+
+def engine_from_args(args, **changes):
+    """The engine the arguments describe, in this process; ``changes`` replace EngineConfig fields."""
+    import torch
+
+    from spear.serve import LLMEngine
+
+    cfg, dtype, device = engine_config_from_args(args, **changes)
     return LLMEngine.from_pretrained(args.model, cfg, dtype=None if dtype is None else getattr(torch, dtype),
                                      device=device, verify=args.verify)
 
@@ -118,52 +139,76 @@ def register(sub) -> None:
     add_engine_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    s.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    s.add_argument("--port", type=port, default=8000, help="port, 0-65535 (default: %(default)s)")
     s.add_argument("--served-model-name", help="the model id clients send (default: the --model argument)")
     s.add_argument("--step-timeout", type=positive_float, default=300.0, metavar="SECONDS",
                    help="/health answers 503 while one engine step has run longer than this, e.g. on a hung GPU "
                         "(default: %(default)s)")
     limits = ServerLimits()
     s.add_argument("--shutdown-timeout", type=positive_float, default=limits.shutdown_timeout_s, metavar="SECONDS",
-                   help="on SIGTERM / Ctrl-C, how long open requests may run on before they are cut; a second "
-                        "signal cuts them at once (default: %(default)s)")
+                   help="on SIGTERM / Ctrl-C, how long open requests may run on; then each ends with the JSON "
+                        "error (503 shutting_down; a stream with its error event and [DONE]); a second signal cuts "
+                        "them at once (default: %(default)s)")
     s.add_argument("--max-body-bytes", type=memory_size, default=limits.max_body_bytes, metavar="SIZE",
                    help="largest request body, e.g. 8MiB; larger ones get HTTP 413 (default: %(default)s bytes)")
     s.add_argument("--max-prompt-chars", type=positive_int, default=limits.max_prompt_chars, metavar="N",
                    help="most characters of a text prompt or of all chat messages together (default: %(default)s)")
     s.add_argument("--max-stop-chars", type=positive_int, default=limits.max_stop_chars, metavar="N",
                    help="most characters of one stop string (default: %(default)s)")
+    s.add_argument("--max-messages", type=positive_int, default=limits.max_messages, metavar="N",
+                   help="most messages of one chat (default: %(default)s)")
+    s.add_argument("--header-timeout", type=positive_float, default=limits.header_timeout_s, metavar="SECONDS",
+                   help="a connection must send a request's headers within this, else it is closed "
+                        "(default: %(default)s)")
+    s.add_argument("--max-connections", type=positive_int, default=limits.max_connections, metavar="N",
+                   help="open connections kept; beyond them new ones are closed at once (held below the "
+                        "process's open-file limit) (default: %(default)s)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                    help="server log level (default: %(default)s)")
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
+    """The HTTP server in this process, the engine core in a process of its own (spear/serve/core.py)."""
     import logging
 
-    from spear.serve.async_engine import AsyncEngine
+    from spear.models.checkpoint import load_folder_tokenizer
+    from spear.models.loading import resolve_model_path
+    from spear.serve.client import EngineClient
     from spear.serve.config import ServerLimits
     from spear.serve.server import run_server
 
     logging.getLogger("spear").setLevel(args.log_level.upper())
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
-                          max_stop_chars=args.max_stop_chars, shutdown_timeout_s=args.shutdown_timeout)
-    engine = engine_from_args(args)
-    for layer, reason in engine.load_report:
-        print(f"note: {layer} runs off the W4 kernel path: {reason}", flush=True)
-    if engine.scheduler.itl_slo_ms is not None:
-        t = engine.scheduler.latency
-        print(f"inter-token latency target {engine.scheduler.itl_slo_ms:g} ms: step times measured {t.created} on "
-              f"{t.deployment.device}, margin {100 * t.margin:.1f}%, at least {engine.config.min_chunk_tokens} "
-              f"prefill tokens a step", flush=True)
+                          max_stop_chars=args.max_stop_chars, shutdown_timeout_s=args.shutdown_timeout,
+                          max_messages=args.max_messages, header_timeout_s=args.header_timeout,
+                          max_connections=args.max_connections)
+    config, dtype, device = engine_config_from_args(args)  # a bad setting fails here, before any loading
+    path = resolve_model_path(args.model)  # the embedded default converted once, here, not in both processes
+    tokenizer = load_folder_tokenizer(path)
     name = args.served_model_name or args.model
-    tp = engine.config.tensor_parallel_size
-    print(f"serving {name} on http://{args.host}:{args.port} (max_model_len {engine.max_model_len}, "
-          f"{engine.block_manager.num_blocks} KV blocks of {engine.config.block_size} tokens"
-          + (f", tensor parallel over {tp} ranks" if tp > 1 else "") + ")", flush=True)
-    try:
-        run_server(AsyncEngine(engine, step_timeout_s=args.step_timeout), name, args.host, args.port,
-                   args.log_level, limits)
-    finally:
-        engine.close()
+
+    def loaded(info: dict) -> None:
+        for layer, reason in info["load_report"]:
+            print(f"note: {layer} runs off the W4 kernel path: {reason}", flush=True)
+        if info["itl_slo_ms"] is not None:
+            t = info["latency"]
+            print(f"inter-token latency target {info['itl_slo_ms']:g} ms: step times measured {t['created']} on "
+                  f"{t['device']}, margin {100 * t['margin']:.1f}%, at least {info['min_chunk_tokens']} prefill "
+                  "tokens a step", flush=True)
+        tp = info["tensor_parallel_size"]
+        print(f"serving {name} on http://{args.host}:{args.port} (max_model_len {info['max_model_len']}, "
+              f"{info['num_blocks']} KV blocks of {info['block_size']} tokens"
+              + (f", tensor parallel over {tp} ranks" if tp > 1 else "") + "); /health answers 200 once warm",
+              flush=True)
+
+    client = EngineClient(str(path), config, tokenizer, dtype=dtype, device=device, verify=args.verify,
+                          step_timeout_s=args.step_timeout, log_level=args.log_level, on_loaded=loaded)
+    print(f"loading {name} in the engine core; http://{args.host}:{args.port}/health answers 503 until it is "
+          "ready", flush=True)
+    run_server(client, name, args.host, args.port, args.log_level, limits)
+    if client.error is not None and not client.loaded.is_set():
+        from spear.errors import SpearError
+
+        raise SpearError(str(client.error).removeprefix("the engine could not start: "))
     return 0

@@ -1,4 +1,7 @@
-"""The engine behind the HTTP server: one background thread owns the LLMEngine.
+"""The engine in a thread of the HTTP server's process: one background thread owns the LLMEngine.
+
+``spear serve`` runs the engine in a process of its own (client.py, core.py); this in-process
+frontend offers the server the same interface, for tests and for embedding the server.
 
 Request handlers never touch the engine. They post commands (add, abort) to a
 queue; the engine thread applies them between steps, runs ``step()``, and hands
@@ -20,6 +23,7 @@ import threading
 import time
 import uuid
 
+from spear.serve.core import FAILING_STEPS, STEP_TIMEOUT_S
 from spear.serve.engine import LLMEngine
 from spear.serve.outputs import EngineStats, RequestOutput
 from spear.serve.metrics import ServingMetrics
@@ -68,13 +72,6 @@ class RequestStream:
             self.queue.put_nowait(_ABORTED)  # wakes a consumer waiting for the next output
 
 
-# A step longer than this marks the engine unhealthy (/health answers 503) until it returns: a
-# decode step takes milliseconds, a prefill chunk well under a second, and the first steps that
-# compile kernels tens of seconds; a step still running after minutes is a hung GPU or driver.
-STEP_TIMEOUT_S = 300.0
-# This many steps in a row that failed every request they ran mark the engine unhealthy (/health
-# answers 503 until a step succeeds): one bad request fails alone, a broken GPU fails them all.
-FAILING_STEPS = 3
 
 
 class AsyncEngine:
@@ -99,6 +96,28 @@ class AsyncEngine:
         self.warmup_seconds: float | None = None
         self._loop_failures = 0                 # steps in a row that raised out of the engine
         self.last_failure: str | None = None    # the message of the last failed request or step
+        self.loaded = threading.Event()         # the model is in place (here: from the start)
+        self.loaded.set()
+
+    # ------------------------------------------------------------------ what the handlers check against
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.check_request(prompt_token_ids, params)
+
+    async def wait_loaded(self) -> None:
+        if self.error is not None:
+            raise EngineDead(f"the engine is not running: {self.error!r}")
+
+    def fail_open(self, exc: BaseException) -> None:
+        """End every open request with ``exc`` (the server's shutdown deadline)."""
+        self._post(("fail", exc))
 
     # ------------------------------------------------------------------ handler side
     def start(self) -> None:
@@ -209,6 +228,9 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if cmd[0] == "fail":
+                self._fail_all(cmd[1])
+                continue
             if cmd[0] == "add":
                 _, rid, ids, params, arrival, loop, stream = cmd
                 try:

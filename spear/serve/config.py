@@ -97,11 +97,17 @@ class ServerLimits:
     max_stop_chars: int = 1024           # characters of each stop string
     max_stop_strings: int = 4            # as OpenAI's API
     shutdown_timeout_s: float = 30.0     # drain time for in-flight requests on SIGTERM
+    max_messages: int = 1024             # messages of one chat (each one costs the template's work)
+    header_timeout_s: float = 10.0       # a connection must send a request's headers within this
+    max_connections: int = 2048          # open connections kept (capped below the process's file limit)
 
     def __post_init__(self):
-        for name in ("max_body_bytes", "max_prompt_chars", "max_stop_chars", "max_stop_strings"):
+        for name in ("max_body_bytes", "max_prompt_chars", "max_stop_chars", "max_stop_strings", "max_messages",
+                     "max_connections"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SpearError(f"{name} must be a whole number >= 1, got {v!r}")
-        if not self.shutdown_timeout_s > 0:
-            raise SpearError(f"shutdown_timeout_s must be > 0, got {self.shutdown_timeout_s!r}")
+        for name in ("shutdown_timeout_s", "header_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise SpearError(f"{name} must be a finite number of seconds > 0, got {v!r}")

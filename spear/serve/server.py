@@ -15,19 +15,33 @@ one engine step has run longer than the engine's ``step_timeout_s`` (``spear ser
 engine's steps keep failing for every request. A client that disconnects, streaming or
 not, has its request aborted and its KV blocks freed.
 
-Before it says ready the engine compiles every kernel a step can meet (``LLMEngine.warmup``):
-``/health`` answers 503 ``warming_up`` until then, and requests sent meanwhile wait in the queue.
+The engine behind the endpoints is a frontend with one interface: ``EngineClient`` (client.py),
+the engine core in a process of its own, which ``spear serve`` runs, or ``AsyncEngine``
+(async_engine.py), the engine in a thread of this process (tests, embedding). Before it says
+ready the engine loads the model and compiles every kernel a step can meet
+(``LLMEngine.warmup``): ``/health`` answers 503 ``warming_up`` until then, and requests sent
+meanwhile wait.
 
-Nothing heavy runs on the event loop: tokenization and chat templates run on one worker
-thread (the tokenizers library releases the GIL while it encodes), so a long prompt never
-holds up /health or other clients' streams.
+Nothing heavy runs on the event loop: bodies over ``_PARSE_OFF_LOOP_BYTES`` are parsed and
+validated on a worker thread; tokenization and chat templates run on worker threads with a
+tokenizer copy each (the tokenizers library releases the GIL while it encodes), prompts of up to
+``_SHORT_PROMPT_CHARS`` on a pool of their own, so a long prompt never holds up a short one,
+``/health`` or other clients' streams. A chat may hold at most ``ServerLimits.max_messages``
+messages. A connection that has not sent a request's headers within
+``ServerLimits.header_timeout_s`` is closed, and beyond ``ServerLimits.max_connections`` open
+connections new ones are closed at once (slow-header clients cannot hold the server's sockets);
+each of these faults is logged once a minute, not once per connection. On SIGTERM the server
+stops taking connections and gives open requests ``shutdown_timeout_s`` to finish; then each is
+ended with the JSON error (503 ``shutting_down``), a stream with its error event and ``[DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -36,10 +50,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spear.errors import SpearError
-from spear.serve.async_engine import AsyncEngine, EngineDead, RequestStream
+from spear.serve.async_engine import EngineDead, RequestStream
 from spear.serve.chat import chat_prompt_ids, has_chat_template
 from spear.serve.config import ServerLimits
 from spear.serve.outputs import RequestOutput
@@ -50,6 +65,9 @@ log = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.25
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+_PARSE_OFF_LOOP_BYTES = 64 * 1024   # bodies from this size are parsed on a worker thread
+_SHORT_PROMPT_CHARS = 8192          # prompts up to this many characters take the short prompts' pool
+_TOKENIZE_THREADS = 2               # threads of each tokenization pool (short prompts, long prompts)
 
 
 def _printable(text: str | None) -> str | None:
@@ -107,7 +125,7 @@ class BodyLimit:
         return await self.app(scope, limited, send)
 
 
-def _validation_error(exc: RequestValidationError) -> JSONResponse:
+def _validation_error(exc: RequestValidationError | ValidationError) -> JSONResponse:
     first = exc.errors()[0]
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
@@ -132,22 +150,77 @@ class _NotFound(Exception):
         self.message, self.param, self.code = message, param, code
 
 
-class Server:
-    """The endpoints over one AsyncEngine serving one model under ``model_name``."""
+class _Tokenizers:
+    """A pool of threads that each hold their own copy of the tokenizer (a tokenizer object's
+    Python side is not reentrant; copies encode side by side, the Rust part without the GIL)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, limits: ServerLimits | None = None):
-        self.engine, self.model_name = engine, model_name
-        self.limits = limits or ServerLimits()
-        self.llm = engine.engine
-        self.created = int(time.time())
-        # one thread: the tokenizer object is shared and its Python side is not reentrant
-        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spear-tokenize")
+    def __init__(self, tokenizer, threads: int, name: str):
+        self.tokenizer = tokenizer
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
 
-    async def _off_loop(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+    def _mine(self):
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            tok = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+        return tok
+
+    async def run(self, fn, *args):
+        """``fn(tokenizer, *args)`` on a pool thread, with that thread's tokenizer."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(self._mine(), *args))
 
     def close(self) -> None:
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _parse(raw: bytes, model):
+    """``raw`` JSON as ``model``: the standard library's parser (it keeps a lone surrogate, which
+    the model's own validator then names), then the model's strict validation."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, invalid UTF-8, nesting beyond the stack
+        detail = str(exc) if not isinstance(exc, RecursionError) else "nested too deeply"
+        raise RequestError(f"malformed JSON body: {detail}") from None
+    return model.model_validate(data)
+
+
+def _encode(tokenizer, prompt: str) -> list[int]:
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer takes it
+        raise SpearError(f"the prompt is not valid Unicode text ({exc.reason} at character {exc.start})") from None
+    return tokenizer(prompt).input_ids
+
+
+class Server:
+    """The endpoints over one engine frontend (``EngineClient`` or ``AsyncEngine``) serving one
+    model under ``model_name``."""
+
+    def __init__(self, engine, model_name: str, limits: ServerLimits | None = None):
+        self.engine, self.model_name = engine, model_name
+        self.limits = limits or ServerLimits()
+        self.created = int(time.time())
+        tok = engine.tokenizer
+        self._short = _Tokenizers(tok, _TOKENIZE_THREADS, "spear-tokenize-short")
+        self._long = _Tokenizers(tok, _TOKENIZE_THREADS, "spear-tokenize-long")
+        self._parse_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spear-parse")
+
+    def _tokenizers(self, chars: int) -> _Tokenizers:
+        return self._short if chars <= _SHORT_PROMPT_CHARS else self._long
+
+    async def parse(self, request: Request, model):
+        """The body as ``model`` (a pydantic request class): read here (the body limit applies),
+        parsed and validated on a worker thread when large, so /health and other clients' streams
+        do not wait for it."""
+        raw = await request.body()
+        if len(raw) < _PARSE_OFF_LOOP_BYTES:
+            return _parse(raw, model)
+        return await asyncio.get_running_loop().run_in_executor(self._parse_pool, _parse, raw, model)
+
+    def close(self) -> None:
+        self._short.close()
+        self._long.close()
+        self._parse_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ requests
     def _check_model(self, name: str) -> None:
@@ -156,7 +229,7 @@ class Server:
                             "model", "model_not_found")
 
     def _check_lengths(self, ids: list[int], max_tokens: int | None) -> int:
-        n, limit = len(ids), self.llm.max_model_len
+        n, limit = len(ids), self.engine.max_model_len
         if n == 0:
             raise RequestError("the prompt is empty", "prompt")
         if n >= limit:
@@ -171,7 +244,7 @@ class Server:
 
     async def _submit(self, ids: list[int], params) -> RequestStream:
         try:
-            self.llm.check_request(ids, params)
+            self.engine.check_request(ids, params)
         except SpearError as exc:
             raise RequestError(str(exc), "prompt") from None
         return await self.engine.submit(ids, params)
@@ -190,9 +263,13 @@ class Server:
     async def completion_inputs(self, body: CompletionRequest):
         self._check_model(body.model)
         prompt = body.single_prompt()
+        await self.engine.wait_loaded()
         if isinstance(prompt, str):
             self._check_chars(len(prompt), "prompt")
-            ids = await self._off_loop(self.llm.tokenize, prompt)
+            try:
+                ids = await self._tokenizers(len(prompt)).run(_encode, prompt)
+            except SpearError as exc:
+                raise RequestError(str(exc), "prompt") from None
         else:
             ids = list(prompt)
         return ids, self._sampling(body, ids, body.max_tokens)
@@ -200,13 +277,19 @@ class Server:
     async def chat_inputs(self, body: ChatCompletionRequest):
         self._check_model(body.model)
         max_tokens = body.max_tokens_requested()
-        if not has_chat_template(self.llm.tokenizer):
+        if not has_chat_template(self.engine.tokenizer):
             raise RequestError(f"the model '{self.model_name}' has no chat template; use /v1/completions",
                                "messages")
+        if len(body.messages) > self.limits.max_messages:
+            raise RequestError(f"the chat has {len(body.messages)} messages; this server takes at most "
+                               f"{self.limits.max_messages}", "messages")
         messages = body.chat()
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        # every field a message holds counts, so that a chat of empty messages is not free
+        chars = sum(len(m["content"]) + len(m["role"]) + 1 for m in messages)
+        self._check_chars(chars, "messages")
+        await self.engine.wait_loaded()
         try:
-            ids = await self._off_loop(chat_prompt_ids, self.llm.tokenizer, messages)
+            ids = await self._tokenizers(chars).run(chat_prompt_ids, messages)
         except SpearError as exc:
             raise RequestError(str(exc), "messages") from None
         return ids, self._sampling(body, ids, max_tokens)
@@ -302,16 +385,18 @@ class Server:
         return JSONResponse(self.chat_body(rid, out) if chat else self.completion_body(rid, out))
 
 
-def build_app(engine: AsyncEngine, model_name: str, limits: ServerLimits | None = None) -> FastAPI:
-    """The FastAPI app; it starts the engine thread on startup and stops it on shutdown."""
+def build_app(engine, model_name: str, limits: ServerLimits | None = None) -> FastAPI:
+    """The FastAPI app over an engine frontend (``EngineClient`` or ``AsyncEngine``); it starts the
+    engine on startup and stops it on shutdown."""
     server = Server(engine, model_name, limits)
 
     @asynccontextmanager
     async def lifespan(app):
+        _quiet_accept_faults(asyncio.get_running_loop())
         if not engine.alive and engine.error is None:
-            engine.start()
+            await _maybe_await(engine.start())
         yield
-        engine.shutdown()
+        await _maybe_await(engine.shutdown())
         server.close()
 
     app = FastAPI(title="spear", description="OpenAI-compatible server for spear models", lifespan=lifespan)
@@ -320,6 +405,10 @@ def build_app(engine: AsyncEngine, model_name: str, limits: ServerLimits | None 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc):
+        return _validation_error(exc)
+
+    @app.exception_handler(ValidationError)
+    async def _invalid_body(request, exc):  # a body parsed by Server.parse
         return _validation_error(exc)
 
     @app.exception_handler(RequestError)
@@ -344,7 +433,8 @@ def build_app(engine: AsyncEngine, model_name: str, limits: ServerLimits | None 
 
     @app.exception_handler(EngineDead)
     async def _dead(request, exc):
-        return error_response(503, str(exc), "server_error", code="engine_stopped")
+        code = "shutting_down" if "shutting down" in str(exc) else "engine_stopped"
+        return error_response(503, str(exc), "server_error", code=code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc):
@@ -358,10 +448,12 @@ def build_app(engine: AsyncEngine, model_name: str, limits: ServerLimits | None 
     @app.get("/health")
     async def health():
         if not engine.alive:
+            if engine.error is None and not engine.loaded.is_set():
+                return error_response(503, "the engine is loading its model", "server_error", code="warming_up")
             return error_response(503, f"the engine is not running: {engine.error!r}", "server_error")
         if not engine.ready.is_set():
-            return error_response(503, "the engine is warming up (compiling its kernels)", "server_error",
-                                  code="warming_up")
+            return error_response(503, "the engine is warming up (loading the model, compiling its kernels)",
+                                  "server_error", code="warming_up")
         if engine.stuck:
             return error_response(503, f"the engine's current step has run for {engine.step_seconds:.0f} s "
                                        f"(limit {engine.step_timeout_s:g} s): the GPU or its driver may be hung",
@@ -373,48 +465,205 @@ def build_app(engine: AsyncEngine, model_name: str, limits: ServerLimits | None 
 
     @app.get("/v1/models")
     async def models():
+        await engine.wait_loaded()
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
-                                            "owned_by": "spear", "max_model_len": server.llm.max_model_len}]}
+                                            "owned_by": "spear", "max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await server.respond(request, body, chat=False)
+    async def completions(request: Request):
+        return await server.respond(request, await server.parse(request, CompletionRequest), chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await server.respond(request, body, chat=True)
+    async def chat_completions(request: Request):
+        return await server.respond(request, await server.parse(request, ChatCompletionRequest), chat=True)
 
     return app
 
 
-def _uvicorn_server(config):
+async def _maybe_await(value):
+    if asyncio.iscoroutine(value):
+        await value
+
+
+class _OncePer:
+    """Lets a repeated fault through once per ``interval_s`` (with the count held back since)."""
+
+    def __init__(self, interval_s: float = 60.0):
+        self.interval_s, self.last, self.held = interval_s, 0.0, 0
+
+    def allow(self) -> int | None:
+        """None to hold this one back, else how many were held back before it."""
+        now = time.monotonic()
+        if now - self.last < self.interval_s:
+            self.held += 1
+            return None
+        held, self.last, self.held = self.held, now, 0
+        return held
+
+
+def _quiet_accept_faults(loop: asyncio.AbstractEventLoop) -> None:
+    """Log the event loop's failures to accept a connection (out of file descriptors, typically)
+    once a minute, one line, instead of a traceback per attempt."""
+    gate, default = _OncePer(), loop.get_exception_handler()
+
+    def handler(loop, context):
+        if "accept" in str(context.get("message", "")):
+            held = gate.allow()
+            if held is not None:
+                log.error("cannot accept connections: %s (%s)%s", context.get("message"), context.get("exception"),
+                          f"; {held} more since the last report" if held else "")
+            return
+        if default is not None:
+            default(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
+def _guarded_protocol(limits: ServerLimits):
+    """uvicorn's h11 protocol with a deadline for a request's headers and a cap on connections."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    timeouts, refusals = _OncePer(), _OncePer()
+
+    class Guarded(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._deadline = None
+            if len(self.connections) > limits.max_connections:
+                held = refusals.allow()
+                if held is not None:
+                    log.warning("%d connections open, the most this server keeps (max_connections): closing new "
+                                "ones%s", len(self.connections) - 1, f" ({held} more since)" if held else "")
+                transport.close()
+                return
+            self._arm()
+
+        def _arm(self) -> None:
+            self._seen = self.cycle
+            self._deadline = self.loop.call_later(limits.header_timeout_s, self._expired)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if self.cycle is self._seen and not self.transport.is_closing():  # no request's headers yet
+                held = timeouts.allow()
+                if held is not None:
+                    log.warning("closing a connection that sent no complete request headers within %g s "
+                                "(header_timeout_s)%s", limits.header_timeout_s, f"; {held} more since" if held else "")
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self._deadline is not None and self.cycle is not self._seen:  # a request's headers arrived
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():  # a kept-alive connection: the next headers have a deadline too
+                self._disarm()
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return Guarded
+
+
+def _raise_fd_limit() -> int:
+    """Raise this process's soft limit on open files to the hard one; the soft limit now."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        return soft
+    except (ImportError, ValueError, OSError):
+        return 1024
+
+
+def _uvicorn_server(config, on_exit=None):
     import uvicorn
 
     class _Server(uvicorn.Server):
-        """uvicorn, where a second SIGTERM (not only a second Ctrl-C) stops waiting for open requests."""
+        """uvicorn, where a second SIGTERM (not only a second Ctrl-C) stops waiting for open
+        requests, and the first calls ``on_exit`` (the drain's deadline)."""
 
         def handle_exit(self, sig, frame):
             if self.should_exit:
                 self.force_exit = True
+            elif on_exit is not None:
+                on_exit()
             super().handle_exit(sig, frame)
 
     return _Server(config)
 
 
-def run_server(engine: AsyncEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+def uvicorn_config(app, host: str, port: int, log_level: str, limits: ServerLimits):
+    """uvicorn's settings for ``app``: the guarded h11 protocol (header deadline, connection cap below
+    the process's file limit, which is raised to its hard limit first), a 5 s keep-alive, and a
+    graceful shutdown that outlasts ``shutdown_timeout_s`` by the time to write the last errors."""
+    import uvicorn
+
+    fds = _raise_fd_limit()
+    if limits.max_connections > fds - 64:  # the cap must bite before the descriptors run out
+        limits = _replace(limits, max_connections=max(16, fds - 64))
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=_guarded_protocol(limits),
+                          timeout_keep_alive=5, timeout_graceful_shutdown=limits.shutdown_timeout_s + 5)
+
+
+def run_server(engine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                log_level: str = "info", limits: ServerLimits | None = None) -> None:
     """Serve until SIGTERM / Ctrl-C (blocking): then stop taking connections, give open requests up
-    to ``limits.shutdown_timeout_s`` to finish (a second signal ends the wait), stop the engine."""
+    to ``limits.shutdown_timeout_s`` to finish (a second signal ends the wait), end the rest with
+    their JSON error (a stream with its error event and ``[DONE]``), stop the engine."""
     import uvicorn
 
     limits = limits or ServerLimits()
-    config = uvicorn.Config(build_app(engine, model_name, limits), host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=limits.shutdown_timeout_s)
+    config = uvicorn_config(build_app(engine, model_name, limits), host, port, log_level, limits)
+    loop_box: list = []
+
+    def deadline() -> None:
+        loop = loop_box[0] if loop_box else None
+        if loop is None:
+            return
+
+        def cut():
+            engine.fail_open(EngineDead(f"the server is shutting down: the request did not finish within "
+                                        f"{limits.shutdown_timeout_s:g} s (shutdown_timeout_s)"))
+
+        loop.call_soon_threadsafe(loop.call_later, limits.shutdown_timeout_s, cut)
+
+    server = _uvicorn_server(config, deadline)
+    if hasattr(engine, "on_fatal"):  # an engine that cannot start stops the server
+        engine.on_fatal = lambda: setattr(server, "should_exit", True)
+    original = server.startup
+
+    async def startup(*args, **kwargs):
+        loop_box.append(asyncio.get_running_loop())
+        return await original(*args, **kwargs)
+
+    server.startup = startup
     try:
-        _uvicorn_server(config).run()
+        server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it drained for; the drain is done
         pass
+
+
+def _replace(limits: ServerLimits, **changes) -> ServerLimits:
+    from dataclasses import replace
+
+    return replace(limits, **changes)

@@ -42,12 +42,14 @@ def running_server(engine, model_name: str = "test-model", limits=None):
     import uvicorn
 
     from spear.serve.async_engine import AsyncEngine
-    from spear.serve.server import build_app
+    from spear.serve.config import ServerLimits
+    from spear.serve.server import build_app, uvicorn_config
 
     async_engine = AsyncEngine(engine)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(async_engine, model_name, limits), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
+    limits = limits or ServerLimits()
+    server = uvicorn.Server(uvicorn_config(build_app(async_engine, model_name, limits), "127.0.0.1", port, "warning",
+                                           limits))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

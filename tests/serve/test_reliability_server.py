@@ -153,18 +153,19 @@ def test_chat_content_cannot_inject_control_tokens(served, tiny):
 
 
 def test_tokenization_runs_off_the_event_loop(served, monkeypatch):
-    url, ae, _ = served
-    llm, seen = ae.engine, []
-    real = llm.tokenize
+    from spear.serve import server as server_mod
 
-    def tokenize(prompt):
-        if isinstance(prompt, str):  # the engine thread only copies the ids it was handed
-            seen.append(threading.current_thread().name)
-        return real(prompt)
+    seen, real = [], server_mod._encode
 
-    monkeypatch.setattr(llm, "tokenize", tokenize)
+    def encode(tokenizer, prompt):
+        seen.append(threading.current_thread().name)
+        return real(tokenizer, prompt)
+
+    monkeypatch.setattr(server_mod, "_encode", encode)
+    url = served[0]
     assert _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
-    assert seen and all(name.startswith("spear-tokenize") for name in seen), seen
+    _post(url, "/v1/completions", {"prompt": "hi " * 5000, "max_tokens": 1})  # tokenized, then past the context
+    assert seen[0].startswith("spear-tokenize-short") and seen[1].startswith("spear-tokenize-long"), seen
 
 
 def test_health_turns_503_while_every_step_fails_and_back(tiny):
