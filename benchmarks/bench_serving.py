@@ -134,11 +134,6 @@ def summarize(trace: Trace, target_ms: float | None = None) -> dict:
 
 
 # ----------------------------------------------------------------------------- runs
-class TextIdsTokenizer(IdsTokenizer):
-    def decode(self, ids, **kw):
-        return "".join(f" {i}" for i in ids)
-
-
 
 def run_in_process(engine: LLMEngine, reqs: list[Request]) -> Trace:
     trace = Trace(arrivals=[r.arrival for r in reqs], tokens=[[] for _ in reqs])
@@ -172,49 +167,101 @@ def run_in_process(engine: LLMEngine, reqs: list[Request]) -> Trace:
     return trace
 
 
-def run_http(engine: LLMEngine, reqs: list[Request], name: str = "bench") -> Trace:
+def word_tokenizer(vocab: int):
+    """A tokenizer with one word per id ("t0" .. "tN", spaces between): random token ids stream as
+    one text chunk per token, which the HTTP client times."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins the words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
+
+
+def write_folder(model, name: str, quantized: bool, folder: Path) -> Path:
+    """The variant as ``spear serve`` reads it: a spear checkpoint (W4, with its compensators) or an
+    HF folder, with ``word_tokenizer``."""
+    tok = word_tokenizer(model.config.vocab_size)
+    if quantized:
+        from spear.models.checkpoint import save_checkpoint
+
+        save_checkpoint(model, tok, folder, QuantConfig(bits=4, group_size=GROUP), f"random {name}", overwrite=True)
+    else:
+        model.save_pretrained(folder, safe_serialization=True)
+        tok.save_pretrained(folder)
+    return folder
+
+
+def run_http(folder: Path, cfg: EngineConfig, dtype: torch.dtype, reqs: list[Request], name: str = "bench",
+             start_timeout_s: float = 1800) -> tuple[Trace, float]:
+    """The workload through ``spear serve`` on ``folder`` in a process of its own (it runs the
+    engine core in another), driven from this process by the official ``openai`` client, as a
+    user would: (trace, seconds until /health said ready)."""
+    import signal
+    import socket
+    import subprocess
+
+    import httpx
     import openai
-    import uvicorn
 
-    from spear.serve.async_engine import AsyncEngine
-    from spear.serve.server import build_app
-
-    engine.tokenizer = TextIdsTokenizer()  # streamed chunks need text: one word per token
-    ae = AsyncEngine(engine)
-    with __import__("socket").socket() as sock:
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(ae, name), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    ae.ready.wait()
-    trace = Trace(arrivals=[r.arrival for r in reqs], tokens=[[] for _ in reqs])
-
-    async def one(client, i, r, t0):
-        await asyncio.sleep(max(0.0, r.arrival - (time.perf_counter() - t0)))
-        stream = await client.completions.create(model=name, prompt=r.prompt, max_tokens=r.output, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text is not None:
-                trace.tokens[i].append(time.perf_counter() - t0)
-
-    async def run_all():
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                                    timeout=600)
-        t0 = time.perf_counter()
-        try:
-            await asyncio.gather(*[one(client, i, r, t0) for i, r in enumerate(reqs)])
-        finally:
-            await client.close()
-
+    cmd = [sys.executable, "-m", "spear", "-q", "serve", "--model", str(folder), "--port", str(port),
+           "--served-model-name", name, "--dtype", str(dtype).removeprefix("torch."),
+           "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+           "--max-model-len", str(cfg.max_model_len), "--max-waiting", str(max(cfg.max_waiting, len(reqs))),
+           "--log-level", "warning"]
+    if cfg.num_blocks is not None:
+        cmd += ["--num-blocks", str(cfg.num_blocks)]
+    if cfg.itl_slo_ms is not None:
+        cmd += ["--itl-slo-ms", str(cfg.itl_slo_ms)]
+    t0 = time.perf_counter()
+    server = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
     try:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"spear serve exited (code {server.returncode}) before it was ready")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.perf_counter() - t0 > start_timeout_s:
+                raise RuntimeError(f"spear serve was not ready within {start_timeout_s:.0f} s")
+            time.sleep(0.5)
+        ready_s = time.perf_counter() - t0
+        trace = Trace(arrivals=[r.arrival for r in reqs], tokens=[[] for _ in reqs])
+
+        async def one(client, i, r, t0):
+            await asyncio.sleep(max(0.0, r.arrival - (time.perf_counter() - t0)))
+            stream = await client.completions.create(model=name, prompt=r.prompt, max_tokens=r.output,
+                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    trace.tokens[i].append(time.perf_counter() - t0)
+
+        async def run_all():
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                                        timeout=3600, http_client=httpx.AsyncClient(
+                                            limits=httpx.Limits(max_connections=len(reqs) + 8), timeout=3600))
+            t0 = time.perf_counter()
+            try:
+                await asyncio.gather(*[one(client, i, r, t0) for i, r in enumerate(reqs)])
+            finally:
+                await client.close()
+
         asyncio.run(run_all())
+        return trace, ready_s
     finally:
-        server.should_exit = True
-        thread.join(60)
-    return trace
+        if server.poll() is None:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(120)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(30)
 
 
 def profile_mixed(engine: LLMEngine, vocab: int, decodes: int = 20, prompt: int = 2048, steps: int = 3) -> str:
@@ -291,7 +338,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--ec-budget", type=float, default=0.01, help="EC bytes / W4 model bytes (default: 1%%)")
     p.add_argument("--passes", type=int, default=1, help="runs of the workload per engine; the last is reported")
-    p.add_argument("--http", action="store_true", help="through the HTTP server and the openai client")
+    p.add_argument("--paths", default="in-process",
+                   help="comma-separated: in-process (the engine stepped by this process), http (spear serve in a "
+                        "process of its own on a folder this writes, the official openai client here) "
+                        "(default: %(default)s)")
+    p.add_argument("--http", action="store_true", help="shorthand for --paths in-process,http")
     p.add_argument("--itl-slo-ms", default="",
                    help="comma-separated inter-token latency targets: per variant and target, one more run "
                         "under the latency-target scheduler (ceiling: the largest --budgets; the latency "
@@ -304,6 +355,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="folder for results.json and table.md")
     args = p.parse_args(argv)
+    args.paths = ["in-process", "http"] if args.http else [x.strip() for x in args.paths.split(",") if x.strip()]
+    if not args.paths or set(args.paths) - {"in-process", "http"}:
+        p.error(f"--paths: choose from in-process, http; got {args.paths}")
     args.output_max = None
     if args.workload == "saturating":
         for key, value in SATURATING.items():
@@ -332,8 +386,7 @@ def main(argv=None) -> int:
     header = (f"Serving, {datetime.date.today().isoformat()}, {dev_name}, {args.shape}"
               + (f" ({args.layers} layers)" if args.layers else "") + f", {dtype}, {args.requests} requests, "
               f"Poisson {args.rate:g}/s, prompts {args.prompt_min}-{args.prompt_max}, {outputs} output tokens, "
-              f"max_num_seqs {args.max_num_seqs}, {'HTTP + openai client' if args.http else 'in process'}, "
-              f"W4 layout {args.w4_layout}")
+              f"max_num_seqs {args.max_num_seqs}, W4 layout {args.w4_layout}")
     print(header, flush=True)
     vocab = SHAPES[args.shape]["vocab_size"]
     max_len = args.prompt_max + (args.output_max or args.output) + 1
@@ -342,14 +395,31 @@ def main(argv=None) -> int:
     reqs = workload(args.requests, args.rate, args.prompt_min, args.prompt_max, args.output, vocab, args.seed,
                     args.output_max)
     rows = []
+    import tempfile
+
+    scratch = tempfile.TemporaryDirectory(prefix="spear-bench-serving-")
     for name, model in build_variants(args, device, dtype):
         ceiling = args.slo_ceiling or max(budgets)
         if args.tiny:
             ceiling = max(ceiling, 64)  # the tiny profile grid: steps of up to 64 tokens
+        folder = None
         for budget, target in [(b, None) for b in budgets] + [(ceiling, x) for x in targets]:
             cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(budget, args.max_num_seqs),
                                max_model_len=max_len, kernels=policy, itl_slo_ms=target,
                                num_blocks=args.max_num_seqs * math.ceil(max_len / 16) + 16)
+            label = budget if target is None else f"SLO {target:g} ms (<= {budget})"
+            if "http" in args.paths and (target is None or not args.tiny):
+                if folder is None:
+                    t0 = time.perf_counter()
+                    folder = write_folder(model, name, name.startswith("w4"), Path(scratch.name) / "model")
+                    print(f"  {name}: wrote {folder} in {time.perf_counter() - t0:.1f} s", flush=True)
+                for _ in range(args.passes):
+                    trace, ready_s = run_http(folder, cfg, dtype, reqs)
+                row = dict(variant=name, budget=label, path="HTTP", warmup_s=ready_s, **summarize(trace, target))
+                rows.append(row)
+                print("  " + json.dumps(row), flush=True)
+            if "in-process" not in args.paths:
+                continue
             t0 = time.perf_counter()
             if target is not None and args.tiny:  # the start-up grid needs 256-token contexts: a tiny one
                 from spear.serve.profiler import TINY_GRID, profile
@@ -358,12 +428,11 @@ def main(argv=None) -> int:
                                             TINY_GRID, repeats=2)
             engine = LLMEngine(model, IdsTokenizer(), cfg)  # with a target: profiles its latency table
             warm = engine.warmup()
-            label = budget if target is None else f"SLO {target:g} ms (<= {budget})"
             print(f"  {name} budget {label}: engine in {time.perf_counter() - t0:.1f} s (warm-up {warm:.1f} s)",
                   flush=True)
             for _ in range(args.passes):
-                trace = run_http(engine, reqs) if args.http else run_in_process(engine, reqs)
-            row = dict(variant=name, budget=label, warmup_s=warm, **summarize(trace, target))
+                trace = run_in_process(engine, reqs)
+            row = dict(variant=name, budget=label, path="in process", warmup_s=warm, **summarize(trace, target))
             rows.append(row)
             print("  " + json.dumps(row), flush=True)
             if args.profile and args.out:
@@ -375,6 +444,11 @@ def main(argv=None) -> int:
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
+        if folder is not None:
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
+    scratch.cleanup()
     table = markdown(rows, header) + throughput_ratios(rows)
     print(table)
     if args.out:
@@ -388,21 +462,28 @@ def main(argv=None) -> int:
 def throughput_ratios(rows: list[dict]) -> str:
     """Output tok/s of each W4 variant over FP16's at the same budget (lines for the table's foot)."""
     full = ("fp16", "fp32")  # the unquantized variant: fp32 on the CPU
-    fp = {r["budget"]: r for r in rows if r["variant"] in full}
-    lines = [f"{r['variant']} / {fp[r['budget']]['variant']} output tok/s at budget {r['budget']}: "
-             f"{r['output_tok_s'] / fp[r['budget']]['output_tok_s']:.2f}x"
-             for r in rows if r["variant"] not in full and r["budget"] in fp]
+    fp = {(r["budget"], r.get("path")): r for r in rows if r["variant"] in full}
+    lines = [f"{r['variant']} / {fp[k]['variant']} output tok/s at budget {r['budget']} ({r.get('path')}): "
+             f"{r['output_tok_s'] / fp[k]['output_tok_s']:.2f}x"
+             for r in rows if r["variant"] not in full and (k := (r["budget"], r.get("path"))) in fp]
+    http = {(r["variant"], r["budget"]): r for r in rows if r.get("path") == "HTTP"}
+    for r in rows:  # the front door's cost: HTTP (client in its own process) against the engine in process
+        h = http.get((r["variant"], r["budget"])) if r.get("path") == "in process" else None
+        if h is not None:
+            lines.append(f"{r['variant']} budget {r['budget']}: HTTP / in process ITL p99 "
+                         f"{h['itl_p99_ms'] / r['itl_p99_ms']:.2f}x, TTFT p50 +{1e3 * (h['ttft_p50_s'] - r['ttft_p50_s']):.0f} ms")
     return ("\n\n" + "\n".join(lines)) if lines else ""
 
 
 def markdown(rows: list[dict], header: str) -> str:
-    lines = [header, "", "| variant | budget | mixed step p50 | decode step p50 | ITL p50 | ITL p99 | TTFT p50 | "
-             "TTFT p99 | output tok/s | stalls | SLO attained | predicted ±10% |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [header, "", "| variant | path | budget | mixed step p50 | decode step p50 | ITL p50 | ITL p99 | "
+             "TTFT p50 | TTFT p99 | output tok/s | stalls | SLO attained | predicted ±10% |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ms = lambda k: "—" if k not in r or not math.isfinite(r[k]) else f"{r[k]:.1f} ms"  # noqa: E731
         pct = lambda k, s: "—" if k not in r or not math.isfinite(r[k]) else f"{s * r[k]:.1f}%"  # noqa: E731
-        lines.append(f"| {r['variant']} | {r['budget']} | {ms('mixed_step_p50_ms')} | {ms('decode_step_p50_ms')} | "
+        lines.append(f"| {r['variant']} | {r.get('path', 'in process')} | {r['budget']} | {ms('mixed_step_p50_ms')} | "
+                     f"{ms('decode_step_p50_ms')} | "
                      f"{ms('itl_p50_ms')} | {ms('itl_p99_ms')} | {r['ttft_p50_s']:.2f} s | {r['ttft_p99_s']:.2f} s | "
                      f"{r['output_tok_s']:.0f} | {r.get('stalls', '—')} | {pct('slo_attainment_pct', 1)} | "
                      f"{pct('prediction_within_10pct', 100)} |")

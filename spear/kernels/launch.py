@@ -10,7 +10,6 @@ table, read-only; a deployment passes its own through ``KernelPolicy.launch``
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -134,13 +133,13 @@ def read_table(table) -> dict:
     """``table`` (a dict, or the path of a JSON file as ``spear tune-kernels`` and
     ``benchmarks/bench_kernels.py --tune`` write it), checked."""
     if not isinstance(table, (dict, MappingProxyType)):
-        path = Path(table)
+        from spear.errors import SpearError
+        from spear.fileio import read_json
+
         try:
-            table = json.loads(path.read_text())
-        except OSError as e:
-            raise ValueError(f"cannot read the launch table {path}: {e.strerror or e}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"the launch table {path} is not valid JSON: {e}") from None
+            table = read_json(Path(table), "the launch table")
+        except SpearError as e:  # the policy's errors are ValueErrors
+            raise ValueError(str(e)) from None
     return check_table(table)
 
 

@@ -1,5 +1,5 @@
 """benchmarks/bench_serving.py: its metrics on synthetic traces (exact numbers), and the --tiny run
-on the CPU, in process and through the HTTP server."""
+on the CPU, in process and through ``spear serve`` in a process of its own (the client here)."""
 
 import importlib.util
 import json
@@ -46,10 +46,12 @@ def test_workload_is_seeded(bench):
 
 @pytest.mark.parametrize("http", [False, True])
 def test_tiny_run(bench, tmp_path, http):
-    argv = ["--tiny", "--variants", "w4,w4+ec", "--budgets", "32", "--out", str(tmp_path)] + (["--http"] if http else [])
+    argv = ["--tiny", "--variants", "w4,w4+ec", "--budgets", "32", "--out", str(tmp_path),
+            "--paths", "http" if http else "in-process"]
     assert bench.main(argv) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert [r["variant"].split(" ")[0] for r in rows] == ["w4", "w4+ec"]
+    assert {r["path"] for r in rows} == {"HTTP" if http else "in process"}
     for r in rows:
         assert r["requests"] == 6 and r["output_tokens"] == 6 * 6
         assert r["ttft_p50_s"] > 0 and r["itl_p50_ms"] > 0 and r["output_tok_s"] > 0
