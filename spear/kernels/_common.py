@@ -376,3 +376,24 @@ def _to(x, dt: tl.constexpr):
         return tl.where(x == x, b.to(tl.float32, bitcast=True), x).to(dt)
     else:
         return x.to(dt)
+
+
+@triton.jit
+def _dequant_values(v, zc, s, GROUPED: tl.constexpr, IS_BF16: tl.constexpr):
+    """(c - z) · s (GROUPED) or (c - z) of BASE + c values ``v``, rounded once to the activation
+    dtype, elementwise with broadcast fp32 ``zc`` (BASE + z) and ``s``. fp16: the subtraction is
+    exact in fp16 and the product rounds once; bf16: exact in fp32, rounded once to bf16 (to
+    nearest even, the interpreter too)."""
+    if IS_BF16:
+        vf = v.to(tl.float32)
+        if GROUPED:
+            vf = vf * s - zc * s
+        else:
+            vf = vf - zc
+        return _to(vf, tl.bfloat16)
+    else:
+        w = v - zc.to(tl.float16)
+        if GROUPED:
+            w = w * s.to(tl.float16)
+        return w
+

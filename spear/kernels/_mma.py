@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spear.kernels._common import _dot, _halves, _to
+from spear.kernels._common import _dequant_values, _dot, _halves, _magic
 
 
 @triton.jit
@@ -35,121 +35,56 @@ def _pair16(v, IS_BF16: tl.constexpr):
     return h | (h << 16)
 
 
+def _frag_ptx(bf16: bool, grouped: bool) -> str:
+    """The PTX of ``_frag_asm`` for one dtype and scale form: $8 the word, $9 / $10 BASE + zero of
+    rows g / g + 8 in both halves, $11 / $12 their scales (fp16: in both halves; bf16: fp32)."""
+    magic, kind = ("0x43004300", "bf16x2") if bf16 else ("0x64006400", "f16x2")
+    lines = ["{", ".reg .b32 t<4>" + (", u, a, b, r;" if bf16 and grouped else ";"), ".reg .b32 s<3>;",
+             "shr.u32 s0, $8, 4;", "shr.u32 s1, $8, 8;", "shr.u32 s2, $8, 12;",
+             f"lop3.b32 t0, $8, 0x000f000f, {magic}, 0xea;"]
+    lines += [f"lop3.b32 t{i}, s{i - 1}, 0x000f000f, {magic}, 0xea;" for i in (1, 2, 3)]
+    # pairs 0, 2 are row g's, pairs 1, 3 row g + 8's
+    lines += [f"sub.rn.{kind} t{i}, t{i}, ${9 + i % 2};" for i in (0, 1, 2, 3)]
+    if grouped and bf16:  # (c - z) exact in bf16, times the scale in fp32, rounded once
+        for i in range(4):
+            lines += [f"shl.b32 a, t{i}, 16;", f"and.b32 b, t{i}, 0xffff0000;", f"mul.rn.f32 a, a, ${11 + i % 2};",
+                      f"mul.rn.f32 b, b, ${11 + i % 2};", "cvt.rn.bf16x2.f32 r, b, a;",
+                      f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, r;"]
+    else:
+        if grouped:
+            lines += [f"mul.rn.f16x2 t{i}, t{i}, ${11 + i % 2};" for i in (0, 1, 2, 3)]
+        lines += [f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, t{i};" for i in range(4)]
+    return "\n".join(lines + ["}"])
+
+
+# one literal per variant, built once (the kernels take a constexpr string)
+_PTX_F16 = tl.constexpr(_frag_ptx(False, False))
+_PTX_F16_GROUPED = tl.constexpr(_frag_ptx(False, True))
+_PTX_BF16 = tl.constexpr(_frag_ptx(True, False))
+_PTX_BF16_GROUPED = tl.constexpr(_frag_ptx(True, True))
+
+
 @triton.jit
 def _frag_asm(p, zlo, zhi, slo, shi, IS_BF16: tl.constexpr, GROUPED: tl.constexpr):
     """The eight weights of each word p as 16-bit floats, (pair 0 lo, hi, pair 1 lo, hi, ...).
 
     zlo / zhi: (BASE + zero) in both halves of a word, for rows g / g + 8. slo / shi: the scales
     (fp16: in both halves of a word; bf16: fp32). GROUPED False: (c - z) only (the per-channel
-    scale is applied to the accumulator)."""
+    scale is applied to the accumulator). PTX: ``_frag_ptx``."""
     if IS_BF16:
         if GROUPED:
-            return tl.inline_asm_elementwise("""{
-.reg .b32 t<4>, u, a, b, r;
-.reg .b32 s<3>;
-shr.u32 s0, $8, 4;
-shr.u32 s1, $8, 8;
-shr.u32 s2, $8, 12;
-lop3.b32 t0, $8, 0x000f000f, 0x43004300, 0xea;
-lop3.b32 t1, s0, 0x000f000f, 0x43004300, 0xea;
-lop3.b32 t2, s1, 0x000f000f, 0x43004300, 0xea;
-lop3.b32 t3, s2, 0x000f000f, 0x43004300, 0xea;
-sub.rn.bf16x2 t0, t0, $9;
-sub.rn.bf16x2 t1, t1, $10;
-sub.rn.bf16x2 t2, t2, $9;
-sub.rn.bf16x2 t3, t3, $10;
-shl.b32 a, t0, 16;
-and.b32 b, t0, 0xffff0000;
-mul.rn.f32 a, a, $11;
-mul.rn.f32 b, b, $11;
-cvt.rn.bf16x2.f32 r, b, a;
-mov.b32 {$0, $1}, r;
-shl.b32 a, t1, 16;
-and.b32 b, t1, 0xffff0000;
-mul.rn.f32 a, a, $12;
-mul.rn.f32 b, b, $12;
-cvt.rn.bf16x2.f32 r, b, a;
-mov.b32 {$2, $3}, r;
-shl.b32 a, t2, 16;
-and.b32 b, t2, 0xffff0000;
-mul.rn.f32 a, a, $11;
-mul.rn.f32 b, b, $11;
-cvt.rn.bf16x2.f32 r, b, a;
-mov.b32 {$4, $5}, r;
-shl.b32 a, t3, 16;
-and.b32 b, t3, 0xffff0000;
-mul.rn.f32 a, a, $12;
-mul.rn.f32 b, b, $12;
-cvt.rn.bf16x2.f32 r, b, a;
-mov.b32 {$6, $7}, r;
-}""", "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,f,f", [p, zlo, zhi, slo, shi], dtype=(tl.bfloat16,) * 8, is_pure=True,
-                pack=1)
+            return tl.inline_asm_elementwise(_PTX_BF16_GROUPED, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,f,f",
+                                             [p, zlo, zhi, slo, shi], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
         else:
-            return tl.inline_asm_elementwise("""{
-.reg .b32 t<4>;
-.reg .b32 s<3>;
-shr.u32 s0, $8, 4;
-shr.u32 s1, $8, 8;
-shr.u32 s2, $8, 12;
-lop3.b32 t0, $8, 0x000f000f, 0x43004300, 0xea;
-lop3.b32 t1, s0, 0x000f000f, 0x43004300, 0xea;
-lop3.b32 t2, s1, 0x000f000f, 0x43004300, 0xea;
-lop3.b32 t3, s2, 0x000f000f, 0x43004300, 0xea;
-sub.rn.bf16x2 t0, t0, $9;
-sub.rn.bf16x2 t1, t1, $10;
-sub.rn.bf16x2 t2, t2, $9;
-sub.rn.bf16x2 t3, t3, $10;
-mov.b32 {$0, $1}, t0;
-mov.b32 {$2, $3}, t1;
-mov.b32 {$4, $5}, t2;
-mov.b32 {$6, $7}, t3;
-}""", "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [p, zlo, zhi], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(_PTX_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [p, zlo, zhi],
+                                             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     else:
         if GROUPED:
-            return tl.inline_asm_elementwise("""{
-.reg .b32 t<4>;
-.reg .b32 s<3>;
-shr.u32 s0, $8, 4;
-shr.u32 s1, $8, 8;
-shr.u32 s2, $8, 12;
-lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 t1, s0, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 t2, s1, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 t3, s2, 0x000f000f, 0x64006400, 0xea;
-sub.rn.f16x2 t0, t0, $9;
-sub.rn.f16x2 t1, t1, $10;
-sub.rn.f16x2 t2, t2, $9;
-sub.rn.f16x2 t3, t3, $10;
-mul.rn.f16x2 t0, t0, $11;
-mul.rn.f16x2 t1, t1, $12;
-mul.rn.f16x2 t2, t2, $11;
-mul.rn.f16x2 t3, t3, $12;
-mov.b32 {$0, $1}, t0;
-mov.b32 {$2, $3}, t1;
-mov.b32 {$4, $5}, t2;
-mov.b32 {$6, $7}, t3;
-}""", "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [p, zlo, zhi, slo, shi], dtype=(tl.float16,) * 8, is_pure=True,
-                pack=1)
+            return tl.inline_asm_elementwise(_PTX_F16_GROUPED, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r",
+                                             [p, zlo, zhi, slo, shi], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
         else:
-            return tl.inline_asm_elementwise("""{
-.reg .b32 t<4>;
-.reg .b32 s<3>;
-shr.u32 s0, $8, 4;
-shr.u32 s1, $8, 8;
-shr.u32 s2, $8, 12;
-lop3.b32 t0, $8, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 t1, s0, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 t2, s1, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 t3, s2, 0x000f000f, 0x64006400, 0xea;
-sub.rn.f16x2 t0, t0, $9;
-sub.rn.f16x2 t1, t1, $10;
-sub.rn.f16x2 t2, t2, $9;
-sub.rn.f16x2 t3, t3, $10;
-mov.b32 {$0, $1}, t0;
-mov.b32 {$2, $3}, t1;
-mov.b32 {$4, $5}, t2;
-mov.b32 {$6, $7}, t3;
-}""", "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [p, zlo, zhi], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(_PTX_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [p, zlo, zhi],
+                                             dtype=(tl.float16,) * 8, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -166,38 +101,17 @@ def _wgmma_drain(k):
 
 
 @triton.jit
-def _dq(v, zc, s, GROUPED: tl.constexpr, IS_BF16: tl.constexpr):
-    """Portable (c - z) · s of BASE + c values v, rounded once to the activation dtype (as
-    ``_common._dequant``, elementwise over broadcast zc, s in fp32)."""
-    if IS_BF16:
-        vf = v.to(tl.float32)
-        if GROUPED:
-            vf = vf * s - zc * s
-        else:
-            vf = vf - zc
-        return _to(vf, tl.bfloat16)
-    else:
-        w = v - zc.to(tl.float16)
-        if GROUPED:
-            w = w * s.to(tl.float16)
-        return w
-
-
-@triton.jit
 def _frag_portable(p, zclo, zchi, slo, shi, IS_BF16: tl.constexpr, GROUPED: tl.constexpr):
     """``_frag_asm`` in plain Triton (the interpreter, which runs no PTX): same values."""
-    if IS_BF16:
-        magic = 0x43004300
-    else:
-        magic = 0x64006400
+    magic, _ = _magic(IS_BF16)
     a0, b0 = tl.split(_halves((p & 0x000F000F) | magic, IS_BF16))
     a1, b1 = tl.split(_halves(((p >> 4) & 0x000F000F) | magic, IS_BF16))
     a2, b2 = tl.split(_halves(((p >> 8) & 0x000F000F) | magic, IS_BF16))
     a3, b3 = tl.split(_halves(((p >> 12) & 0x000F000F) | magic, IS_BF16))
-    return (_dq(a0, zclo, slo, GROUPED, IS_BF16), _dq(b0, zclo, slo, GROUPED, IS_BF16),
-            _dq(a1, zchi, shi, GROUPED, IS_BF16), _dq(b1, zchi, shi, GROUPED, IS_BF16),
-            _dq(a2, zclo, slo, GROUPED, IS_BF16), _dq(b2, zclo, slo, GROUPED, IS_BF16),
-            _dq(a3, zchi, shi, GROUPED, IS_BF16), _dq(b3, zchi, shi, GROUPED, IS_BF16))
+    return (_dequant_values(a0, zclo, slo, GROUPED, IS_BF16), _dequant_values(b0, zclo, slo, GROUPED, IS_BF16),
+            _dequant_values(a1, zchi, shi, GROUPED, IS_BF16), _dequant_values(b1, zchi, shi, GROUPED, IS_BF16),
+            _dequant_values(a2, zclo, slo, GROUPED, IS_BF16), _dequant_values(b2, zclo, slo, GROUPED, IS_BF16),
+            _dequant_values(a3, zchi, shi, GROUPED, IS_BF16), _dequant_values(b3, zchi, shi, GROUPED, IS_BF16))
 
 
 @triton.jit
@@ -298,10 +212,7 @@ def _mma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n0, k_lo, k_hi, offs_m, 
     GROUPED: tl.constexpr = GROUP > 0
     KB: tl.constexpr = BK // 64
     tl.static_assert(KB == 1 or not GROUPED or GROUP >= BK, "BK 128 needs groups of at least 128 inputs")
-    if IS_BF16:
-        base = 128.0
-    else:
-        base = 1024.0
+    _, base = _magic(IS_BF16)  # the 16-bit float whose mantissa step is 1
     offs_t, t_ok, row_lo, row_hi, row_ok = _frag_rows(n0, N, BN)
     # one [T, 128] load per 64-input block: a lane's four words contiguous, the rows of 16-row
     # tiles split over the warps as the MMA splits them (a wider row lets the compiler put warps
@@ -358,10 +269,7 @@ def _dequant_mma_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, K, stride_wn,
     k_tiles = K // 64
     n0 = (pid // k_tiles) * BN
     k = (pid % k_tiles) * 64
-    if IS_BF16:
-        base = 128.0
-    else:
-        base = 1024.0
+    _, base = _magic(IS_BF16)  # the 16-bit float whose mantissa step is 1
     offs_t, t_ok, row_lo, row_hi, row_ok = _frag_rows(n0, N, BN)
     offs_w = tl.arange(0, 128)
     p = tl.load(qw_ptr + offs_t[:, None] * (2 * K) + 2 * k + offs_w[None, :], mask=t_ok[:, None], other=0)

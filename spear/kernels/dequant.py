@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from spear.kernels import _common
-from spear.kernels._common import _dequant, _halves, _magic, _unpack_w4
+from spear.kernels._common import _dequant, _dequant_values, _halves, _magic, _unpack_w4
 from spear.kernels._mma import _dequant_mma_kernel
 from spear.kernels.layout import PackedW4
 
@@ -55,24 +55,6 @@ def _dequant_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, K, stride_wn,
 
 
 @triton.jit
-def _dequant_rows(w, zc, s, GROUPED: tl.constexpr, IS_BF16: tl.constexpr):
-    """w = BASE + code [BK/8, BN]; zc = BASE + zero, s = scale, broadcastable fp32.
-    (code - zero) * scale (GROUPED) or (code - zero), rounded once to the activation dtype."""
-    if IS_BF16:
-        wf = w.to(tl.float32)
-        if GROUPED:
-            wf = wf * s - zc * s
-        else:
-            wf = wf - zc
-        return wf.to(tl.bfloat16)
-    else:
-        w = w - zc.to(tl.float16)
-        if GROUPED:
-            w = w * s.to(tl.float16)
-        return w
-
-
-@triton.jit
 def _dequant_kmajor_kernel(qw_ptr, scales_ptr, zeros_ptr, wt_ptr, N,
                            GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr,
                            BN: tl.constexpr, BK: tl.constexpr):
@@ -96,8 +78,8 @@ def _dequant_kmajor_kernel(qw_ptr, scales_ptr, zeros_ptr, wt_ptr, N,
     rows = wt_ptr + (k0 + 8 * offs_j)[:, None] * N + offs_n[None, :]
     for i in tl.static_range(4):
         lo, hi = tl.split(_halves(((p >> (4 * i)) & 0x000F000F) | magic, IS_BF16))  # k-offsets 2i, 2i+1
-        tl.store(rows + (2 * i) * N, _dequant_rows(lo, zc, s, True, IS_BF16), mask=mask)
-        tl.store(rows + (2 * i + 1) * N, _dequant_rows(hi, zc, s, True, IS_BF16), mask=mask)
+        tl.store(rows + (2 * i) * N, _dequant_values(lo, zc, s, True, IS_BF16), mask=mask)
+        tl.store(rows + (2 * i + 1) * N, _dequant_values(hi, zc, s, True, IS_BF16), mask=mask)
 
 
 def dequantize(w: PackedW4, dtype: torch.dtype, launch=None, kn: bool = False,

@@ -36,6 +36,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, timeout_s: float, proc=None, what: str = "the server") -> None:
+    """Poll ``url``/health until it answers 200 (``proc``, a server subprocess, must stay alive)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None:
+            assert proc.poll() is None, proc.communicate()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{what} did not answer 200 on /health within {timeout_s:g} s"
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def running_server(engine, model_name: str = "test-model", limits=None):
     """Serve ``engine`` (an LLMEngine) with uvicorn in a thread; yields (base_url, AsyncEngine)."""

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from spear.cli import main
-from tests.serve.conftest import free_port
+from tests.serve.conftest import free_port, wait_healthy
 
 
 def test_generate_prints_completions(tiny_llama_path, capsys):
@@ -100,16 +100,7 @@ def test_serve_subprocess_answers_and_stops(tiny_llama_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "spear serve did not come up"
-            time.sleep(0.2)
+        wait_healthy(url, 120, proc, "spear serve")
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
     finally:
@@ -125,16 +116,8 @@ def _start_server(tiny_llama_path, *extra):
                              str(port), "--num-blocks", "512", "--served-model-name", "tiny", "--log-level",
                              "warning", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.communicate()
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "spear serve did not come up"
-        time.sleep(0.2)
+    wait_healthy(url, 120, proc, "spear serve")
+    return proc, url
 
 
 def _long_stream(url, got_tokens):

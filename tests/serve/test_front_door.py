@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from spear.serve.config import ServerLimits
-from tests.serve.conftest import make_engine, running_server
+from tests.serve.conftest import make_engine, running_server, wait_healthy
 
 
 def _post(url, path, body, timeout=60):
@@ -120,15 +120,7 @@ def test_connections_beyond_the_cap_are_closed_and_the_slots_come_back(guarded):
     time.sleep(limits.header_timeout_s * 3)
     for s in idle:
         s.close()
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not answer again"
-        time.sleep(0.2)
+    wait_healthy(url, 10, what="the server, its idle connections cut,")
 
 
 def test_a_chunked_body_over_the_limit_gets_413(guarded):
