@@ -23,55 +23,16 @@ import threading
 import time
 import uuid
 
-from spear.serve.core import FAILING_STEPS, STEP_TIMEOUT_S
 from spear.serve.engine import LLMEngine
 from spear.serve.outputs import EngineStats, RequestOutput
 from spear.serve.metrics import ServingMetrics
 from spear.serve.scheduler import QueueFull
 from spear.serve.sequence import SamplingParams
+from spear.serve.stream import FAILING_STEPS, STEP_TIMEOUT_S, EngineDead, RequestStream
 
 log = logging.getLogger(__name__)
 
 _ACCEPTED = object()
-_ABORTED = object()
-
-
-class EngineDead(RuntimeError):
-    """The engine thread stopped; no request can be served."""
-
-
-class RequestStream:
-    """The outputs of one request, as an async iterator; ends after the finished output."""
-
-    def __init__(self, request_id: str, owner: "AsyncEngine"):
-        self.request_id, self._owner = request_id, owner
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.finished = False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if item is _ABORTED:
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
-
-    def abort(self) -> None:
-        """Stop generating (no-op once finished); the engine frees the request's KV blocks and
-        the iteration ends. Call it on the event loop that submitted the request."""
-        if not self.finished:
-            self.finished = True
-            self._owner.abort(self.request_id)
-            self.queue.put_nowait(_ABORTED)  # wakes a consumer waiting for the next output
-
-
 
 
 class AsyncEngine:

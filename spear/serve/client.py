@@ -26,12 +26,12 @@ import uuid
 
 from spear.errors import SpearError
 from spear.serve import core as _core
-from spear.serve.async_engine import EngineDead, RequestStream
 from spear.serve.detokenizer import IncrementalDetokenizer
 from spear.serve.metrics import ServingMetrics
 from spear.serve.outputs import EngineStats, RequestOutput, StepRecord
 from spear.serve.scheduler import QueueFull
 from spear.serve.sequence import SamplingParams
+from spear.serve.stream import FAILING_STEPS, STEP_TIMEOUT_S, EngineDead, RequestStream
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class EngineClient:
 
     def __init__(self, model: str, config, tokenizer, dtype: str | None = None, device: str | None = None,
                  verify: bool = False, metrics: ServingMetrics | None = None,
-                 step_timeout_s: float = _core.STEP_TIMEOUT_S, log_level: str = "info", on_loaded=None):
+                 step_timeout_s: float = STEP_TIMEOUT_S, log_level: str = "info", on_loaded=None):
         if not step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be > 0; got {step_timeout_s}")
         self.model, self.config, self.tokenizer = model, config, tokenizer
@@ -170,7 +170,7 @@ class EngineClient:
 
     @property
     def failing(self) -> bool:
-        return self.failed_steps >= _core.FAILING_STEPS
+        return self.failed_steps >= FAILING_STEPS
 
     @property
     def stuck(self) -> bool:

@@ -42,13 +42,6 @@ from dataclasses import asdict, dataclass
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.25
-# A step longer than this marks the engine unhealthy (/health answers 503) until it returns: a
-# decode step takes milliseconds, a prefill chunk well under a second, and the first steps that
-# compile kernels tens of seconds; a step still running after minutes is a hung GPU or driver.
-STEP_TIMEOUT_S = 300.0
-# This many steps in a row that failed every request they ran mark the engine unhealthy (/health
-# answers 503 until a step succeeds): one bad request fails alone, a broken GPU fails them all.
-FAILING_STEPS = 3
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spear.errors import SpearError
-from spear.serve.async_engine import EngineDead, RequestStream
+from spear.serve.stream import EngineDead, RequestStream
 from spear.serve.chat import chat_prompt_ids, has_chat_template
 from spear.serve.config import ServerLimits
 from spear.serve.outputs import RequestOutput
