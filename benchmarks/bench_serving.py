@@ -26,23 +26,21 @@ Reported: TTFT p50/p99 (arrival to first token), ITL p50/p99 (between consecutiv
 request), output tokens/s (all output tokens over the time from the first arrival to the last
 token), engine step time p50 split decode-only / mixed (in-process only), and the steps that took
 more than twice the median step of the same token count ("stalls", e.g. a compilation).
+The workloads and metrics are serving_cases.py's, the HTTP path serving_http.py's.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import gc
 import json
 import math
 import platform
 import random
-import statistics
 import sys
-import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -51,86 +49,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_cases import GROUP, SHAPES, IdsTokenizer, attach_ecs, build_model, remove_ecs  # noqa: E402
+from serving_cases import SATURATING, Request, Trace, percentile, summarize, workload  # noqa: E402,F401
+from serving_http import run_http, write_folder  # noqa: E402
 from spear.config import QuantConfig  # noqa: E402
 from spear.kernels.policy import KernelPolicy  # noqa: E402
 from spear.quant import quantize_model_rtn  # noqa: E402
 from spear.serve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-
-
-# ----------------------------------------------------------------------------- workload and metrics
-@dataclass
-class Request:
-    arrival: float              # seconds after the start
-    prompt: list[int]
-    output: int
-
-
-SATURATING = dict(requests=240, rate=48.0, prompt_min=128, prompt_max=2048, output=32, output_max=512,
-                  max_num_seqs=128)
-
-
-def workload(n: int, rate: float, prompt_min: int, prompt_max: int, output: int, vocab: int,
-             seed: int = 0, output_max: int | None = None) -> list[Request]:
-    """Poisson arrivals (exponential gaps at ``rate`` per second), uniform prompt lengths; output
-    lengths ``output`` or, with ``output_max``, uniform in output..output_max."""
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(prompt_min, prompt_max))]
-        out.append(Request(t, prompt, output if output_max is None else rng.randint(output, output_max)))
-    return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) by linear interpolation between order statistics; NaN when empty."""
-    v = sorted(values)
-    if not v:
-        return float("nan")
-    pos = q * (len(v) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
-
-
-@dataclass
-class Trace:
-    """Per request: arrival and token times (seconds from the start); per step: (tokens, decode only, seconds)."""
-    arrivals: list[float] = field(default_factory=list)
-    tokens: list[list[float]] = field(default_factory=list)
-    steps: list[tuple[int, bool, float]] = field(default_factory=list)
-    records: list = field(default_factory=list)   # the engine's StepRecords (in process)
-
-
-def summarize(trace: Trace, target_ms: float | None = None) -> dict:
-    ttft = [t[0] - a for a, t in zip(trace.arrivals, trace.tokens) if t]
-    itl = [b - a for t in trace.tokens for a, b in zip(t, t[1:])]
-    n_tokens = sum(len(t) for t in trace.tokens)
-    end = max((t[-1] for t in trace.tokens if t), default=0.0)
-    span = end - min(trace.arrivals, default=0.0)
-    out = dict(requests=len(trace.arrivals), output_tokens=n_tokens,
-               ttft_p50_s=percentile(ttft, 0.5), ttft_p99_s=percentile(ttft, 0.99),
-               itl_p50_ms=1e3 * percentile(itl, 0.5), itl_p99_ms=1e3 * percentile(itl, 0.99),
-               output_tok_s=n_tokens / span if span > 0 else float("nan"))
-    if target_ms is not None:  # SLO attainment: % of inter-token gaps within the target
-        out["slo_attainment_pct"] = 100 * sum(g <= target_ms / 1e3 for g in itl) / len(itl) if itl else float("nan")
-    if any(r.predicted_ms is not None for r in trace.records):
-        from slo_cases import prediction_accuracy
-
-        out["prediction_within_10pct"] = prediction_accuracy(trace.records)
-        chunks = [r.prefill_tokens for r in trace.records if r.prefill_tokens and r.num_decodes]
-        out["chunk_p50"] = percentile(chunks, 0.5)
-    if trace.steps:
-        dec = [s for n, d, s in trace.steps if d]
-        mixed = [s for n, d, s in trace.steps if not d]
-        by_count: dict[int, list[float]] = {}
-        for n, _, s in trace.steps:
-            by_count.setdefault(n, []).append(s)
-        stalls = sum(s > 2 * statistics.median(by_count[n]) for n, _, s in trace.steps if len(by_count[n]) >= 3)
-        out.update(decode_step_p50_ms=1e3 * percentile(dec, 0.5), mixed_step_p50_ms=1e3 * percentile(mixed, 0.5),
-                   mixed_step_p99_ms=1e3 * percentile(mixed, 0.99), steps=len(trace.steps), mixed_steps=len(mixed),
-                   stalls=int(stalls))
-    return out
 
 
 # ----------------------------------------------------------------------------- runs
@@ -165,103 +89,6 @@ def run_in_process(engine: LLMEngine, reqs: list[Request]) -> Trace:
             if o.error is None and o.new_token_ids:
                 trace.tokens[index[o.request_id]].extend([end - t0] * len(o.new_token_ids))
     return trace
-
-
-def word_tokenizer(vocab: int):
-    """A tokenizer with one word per id ("t0" .. "tN", spaces between): random token ids stream as
-    one text chunk per token, which the HTTP client times."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins the words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
-
-
-def write_folder(model, name: str, quantized: bool, folder: Path) -> Path:
-    """The variant as ``spear serve`` reads it: a spear checkpoint (W4, with its compensators) or an
-    HF folder, with ``word_tokenizer``."""
-    tok = word_tokenizer(model.config.vocab_size)
-    if quantized:
-        from spear.models.checkpoint import save_checkpoint
-
-        save_checkpoint(model, tok, folder, QuantConfig(bits=4, group_size=GROUP), f"random {name}", overwrite=True)
-    else:
-        model.save_pretrained(folder, safe_serialization=True)
-        tok.save_pretrained(folder)
-    return folder
-
-
-def run_http(folder: Path, cfg: EngineConfig, dtype: torch.dtype, reqs: list[Request], name: str = "bench",
-             start_timeout_s: float = 1800) -> tuple[Trace, float]:
-    """The workload through ``spear serve`` on ``folder`` in a process of its own (it runs the
-    engine core in another), driven from this process by the official ``openai`` client, as a
-    user would: (trace, seconds until /health said ready)."""
-    import signal
-    import socket
-    import subprocess
-
-    import httpx
-    import openai
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "spear", "-q", "serve", "--model", str(folder), "--port", str(port),
-           "--served-model-name", name, "--dtype", str(dtype).removeprefix("torch."),
-           "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-           "--max-model-len", str(cfg.max_model_len), "--max-waiting", str(max(cfg.max_waiting, len(reqs))),
-           "--log-level", "warning"]
-    if cfg.num_blocks is not None:
-        cmd += ["--num-blocks", str(cfg.num_blocks)]
-    if cfg.itl_slo_ms is not None:
-        cmd += ["--itl-slo-ms", str(cfg.itl_slo_ms)]
-    t0 = time.perf_counter()
-    server = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
-    try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"spear serve exited (code {server.returncode}) before it was ready")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.perf_counter() - t0 > start_timeout_s:
-                raise RuntimeError(f"spear serve was not ready within {start_timeout_s:.0f} s")
-            time.sleep(0.5)
-        ready_s = time.perf_counter() - t0
-        trace = Trace(arrivals=[r.arrival for r in reqs], tokens=[[] for _ in reqs])
-
-        async def one(client, i, r, t0):
-            await asyncio.sleep(max(0.0, r.arrival - (time.perf_counter() - t0)))
-            stream = await client.completions.create(model=name, prompt=r.prompt, max_tokens=r.output,
-                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    trace.tokens[i].append(time.perf_counter() - t0)
-
-        async def run_all():
-            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                                        timeout=3600, http_client=httpx.AsyncClient(
-                                            limits=httpx.Limits(max_connections=len(reqs) + 8), timeout=3600))
-            t0 = time.perf_counter()
-            try:
-                await asyncio.gather(*[one(client, i, r, t0) for i, r in enumerate(reqs)])
-            finally:
-                await client.close()
-
-        asyncio.run(run_all())
-        return trace, ready_s
-    finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(120)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(30)
 
 
 def profile_mixed(engine: LLMEngine, vocab: int, decodes: int = 20, prompt: int = 2048, steps: int = 3) -> str:

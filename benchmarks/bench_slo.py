@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import slo_cases as cases  # noqa: E402
-from bench_serving import Request, percentile, run_in_process  # noqa: E402
+from bench_serving import run_in_process  # noqa: E402
+from serving_cases import Request, percentile  # noqa: E402
 from decode_cases import GROUP, SHAPES, IdsTokenizer, attach_ecs, build_model, remove_ecs  # noqa: E402
 from spear.config import QuantConfig  # noqa: E402
 from spear.quant import quantize_model_rtn  # noqa: E402

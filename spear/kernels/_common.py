@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import triton
 import triton.language as tl
 
@@ -18,11 +17,6 @@ import triton.language as tl
 # it, dots take fp32 copies of their operands; products of fp16/bf16 values are exact in
 # fp32, so this computes what the tensor cores compute.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """Every output and workspace buffer of the launchers; tests swap it for a NaN-filled one."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 # Programmatic dependent launch (Hopper): a kernel launched with it may start while the kernel

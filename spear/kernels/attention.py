@@ -326,7 +326,7 @@ def split_chunk(ctx: int, splits: int, block_n: int, min_tiles: int = MIN_SPLIT_
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           launch=None, block_n: int | None = None, splits: int | None = None,
+                           *, block_n: int | None = None, splits: int | None = None,
                            rope: tuple[torch.Tensor, ...] | None = None, pdl: int = 0,
                            max_splits: int = MAX_SPLITS, min_split_tiles: int = MIN_SPLIT_TILES,
                            target_programs: int = TARGET_PROGRAMS) -> torch.Tensor:
@@ -356,7 +356,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _, block_size, kv_heads, _ = k_cache.shape
     group = n_heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))
-    out = _common.alloc((b, n_heads * head_dim), dtype=q.dtype, device=q.device)
+    out = torch.empty((b, n_heads * head_dim), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
     tile, num_warps = launch_config(q.dtype, head_dim)
@@ -366,13 +366,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if min_split_tiles < 1:
         raise ValueError(f"min_split_tiles must be >= 1; got {min_split_tiles}")
     if n_split > 1:
-        part = _common.alloc((b, kv_heads, n_split, group_pad, head_dim + 2), dtype=torch.float32, device=q.device)
+        part = torch.empty((b, kv_heads, n_split, group_pad, head_dim + 2), dtype=torch.float32, device=q.device)
         counters = _counters(q.device, b * kv_heads)
     else:
         part = counters = out  # never touched
-    kernel = _paged_decode_kernel if launch is None else launch(_paged_decode_kernel)
     k_new, v_new, cos, sin = rope if rope is not None else (q, q, q, q)  # never read without ROPE
-    kernel[(b, kv_heads, n_split)](
+    _paged_decode_kernel[(b, kv_heads, n_split)](
         q, k_cache, v_cache, block_tables, context_lens, out, part, counters,
         k_new, v_new, cos, sin,
         float(scale) * LOG2E, block_tables.shape[1],

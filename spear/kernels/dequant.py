@@ -82,7 +82,7 @@ def _dequant_kmajor_kernel(qw_ptr, scales_ptr, zeros_ptr, wt_ptr, N,
         tl.store(rows + (2 * i + 1) * N, _dequant_values(hi, zc, s, True, IS_BF16), mask=mask)
 
 
-def dequantize(w: PackedW4, dtype: torch.dtype, launch=None, kn: bool = False,
+def dequantize(w: PackedW4, dtype: torch.dtype, *, kn: bool = False,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """W_hat (N, K) in ``dtype`` (float16 or bfloat16), rounded once as the reference rounds it.
     ``kn`` (K-major weights only): write W_hatᵀ (K, N) and return its transposed view.
@@ -99,20 +99,18 @@ def dequantize(w: PackedW4, dtype: torch.dtype, launch=None, kn: bool = False,
         if kn:
             raise ValueError("kn is for K-major weights only")
         if out is None:
-            out = _common.alloc((n, k), dtype=dtype, device=w.qweight.device)
+            out = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
         bn = 64 if n % 64 == 0 else 16
-        kernel = _dequant_mma_kernel if launch is None else launch(_dequant_mma_kernel)
-        kernel[(triton.cdiv(n, bn) * (k // 64),)](
+        _dequant_mma_kernel[(triton.cdiv(n, bn) * (k // 64),)](
             w.qweight, w.scales, w.zeros, out, n, k, out.stride(0),
             GROUP=w.group_size, SYMMETRIC=w.symmetric, IS_BF16=dtype == torch.bfloat16, BN=bn,
             ASM=not _common.INTERPRET, num_warps=4, num_stages=1,
         )
         return out
     if w.kmajor and kn:
-        wt = _common.alloc((k, n), dtype=dtype, device=w.qweight.device)
+        wt = torch.empty((k, n), dtype=dtype, device=w.qweight.device)
         bn, bk = 64, 128
-        kernel = _dequant_kmajor_kernel if launch is None else launch(_dequant_kmajor_kernel)
-        kernel[(triton.cdiv(n, bn) * (k // bk),)](
+        _dequant_kmajor_kernel[(triton.cdiv(n, bn) * (k // bk),)](
             w.qweight, w.scales, w.zeros, wt, n,
             GROUP=w.group_size, SYMMETRIC=w.symmetric, IS_BF16=dtype == torch.bfloat16, BN=bn, BK=bk,
             num_warps=4, num_stages=1,
@@ -122,10 +120,9 @@ def dequantize(w: PackedW4, dtype: torch.dtype, launch=None, kn: bool = False,
     if k % bk:
         raise ValueError(f"in_features={k} must be a multiple of {bk}")
     if out is None:
-        out = _common.alloc((n, k), dtype=dtype, device=w.qweight.device)
+        out = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
     bn = 64
-    kernel = _dequant_kernel if launch is None else launch(_dequant_kernel)
-    kernel[(triton.cdiv(n, bn) * (k // bk),)](
+    _dequant_kernel[(triton.cdiv(n, bn) * (k // bk),)](
         w.qweight, w.scales, w.zeros, out, n, k, out.stride(0),
         GROUP=w.group_size, SYMMETRIC=w.symmetric, IS_BF16=dtype == torch.bfloat16, BN=bn, BK=bk,
         KMAJOR=w.kmajor, num_warps=4, num_stages=1,

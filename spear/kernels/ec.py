@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from spear.kernels import _common
 from spear.kernels._common import INTERPRET, _dot, _ec_gate
 from spear.kernels.layout import PackedEC
 
@@ -151,7 +150,7 @@ def _check(x: torch.Tensor, ec: PackedEC) -> None:
         raise ValueError(f"in_features must be a multiple of 32 (the smallest K tile); got {x.shape[1]}")
 
 
-def ec_gate(x: torch.Tensor, ec: PackedEC, out: torch.Tensor | None = None, launch=None,
+def ec_gate(x: torch.Tensor, ec: PackedEC, out: torch.Tensor | None = None, *,
             splits: int | None = None, programs: int = GATE_PROGRAMS) -> torch.Tensor:
     """v = gamma(x Aᵀ) ⊙ (x Aᵀ), (M, R) in the activation dtype (R the padded rank).
     ``out``: where to write v, rows of unit stride (e.g. the last R columns of a wider matrix).
@@ -160,7 +159,7 @@ def ec_gate(x: torch.Tensor, ec: PackedEC, out: torch.Tensor | None = None, laun
     _check(x, ec)
     m, k = x.shape
     r = ec.a.shape[0]
-    v = out if out is not None else _common.alloc((m, r), dtype=x.dtype, device=x.device)
+    v = out if out is not None else torch.empty((m, r), dtype=x.dtype, device=x.device)
     if v.shape != (m, r) or v.dtype != x.dtype or v.stride(1) != 1:
         raise ValueError(f"v must be ({m}, {r}) {x.dtype} with rows of unit stride; got {tuple(v.shape)} {v.dtype}, "
                          f"strides {v.stride()}")
@@ -172,27 +171,24 @@ def ec_gate(x: torch.Tensor, ec: PackedEC, out: torch.Tensor | None = None, laun
     gate, consts = _gate_args(ec)
     consts.update(BM=GATE_BM, DOT_F32=INTERPRET)
     tiles = triton.cdiv(m, GATE_BM)
-    ws = v if splits == 1 else _common.alloc((splits, m, r), dtype=torch.float32, device=x.device)
-    kernel = _ec_gate_kernel if launch is None else launch(_ec_gate_kernel)
-    kernel[(tiles, splits)](x, ec.a, *gate, ws, float(ec.bound), m, k, x.stride(0), per,
-                            v.stride(0) if splits == 1 else r, BK=bk, SPLIT=splits, **consts, num_warps=4,
-                            num_stages=3)
+    ws = v if splits == 1 else torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
+    _ec_gate_kernel[(tiles, splits)](x, ec.a, *gate, ws, float(ec.bound), m, k, x.stride(0), per,
+                                     v.stride(0) if splits == 1 else r, BK=bk, SPLIT=splits, **consts, num_warps=4,
+                                     num_stages=3)
     if splits > 1:
-        finish = _ec_gate_finish_kernel if launch is None else launch(_ec_gate_finish_kernel)
-        finish[(tiles,)](ws, *gate, v, float(ec.bound), m, v.stride(0), SPLIT=splits, **consts, num_warps=4,
-                         num_stages=1)
+        _ec_gate_finish_kernel[(tiles,)](ws, *gate, v, float(ec.bound), m, v.stride(0), SPLIT=splits, **consts,
+                                         num_warps=4, num_stages=1)
     return v
 
 
-def ec_up(out: torch.Tensor, v: torch.Tensor, ec: PackedEC, launch=None) -> torch.Tensor:
+def ec_up(out: torch.Tensor, v: torch.Tensor, ec: PackedEC) -> torch.Tensor:
     """out += alpha · v Bᵀ in place; returns ``out``."""
     m, n = out.shape
     r = ec.b.shape[1]
     if v.shape != (m, r) or ec.b.shape[0] != n or out.stride(1) != 1:
         raise ValueError(f"ec_up needs out (M, N) with unit inner stride, v (M, {r}) and B ({n}, {r}); got out "
                          f"{tuple(out.shape)}, v {tuple(v.shape)}, B {tuple(ec.b.shape)}")
-    kernel = _ec_up_kernel if launch is None else launch(_ec_up_kernel)
-    kernel[(triton.cdiv(m, UP_BM) * triton.cdiv(n, UP_BN),)](
+    _ec_up_kernel[(triton.cdiv(m, UP_BM) * triton.cdiv(n, UP_BN),)](
         v, ec.b, out, float(ec.alpha), m, n, out.stride(0),
         R=r, BM=UP_BM, BN=UP_BN, DOT_F32=INTERPRET, num_warps=4, num_stages=1,
     )

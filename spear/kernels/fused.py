@@ -106,36 +106,35 @@ def _check_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
             raise ValueError("residual must be contiguous")
 
 
-def _launch_norm(x, residual, weight, eps, launch, pdl):
+def _launch_norm(x, residual, weight, eps, pdl):
     n = x.shape[-1]
     rows = x.numel() // n if n else 0
-    out = _common.alloc(x.shape, torch.promote_types(x.dtype, weight.dtype), x.device)
-    s = _common.alloc(x.shape, x.dtype, x.device) if residual is not None else out
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     if rows:
         block = triton.next_power_of_2(n)
-        kernel = _rms_norm_kernel if launch is None else launch(_rms_norm_kernel)
-        kernel[(rows,)](x, residual if residual is not None else x, weight, s, out, float(eps),
-                        N=n, BLOCK=block, HAS_RES=residual is not None, num_warps=_norm_warps(block),
-                        **_common.pdl_args(pdl))
+        _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, s, out, float(eps),
+                                  N=n, BLOCK=block, HAS_RES=residual is not None, num_warps=_norm_warps(block),
+                                  **_common.pdl_args(pdl))
     return s, out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, launch=None, pdl: int = 0) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: int = 0) -> torch.Tensor:
     """RMSNorm over the last dimension of contiguous ``x``; the numerics of ``reference.rms_norm``."""
     _check_norm(x, weight)
     if not _use_kernel(x):
         return _reference.rms_norm(x, weight, eps)
-    return _launch_norm(x, None, weight, eps, launch, pdl)[1]
+    return _launch_norm(x, None, weight, eps, pdl)[1]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 launch=None, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 *, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = residual + x`` (rounded to x's dtype) and ``rms_norm(s)``, in one pass: (s, norm)."""
     _check_norm(x, weight, residual)
     if not _use_kernel(x):
         s = residual + x
         return s, _reference.rms_norm(s, weight, eps)
-    return _launch_norm(x, residual, weight, eps, launch, pdl)
+    return _launch_norm(x, residual, weight, eps, pdl)
 
 
 # ---------------------------------------------------------------------------- rotary + KV write
@@ -227,7 +226,7 @@ def _check_rope(q, k, v, cos, sin, k_cache, v_cache, slots, positions) -> None:
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                  positions: torch.Tensor | None = None, launch=None, pdl: int = 0) -> torch.Tensor:
+                  positions: torch.Tensor | None = None, *, pdl: int = 0) -> torch.Tensor:
     """Rotary on q and k, and the KV cache write, in one launch; returns the rotated q (new tensor).
 
     q (T, n_heads, head_dim), k and v (T, n_kv_heads, head_dim), each token's heads contiguous
@@ -247,17 +246,17 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         return q_rot
     t, h, d = q.shape
     hkv = k.shape[1]
-    q_out = _common.alloc(q.shape, q.dtype, q.device)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if t == 0:
         return q_out
     bd = triton.next_power_of_2(d // 2)
     bh = min(triton.next_power_of_2(max(h, hkv)), max(1, ROPE_TILE // bd))
     grid = (t, triton.cdiv(h, bh) + triton.cdiv(hkv, bh))
-    kernel = _rope_kv_kernel if launch is None else launch(_rope_kv_kernel)
-    kernel[grid](q, k, v, cos, sin, positions if positions is not None else slots, slots, q_out, k_cache, v_cache,
-                 q.stride(0), k.stride(0), v.stride(0), H=h, HKV=hkv, D=d, BH=bh, BD=bd, HAS_POS=positions is not None, num_warps=4,
-                 enable_fp_fusion=False,  # fp32: no FMA contraction, the products round as torch's do
-                 **_common.pdl_args(pdl))
+    _rope_kv_kernel[grid](q, k, v, cos, sin, positions if positions is not None else slots, slots, q_out, k_cache,
+                          v_cache, q.stride(0), k.stride(0), v.stride(0), H=h, HKV=hkv, D=d, BH=bh, BD=bd,
+                          HAS_POS=positions is not None, num_warps=4,
+                          enable_fp_fusion=False,  # fp32: no FMA contraction, the products round as torch's do
+                          **_common.pdl_args(pdl))
     return q_out
 
 
@@ -286,7 +285,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, cols, stride_g, stride_u, BLOCK: 
         tl.store(out_ptr + offs, _to(act * u, dt), mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, launch=None, pdl: int = 0) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, pdl: int = 0) -> torch.Tensor:
     """``F.silu(gate) * up`` in one pass; 2-D inputs of one shape and dtype whose rows may be strided
     (gate and up can be the two halves of one fused projection). Returns a contiguous tensor."""
     for name, x in (("gate", gate), ("up", up)):
@@ -300,16 +299,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, launch=None, pdl: int = 0) ->
                          f"{up.dtype} {tuple(up.shape)} on {up.device}")
     if not _use_kernel(gate):
         return torch.nn.functional.silu(gate) * up
-    out = _common.alloc(gate.shape, gate.dtype, gate.device)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.numel()
     if n:
-        kernel = _silu_mul_kernel if launch is None else launch(_silu_mul_kernel)
-        kernel[(triton.cdiv(n, SILU_BLOCK),)](gate, up, out, n, gate.shape[1], gate.stride(0), up.stride(0),
-                                              BLOCK=SILU_BLOCK, num_warps=4, **_common.pdl_args(pdl))
+        _silu_mul_kernel[(triton.cdiv(n, SILU_BLOCK),)](gate, up, out, n, gate.shape[1], gate.stride(0), up.stride(0),
+                                                        BLOCK=SILU_BLOCK, num_warps=4, **_common.pdl_args(pdl))
     return out
 
 
-def silu_mul_pairs(y: torch.Tensor, launch=None, pdl: int = 0) -> torch.Tensor:
+def silu_mul_pairs(y: torch.Tensor, *, pdl: int = 0) -> torch.Tensor:
     """silu(gate) * up for a 2-D output whose features are interleaved (gate, up) pairs (the fused
     gate/up projection), in one pass: fp32 math, one rounding to y's dtype, as
     ``reference.silu_mul_pairs`` and the W4 GEMM's epilogue. (M, N / 2), contiguous."""
@@ -321,10 +319,9 @@ def silu_mul_pairs(y: torch.Tensor, launch=None, pdl: int = 0) -> torch.Tensor:
     if not _use_kernel(y):
         return _reference.silu_mul_pairs(y).to(y.dtype)
     m, half = y.shape[0], y.shape[1] // 2
-    out = _common.alloc((m, half), y.dtype, y.device)
+    out = torch.empty((m, half), dtype=y.dtype, device=y.device)
     n = m * half
     if n:
-        kernel = _silu_mul_kernel if launch is None else launch(_silu_mul_kernel)
-        kernel[(triton.cdiv(n, SILU_BLOCK),)](y, y, out, n, half, y.stride(0), y.stride(0), BLOCK=SILU_BLOCK,
-                                              num_warps=4, PAIRS=True, **_common.pdl_args(pdl))
+        _silu_mul_kernel[(triton.cdiv(n, SILU_BLOCK),)](y, y, out, n, half, y.stride(0), y.stride(0), BLOCK=SILU_BLOCK,
+                                                        num_warps=4, PAIRS=True, **_common.pdl_args(pdl))
     return out

@@ -35,7 +35,6 @@ from typing import Optional
 import torch
 from torch.library import custom_op
 
-from spear.kernels import _common
 from spear.kernels import ec as ec_kernels
 from spear.kernels import fused
 from spear.kernels import reference
@@ -56,13 +55,12 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[idx]
 
 
-def _w4_part(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], config, pdl: int, act: int = 0,
-             launch=None):
+def _w4_part(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], config, pdl: int, act: int = 0):
     """The W4 product alone: the decode GEMM with a ``Config``, or dequantize + cuBLAS (None)."""
     if config is None:
-        y = torch.nn.functional.linear(x, dequantize(w, x.dtype, launch=launch), bias)
-        return fused.silu_mul_pairs(y, launch=launch) if act else y
-    return w4a16_matmul(x, w, bias, config=config, launch=launch, act=act, pdl=pdl)
+        y = torch.nn.functional.linear(x, dequantize(w, x.dtype), bias)
+        return fused.silu_mul_pairs(y) if act else y
+    return w4a16_matmul(x, w, bias, config=config, act=act, pdl=pdl)
 
 
 def _beside(device: torch.device, work):
@@ -79,29 +77,28 @@ def _beside(device: torch.device, work):
 
 
 def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC, config, overlap: bool,
-                gate_programs: int, pdl: int, act: int = 0, launch=None) -> torch.Tensor:
-    v = _common.alloc((x.shape[0], e.a.shape[0]), dtype=x.dtype, device=x.device)
+                gate_programs: int, pdl: int, act: int = 0) -> torch.Tensor:
+    v = torch.empty((x.shape[0], e.a.shape[0]), dtype=x.dtype, device=x.device)
 
     def gate():
-        ec_kernels.ec_gate(x, e, out=v, launch=launch, programs=gate_programs)
+        ec_kernels.ec_gate(x, e, out=v, programs=gate_programs)
 
     if not overlap:
         gate()
         if config is not None:  # the decode GEMM's epilogue adds alpha · v Bᵀ
-            return w4a16_matmul(x, w, bias, e, ec_mode=2, v=v, config=config, launch=launch, act=act, pdl=pdl)
-        y = ec_kernels.ec_up(_w4_part(x, w, bias, None, pdl, launch=launch), v, e, launch=launch)
-        return fused.silu_mul_pairs(y, launch=launch) if act else y
+            return w4a16_matmul(x, w, bias, e, ec_mode=2, v=v, config=config, act=act, pdl=pdl)
+        y = ec_kernels.ec_up(_w4_part(x, w, bias, None, pdl), v, e)
+        return fused.silu_mul_pairs(y) if act else y
     join = _beside(x.device, gate)
-    out = _w4_part(x, w, bias, config, pdl, launch=launch)
+    out = _w4_part(x, w, bias, config, pdl)
     join()  # before v is read
-    y = ec_kernels.ec_up(out, v, e, launch=launch)
-    return fused.silu_mul_pairs(y, launch=launch) if act else y
+    y = ec_kernels.ec_up(out, v, e)
+    return fused.silu_mul_pairs(y) if act else y
 
 
 def w4a16_ec_impl(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: Optional[PackedEC], act: int,
-                  s, pdl: int, launch=None) -> torch.Tensor:
-    """The op's body: ``s`` the decoded policy (``policy.settings``), ``launch`` a wrapper of the
-    Triton kernels' launches (None: plain launches)."""
+                  s, pdl: int) -> torch.Tensor:
+    """The op's body: ``s`` the decoded policy (``policy.settings``)."""
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the packed weight expects in_features={k}")
@@ -119,15 +116,21 @@ def w4a16_ec_impl(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e:
         return (reference.silu_mul_pairs(y) if act else y).to(x.dtype).reshape(*lead, n_out)
     p = _plan(m, n, k, w.group_size, w.layout, 0 if e is None else e.a.shape[0], s, cuda=True)
     if p.path in ("gemm", "dequant_cublas"):
-        y = _w4_part(x2, w, bias, p.config, pdl, act, launch=launch)
+        y = _w4_part(x2, w, bias, p.config, pdl, act)
     elif p.path == "fused_ec":
-        y = w4a16_matmul(x2, w, bias, e, ec_mode=1, config=p.config, launch=launch, act=act, pdl=pdl,
+        y = w4a16_matmul(x2, w, bias, e, ec_mode=1, config=p.config, act=act, pdl=pdl,
                          u_split_max=s.u_split_max)
     else:
         eager = type(x) is torch.Tensor and not torch.compiler.is_compiling()
-        y = _semi_fused(x2, w, bias, e, p.config, s.semi_fused_overlap and eager, s.gate_programs, pdl, act,
-                        launch=launch)
+        y = _semi_fused(x2, w, bias, e, p.config, s.semi_fused_overlap and eager, s.gate_programs, pdl, act)
     return y.reshape(*lead, n_out)
+
+
+def _weight(qweight, scales, zeros, locks, group_size: int, symmetric: bool, layout: int) -> PackedW4:
+    """The op's weight arguments as a PackedW4 (``layout``: an index into layout.LAYOUTS)."""
+    if not 0 <= layout < len(LAYOUTS):
+        raise ValueError(f"layout must index {LAYOUTS}; got {layout}")
+    return PackedW4(qweight, scales, zeros, locks, group_size, symmetric, LAYOUTS[layout])
 
 
 @custom_op("spear::w4a16_ec", mutates_args=())
@@ -136,24 +139,20 @@ def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
              ec_a: Optional[torch.Tensor], ec_b: Optional[torch.Tensor], gate_w1: Optional[torch.Tensor],
              gate_b1: Optional[torch.Tensor], gate_w2: Optional[torch.Tensor], gate_b2: Optional[torch.Tensor],
              alpha: float, bound: float, act: int, policy: list[int], pdl: int) -> torch.Tensor:
-    if not 0 <= layout < len(LAYOUTS):
-        raise ValueError(f"layout must index {LAYOUTS}; got {layout}")
-    w = PackedW4(qweight, scales, zeros, locks, group_size, symmetric, LAYOUTS[layout])
+    w = _weight(qweight, scales, zeros, locks, group_size, symmetric, layout)
     e = None
     if ec_a is not None:
         if ec_b is None:
             raise ValueError("ec_a given without ec_b: the compensator needs both A and B")
         e = PackedEC(ec_a, ec_b, gate_w1, gate_b1, gate_w2, gate_b2, alpha, bound, ec_a.shape[0])
-    return w4a16_ec_impl(x, w, bias, e, act, settings(policy), pdl, launch=None)
+    return w4a16_ec_impl(x, w, bias, e, act, settings(policy), pdl)
 
 
 @w4a16_ec.register_fake
 def _w4a16_ec_fake(x, qweight, scales, zeros, locks, group_size, symmetric, layout, bias, ec_a, ec_b, gate_w1,
                    gate_b1, gate_w2, gate_b2, alpha, bound, act, policy, pdl):
     """The output's shape and dtype only: no plan, so the token count may be symbolic."""
-    if not 0 <= layout < len(LAYOUTS):
-        raise ValueError(f"layout must index {LAYOUTS}; got {layout}")
-    w = PackedW4(qweight, scales, zeros, locks, group_size, symmetric, LAYOUTS[layout])
+    w = _weight(qweight, scales, zeros, locks, group_size, symmetric, layout)
     n = w.out_features
     check_act(act, n)
     if x.shape[-1] != w.in_features:
@@ -187,4 +186,4 @@ def w4a16_linear(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
             ec.w1 if g else None, ec.b1 if g else None, ec.w2 if g else None, ec.b2 if g else None,
             float(ec.alpha) if ec is not None else 0.0, float(ec.bound) if ec is not None else 0.0, act,
             list(policy.op_args), pdl)
-    return w4a16_ec_impl(x, w, bias, ec, act, policy.settings, pdl, launch=None)
+    return w4a16_ec_impl(x, w, bias, ec, act, policy.settings, pdl)

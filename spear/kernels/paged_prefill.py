@@ -60,7 +60,6 @@ import torch
 import triton
 import triton.language as tl
 
-from spear.kernels import _common
 from spear.kernels._common import INTERPRET, _to
 from spear.kernels.attention import check_q_and_caches
 
@@ -241,15 +240,14 @@ def _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_que
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                            scale: float, *, max_query_len: int | None = None, launch=None,
+                            scale: float, *, max_query_len: int | None = None,
                             block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """Causal attention of every sequence's chunk over its paged keys, one launch; (T, n_heads · head_dim)
     in q's dtype, padding rows (from ``query_start_loc[B]``) zero. Layouts: the module docstring.
 
     Fixed grid for given T and B, no host synchronization: safe inside a CUDA graph. ``block_m``
     (rows per tile, a power of two >= 16 and >= the GQA group) and ``block_n`` (keys per tile, a
-    power of two >= 16) override the defaults, for tests; ``launch`` wraps the kernel
-    (``wrap_triton``)."""
+    power of two >= 16) override the defaults, for tests."""
     _check(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_query_len)
     num_tokens, n_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -261,12 +259,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"block_n must be a power of two >= 16; got {block_n}")
     block_m, block_n = block_m or tile_m, block_n or tile_n
     block_q = block_m // group
-    out = _common.alloc((num_tokens, n_heads * head_dim), dtype=q.dtype, device=q.device)
+    out = torch.empty((num_tokens, n_heads * head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
     num_seqs = seq_lens.shape[0]
-    kernel = _paged_prefill_kernel if launch is None else launch(_paged_prefill_kernel)
-    kernel[(num_tokens // block_q + num_seqs + 1, kv_heads)](
+    _paged_prefill_kernel[(num_tokens // block_q + num_seqs + 1, kv_heads)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         float(scale) * LOG2E, num_tokens, num_seqs, block_tables.shape[1],
         q.stride(0), q.stride(1), out.stride(0),

@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from spear.kernels import _common
 from spear.kernels._common import INTERPRET, _dot, _ec_gate
 from spear.kernels.layout import PackedEC
 
@@ -87,7 +86,7 @@ def _tp_reduce_ec_kernel(
 
 
 def tp_reduce_ec(staging: list[torch.Tensor], n: int, bias: torch.Tensor | None = None, ec: PackedEC | None = None,
-                 out: torch.Tensor | None = None, launch=None) -> torch.Tensor:
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """y (M, n) from P staging buffers (M, n + R) of the same shape, dtype and row stride: their
     sum's first n columns, + bias, + alpha · B (gamma(u) ⊙ u) with u their sum's last R columns
     when ``ec`` is given (its B, alpha and gate; R = its padded rank). Without ``ec`` the buffers
@@ -106,14 +105,13 @@ def tp_reduce_ec(staging: list[torch.Tensor], n: int, bias: torch.Tensor | None 
             raise ValueError("the staging buffers differ in shape, dtype or strides")
     if ec is not None and ec.b.shape[0] != n:
         raise ValueError(f"B has {ec.b.shape[0]} rows, the output {n} columns")
-    out = out if out is not None else _common.alloc((m, n), dtype=s0.dtype, device=s0.device)
+    out = out if out is not None else torch.empty((m, n), dtype=s0.dtype, device=s0.device)
     if m == 0:
         return out
     gated = ec is not None and ec.gated
     gate = (ec.w1, ec.b1, ec.w2, ec.b2) if gated else (s0,) * 4
     peers = list(staging) + [s0] * (MAX_PEERS - p)
-    kernel = _tp_reduce_ec_kernel if launch is None else launch(_tp_reduce_ec_kernel)
-    kernel[(triton.cdiv(m, BM) * triton.cdiv(n, BN),)](
+    _tp_reduce_ec_kernel[(triton.cdiv(m, BM) * triton.cdiv(n, BN),)](
         *peers, out, bias if bias is not None else s0, ec.b if ec is not None else s0, *gate,
         float(ec.alpha) if ec is not None else 0.0, float(ec.bound) if ec is not None else 0.0,
         m, n, s0.stride(0), out.stride(0),

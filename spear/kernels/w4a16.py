@@ -266,14 +266,14 @@ def check_act(act: int, n: int) -> None:
 
 def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None, ec: PackedEC | None = None,
                  ec_mode: int | None = None, v: torch.Tensor | None = None, config: Config | None = None,
-                 launch=None, act: int = 0, pdl: int = 0, u_split_max: int = U_SPLIT_MAX,
+                 act: int = 0, pdl: int = 0, u_split_max: int = U_SPLIT_MAX,
                  table=BUILTIN) -> torch.Tensor:
     """``out = x W_hatᵀ (+ bias) (+ EC)`` for 2-D ``x``; see the module docstring.
 
     ``ec_mode``: 0 no EC, 1 fused (needs ``ec``), 2 epilogue from ``v`` = gamma(u) ⊙ u (M, R)
     (needs ``ec`` for B). Defaults to 1 when ``ec`` is given. ``config``: the launch (default:
-    ``pick_config`` from ``table``). ``launch`` wraps the kernel (None: a plain launch). ``act`` 1: the output features are interleaved (gate, up) pairs
-    and the result is silu(gate) * up, (M, N / 2). ``pdl`` 1: launched with programmatic
+    ``pick_config`` from ``table``). ``act`` 1: the output features are interleaved (gate, up)
+    pairs and the result is silu(gate) * up, (M, N / 2). ``pdl`` 1: launched with programmatic
     dependent launch (CUDA, Hopper or newer).
     """
     _check(x, w, bias, ec)
@@ -311,20 +311,19 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     if needs_locks and m_tiles * (n_wt + 2) > w.locks.numel():
         raise ValueError(f"split-K/fused EC needs {m_tiles * (n_wt + 2)} lock slots for M={m}, N={n}; "
                          f"the layer has {w.locks.numel()} (LOCK_SLOTS={LOCK_SLOTS}); use a smaller M per call")
-    out = _common.alloc((m, n // 2 if act else n), dtype=x.dtype, device=x.device)
-    part = _common.alloc((cfg.split_k, m, n) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
+    out = torch.empty((m, n // 2 if act else n), dtype=x.dtype, device=x.device)
+    part = torch.empty((cfg.split_k, m, n) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
     h = ec.w1.shape[0] if ec is not None and ec.gated else 16
-    upart = _common.alloc((u_split, m, r) if ec_mode == 1 else (1,), dtype=torch.float32, device=x.device)
+    upart = torch.empty((u_split, m, r) if ec_mode == 1 else (1,), dtype=torch.float32, device=x.device)
     if ec_mode == 1:  # v = gamma(u) ⊙ u, written by the last u program of each m-tile
-        v = _common.alloc((m, r), dtype=x.dtype, device=x.device)
+        v = torch.empty((m, r), dtype=x.dtype, device=x.device)
     dummy = w.scales  # never read when its feature flag is off
     e = ec
     # the PTX loop reads each row's 8 activations as one 16-byte vector (storage offset and row
     # stride in fp16 elements; the allocator aligns the storage itself)
     aligned = x.storage_offset() % 8 == 0 and (m == 1 or x.stride(0) % 8 == 0)
     grid = (m_tiles * (u_split + n_wt * cfg.split_k),)
-    kernel = _w4a16_kernel if launch is None else launch(_w4a16_kernel)
-    kernel[grid](
+    _w4a16_kernel[grid](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else dummy, out, part, w.locks,
         e.a if e else dummy, e.b if e else dummy,
         e.w1 if e and e.gated else dummy, e.b1 if e and e.gated else dummy,

@@ -192,11 +192,11 @@ def pick_config(m: int) -> dict:
 
 
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 config: dict | None = None, launch=None, pdl: int = 0) -> torch.Tensor:
+                 config: dict | None = None, *, pdl: int = 0) -> torch.Tensor:
     """``(x qweightᵀ) * scale (+ bias)`` for 2-D ``x`` in x's dtype, accumulated in fp32.
 
     ``config`` overrides keys of the ``LAUNCH`` entry for M (BM, BN, BK, num_warps, num_stages,
-    dot); ``launch`` wraps the kernel (None: a plain launch);
+    dot);
     ``pdl`` 1: launched with programmatic dependent launch.
     """
     _check(x, qweight, scale, bias)
@@ -212,12 +212,11 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bi
             not dot and bm > 16):
         raise ValueError(f"BM, BN, BK must be powers of 2 with BK >= {K_STEP}; tensor-core tiles need BM, BN >= 16, "
                          f"CUDA-core ones BM <= 16; got BM={bm}, BN={bn}, BK={bk}, dot={dot}")
-    out = _common.alloc((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
-    kernel = _w8a16_kernel if launch is None else launch(_w8a16_kernel)
-    kernel[grid](
+    _w8a16_kernel[grid](
         x, qweight, scale, bias if bias is not None else scale, out,
         m, n, k, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,

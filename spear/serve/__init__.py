@@ -16,9 +16,16 @@ detokenizer.py    incremental text and stop strings
 chat.py           chat templates, message content tokenized as text
 engine.py         LLMEngine: add_request / step / abort / generate
 outputs.py        RequestOutput, StepRecord, EngineStats: what the engine hands out
-async_engine.py   the engine in a background thread, for the server
+rank.py           one rank's model, KV cache and runner (rank 0 and every tensor-parallel worker)
+workers.py        the processes of tensor-parallel ranks 1..N-1
+core.py           the engine core: LLMEngine in a process of its own (spear serve)
+client.py         EngineClient: the server's side of the engine core
+async_engine.py   AsyncEngine: the engine in a background thread of the server (tests, embedding)
+stream.py         what both frontends hand the server: RequestStream, EngineDead, Frontend
 protocol.py       OpenAI request bodies
+endpoints.py      what the endpoints do with a request: parse, tokenize, submit, respond
 server.py         FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
+transport.py      uvicorn under the app: header deadline, connection cap, accept faults
 metrics.py        Prometheus metrics
 config.py         EngineConfig (with the kernel policy) and ServerLimits
 """

@@ -28,23 +28,19 @@ from spear.serve.outputs import EngineStats, RequestOutput
 from spear.serve.metrics import ServingMetrics
 from spear.serve.scheduler import QueueFull
 from spear.serve.sequence import SamplingParams
-from spear.serve.stream import FAILING_STEPS, STEP_TIMEOUT_S, EngineDead, RequestStream
+from spear.serve.stream import STEP_TIMEOUT_S, EngineDead, Frontend, RequestStream
 
 log = logging.getLogger(__name__)
 
 _ACCEPTED = object()
 
 
-class AsyncEngine:
+class AsyncEngine(Frontend):
     def __init__(self, engine: LLMEngine, metrics: ServingMetrics | None = None,
                  step_timeout_s: float = STEP_TIMEOUT_S):
-        if not step_timeout_s > 0:
-            raise ValueError(f"step_timeout_s must be > 0; got {step_timeout_s}")
+        super().__init__(metrics, step_timeout_s)
         self.engine = engine
-        self.step_timeout_s = step_timeout_s
         self._step_started: float | None = None  # monotonic time the running step began
-        self.metrics = metrics or ServingMetrics()
-        self.metrics.step_running.set_function(lambda: self.step_seconds)
         self.stats: EngineStats = engine.stats()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
@@ -52,13 +48,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="spear-engine", daemon=True)
-        self.error: BaseException | None = None
-        self.ready = threading.Event()          # set once the warm-up is done and requests are served
-        self.warmup_seconds: float | None = None
         self._loop_failures = 0                 # steps in a row that raised out of the engine
         self.last_failure: str | None = None    # the message of the last failed request or step
-        self.loaded = threading.Event()         # the model is in place (here: from the start)
-        self.loaded.set()
+        self.loaded.set()                       # the model is in place from the start
 
     # ------------------------------------------------------------------ what the handlers check against
     @property
@@ -104,15 +96,6 @@ class AsyncEngine:
     def failed_steps(self) -> int:
         """Steps in a row that failed every request they ran, or that raised."""
         return max(self._loop_failures, self.stats.num_failed_steps)
-
-    @property
-    def failing(self) -> bool:
-        return self.failed_steps >= FAILING_STEPS
-
-    @property
-    def stuck(self) -> bool:
-        """The running step has taken longer than ``step_timeout_s`` (it may still return)."""
-        return self.step_seconds > self.step_timeout_s
 
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: str | None = None) -> RequestStream:

@@ -30,8 +30,8 @@ from spear.serve.detokenizer import IncrementalDetokenizer
 from spear.serve.metrics import ServingMetrics
 from spear.serve.outputs import EngineStats, RequestOutput, StepRecord
 from spear.serve.scheduler import QueueFull
-from spear.serve.sequence import SamplingParams
-from spear.serve.stream import FAILING_STEPS, STEP_TIMEOUT_S, EngineDead, RequestStream
+from spear.serve.sequence import SamplingParams, check_prompt
+from spear.serve.stream import STEP_TIMEOUT_S, EngineDead, Frontend, RequestStream
 
 log = logging.getLogger(__name__)
 
@@ -53,26 +53,17 @@ class _Request:
         self.accepted: asyncio.Future = asyncio.get_running_loop().create_future()
 
 
-class EngineClient:
+class EngineClient(Frontend):
     """The engine core (``CoreSpec``'s model and EngineConfig) in a process of its own."""
 
     def __init__(self, model: str, config, tokenizer, dtype: str | None = None, device: str | None = None,
                  verify: bool = False, metrics: ServingMetrics | None = None,
                  step_timeout_s: float = STEP_TIMEOUT_S, log_level: str = "info", on_loaded=None):
-        if not step_timeout_s > 0:
-            raise ValueError(f"step_timeout_s must be > 0; got {step_timeout_s}")
+        super().__init__(metrics, step_timeout_s)
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.dtype, self.device, self.verify, self.log_level = dtype, device, verify, log_level
-        self.step_timeout_s = step_timeout_s
         self.on_loaded = on_loaded            # called with the core's facts once the model is in place
-        self.on_fatal = None                  # called when the core fails before it loaded (the server stops)
-        self.metrics = metrics or ServingMetrics()
-        self.metrics.step_running.set_function(lambda: self.step_seconds)
         self.info: dict | None = None         # the core's facts (max_model_len, vocabulary, ...)
-        self.ready = threading.Event()        # set once the warm-up is done and requests are served
-        self.loaded = threading.Event()
-        self.warmup_seconds: float | None = None
-        self.error: BaseException | None = None
         self.stats = EngineStats(0, 0, 0.0, 0, 0)
         self._health: dict = {}
         self._requests: dict[str, _Request] = {}
@@ -169,14 +160,6 @@ class EngineClient:
         return int(self._health.get("failed_steps") or 0)
 
     @property
-    def failing(self) -> bool:
-        return self.failed_steps >= FAILING_STEPS
-
-    @property
-    def stuck(self) -> bool:
-        return self.step_seconds > self.step_timeout_s
-
-    @property
     def last_failure(self) -> str | None:
         return self._health.get("last_failure")
 
@@ -196,17 +179,7 @@ class EngineClient:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise SpearError when the request cannot run (the engine's own checks, from its facts)."""
-        n, limit, vocab = len(prompt_token_ids), self.max_model_len, self.info["vocab_size"]
-        if n == 0:
-            raise SpearError("the prompt is empty")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise SpearError(f"prompt token ids must be whole numbers in [0, {vocab})")
-        if n >= limit:
-            raise SpearError(f"the prompt has {n} tokens; the context is {limit} tokens "
-                             "and at least one must be left for the output")
-        if n + params.max_tokens > limit:
-            raise SpearError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
-                             f"of {limit} tokens; lower max_tokens to at most {limit - n}")
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.info["vocab_size"])
 
     # ------------------------------------------------------------------ requests
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams,

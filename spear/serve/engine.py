@@ -37,7 +37,7 @@ from spear.parallel.shard import TPRank
 from spear.serve.outputs import EngineStats, RequestOutput, StepRecord
 from spear.serve.sampling import make_generator, sample
 from spear.serve.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from spear.serve.sequence import SamplingParams, Sequence
+from spear.serve.sequence import SamplingParams, Sequence, check_prompt
 
 log = logging.getLogger(__name__)
 
@@ -213,18 +213,7 @@ class LLMEngine:
         """Raise SpearError when the request cannot run (empty, too long, out-of-vocabulary ids)."""
         if not isinstance(params, SamplingParams):
             raise SpearError(f"params must be SamplingParams, got {type(params).__name__}")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise SpearError("the prompt is empty")
-        vocab = self.model.config.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise SpearError(f"prompt token ids must be whole numbers in [0, {vocab})")
-        if n >= self.max_model_len:
-            raise SpearError(f"the prompt has {n} tokens; the context is {self.max_model_len} tokens "
-                             "and at least one must be left for the output")
-        if n + params.max_tokens > self.max_model_len:
-            raise SpearError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
-                             f"of {self.max_model_len} tokens; lower max_tokens to at most {self.max_model_len - n}")
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.model.config.vocab_size)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:

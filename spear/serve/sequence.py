@@ -72,6 +72,22 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
+def check_prompt(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
+    """Raise SpearError when a request cannot run: an empty prompt, ids outside the vocabulary, or
+    a prompt that with ``params.max_tokens`` does not fit the context."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise SpearError("the prompt is empty")
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise SpearError(f"prompt token ids must be whole numbers in [0, {vocab_size})")
+    if n >= max_model_len:
+        raise SpearError(f"the prompt has {n} tokens; the context is {max_model_len} tokens "
+                         "and at least one must be left for the output")
+    if n + params.max_tokens > max_model_len:
+        raise SpearError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
+                         f"of {max_model_len} tokens; lower max_tokens to at most {max_model_len - n}")
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -3,14 +3,16 @@
 engine in a thread of the server's process).
 
 A request's outputs arrive as a ``RequestStream``; ``EngineDead`` says no request can be served
-(the engine stopped, died, or the server is shutting down). The health thresholds are the
-frontends' common rules for ``/health``.
+(the engine stopped, died, or the server is shutting down). ``Frontend`` holds what both share:
+their life's flags, the metrics, and the rules ``/health`` applies to each one's step facts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
+from spear.serve.metrics import ServingMetrics
 from spear.serve.outputs import RequestOutput
 
 # A step longer than this marks the engine unhealthy (/health answers 503) until it returns: a
@@ -60,3 +62,34 @@ class RequestStream:
             self.finished = True
             self._owner.abort(self.request_id)
             self.queue.put_nowait(_ABORTED)  # wakes a consumer waiting for the next output
+
+
+class Frontend:
+    """The part both frontends share. A frontend sets ``loaded`` once the model is in place,
+    ``ready`` once the warm-up is done (``warmup_seconds``), ``error`` when it stopped; it answers
+    ``step_seconds`` (how long the running step has run, 0 between steps) and ``failed_steps``
+    (steps in a row that failed every request they ran, or that raised)."""
+
+    step_seconds: float
+    failed_steps: int
+
+    def __init__(self, metrics: ServingMetrics | None, step_timeout_s: float):
+        if not step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0; got {step_timeout_s}")
+        self.step_timeout_s = step_timeout_s
+        self.metrics = metrics or ServingMetrics()
+        self.metrics.step_running.set_function(lambda: self.step_seconds)
+        self.error: BaseException | None = None
+        self.loaded = threading.Event()
+        self.ready = threading.Event()
+        self.warmup_seconds: float | None = None
+        self.on_fatal = None  # called when the engine fails before it loaded (the server then stops)
+
+    @property
+    def failing(self) -> bool:
+        return self.failed_steps >= FAILING_STEPS
+
+    @property
+    def stuck(self) -> bool:
+        """The running step has taken longer than ``step_timeout_s`` (it may still return)."""
+        return self.step_seconds > self.step_timeout_s

@@ -1,7 +1,8 @@
-"""Shared builders for the kernel tests: random layers, compensators, poisoned buffers."""
+"""Shared builders for the kernel tests: random layers, compensators, what a launch allocates."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -15,6 +16,25 @@ DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 # fp32 reference vs a kernel that rounds W_hat (grouped) and the output once to 16 bits
 TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
 SQNR_FLOOR = {torch.float16: 55.0, torch.bfloat16: 38.0}
+
+
+@contextlib.contextmanager
+def allocations():
+    """Yields a list that collects the shape of every non-empty tensor allocated uninitialized
+    meanwhile (``aten.empty``: a launcher's outputs and workspaces), in order. Empty ones are left
+    out: Triton's interpreter makes those for itself while it runs a kernel."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shapes: list[tuple[int, ...]] = []
+
+    class _Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.empty.memory_format and 0 not in args[0]:
+                shapes.append(tuple(args[0]))
+            return func(*args, **(kwargs or {}))
+
+    with _Record():
+        yield shapes
 
 
 def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:

@@ -6,15 +6,18 @@ import torch
 
 
 @pytest.fixture()
-def poisoned(monkeypatch):
-    """Every buffer a launcher allocates starts as NaN (floats) or garbage (ints)."""
-    from spear.kernels import _common
-
-    def alloc(shape, dtype, device):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        return t.fill_(float("nan")) if dtype.is_floating_point else t.fill_(-12345)
-
-    monkeypatch.setattr(_common, "alloc", alloc)
+def poisoned():
+    """Every tensor allocated uninitialized (torch.empty and kin: the launchers' outputs and
+    workspaces among them) starts as NaN (floats) or its dtype's largest value (integers), so a
+    kernel that leaves part of one unwritten shows. torch fills uninitialized memory so while
+    deterministic algorithms are on; warn_only: ops without a deterministic variant still run."""
+    assert torch.utils.deterministic.fill_uninitialized_memory, "torch's fill of uninitialized memory is off"
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 @pytest.fixture(params=["forward", "reversed"])

@@ -16,7 +16,7 @@ import torch
 
 from spear.kernels.attention import paged_decode_attention
 from spear.kernels.reference import decode_attention as decode_attention_reference
-from tests.kernels._helpers import DEVICE, SQNR_FLOOR, TOL, sqnr_db
+from tests.kernels._helpers import DEVICE, SQNR_FLOOR, TOL, allocations, sqnr_db
 
 CONTEXT_LENS = (1, 7, 16, 17, 40)
 # fp32 reference vs a kernel in fp32 (exp2 with the scale folded, another summation order)
@@ -208,22 +208,16 @@ def test_split_config_and_chunks():
         assert chunk % n == 0 and splits * chunk >= ctx and -(-ctx // chunk) <= splits
 
 
-def test_the_policys_split_bounds_reach_the_launch(poisoned, monkeypatch):
+def test_the_policys_split_bounds_reach_the_launch(poisoned):
     """max_splits, target_programs and min_split_tiles (KernelPolicy.attention_*) set the launch's
     context splits (the partials' workspace) and the keys per split; the output is the same."""
-    from spear.kernels import _common
-
-    shapes = []
-    alloc = _common.alloc
-    monkeypatch.setattr(_common, "alloc", lambda shape, dtype, device: shapes.append(tuple(shape))
-                        or alloc(shape, dtype, device))
     # 6 rows, 2 kv heads, a table of 14 blocks of 8 keys: 7 tiles of 16
     q, kp, vp, k, v, tables, lens = make_batch((1, 7, 16, 17, 100), 8, 2, 16, 8, torch.float16, seed=8)
     ref = _reference(q, k, v, tables, lens, 0.25)
     for kw, splits in ((dict(), 4), (dict(max_splits=2), 2), (dict(target_programs=24), 2),
                        (dict(target_programs=12), 1), (dict(min_split_tiles=3), 4), (dict(max_splits=1), 1)):
-        shapes.clear()
-        out = paged_decode_attention(q, kp, vp, tables, lens, 0.25, block_n=16, **kw)
+        with allocations() as shapes:
+            out = paged_decode_attention(q, kp, vp, tables, lens, 0.25, block_n=16, **kw)
         parts = [sh for sh in shapes if len(sh) == 5]
         assert [sh[2] for sh in parts] == ([splits] if splits > 1 else []), f"{kw}: workspaces {parts}"
         _check(out.cpu(), ref, torch.float16, f"splits by {kw}")

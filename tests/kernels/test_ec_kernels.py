@@ -15,7 +15,7 @@ from spear.kernels.layout import pack_ec, padded_dim
 from spear.kernels import reference as ref
 from spear.kernels.ec import ec_gate, ec_up
 from spear.kernels.w4a16 import Config, w4a16_matmul
-from tests.kernels._helpers import DEVICE, K_SMALL, N_SMALL, assert_close, make_ec, setup_case
+from tests.kernels._helpers import DEVICE, K_SMALL, N_SMALL, allocations, assert_close, make_ec, setup_case
 
 
 @pytest.mark.parametrize("m,gs,dtype,r,h,split,mv,prefetch", [(1, 64, torch.float16, 8, 12, 2, 1, False),
@@ -121,25 +121,21 @@ def test_semi_fused_ec(poisoned, m, dtype, h):
     assert_close(out, expect, dtype, "W4 with v epilogue")
 
 
-def test_ec_gate_programs_set_the_k_splits(poisoned, monkeypatch):
+def test_ec_gate_programs_set_the_k_splits(poisoned):
     """``programs`` (KernelPolicy.gate_programs) sets how far ec_gate splits K: the fp32 workspace
     holds that many shares, and v is the same either way."""
-    from spear.kernels import _common
     from spear.kernels import ec as ec_mod
 
     assert ec_mod.gate_splits(512, 11008, 128, programs=132) == 4 and ec_mod.gate_splits(512, 11008, 128) == 8
     assert ec_mod.gate_splits(64, 14336, 128, programs=64) == 16
-    shapes = []
-    alloc = _common.alloc
-    monkeypatch.setattr(_common, "alloc", lambda shape, dtype, device: shapes.append(tuple(shape))
-                        or alloc(shape, dtype, device))
     dtype = torch.float16
     e = pack_ec(**make_ec(N_SMALL, 1024, 8, 8, dtype, seed=5))
     x = torch.randn(17, 1024, generator=torch.Generator().manual_seed(11)).to(dtype).to(DEVICE)
     expect = ref.ec_gate(x.float() @ e.a.float().t(), e.w1, e.b1, e.w2, e.b2, e.bound)
     r = e.a.shape[0]  # the padded rank
     for programs, workspace in ((264, [(2, 17, r)]), (2, [])):  # 2 token tiles; 8 K steps, >= 4 per share
-        shapes.clear()
-        v = ec_gate(x, e, out=torch.empty(17, r, dtype=dtype, device=DEVICE), programs=programs)
+        out = torch.empty(17, r, dtype=dtype, device=DEVICE)
+        with allocations() as shapes:
+            v = ec_gate(x, e, out=out, programs=programs)
         assert shapes == workspace, f"programs={programs}: allocated {shapes}"
         assert_close(v, expect, dtype, f"ec_gate programs={programs}")

@@ -60,7 +60,8 @@ def running_server(engine, model_name: str = "test-model", limits=None):
 
     from spear.serve.async_engine import AsyncEngine
     from spear.serve.config import ServerLimits
-    from spear.serve.server import build_app, uvicorn_config
+    from spear.serve.server import build_app
+    from spear.serve.transport import uvicorn_config
 
     async_engine = AsyncEngine(engine)
     port = free_port()

@@ -58,16 +58,16 @@ def test_empty_messages_count_toward_the_character_limit(tiny):
 def test_large_bodies_are_parsed_off_the_event_loop(guarded, monkeypatch):
     """Catches: JSON bodies parsed and validated on the event loop (four 8 MB bodies held /health
     for 124 ms): a large one is parsed on the parse thread, a small one inline."""
-    from spear.serve import server as server_mod
+    from spear.serve import endpoints
 
     url = guarded[0]
-    seen, real = [], server_mod._parse
+    seen, real = [], endpoints._parse
 
     def parse(raw, model):
         seen.append(threading.current_thread().name)
         return real(raw, model)
 
-    monkeypatch.setattr(server_mod, "_parse", parse)
+    monkeypatch.setattr(endpoints, "_parse", parse)
     _post(url, "/v1/completions", {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1})
     _post(url, "/v1/completions", {"model": "tiny", "prompt": [1] * 50_000, "max_tokens": 1})  # ~100 kB
     assert seen[0] == threading.main_thread().name or not seen[0].startswith("spear-parse")
@@ -156,12 +156,12 @@ def test_accept_faults_are_logged_once_a_minute(caplog):
     """Catches: a traceback per failed accept() (the log grew 97 MB in 45 s out of descriptors)."""
     import asyncio
 
-    from spear.serve.server import _quiet_accept_faults
+    from spear.serve.transport import quiet_accept_faults
 
     loop = asyncio.new_event_loop()
     try:
-        _quiet_accept_faults(loop)
-        with caplog.at_level(logging.ERROR, logger="spear.serve.server"):
+        quiet_accept_faults(loop)
+        with caplog.at_level(logging.ERROR, logger="spear.serve.transport"):
             for _ in range(200):
                 loop.call_exception_handler({"message": "socket.accept() out of system resource",
                                              "exception": OSError(24, "Too many open files")})

@@ -153,15 +153,15 @@ def test_chat_content_cannot_inject_control_tokens(served, tiny):
 
 
 def test_tokenization_runs_off_the_event_loop(served, monkeypatch):
-    from spear.serve import server as server_mod
+    from spear.serve import endpoints
 
-    seen, real = [], server_mod._encode
+    seen, real = [], endpoints._encode
 
     def encode(tokenizer, prompt):
         seen.append(threading.current_thread().name)
         return real(tokenizer, prompt)
 
-    monkeypatch.setattr(server_mod, "_encode", encode)
+    monkeypatch.setattr(endpoints, "_encode", encode)
     url = served[0]
     assert _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
     _post(url, "/v1/completions", {"prompt": "hi " * 5000, "max_tokens": 1})  # tokenized, then past the context

@@ -1,0 +1,84 @@
+"""The serving benchmarks' workloads and metrics (bench_serving.py, bench_slo.py): seeded
+Poisson arrivals, and TTFT / ITL / tokens/s / step statistics of a trace of token times."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Request:
+    arrival: float              # seconds after the start
+    prompt: list[int]
+    output: int
+
+
+SATURATING = dict(requests=240, rate=48.0, prompt_min=128, prompt_max=2048, output=32, output_max=512,
+                  max_num_seqs=128)
+
+
+def workload(n: int, rate: float, prompt_min: int, prompt_max: int, output: int, vocab: int,
+             seed: int = 0, output_max: int | None = None) -> list[Request]:
+    """Poisson arrivals (exponential gaps at ``rate`` per second), uniform prompt lengths; output
+    lengths ``output`` or, with ``output_max``, uniform in output..output_max."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(prompt_min, prompt_max))]
+        out.append(Request(t, prompt, output if output_max is None else rng.randint(output, output_max)))
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation between order statistics; NaN when empty."""
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    pos = q * (len(v) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+@dataclass
+class Trace:
+    """Per request: arrival and token times (seconds from the start); per step: (tokens, decode only, seconds)."""
+    arrivals: list[float] = field(default_factory=list)
+    tokens: list[list[float]] = field(default_factory=list)
+    steps: list[tuple[int, bool, float]] = field(default_factory=list)
+    records: list = field(default_factory=list)   # the engine's StepRecords (in process)
+
+
+def summarize(trace: Trace, target_ms: float | None = None) -> dict:
+    ttft = [t[0] - a for a, t in zip(trace.arrivals, trace.tokens) if t]
+    itl = [b - a for t in trace.tokens for a, b in zip(t, t[1:])]
+    n_tokens = sum(len(t) for t in trace.tokens)
+    end = max((t[-1] for t in trace.tokens if t), default=0.0)
+    span = end - min(trace.arrivals, default=0.0)
+    out = dict(requests=len(trace.arrivals), output_tokens=n_tokens,
+               ttft_p50_s=percentile(ttft, 0.5), ttft_p99_s=percentile(ttft, 0.99),
+               itl_p50_ms=1e3 * percentile(itl, 0.5), itl_p99_ms=1e3 * percentile(itl, 0.99),
+               output_tok_s=n_tokens / span if span > 0 else float("nan"))
+    if target_ms is not None:  # SLO attainment: % of inter-token gaps within the target
+        out["slo_attainment_pct"] = 100 * sum(g <= target_ms / 1e3 for g in itl) / len(itl) if itl else float("nan")
+    if any(r.predicted_ms is not None for r in trace.records):
+        from slo_cases import prediction_accuracy
+
+        out["prediction_within_10pct"] = prediction_accuracy(trace.records)
+        chunks = [r.prefill_tokens for r in trace.records if r.prefill_tokens and r.num_decodes]
+        out["chunk_p50"] = percentile(chunks, 0.5)
+    if trace.steps:
+        dec = [s for n, d, s in trace.steps if d]
+        mixed = [s for n, d, s in trace.steps if not d]
+        by_count: dict[int, list[float]] = {}
+        for n, _, s in trace.steps:
+            by_count.setdefault(n, []).append(s)
+        stalls = sum(s > 2 * statistics.median(by_count[n]) for n, _, s in trace.steps if len(by_count[n]) >= 3)
+        out.update(decode_step_p50_ms=1e3 * percentile(dec, 0.5), mixed_step_p50_ms=1e3 * percentile(mixed, 0.5),
+                   mixed_step_p99_ms=1e3 * percentile(mixed, 0.99), steps=len(trace.steps), mixed_steps=len(mixed),
+                   stalls=int(stalls))
+    return out

@@ -1,0 +1,113 @@
+"""bench_serving.py's HTTP path: the workload through ``spear serve`` in a process of its own,
+driven by the official ``openai`` client from the benchmark's process, as a user's would be."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from decode_cases import GROUP
+from serving_cases import Request, Trace
+from spear.config import QuantConfig
+from spear.serve import EngineConfig
+
+
+def word_tokenizer(vocab: int):
+    """A tokenizer with one word per id ("t0" .. "tN", spaces between): random token ids stream as
+    one text chunk per token, which the HTTP client times."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins the words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
+
+
+def write_folder(model, name: str, quantized: bool, folder: Path) -> Path:
+    """The variant as ``spear serve`` reads it: a spear checkpoint (W4, with its compensators) or an
+    HF folder, with ``word_tokenizer``."""
+    tok = word_tokenizer(model.config.vocab_size)
+    if quantized:
+        from spear.models.checkpoint import save_checkpoint
+
+        save_checkpoint(model, tok, folder, QuantConfig(bits=4, group_size=GROUP), f"random {name}", overwrite=True)
+    else:
+        model.save_pretrained(folder, safe_serialization=True)
+        tok.save_pretrained(folder)
+    return folder
+
+
+def run_http(folder: Path, cfg: EngineConfig, dtype: torch.dtype, reqs: list[Request], name: str = "bench",
+             start_timeout_s: float = 1800) -> tuple[Trace, float]:
+    """The workload through ``spear serve`` on ``folder`` in a process of its own (it runs the
+    engine core in another), driven from this process by the official ``openai`` client, as a
+    user would: (trace, seconds until /health said ready)."""
+    import signal
+    import socket
+    import subprocess
+
+    import httpx
+    import openai
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "spear", "-q", "serve", "--model", str(folder), "--port", str(port),
+           "--served-model-name", name, "--dtype", str(dtype).removeprefix("torch."),
+           "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+           "--max-model-len", str(cfg.max_model_len), "--max-waiting", str(max(cfg.max_waiting, len(reqs))),
+           "--log-level", "warning"]
+    if cfg.num_blocks is not None:
+        cmd += ["--num-blocks", str(cfg.num_blocks)]
+    if cfg.itl_slo_ms is not None:
+        cmd += ["--itl-slo-ms", str(cfg.itl_slo_ms)]
+    t0 = time.perf_counter()
+    server = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
+    try:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"spear serve exited (code {server.returncode}) before it was ready")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.perf_counter() - t0 > start_timeout_s:
+                raise RuntimeError(f"spear serve was not ready within {start_timeout_s:.0f} s")
+            time.sleep(0.5)
+        ready_s = time.perf_counter() - t0
+        trace = Trace(arrivals=[r.arrival for r in reqs], tokens=[[] for _ in reqs])
+
+        async def one(client, i, r, t0):
+            await asyncio.sleep(max(0.0, r.arrival - (time.perf_counter() - t0)))
+            stream = await client.completions.create(model=name, prompt=r.prompt, max_tokens=r.output,
+                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    trace.tokens[i].append(time.perf_counter() - t0)
+
+        async def run_all():
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                                        timeout=3600, http_client=httpx.AsyncClient(
+                                            limits=httpx.Limits(max_connections=len(reqs) + 8), timeout=3600))
+            t0 = time.perf_counter()
+            try:
+                await asyncio.gather(*[one(client, i, r, t0) for i, r in enumerate(reqs)])
+            finally:
+                await client.close()
+
+        asyncio.run(run_all())
+        return trace, ready_s
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(120)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(30)
