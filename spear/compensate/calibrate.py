@@ -36,6 +36,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from spear.compensate.scales import NormWeights, ScaleFactors, tunable_norms, tunable_scales
+from spear.compensate.teacher import TopKTeacher, teacher_logprobs  # noqa: F401  (re-exported)
 from spear.errors import SpearError
 from spear.quant.linear import QuantLinear
 
@@ -46,6 +47,7 @@ from spear.quant.linear import QuantLinear
 # tokens and 14% of the W4 model's KL outside the objective, the top 4096 4% and 1%.
 FULL_TEACHER_MAX_BYTES = 2**30
 AUTO_TOP_K = 4096
+TRAIN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,10 @@ class CalibrationConfig:
     # Also KL-train the norm layers' elementwise weights in place (zero extra memory).
     tune_norms: bool = False
     norm_lr: float = 1e-4
+    # The dtype the training steps' forward and backward compute in ("bfloat16": torch.autocast, about
+    # 1.6x faster on a CPU with AVX-512 BF16). The parameters, the optimizer, the teacher and the
+    # validation KL (early stopping, the state kept) stay in float32.
+    train_dtype: str = "float32"
 
     def __post_init__(self):
         positive = ("n_samples", "val_samples", "steps", "batch_size", "eval_every", "patience", "hidden")
@@ -105,6 +111,8 @@ class CalibrationConfig:
         if isinstance(self.full_teacher_max_bytes, bool) or not isinstance(self.full_teacher_max_bytes, int) or \
                 self.full_teacher_max_bytes < 1:
             raise SpearError(f"full_teacher_max_bytes must be a whole number >= 1, got {self.full_teacher_max_bytes!r}")
+        if self.train_dtype not in TRAIN_DTYPES:
+            raise SpearError(f"train_dtype must be one of {', '.join(TRAIN_DTYPES)}; got {self.train_dtype!r}")
         if self.init not in ("identity", "lqer", "qera-approx", "qera-exact"):
             raise SpearError(f"init must be identity, lqer, qera-approx or qera-exact; got {self.init!r}")
 
@@ -129,9 +137,13 @@ class CalibrationConfig:
 
     def for_model(self, model: nn.Module) -> "CalibrationConfig":
         """:meth:`for_vocab` with the width of ``model``'s logits."""
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        vocab = head.out_features if head is not None and hasattr(head, "out_features") else model.config.vocab_size
-        return self.for_vocab(vocab)
+        return self.for_vocab(model_vocab(model))
+
+
+def model_vocab(model: nn.Module) -> int:
+    """The width of ``model``'s logits."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head.out_features if head is not None and hasattr(head, "out_features") else model.config.vocab_size
 
 
 
@@ -149,58 +161,6 @@ class CalibrationReport:
 
 class CalibrationDiverged(SpearError):
     """The KL loss became NaN/inf."""
-
-
-@dataclass
-class TopKTeacher:
-    """A sparse teacher: the k most likely tokens per position and the probability left over.
-
-    ``logp`` (n, L, k) fp16 log-probabilities of those tokens, ``idx`` (n, L, k) int32 their
-    ids, ``tail`` (n, L) fp32 log of the remaining mass. The loss against it is the KL between
-    the teacher and the student both coarsened to k + 1 outcomes (the k tokens and "any
-    other"): exact for the tokens that carry the teacher's mass, a lower bound of the full KL.
-    Indexing (rows) and ``.to(device)`` behave like a tensor's.
-    """
-
-    logp: torch.Tensor
-    idx: torch.Tensor
-    tail: torch.Tensor
-
-    def __getitem__(self, rows) -> "TopKTeacher":
-        return TopKTeacher(self.logp[rows], self.idx[rows], self.tail[rows])
-
-    def to(self, device) -> "TopKTeacher":
-        return TopKTeacher(self.logp.to(device), self.idx.to(device), self.tail.to(device))
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.logp.shape
-
-    def __len__(self) -> int:
-        return self.logp.shape[0]
-
-
-@torch.no_grad()
-def teacher_logprobs(model: nn.Module, ids: torch.Tensor, batch_size: int = 8, progress: bool = True,
-                     top_k: int = 0) -> torch.Tensor | TopKTeacher:
-    """FP log-probabilities (n, L, vocab) in fp16, computed batch by batch; with ``top_k`` a
-    :class:`TopKTeacher` instead."""
-    device = next(model.parameters()).device
-    out = []
-    for i in tqdm(range(0, ids.shape[0], batch_size), desc="teacher logits", unit="batch", disable=not progress,
-                  leave=False):
-        logits = model(input_ids=ids[i:i + batch_size].to(device), use_cache=False).logits
-        lp = F.log_softmax(logits.float(), dim=-1)
-        if top_k:
-            top, idx = lp.topk(min(top_k, lp.shape[-1]), dim=-1)
-            # log(1 - sum p_top), computed without cancellation from the log-probabilities
-            tail = torch.log1p(-top.exp().sum(-1).clamp(max=1.0 - 1e-7))
-            out.append(TopKTeacher(top.to(torch.float16).cpu(), idx.to(torch.int32).cpu(), tail.cpu()))
-        else:
-            out.append(lp.to(torch.float16).cpu())
-    if top_k:
-        return TopKTeacher(*(torch.cat([getattr(t, f) for t in out]) for f in ("logp", "idx", "tail")))
-    return torch.cat(out)
 
 
 def kl_loss(student_logits: torch.Tensor, teacher_lp: torch.Tensor | TopKTeacher) -> torch.Tensor:
@@ -339,6 +299,8 @@ def _optimise(model: nn.Module, ecs: dict[str, nn.Module], scales: ScaleFactors 
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     device = next(model.parameters()).device
+    dtype = TRAIN_DTYPES[cfg.train_dtype]
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     gen = torch.Generator().manual_seed(cfg.seed)
     start = time.perf_counter()
     # unchecked: a start that is already non-finite fails at step 1, where the parameter is named
@@ -355,7 +317,8 @@ def _optimise(model: nn.Module, ecs: dict[str, nn.Module], scales: ScaleFactors 
         if order.numel() < cfg.batch_size:
             order = torch.randperm(train_ids.shape[0], generator=gen)
         idx, order = order[: cfg.batch_size], order[cfg.batch_size:]
-        logits = model(input_ids=train_ids[idx].to(device), use_cache=False).logits
+        with autocast:
+            logits = model(input_ids=train_ids[idx].to(device), use_cache=False).logits
         loss = kl_loss(logits, train_teacher[idx].to(device))
         if not torch.isfinite(loss):
             raise _diagnose(ecs, step, scales, norms, model=model, ids=train_ids[idx])

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from spear.compensate.calibrate import (CalibrationConfig, CalibrationReport, TopKTeacher, ec_modules, teacher_logprobs,
-                                       train_ecs)
+from spear.compensate.calibrate import CalibrationConfig, CalibrationReport, ec_modules, model_vocab, train_ecs
 from spear.compensate.ec import GatedCompensator
 from spear.compensate.registry import stored_checked
 from spear.compensate.spec import check_plan_ranks, warn_off_kernel
 from spear.compensate.stats import ActivationStats, collect_activation_stats
 from spear.compensate.svd_init import ScalingCache, error_factors
+from spear.compensate.teacher import TopKTeacher, sample_with_teacher, teacher_logprobs
 from spear.data.selfsample import SampleConfig, sample_sequences
 from spear.models.modules import quantizable_linears
 from spear.quant.linear import QuantLinear
@@ -44,19 +44,32 @@ def prepare_calibration(model: nn.Module, tokenizer, cfg: CalibrationConfig, inc
                         progress: bool = True, teacher: bool = True) -> CalibrationData:
     """Everything calibration needs from the FP model (call before quantizing it).
     ``teacher=False`` skips the teacher log-probabilities (blockwise mode needs none). Settings that
-    follow the model (``teacher_top_k=None``) are resolved with :meth:`CalibrationConfig.for_model`."""
+    follow the model (``teacher_top_k=None``) are resolved with :meth:`CalibrationConfig.for_model`.
+
+    A top-k teacher comes out of the sampling pass (or the cache beside the self-samples:
+    :func:`spear.compensate.teacher.sample_with_teacher`); the full one from a forward pass. The
+    validation self-samples get the full distribution whenever it fits ``full_teacher_max_bytes``,
+    so early stopping and the state kept are judged on the real KL, not a top-k bound of it."""
     cfg = cfg.for_model(model)
     n = cfg.n_samples + cfg.val_samples
-    ids = sample_sequences(model, tokenizer, SampleConfig(n=n, length=cfg.sample_len, temperature=cfg.temperature,
-                                                          top_p=cfg.top_p, seed=cfg.seed), progress=progress)
+    sampling = SampleConfig(n=n, length=cfg.sample_len, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
+    lp = None
+    if teacher and cfg.teacher_top_k:
+        ids, lp = sample_with_teacher(model, tokenizer, sampling, cfg.teacher_top_k, progress=progress)
+    else:
+        ids = sample_sequences(model, tokenizer, sampling, progress=progress)
     # A held-out tail of the same sampling run: validation never sees training sequences.
     train_ids, val_ids = ids[: cfg.n_samples], ids[cfg.n_samples:]
     targets = quantizable_linears(model, include_lm_head)
     stats = collect_activation_stats(model, targets, train_ids, outer=cfg.init == "qera-exact", progress=progress)
-    lp = teacher_logprobs(model, ids, batch_size=cfg.batch_size * 2, progress=progress,
-                          top_k=cfg.teacher_top_k) if teacher else None
-    return CalibrationData(train_ids, val_ids, None if lp is None else lp[: cfg.n_samples],
-                           None if lp is None else lp[cfg.n_samples:], stats,
+    val_lp = None
+    if teacher:
+        if lp is None:
+            lp = teacher_logprobs(model, ids, batch_size=cfg.batch_size * 2, progress=progress)
+        val_lp = lp[cfg.n_samples:]
+        if cfg.teacher_top_k and 2 * val_ids.numel() * model_vocab(model) <= cfg.full_teacher_max_bytes:
+            val_lp = teacher_logprobs(model, val_ids, batch_size=cfg.batch_size * 2, progress=progress)
+    return CalibrationData(train_ids, val_ids, None if lp is None else lp[: cfg.n_samples], val_lp, stats,
                            {n: lin.weight.detach().clone() for n, lin in targets.items()})
 
 
