@@ -8,7 +8,10 @@ Speed: one FP pass caches each decoder layer's output. For a module in layer l t
 layers before l are replaced by a replay of the cached output of layer l − 1, so
 only layers l… run (about half the model on average). The replay is checked once
 against a plain forward; a model whose layers do not allow it falls back to full
-forwards.
+forwards. And the scored passes stop at the final norm: they run the model's body
+(``base_model``) without the output head, whose logits nobody reads (on the default model the
+head is half the work of an average replayed pass). Checked once too: where the body's last
+hidden state is not the model's final hidden state, the whole model runs.
 """
 
 from __future__ import annotations
@@ -80,9 +83,14 @@ def module_damage(model: nn.Module, quant: QuantConfig, ids: torch.Tensor, batch
     found = _decoder_layers(model, targets) if replay else None
     start = time.perf_counter()
 
+    body = None  # the model without its output head, once checked against the whole model
+
     def final_hidden(batch):
-        out = model(input_ids=batch, use_cache=False, output_hidden_states=True)
-        return out.hidden_states[-1].reshape(-1, out.hidden_states[-1].shape[-1]).float()
+        if body is not None:
+            h = body(input_ids=batch, use_cache=False).last_hidden_state
+        else:
+            h = model(input_ids=batch, use_cache=False, output_hidden_states=True).hidden_states[-1]
+        return h.reshape(-1, h.shape[-1]).float()
 
     cached: list[list] = []
     handles = []
@@ -102,6 +110,17 @@ def module_damage(model: nn.Module, quant: QuantConfig, ids: torch.Tensor, batch
         for h in handles:
             h.remove()
     fp_all = torch.cat(fp)
+    base = getattr(model, "base_model", None)
+    if isinstance(base, nn.Module) and base is not model:
+        body = base
+        try:
+            same = torch.allclose(final_hidden(batches[0]), fp[0], rtol=1e-5, atol=1e-5 * fp[0].abs().max().item())
+        except (TypeError, AttributeError):  # a body that takes other arguments or returns no last_hidden_state
+            same = False
+        if not same:
+            log.warning("the model body's last hidden state is not the final hidden state; scoring with the "
+                        "whole model")
+            body = None
 
     def run(l: int | None):
         """Final hidden states of every batch, replaying layers < l when l is given."""

@@ -83,6 +83,20 @@ def test_damage_is_one_minus_cka_of_final_hidden_states(sharp_tiny_llama_path, i
         assert torch.equal(m.weight, before[n])
 
 
+def test_scored_passes_skip_the_output_head(sharp_tiny_llama_path, ids):
+    """Only the FP pass (2 batches of 4) runs the whole model; the 14 scored passes stop at the final
+    norm, which is all the damage reads (the test above checks their values against the whole model's).
+
+    Catches: the scored passes running the whole model again (2 + 14 x 2 head calls)."""
+    from spear.models.loading import load_model
+
+    model, _ = load_model(sharp_tiny_llama_path)
+    calls = []
+    model.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    module_damage(model, QuantConfig(bits=3), ids, batch_size=4, progress=False)
+    assert len(calls) == 2
+
+
 def test_lower_bits_do_more_damage(sharp_tiny_llama_path, ids):
     from spear.models.loading import load_model
 
