@@ -21,8 +21,9 @@ uniform | random | cka | cka-full | cka-sqrt, the
 budget in % of the quantized model; cka is SPEAR's rule, cka-full covers every module and
 cka-sqrt covers the top N·√evenness (see spear/select/allocate.py); ``none`` attaches no EC
 (only meaningful with ``tune_scales=1``: the scales-only ablation). Variants: ``nogate`` or ``gate`` (end-to-end KL) or ``bw-nogate``/``bw-gate``
-(blockwise, one layer at a time, steps / 2 per layer), optionally followed
-by ``:key=value;...`` overrides of :class:`spear.compensate.calibrate.CalibrationConfig`.
+(blockwise, one layer at a time, steps / 2 per layer) or ``bwkl-nogate``/``bwkl-gate`` (blockwise as a
+warm start, then end-to-end KL), optionally followed by ``:key=value;...`` overrides of
+:class:`spear.compensate.calibrate.CalibrationConfig` (and ``layer_steps=N``: blockwise steps per layer).
 """
 
 from __future__ import annotations
@@ -72,9 +73,10 @@ def parse_setting(spec: str) -> QuantConfig:
 
 def parse_variant(spec: str) -> tuple[str, dict]:
     name, _, rest = spec.partition(":")
-    if name not in ("nogate", "gate", "bw-nogate", "bw-gate"):
-        raise SystemExit(f"variant must start with nogate, gate, bw-nogate or bw-gate; got {spec!r}")
-    types = {f.name: f.type for f in fields(CalibrationConfig)}
+    if name not in ("nogate", "gate", "bw-nogate", "bw-gate", "bwkl-nogate", "bwkl-gate"):
+        raise SystemExit(f"variant must start with nogate, gate, bw-nogate, bw-gate, bwkl-nogate or bwkl-gate; "
+                         f"got {spec!r}")
+    types = {f.name: f.type for f in fields(CalibrationConfig)} | {"layer_steps": int}
     over = {"gated": name.endswith("-gate") or name == "gate"}
     for item in filter(None, rest.split(";")):
         k, _, v = item.partition("=")
@@ -84,6 +86,11 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         over[k] = (v.lower() in ("1", "true", "yes")) if t in (bool, "bool") else \
             int(v) if t in (int, "int") else float(v) if t in (float, "float") else v
     return spec, over
+
+
+def calib_over(over: dict) -> dict:
+    """The overrides that are CalibrationConfig fields (``layer_steps`` is the benchmark's own)."""
+    return {k: v for k, v in over.items() if k != "layer_steps"}
 
 
 def sampling_key(cfg: CalibrationConfig) -> tuple:
@@ -187,11 +194,14 @@ def main() -> None:
     text_stats = collect_activation_stats(model, quantizable_linears(model, head), split.calib, progress=False)
     base_cfg = CalibrationConfig(steps=args.steps)
     data = {}  # (seed, sampling settings) -> CalibrationData, prepared while the model is FP
+    prep_seconds = {}  # the same keys -> seconds of self-sampling, teacher and statistics (0 from the cache)
     for s in seeds:
         for _, over in variants:
-            cfg = replace(base_cfg, seed=s, **over)
+            cfg = replace(base_cfg, seed=s, **calib_over(over))
             if sampling_key(cfg) not in data:
+                t0 = time.perf_counter()
                 data[sampling_key(cfg)] = prepare_calibration(model, tok, cfg, head, progress=False)
+                prep_seconds[sampling_key(cfg)] = time.perf_counter() - t0
     del model
     cache_prefix = (args.model, torch.device(args.device).type)
     damage_cache: dict = {}  # damage_key -> DamageReport, shared by every setting's make_plan
@@ -243,17 +253,21 @@ def main() -> None:
                 remove_compensators(model)
             for spec, over in variants:
                 for s in seeds:
-                    cfg = replace(base_cfg, seed=s, **over)
+                    cfg = replace(base_cfg, seed=s, **calib_over(over))
                     d = sdata[sampling_key(cfg)]
                     attach_ecs(mods, d.fp_weights, plan, cfg, d.stats)
-                    rec = {**common, "method": f"KL {spec}", "seed": s}
-                    if spec.startswith("bw-"):  # blockwise: layer by layer, steps / 2 per layer
-                        rep = calibrate_layerwise(model, d, cfg, progress=False)
+                    rec = {**common, "method": f"KL {spec}", "seed": s,
+                           "prep_seconds": prep_seconds[sampling_key(cfg)]}
+                    warm = 0.0
+                    if spec.startswith(("bw-", "bwkl-")):  # blockwise: layer by layer, steps / 2 per layer
+                        rep = calibrate_layerwise(model, d, cfg, over.get("layer_steps"), progress=False)
                         rec.update(method=f"blockwise {spec[3:]}", seconds=rep.seconds, layers=rep.layers)
-                    else:
+                        warm = rep.seconds
+                    if not spec.startswith("bw-"):  # end-to-end KL (after the blockwise warm start for bwkl-)
                         rep = calibrate(model, d, cfg, progress=False)
-                        rec.update(val_kl=rep.best_val_kl, initial_val_kl=rep.initial_val_kl,
-                                   best_step=rep.best_step, steps_run=rep.steps_run, seconds=rep.seconds)
+                        rec.update(method=f"KL {spec}", val_kl=rep.best_val_kl, initial_val_kl=rep.initial_val_kl,
+                                   best_step=rep.best_step, steps_run=rep.steps_run, seconds=warm + rep.seconds,
+                                   history=[h for h in rep.history if "val_kl" in h])
                     v = ppl(model)
                     emit({**rec, "ppl": v, "gap": gap_recovered(base, v, fp),
                           "mem": 100 * compensator_bytes(model) / total})
