@@ -68,6 +68,15 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
     fp = ppl("FP")
     log(f"FP ppl {fp.ppl:.3f} ({fp.tokens} tokens)")
     where = "plan" if plan is not None else f"r{rank}" if rank is not None else f"{placement}@{budget}"
+    targets = quantizable_linears(model, quant.include_lm_head)
+    if plan is not None or rank is not None:
+        # a rank no module can hold fails here, before the statistics, self-samples and quantization
+        check_plan_ranks(plan if plan is not None else dict.fromkeys(targets, rank or 0), targets)
+    calib_data = None
+    if spear_variants:
+        # first: the sampling pass also yields the teacher, and the selection scores damage on these samples
+        calib_cfg = (calib_cfg or CalibrationConfig()).for_model(model)
+        calib_data = prepare_calibration(model, tokenizer, calib_cfg, quant.include_lm_head, progress=progress)
     selection = None
     if plan is None and rank is None:
         from spear.select.plan import select
@@ -75,15 +84,13 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
         cfg0 = calib_cfg or CalibrationConfig()
         selection = select(model, tokenizer, quant, budget, placement, hidden=cfg0.hidden,
                            gated="gate" in spear_variants, per_rank=cfg0.gate_per_rank, tp=tp,
-                           damage_samples=damage_samples, progress=progress, calib=cfg0)
+                           damage_samples=damage_samples, progress=progress, calib=cfg0,
+                           ids=None if calib_data is None else calib_data.sample_ids[:damage_samples])
         plan = selection.plan
         log(f"selection: {len(plan)} modules, {selection.allocation.bytes / 2**20:.2f} MiB "
             f"({100 * selection.allocation.bytes / selection.model_bytes:.2f}% of the quantized model)"
             + (f", damage from {selection.damage.tokens} tokens in {selection.damage.seconds:.0f} s"
                if selection.damage else ""))
-    targets = quantizable_linears(model, quant.include_lm_head)
-    # a rank no module can hold fails here, before the statistics, self-samples and quantization
-    check_plan_ranks(plan if plan is not None else dict.fromkeys(targets, rank or 0), targets)
     fp_weights = {n: lin.weight.detach().clone() for n, lin in targets.items()}
     stats = None
     if any(needs_stats(m) for m in static_methods):
@@ -91,10 +98,6 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
             raise ValueError("static methods with activation statistics need --calib-windows >= 1")
         stats = collect_activation_stats(model, targets, split.calib, outer="qera-exact" in static_methods,
                                          progress=progress)
-    calib_data = None
-    if spear_variants:
-        calib_cfg = (calib_cfg or CalibrationConfig()).for_model(model)
-        calib_data = prepare_calibration(model, tokenizer, calib_cfg, quant.include_lm_head, progress=progress)
     channel_scales: dict = {}
     modules = quantize_model(model, quant, calib=split.calib if quant.calib.source == "text" else None,
                              progress=progress, tokenizer=tokenizer, channel_scales=channel_scales)

@@ -111,9 +111,14 @@ def main(args) -> int:
     progress = not args.quiet
     model, tok = load_model(args.model, device=args.device)
     cfg = cfg.for_model(model)  # the teacher's form follows the vocabulary; the checkpoint records it
-    plan, selection = plan_from_args(args, model, tok, quant, cfg, progress)
-    check_plan_ranks(plan, quantizable_linears(model, quant.include_lm_head))  # before the sampling and teacher
+    given = args.plan is not None or args.rank is not None
+    if given:
+        plan, selection = plan_from_args(args, model, tok, quant, cfg, progress)
+        check_plan_ranks(plan, quantizable_linears(model, quant.include_lm_head))  # before the sampling and teacher
     data = prepare_calibration(model, tok, cfg, quant.include_lm_head, progress=progress, teacher=not args.blockwise)
+    if not given:  # the selection scores damage on the self-samples just drawn (with their teacher)
+        plan, selection = plan_from_args(args, model, tok, quant, cfg, progress,
+                                         ids=data.sample_ids[:args.damage_samples])
     channel_scales: dict = {}
     modules = quantize_model(model, quant, calib=data.train_ids, progress=progress, tokenizer=tok,
                              channel_scales=channel_scales)

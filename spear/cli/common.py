@@ -142,8 +142,9 @@ def add_plan_args(p: argparse.ArgumentParser, budget: str = "1%", overrides: boo
         p.set_defaults(rank=None, plan=None)
 
 
-def plan_from_args(args, model, tokenizer, quant, calib_cfg=None, progress: bool = True):
-    """``(plan, selection)`` from --plan / --rank / --budget, for ``model`` still in full precision."""
+def plan_from_args(args, model, tokenizer, quant, calib_cfg=None, progress: bool = True, ids=None):
+    """``(plan, selection)`` from --plan / --rank / --budget, for ``model`` still in full precision;
+    ``ids``: the sequences the selection scores damage on (else self-samples it draws)."""
     from spear.models.modules import quantizable_linears
     from spear.select.plan import load_plan, select
 
@@ -163,5 +164,5 @@ def plan_from_args(args, model, tokenizer, quant, calib_cfg=None, progress: bool
             kw["calib"] = calib_cfg
     sel = select(model, tokenizer, quant, args.budget, args.placement, tp=args.tp,
                  damage_samples=args.damage_samples, progress=progress, latency_budget=args.latency_budget,
-                 ec_costs=args.ec_costs, **kw)
+                 ec_costs=args.ec_costs, ids=ids, **kw)
     return sel.plan, sel

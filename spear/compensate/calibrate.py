@@ -77,6 +77,9 @@ class CalibrationConfig:
     bound: float = 1.0
     gate_per_rank: bool = True  # one γ per rank component (False: one per module)
     init: str = "qera-approx"  # static solution the ECs start from
+    # The closed-form init's activation statistics come from the first stats_samples training
+    # self-samples (8,192 tokens at 128 each): more samples for the KL do not make that pass longer.
+    stats_samples: int = 64
     # None: follow the vocabulary (the full distribution while it takes at most FULL_TEACHER_MAX_BYTES,
     # else its top AUTO_TOP_K tokens; see for_model); 0: the full teacher; k: its top k + the rest
     teacher_top_k: int | None = None
@@ -94,7 +97,8 @@ class CalibrationConfig:
     train_dtype: str = "float32"
 
     def __post_init__(self):
-        positive = ("n_samples", "val_samples", "steps", "batch_size", "eval_every", "patience", "hidden")
+        positive = ("n_samples", "val_samples", "steps", "batch_size", "eval_every", "patience", "hidden",
+                    "stats_samples")
         for name in positive:
             if getattr(self, name) < 1:
                 raise SpearError(f"calibration {name} must be >= 1, got {getattr(self, name)}")

@@ -39,6 +39,12 @@ class CalibrationData:
     stats: dict[str, ActivationStats]
     fp_weights: dict[str, torch.Tensor]
 
+    @property
+    def sample_ids(self) -> torch.Tensor:
+        """Every self-sample in sampling order (the training ones, then the validation ones): the
+        sequences :func:`spear.select.plan.damage_ids` would draw for the same settings."""
+        return torch.cat([self.train_ids, self.val_ids])
+
 
 def prepare_calibration(model: nn.Module, tokenizer, cfg: CalibrationConfig, include_lm_head: bool = False,
                         progress: bool = True, teacher: bool = True) -> CalibrationData:
@@ -61,7 +67,8 @@ def prepare_calibration(model: nn.Module, tokenizer, cfg: CalibrationConfig, inc
     # A held-out tail of the same sampling run: validation never sees training sequences.
     train_ids, val_ids = ids[: cfg.n_samples], ids[cfg.n_samples:]
     targets = quantizable_linears(model, include_lm_head)
-    stats = collect_activation_stats(model, targets, train_ids, outer=cfg.init == "qera-exact", progress=progress)
+    stats = collect_activation_stats(model, targets, train_ids[: cfg.stats_samples], outer=cfg.init == "qera-exact",
+                                     progress=progress)
     val_lp = None
     if teacher:
         if lp is None:
