@@ -6,10 +6,18 @@ suppressed so every sequence has exactly L tokens. Results are cached on disk
 (safetensors, atomic write) keyed by a fingerprint of the model's weights and
 every sampling setting, so GPTQ/AWQ, selection and KL calibration share them.
 
+The sampler is a plain loop over the model with its KV cache (no ``generate()``): each
+sequence draws its tokens by inverse CDF from a generator of its own, seeded by (seed,
+sequence index), so sequence i is the same whatever n and the batch size (up to the
+floating-point rounding of a differently batched forward), and the first n of a larger set
+are the smaller set. The nucleus is found among the 1024 most likely tokens and only rows
+whose nucleus reaches beyond them sort the whole vocabulary: a full sort of a 49k
+vocabulary per row and step cost more than the model's forward pass at batch 16.
+
 With ``on_logits`` the FP model's next-token logits are handed out as they are computed
 (the calibration's teacher comes out of the sampling pass instead of a second forward
-pass over every sequence): generation then runs one more step, for the last position's
-logits, and the sequences are the same as without it.
+pass over every sequence): the loop then runs one more step, for the last position's
+logits; the sequences are the same as without it.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ class SampleConfig:
     temperature: float = 1.0
     top_p: float = 0.95
     seed: int = 0
-    batch_size: int = 16
+    batch_size: int = 64  # sequences per forward pass: 1.5x less CPU time per sequence than 16 (the weights are read once per step)
 
     def __post_init__(self):
         if self.n < 1 or self.length < 2 or self.batch_size < 1:
@@ -61,11 +69,18 @@ def model_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+# Part of the cache key: sequences another sampler drew (transformers' generate() before it) are not reused.
+SAMPLER = "inverse-cdf per sequence, v2"
+# The nucleus is searched among this many most likely tokens first (see the module docstring).
+NUCLEUS_CANDIDATES = 1024
+
+
 def _cache_path(model: nn.Module, cfg: SampleConfig) -> Path:
     from spear.models.loading import cache_dir
 
     settings = {k: v for k, v in asdict(cfg).items() if k != "batch_size"}
-    key = hashlib.sha1(json.dumps([model_fingerprint(model), settings], sort_keys=True).encode()).hexdigest()[:16]
+    key = hashlib.sha1(json.dumps([model_fingerprint(model), settings, SAMPLER],
+                                  sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "selfsample" / f"{key}.safetensors"
 
 
@@ -77,33 +92,57 @@ def cached_samples(model: nn.Module, cfg: SampleConfig) -> torch.Tensor | None:
     return load_file(str(path))["ids"] if path.is_file() else None
 
 
+def next_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
+                banned: int | None = None) -> torch.Tensor:
+    """Tokens drawn from ``softmax(logits / temperature)`` restricted to its nucleus (the most likely
+    tokens whose mass before them is below ``top_p``), without the token ``banned``, by inverse CDF
+    with one uniform number ``u`` (n,) in [0, 1) per row of ``logits`` (n, vocab)."""
+    z = logits.float() / temperature
+    if banned is not None:
+        z[:, banned] = float("-inf")
+    p = torch.softmax(z, dim=-1)
+    n, vocab = p.shape
+    out = torch.empty(n, dtype=torch.long, device=p.device)
+    if top_p >= 1:  # the whole distribution, in vocabulary order
+        cum = p.cumsum(-1)
+        j = torch.searchsorted(cum, (u.to(cum) * cum[:, -1])[:, None], right=True)[:, 0]
+        return j.clamp(max=vocab - 1)
+    top, idx = p.topk(min(NUCLEUS_CANDIDATES, vocab), dim=-1)  # sorted, most likely first
+    short = top.sum(-1) < top_p  # the nucleus reaches beyond the candidates: sort those rows whole
+    rows = [(slice(None), top, idx)] if not short.any() else \
+        [(~short, top[~short], idx[~short]), (short, *p[short].sort(-1, descending=True))]
+    for sel, t, i in rows:
+        if t.shape[0] == 0:
+            continue
+        cum = t.cumsum(-1)
+        last = ((cum - t) < top_p).sum(-1, keepdim=True) - 1  # the nucleus: every token before it below top_p
+        mass = cum.gather(-1, last)
+        j = torch.searchsorted(cum, u.to(cum)[sel][:, None] * mass, right=True).minimum(last)
+        out[sel] = i.gather(-1, j)[:, 0]
+    return out
+
+
 @torch.no_grad()
-def _sample_batch(model, bos: int, eos: int | None, n: int, cfg: SampleConfig, seed: int,
+def _sample_batch(model, bos: int, eos: int | None, rows: range, cfg: SampleConfig,
                   on_logits: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     device = next(model.parameters()).device
-    ids = torch.full((n, 1), bos, dtype=torch.long, device=device)
-    # One more step yields the logits after the last kept token; the extra token is dropped. Every
-    # step before it draws from the same generator state as without it, so the sequences are unchanged.
-    new = cfg.length - (on_logits is None)
-    handle = None
-    if on_logits is not None:
-        # the head's output at each step, before any logits processor (min-length, top-p) touches it
-        handle = model.get_output_embeddings().register_forward_hook(
-            lambda mod, args, out: on_logits(out[:, -1]))
-    # generate() samples from the global RNG: seed it inside a fork so the
-    # caller's random state is untouched and every batch is reproducible.
-    devices = [device] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=cfg.temperature,
-                top_p=cfg.top_p, top_k=0, max_new_tokens=new, min_new_tokens=new,
-                pad_token_id=eos if eos is not None else bos, eos_token_id=eos)
-    finally:
-        if handle is not None:
-            handle.remove()
-    return out[:, : cfg.length].cpu()
+    n = len(rows)
+    gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + r) for r in rows]
+    ids = torch.full((n, cfg.length), bos, dtype=torch.long)
+    cur, past = ids[:, :1].to(device), None
+    # One more step yields the logits after the last kept token (for on_logits); it draws nothing.
+    for t in range(cfg.length if on_logits is not None else cfg.length - 1):
+        out = model(input_ids=cur, cache=past, use_cache=True,
+                    attention_mask=torch.ones(n, t + 1, dtype=torch.long, device=device))
+        past, logits = out.cache, out.logits[:, -1]
+        if on_logits is not None:
+            on_logits(logits)
+        if t == cfg.length - 1:
+            break
+        u = torch.cat([torch.rand(1, generator=g) for g in gens])
+        ids[:, t + 1] = next_tokens(logits, u, cfg.temperature, cfg.top_p, eos).cpu()
+        cur = ids[:, t + 1:t + 2].to(device)
+    return ids
 
 
 def sample_sequences(model: nn.Module, tokenizer, cfg: SampleConfig = SampleConfig(), cache: bool = True,
@@ -128,11 +167,11 @@ def sample_sequences(model: nn.Module, tokenizer, cfg: SampleConfig = SampleConf
     model.eval()
     chunks = []
     try:
-        for i, start in enumerate(tqdm(range(0, cfg.n, cfg.batch_size), desc="self-sampling", unit="batch",
-                                       disable=not progress, leave=False)):
+        for start in tqdm(range(0, cfg.n, cfg.batch_size), desc="self-sampling", unit="batch",
+                          disable=not progress, leave=False):
             n = min(cfg.batch_size, cfg.n - start)
             hook = None if on_logits is None else (lambda logits, start=start: on_logits(start, logits))
-            chunks.append(_sample_batch(model, bos, tokenizer.eos_token_id, n, cfg, cfg.seed * 100003 + i, hook))
+            chunks.append(_sample_batch(model, bos, tokenizer.eos_token_id, range(start, start + n), cfg, hook))
     finally:
         model.train(was_training)
     ids = torch.cat(chunks)
