@@ -50,6 +50,7 @@ from spear.compensate.workflow import attach_ecs, calibrate, calibrate_layerwise
 from spear.config import GPTQConfig, QuantConfig, StaticCompensationConfig  # noqa: E402
 from spear.data import load_text, make_split  # noqa: E402
 from spear.eval.memory import compensator_bytes, quantized_model_bytes  # noqa: E402
+from spear.eval.error_spectrum import captured, top_share, weighted_spectrum  # noqa: E402
 from spear.eval.perplexity import perplexity  # noqa: E402
 from spear.eval.report import gap_recovered, machine_label  # noqa: E402
 from spear.models.loading import load_model  # noqa: E402
@@ -86,6 +87,25 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         over[k] = (v.lower() in ("1", "true", "yes")) if t in (bool, "bool") else \
             int(v) if t in (int, "int") else float(v) if t in (float, "float") else v
     return spec, over
+
+
+@torch.no_grad()
+def error_capture(mods, fp_weights, stats, plan) -> dict:
+    """Over the compensated modules, energy-weighted (spear/eval/error_spectrum.py): the share of the
+    activation-weighted quantization error the attached ECs remove, and the share the best static
+    terms of the same ranks could (their top-r singular values)."""
+    total = ec = svd = 0.0
+    for name, r in plan.items():
+        m = mods[name]
+        e = fp_weights[name].double() - m.dequantized_weight(torch.float64)
+        rms = stats[name].mean_sq.double().sqrt()
+        energy = float(((e * rms) ** 2).sum())
+        total += energy
+        svd += top_share(weighted_spectrum(e, rms), r) * energy
+        if m.compensator is not None:
+            c = m.compensator
+            ec += captured(e, rms, float(c.alpha) * c.B.double() @ c.A.double()) * energy
+    return {"ec_captured": ec / total, "svd_captured": svd / total} if total else {}
 
 
 def calib_over(over: dict) -> dict:
@@ -268,6 +288,8 @@ def main() -> None:
                         rec.update(method=f"KL {spec}", val_kl=rep.best_val_kl, initial_val_kl=rep.initial_val_kl,
                                    best_step=rep.best_step, steps_run=rep.steps_run, seconds=warm + rep.seconds,
                                    history=[h for h in rep.history if "val_kl" in h])
+                    if not cfg.gated:
+                        rec.update(error_capture(mods, d.fp_weights, d.stats, plan))
                     v = ppl(model)
                     emit({**rec, "ppl": v, "gap": gap_recovered(base, v, fp),
                           "mem": 100 * compensator_bytes(model) / total})
