@@ -7,6 +7,8 @@ re-quantizes by design), on the same quantized weights.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -49,6 +51,31 @@ def _restore(modules, snap):
         m.set_quantized(*snap[n])
 
 
+class StepClock:
+    """Wall and CPU seconds (every thread of the process) spent in each named step of a job."""
+
+    def __init__(self):
+        self.steps: dict[str, list[float]] = {}
+        self.start = time.perf_counter(), time.process_time()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            t = self.steps.setdefault(name, [0.0, 0.0])
+            t[0] += time.perf_counter() - wall
+            t[1] += time.process_time() - cpu
+
+    def summary(self) -> tuple[dict, str]:
+        """``({step: {"wall": s, "cpu": s}}, one line)``, the total first."""
+        wall, cpu = time.perf_counter() - self.start[0], time.process_time() - self.start[1]
+        table = {"total": {"wall": wall, "cpu": cpu}, **{k: {"wall": w, "cpu": c} for k, (w, c) in self.steps.items()}}
+        line = f"{wall:.0f} s ({cpu:.0f} s CPU): " + ", ".join(f"{k} {w:.0f} s" for k, (w, _) in self.steps.items())
+        return table, line
+
+
 def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_methods: list[str],
             rank: int | None = None, plan: dict[str, int] | None = None, progress: bool = True, log=print,
             spear_variants: tuple[str, ...] = (), calib_cfg: CalibrationConfig | None = None,
@@ -58,12 +85,15 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
     ``"gate"``: the token-gated EC) with the same modules and ranks, so every row has
     the same memory. Modules and ranks: ``plan`` if given, else ``rank`` on every
     module, else the selection's placement within ``budget``."""
-    model, tokenizer = load_model(model_name)
-    split = load_split(tokenizer, eval_cfg)
+    clock = StepClock()
+    with clock("load"):
+        model, tokenizer = load_model(model_name)
+        split = load_split(tokenizer, eval_cfg)
     log(f"text: {split.describe()}")
 
     def ppl(desc):
-        return perplexity(model, split.eval, eval_cfg.batch_size, progress, desc)
+        with clock("perplexity"):
+            return perplexity(model, split.eval, eval_cfg.batch_size, progress, desc)
 
     fp = ppl("FP")
     log(f"FP ppl {fp.ppl:.3f} ({fp.tokens} tokens)")
@@ -76,16 +106,18 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
     if spear_variants:
         # first: the sampling pass also yields the teacher, and the selection scores damage on these samples
         calib_cfg = (calib_cfg or CalibrationConfig()).for_model(model)
-        calib_data = prepare_calibration(model, tokenizer, calib_cfg, quant.include_lm_head, progress=progress)
+        with clock("self-samples + teacher"):
+            calib_data = prepare_calibration(model, tokenizer, calib_cfg, quant.include_lm_head, progress=progress)
     selection = None
     if plan is None and rank is None:
         from spear.select.plan import select
 
         cfg0 = calib_cfg or CalibrationConfig()
-        selection = select(model, tokenizer, quant, budget, placement, hidden=cfg0.hidden,
-                           gated="gate" in spear_variants, per_rank=cfg0.gate_per_rank, tp=tp,
-                           damage_samples=damage_samples, progress=progress, calib=cfg0,
-                           ids=None if calib_data is None else calib_data.sample_ids[:damage_samples])
+        with clock("selection"):
+            selection = select(model, tokenizer, quant, budget, placement, hidden=cfg0.hidden,
+                               gated="gate" in spear_variants, per_rank=cfg0.gate_per_rank, tp=tp,
+                               damage_samples=damage_samples, progress=progress, calib=cfg0,
+                               ids=None if calib_data is None else calib_data.sample_ids[:damage_samples])
         plan = selection.plan
         log(f"selection: {len(plan)} modules, {selection.allocation.bytes / 2**20:.2f} MiB "
             f"({100 * selection.allocation.bytes / selection.model_bytes:.2f}% of the quantized model)"
@@ -96,11 +128,13 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
     if any(needs_stats(m) for m in static_methods):
         if split.calib.shape[0] == 0:
             raise ValueError("static methods with activation statistics need --calib-windows >= 1")
-        stats = collect_activation_stats(model, targets, split.calib, outer="qera-exact" in static_methods,
-                                         progress=progress)
+        with clock("text statistics"):
+            stats = collect_activation_stats(model, targets, split.calib, outer="qera-exact" in static_methods,
+                                             progress=progress)
     channel_scales: dict = {}
-    modules = quantize_model(model, quant, calib=split.calib if quant.calib.source == "text" else None,
-                             progress=progress, tokenizer=tokenizer, channel_scales=channel_scales)
+    with clock("quantization"):
+        modules = quantize_model(model, quant, calib=split.calib if quant.calib.source == "text" else None,
+                                 progress=progress, tokenizer=tokenizer, channel_scales=channel_scales)
     if channel_scales:  # AWQ scaled the linears: compensate against the scaled weights
         from spear.quant.awq import rescale_reference
         fp_weights, stats = rescale_reference(fp_weights, stats, channel_scales)
@@ -116,7 +150,8 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
     norm_snap = norms.state()
     for method in static_methods:
         cfg = StaticCompensationConfig(method=method, rank=rank or 0, plan=plan)
-        applied = attach_static(modules, fp_weights, cfg, stats, progress=progress)
+        with clock("static baselines"):
+            applied = attach_static(modules, fp_weights, cfg, stats, progress=progress)
         extra = compensator_bytes(model)
         label = f"{STATIC_LABELS[method]} {where}"
         res = ppl(label)
@@ -129,8 +164,9 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
     ec_plan = plan if plan is not None else uniform_plan(modules, rank)
     for variant in spear_variants:
         cfg = replace(calib_cfg, gated=variant == "gate")
-        applied = attach_ecs(modules, calib_data.fp_weights, ec_plan, cfg, calib_data.stats)
-        report = calibrate(model, calib_data, cfg, progress=progress)
+        with clock("KL calibration"):
+            applied = attach_ecs(modules, calib_data.fp_weights, ec_plan, cfg, calib_data.stats)
+            report = calibrate(model, calib_data, cfg, progress=progress)
         extra = compensator_bytes(model)
         label = ("SPEAR gated EC" if cfg.gated else "SPEAR EC (KL, no gate)") + f" {where}" + \
             (" + tuned scales" if cfg.tune_scales else "") + (" + tuned norms" if cfg.tune_norms else "")
@@ -161,4 +197,5 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
         header["calibration"] = (f"{calib_cfg.n_samples}+{calib_cfg.val_samples} self-samples x "
                                  f"{calib_cfg.sample_len} tokens, {teacher}, {calib_cfg.steps} steps, "
                                  f"seed {calib_cfg.seed}")
+    header["step_seconds"], header["time"] = clock.summary()
     return JobResult(rows, header)
