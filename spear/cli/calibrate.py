@@ -47,6 +47,11 @@ def add_calibration_args(p, with_gate_flag: bool = True) -> None:
                    help="with --tune-norms: learning rate of the norm weights (default: %(default)s)")
     g.add_argument("--init", choices=["identity", "lqer", "qera-approx", "qera-exact"], default=d.init,
                    help="closed-form solution the ECs start from (default: %(default)s)")
+    from spear.compensate.calibrate import TRAIN_DTYPES
+
+    g.add_argument("--train-dtype", choices=sorted(TRAIN_DTYPES), default=d.train_dtype,
+                   help="what the training steps compute in (bfloat16: torch.autocast; the parameters, the "
+                        "teacher and the validation KL stay float32) (default: %(default)s)")
 
 
 def calibration_config_from(args):
@@ -57,7 +62,8 @@ def calibration_config_from(args):
                              gate_lr=args.gate_lr, gated=getattr(args, "gate", False), hidden=args.hidden,
                              bound=args.bound, gate_per_rank=not args.gate_per_module, init=args.init,
                              teacher_top_k=args.teacher_top_k, tune_scales=args.tune_scales,
-                             scale_lr=args.scale_lr, tune_norms=args.tune_norms, norm_lr=args.norm_lr)
+                             scale_lr=args.scale_lr, tune_norms=args.tune_norms, norm_lr=args.norm_lr,
+                             train_dtype=args.train_dtype)
 
 
 def register(sub) -> None:

@@ -10,11 +10,12 @@ def test_spear_calibrate_writes_checkpoint_and_gate_report(sharp_tiny_llama_path
     out = tmp_path / "ck"
     rc = main(["-q", "calibrate", "--model", str(sharp_tiny_llama_path), "--out", str(out), "--bits", "3",
                "--rank", "2", "--gate", "--steps", "6", "--samples", "4", "--val-samples", "2", "--sample-len", "16",
-               "--gate-report", str(tmp_path / "gates")])
+               "--gate-report", str(tmp_path / "gates"), "--train-dtype", "bfloat16"])
     assert rc == 0
     assert "14 ECs (gated)" in capsys.readouterr().out
     cfg = json.loads((out / "spear_config.json").read_text())
     assert cfg["meta"]["calibration"]["steps"] == 6 and len(cfg["meta"]["plan"]) == 14
+    assert cfg["meta"]["calibration"]["train_dtype"] == "bfloat16"
     model, _ = load_model(out)
     ec = model.model.layers[1].self_attn.o_proj.compensator
     assert isinstance(ec, GatedCompensator) and ec.rank == 2
