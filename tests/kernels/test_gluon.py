@@ -1,0 +1,143 @@
+"""The warp-specialized Gluon W4A16 GEMM (spear/kernels/gluon_w4.py).
+
+Gluon does not run under Triton's interpreter. On the CPU: the schedule's arithmetic (units,
+K splits) against a plain enumeration, and a compile of the kernel for sm_90 (PTX: register-A
+wgmma, no weight tile stored to shared memory in the main loop, partitions with register
+budgets). Marked ``gpu``: every weight variant at odd shapes and Llama-3-8B's shapes against the
+fp32 reference, with and without a K split, bias and SiLU·mul, fp16 and bf16."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from spear.kernels import gluon_w4 as G
+from spear.kernels import reference as ref
+from tests.kernels._helpers import DEVICE, assert_close, setup_case
+
+ON_HOPPER = DEVICE == "cuda" and G.available()
+
+
+# ---------------------------------------------------------------------------- the schedule (CPU)
+@pytest.mark.parametrize("steps", [1, 2, 5, 31, 64, 224])
+@pytest.mark.parametrize("n_split", [1, 2, 3, 4, 7, 16])
+def test_split_ranges_cover_every_step_once(steps, n_split):
+    covered = []
+    for s in range(n_split):
+        lo, hi = G.split_range(s, steps, n_split)
+        assert 0 <= lo <= hi <= steps
+        covered += list(range(lo, hi))
+    assert covered == list(range(steps))
+
+
+@pytest.mark.parametrize("tiles,steps,programs", [(16, 64, 132), (112, 64, 132), (256, 64, 132), (16, 224, 132),
+                                                  (1, 4, 132), (1, 1, 132), (32, 3, 264)])
+def test_pick_split(tiles, steps, programs):
+    s = G.pick_split(tiles, steps, programs)
+    per = -(-steps // s)
+    assert s >= 1 and (s == 1 or per >= 2), "a split shorter than two K steps"
+    assert (s - 1) * per < steps, "an empty split"
+    if tiles >= programs:
+        assert s == 1
+    # nothing smaller reaches the target, nothing larger is allowed that stays under it
+    assert s == 1 or tiles * (s - 1) < programs
+
+
+def test_units_enumerate_each_tile_and_split_once():
+    cfg = G.GluonConfig(BNC=64, BM=32, BK=64, stages=4, split_k=3)
+    m, n = 70, 300
+    mt, nt, nu = G.units(m, n, cfg)
+    assert (mt, nt) == (3, 3) and nu == 27
+    seen = {G.unit_of(u, mt, cfg.split_k) for u in range(nu)}
+    assert seen == {(a, b, c) for a in range(mt) for b in range(nt) for c in range(3)}
+    # the splits of one tile are consecutive units; the tiles of one weight slab consecutive tiles
+    assert [G.unit_of(u, mt, 3) for u in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (1, 0, 0)]
+
+
+@pytest.mark.parametrize("kw", [dict(BNC=32), dict(BM=512), dict(BK=256), dict(stages=1), dict(split_k=0),
+                                dict(BNC=128, BM=256)])
+def test_config_refuses_what_the_kernel_cannot_run(kw):
+    base = dict(BNC=128, BM=128, BK=64, stages=4)
+    with pytest.raises(ValueError):
+        G.GluonConfig(**{**base, **kw})
+
+
+# ---------------------------------------------------------------------------- sm_90 compile (CPU)
+@pytest.mark.skipif(not G.HAVE_GLUON, reason="this Triton has no Gluon")
+def test_compiles_for_hopper():
+    """The kernel compiles for sm_90 in fp16 and bf16 (runs ptxas); its PTX has the register-A
+    wgmma, 16-byte shared loads of the words, no store to shared memory inside the main loop, and
+    the partitions' register budgets."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-m", "tests.kernels._compile_gluon"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+# ---------------------------------------------------------------------------- GPU
+def _run(m, n, k, gs, sym, dtype, cfg, bias=True, act=0, seed=0):
+    x, w, b, _, expect = setup_case(m, k, n, gs, sym, dtype, seed, bias=bias, layout="mma")
+    out = G.gluon_w4a16(x, w, b, cfg, act=act)
+    if act:
+        expect = ref.silu_mul_pairs(expect)
+    assert_close(out, expect, dtype, f"gluon M={m} {n}x{k} g={gs} sym={sym} {dtype} {cfg} act={act}")
+    assert int(w.locks.abs().sum()) == 0, "the K split left a counter set"
+
+
+ODD = [(1, 272, 576), (3, 272, 576), (17, 528, 640), (65, 272, 576), (129, 528, 1088), (257, 272, 576),
+       (1000, 528, 640)]
+WEIGHTS = [(128, False, torch.float16), (128, True, torch.bfloat16), (64, False, torch.bfloat16),
+           (32, False, torch.float16), (32, True, torch.bfloat16), (0, False, torch.float16), (0, True, torch.bfloat16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU and Gluon")
+@pytest.mark.parametrize("m,n,k", ODD)
+@pytest.mark.parametrize("gs,sym,dtype", WEIGHTS)
+def test_gpu_odd_shapes(poisoned, m, n, k, gs, sym, dtype):
+    """N not a multiple of the tile, K not of BK = 128, M past the tile: every weight variant, with
+    a K split and without, one config of each tile shape."""
+    for cfg in (G.GluonConfig(128, 64 if m <= 64 else 128, 64, 4, 1), G.GluonConfig(64, 128, 128, 4, 3),
+                G.GluonConfig(64, 256, 64, 3, 2)):
+        _run(m, n, k, gs, sym, dtype, cfg, seed=m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU and Gluon")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [5, 130])
+def test_gpu_silu_mul_and_no_bias(poisoned, dtype, m):
+    _run(m, 528, 640, 128, False, dtype, G.GluonConfig(128, 128, 64, 4, 2), bias=False, act=1, seed=m)
+    _run(m, 528, 640, 0, True, dtype, G.GluonConfig(64, 128, 128, 4, 1), bias=True, act=1, seed=m + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU and Gluon")
+@pytest.mark.parametrize("n,k", [(4096, 4096), (28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize("m", [16, 128, 256, 1024])
+def test_gpu_real_shapes(poisoned, n, k, m):
+    bm = min(128, max(16, 1 << (m - 1).bit_length()))
+    tiles = -(-m // bm) * -(-n // 256)
+    cfg = G.GluonConfig(128, bm, 64, 4, G.pick_split(tiles, k // 64, 132))
+    _run(m, n, k, 128, False, torch.float16, cfg, seed=m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU and Gluon")
+def test_gpu_graph_replays_leave_counters_zero(poisoned):
+    """Replays of a captured call with a K split give the same output each time."""
+    from tests.kernels._helpers import capture
+
+    x, w, b, _, expect = setup_case(64, 4096, 4096, 128, False, torch.float16, 3, layout="mma")
+    cfg = G.GluonConfig(128, 64, 64, 4, 8)
+    graph, out = capture(lambda: G.gluon_w4a16(x, w, b, cfg))
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, expect, torch.float16, "graph replay")
+    assert int(w.locks.abs().sum()) == 0
