@@ -30,12 +30,12 @@ and the Triton kernels (w4a16.py) are the path everywhere else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from spear.kernels._mma import _frag_ptx
+from spear.kernels.launch import GluonConfig, pick_split  # noqa: F401  (the launch shapes live there)
 from spear.kernels.layout import LOCK_SLOTS, PackedW4
 
 try:  # Gluon ships inside Triton 3.5+; absent or partial elsewhere
@@ -53,37 +53,6 @@ NCONS = 2                 # consumer warpgroups per program
 CONSUMER_REGS = 232       # registers per thread of a consumer warpgroup (setmaxnreg)
 PRODUCER_REGS = 40        # of the producer warp's warpgroup
 MAX_REGS = 168            # the kernel's register cap: 3 warpgroups x 128 threads x 168 = 64,512
-
-
-@dataclass(frozen=True)
-class GluonConfig:
-    """One launch of the Gluon GEMM: BNC output rows per consumer warpgroup (NCONS of them per
-    tile), BM tokens per tile, BK inputs per stage (64 or 128), STAGES stages in the ring, and the
-    K split (1: none)."""
-    BNC: int
-    BM: int
-    BK: int
-    stages: int
-    split_k: int = 1
-
-    def __post_init__(self):
-        if self.BNC not in (64, 128):
-            raise ValueError(f"BNC must be 64 or 128, got {self.BNC}")
-        if self.BM not in (16, 32, 64, 128, 256):
-            raise ValueError(f"BM must be a power of two from 16 to 256, got {self.BM}")
-        if self.BK not in (64, 128):
-            raise ValueError(f"BK must be 64 or 128, got {self.BK}")
-        if not 2 <= self.stages <= 8:
-            raise ValueError(f"stages must be 2..8, got {self.stages}")
-        if not 1 <= self.split_k <= 64:
-            raise ValueError(f"split_k must be 1..64, got {self.split_k}")
-        if self.BNC * self.BM > 128 * 128:
-            raise ValueError(f"a consumer's accumulator BNC x BM is at most 128 x 128 or 64 x 256 fp32 registers "
-                             f"per warpgroup; got {self.BNC} x {self.BM}")
-
-    @property
-    def BN(self) -> int:
-        return NCONS * self.BNC
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -104,20 +73,6 @@ def split_range(split: int, steps: int, n_split: int) -> tuple[int, int]:
     per = -(-steps // n_split)
     lo = min(split * per, steps)
     return lo, min(lo + per, steps)
-
-
-def pick_split(tiles: int, steps: int, programs: int, min_steps: int = 2) -> int:
-    """The K split that brings ``tiles`` output tiles closest to ``programs`` units without a split
-    of fewer than ``min_steps`` K steps (or an empty one): 1 when the tiles alone fill the GPU."""
-    best = 1
-    for s in range(1, 65):
-        per = -(-steps // s)
-        if per < min_steps or (s - 1) * per >= steps:
-            break
-        best = s
-        if tiles * s >= programs:
-            break
-    return best
 
 
 def units(m: int, n: int, cfg: GluonConfig) -> tuple[int, int, int]:
@@ -443,8 +398,8 @@ def check(x: torch.Tensor, w: PackedW4, cfg: GluonConfig) -> None:
     """Raise ValueError where the Gluon kernel cannot take (x, w) under ``cfg``."""
     if w.layout != "mma":
         raise ValueError(f"the Gluon GEMM takes the fragment layout; got {w.layout!r}")
-    if x.dim() != 2 or x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        raise ValueError("x must be 2-D with unit inner stride, rows 16-byte aligned (TMA)")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (tokens, in_features); got shape {tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"x must be float16 or bfloat16; got {x.dtype}")
     if w.group_size and w.group_size < 32:
@@ -455,6 +410,8 @@ def gluon_w4a16(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, cfg: Gl
                 act: int = 0) -> torch.Tensor:
     """``x W_hatᵀ (+ bias)``, or SiLU·mul of its (gate, up) pairs (``act`` 1), with the Gluon kernel."""
     check(x, w, cfg)
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # TMA: 16-byte aligned rows
+        x = x.clone(memory_format=torch.contiguous_format)
     m, k = x.shape
     n = w.out_features
     if k != w.in_features:

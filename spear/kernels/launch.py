@@ -17,6 +17,40 @@ from types import MappingProxyType
 
 
 @dataclass(frozen=True)
+class GluonConfig:
+    """One launch of the Gluon GEMM (gluon_w4.py): BNC output rows per consumer warpgroup (two of
+    them a tile), BM tokens a tile, BK inputs a stage (64 or 128), ``stages`` stages in the
+    ring, and the K split (1: none)."""
+    BNC: int
+    BM: int
+    BK: int
+    stages: int
+    split_k: int = 1
+
+    def __post_init__(self):
+        if self.BNC not in (64, 128):
+            raise ValueError(f"BNC must be 64 or 128, got {self.BNC}")
+        if self.BM not in (16, 32, 64, 128, 256):
+            raise ValueError(f"BM must be a power of two from 16 to 256, got {self.BM}")
+        if self.BK not in (64, 128):
+            raise ValueError(f"BK must be 64 or 128, got {self.BK}")
+        if not 2 <= self.stages <= 8:
+            raise ValueError(f"stages must be 2..8, got {self.stages}")
+        if not 1 <= self.split_k <= 64:
+            raise ValueError(f"split_k must be 1..64, got {self.split_k}")
+        if self.BNC * self.BM > 128 * 128:
+            raise ValueError(f"a consumer's fp32 accumulator BNC x BM is at most 128 x 128 (or 64 x 256); got "
+                             f"{self.BNC} x {self.BM}")
+
+    @property
+    def BN(self) -> int:
+        return 2 * self.BNC
+
+    def __str__(self) -> str:
+        return f"BN={self.BN} BM={self.BM} BK={self.BK} stages={self.stages} split={self.split_k}"
+
+
+@dataclass(frozen=True)
 class Config:
     """One launch shape. split_k (and the fused EC's u_split) are constexpr in the kernel: one
     compilation per value, so the reductions over their partials unroll."""
@@ -66,6 +100,13 @@ _BUILTIN = {
             "big": dict(BM=256, BN=128, BK=64, num_warps=8, num_stages=3)},
 }
 MMA_CLASSES = ("16", "32", "64", "128", "256", "big")  # the "mma" entries' token classes, in order
+# The Gluon GEMM's (gluon_w4.py) token classes: tokens up to the key, "big" above 1024. A class the
+# table holds runs the Gluon kernel on Hopper (the fragment layout; KernelPolicy.gluon); the
+# others keep the Triton kernel or dequantize + cuBLAS. Entries: BN output rows a tile (two
+# consumer warpgroups of BN / 2), BM tokens a tile, BK inputs a stage, num_stages ring stages,
+# programs: the K split brings the tiles up to about this many units.
+GLUON_CLASSES = ("16", "32", "64", "128", "256", "512", "1024", "big")
+_BUILTIN["gluon"] = {}
 
 
 def _frozen(v):
@@ -117,6 +158,21 @@ def check_table(table) -> dict:
                 _check_entry(f"mma.{cls}", e)
                 if e.get("BK", 64) not in (64, 128) or e.get("BN", 16) % 16:
                     raise ValueError(f"mma.{cls}: the fragment loop takes BK 64 or 128 and BN a multiple of 16")
+        elif key == "gluon":
+            if not isinstance(v, (dict, MappingProxyType)) or set(v) - set(GLUON_CLASSES):
+                raise ValueError(f"gluon must map token classes among {', '.join(GLUON_CLASSES)} to launch entries, "
+                                 f"got {v!r}")
+            for cls, e in v.items():
+                _check_entry(f"gluon.{cls}", e)
+                missing = {"BN", "BM", "BK", "num_stages"} - set(e)
+                if missing:
+                    raise ValueError(f"gluon.{cls}: missing {sorted(missing)}")
+                try:
+                    GluonConfig(e["BN"] // 2, e["BM"], e["BK"], e["num_stages"])
+                except ValueError as err:
+                    raise ValueError(f"gluon.{cls}: {err}") from None
+                if e["BN"] % 2:
+                    raise ValueError(f"gluon.{cls}: BN must be 128 or 256")
         elif key.endswith("_by_mv"):
             if not isinstance(v, (dict, MappingProxyType)) or set(v) - {"2", "4"}:
                 raise ValueError(f"{key} must map token classes \"2\" and \"4\" to launch entries, got {v!r}")
@@ -150,8 +206,9 @@ def merged_table(table=None):
         return BUILTIN
     own = _thaw(read_table(table))
     merged = {**{k: _thaw(v) for k, v in BUILTIN.items()}, **own}
-    if "mma" in own:  # per token class: a table may tune some classes only
-        merged["mma"] = {**_thaw(BUILTIN["mma"]), **own["mma"]}
+    for key in ("mma", "gluon"):  # per token class: a table may tune some classes only
+        if key in own:
+            merged[key] = {**_thaw(BUILTIN[key]), **own[key]}
     return _frozen(merged)
 
 
@@ -174,6 +231,47 @@ def _split_for(tiles: int, k: int, bk: int, programs: int) -> int:
 def mma_class(m: int) -> str:
     """The "mma" table class of ``m`` tokens."""
     return next((c for c in MMA_CLASSES[:-1] if m <= int(c)), "big")
+
+
+SPLIT_OVERHEAD_STEPS = 2  # a split unit's partial store and share of the reduction, in K steps
+
+
+def pick_split(tiles: int, steps: int, programs: int, min_steps: int = 2) -> int:
+    """The K split of ``tiles`` output tiles of ``steps`` K steps each over a persistent grid of
+    ``programs`` programs: the one with the shortest critical path, ceil(tiles x split / programs)
+    units a program of ceil(steps / split) steps each, plus SPLIT_OVERHEAD_STEPS a unit when split
+    (the smallest such split), among the splits whose ranges are all at least ``min_steps`` steps
+    long (or the whole K) and none empty."""
+    best, best_cost = 1, -(-tiles // programs) * steps
+    for s in range(2, 65):
+        per = -(-steps // s)
+        if per < min_steps:
+            break
+        if (s - 1) * per >= steps:  # the last split would be empty
+            continue
+        cost = -(-(tiles * s) // programs) * (per + SPLIT_OVERHEAD_STEPS)
+        if cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def gluon_class(m: int) -> str:
+    """The "gluon" table class of ``m`` tokens."""
+    return next((c for c in GLUON_CLASSES[:-1] if m <= int(c)), "big")
+
+
+GLUON_PROGRAMS = 132  # the K split's default target: one unit per SM of an H100/H200
+
+
+def pick_gluon(m: int, n: int, k: int, table=BUILTIN) -> GluonConfig | None:
+    """The Gluon launch of an (m, n, k) GEMM over the fragment layout under ``table``, or None when
+    the table keeps ``m`` tokens off the Gluon kernel."""
+    e = (table.get("gluon") or {}).get(gluon_class(m))
+    if e is None:
+        return None
+    tiles = _cdiv(m, e["BM"]) * _cdiv(n, e["BN"])
+    split = pick_split(tiles, _cdiv(k, e["BK"]), e.get("programs", GLUON_PROGRAMS))
+    return GluonConfig(e["BN"] // 2, e["BM"], e["BK"], e["num_stages"], split)
 
 
 def pick_config(m: int, n: int, k: int, group_size: int, layout: str = "nmajor", table=BUILTIN) -> Config:

@@ -35,16 +35,22 @@ def test_split_ranges_cover_every_step_once(steps, n_split):
 
 
 @pytest.mark.parametrize("tiles,steps,programs", [(16, 64, 132), (112, 64, 132), (256, 64, 132), (16, 224, 132),
-                                                  (1, 4, 132), (1, 1, 132), (32, 3, 264)])
-def test_pick_split(tiles, steps, programs):
+                                                  (1, 4, 132), (1, 1, 132), (32, 3, 264), (33, 64, 132)])
+def test_pick_split_takes_the_shortest_critical_path(tiles, steps, programs):
+    """Against an enumeration of every split: the chosen one has the fewest K steps (plus the split's
+    overhead) on the busiest program of the persistent grid (ties: the smallest split), no split
+    shorter than two steps unless K itself is, and none empty."""
+    def valid(s):
+        per = -(-steps // s)
+        return (s == 1 or per >= 2) and (s - 1) * per < steps
+
+    def cost(s):
+        return -(-(tiles * s) // programs) * (-(-steps // s) + (2 if s > 1 else 0))
+
     s = G.pick_split(tiles, steps, programs)
-    per = -(-steps // s)
-    assert s >= 1 and (s == 1 or per >= 2), "a split shorter than two K steps"
-    assert (s - 1) * per < steps, "an empty split"
-    if tiles >= programs:
-        assert s == 1
-    # nothing smaller reaches the target, nothing larger is allowed that stays under it
-    assert s == 1 or tiles * (s - 1) < programs
+    assert valid(s)
+    best = min((cost(c), c) for c in range(1, 65) if valid(c))
+    assert (cost(s), s) == best
 
 
 def test_units_enumerate_each_tile_and_split_once():
