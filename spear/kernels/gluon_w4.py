@@ -43,7 +43,8 @@ try:  # Gluon ships inside Triton 3.5+; absent or partial elsewhere
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_wait)
+                                                                  warpgroup_mma, warpgroup_mma_init,
+                                                                  warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     HAVE_GLUON = True
 except Exception:  # pragma: no cover - depends on the installed Triton
@@ -285,7 +286,13 @@ if HAVE_GLUON:
                     zc_hi = base + gl.load(zeros_ptr + rlo + 8, mask=rlo + 8 < N, other=0).to(gl.float32)
                 zlo_w = _pair16(gl.expand_dims(gl.expand_dims(zc_lo, 2), 3), IS_BF16)
                 zhi_w = _pair16(gl.expand_dims(gl.expand_dims(zc_hi, 2), 3), IS_BF16)
-            acc = gl.zeros([BNC, BM], gl.float32, acc_layout)
+            # (an in-flight accumulator from the start: the loop carries it with a wgmma outstanding)
+            acc = warpgroup_mma_init(gl.zeros([BNC, BM], gl.float32, acc_layout))
+            # software pipeline: block b's codes are converted while block b - 1's wgmma runs; the
+            # wait that follows retires it (its register operand stays allocated until then) and,
+            # at a stage's first block, frees the stage before (its last MMA has retired)
+            prev_a = gl.zeros([BNC, 64], dtype, a_layout)
+            prev_idx = 0
             for ks in range(lo, hi):
                 idx = it % STAGES
                 mbarrier.wait(ready.index(idx), (it // STAGES) & 1)
@@ -304,12 +311,15 @@ if HAVE_GLUON:
                                         _pair16(s_hi, False), a_layout, False, True, BNC)
                     else:
                         a = _a_tile(p, zlo_w, zhi_w, zlo_w, zhi_w, a_layout, IS_BF16, False, BNC)
-                    xb = x_bufs.index(idx * KB + kb).permute((1, 0))
-                    acc = warpgroup_mma(a, xb, acc, is_async=True)
-                    # the register operand is read until the wgmma retires: keep it alive up to here
-                    acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
-                mbarrier.arrive(empty.index(idx), count=1)
+                    acc, prev_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, prev_a))
+                    if kb == 0:
+                        mbarrier.arrive(empty.index(prev_idx), count=1, pred=ks > lo)
+                    acc = warpgroup_mma(a, x_bufs.index(idx * KB + kb).permute((1, 0)), acc, is_async=True)
+                    prev_a = a
+                prev_idx = idx
                 it += 1
+            acc, prev_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, prev_a))
+            mbarrier.arrive(empty.index(prev_idx), count=1, pred=hi > lo)
             # ------------------------------------------------------------ split-K and the epilogue
             rows = n0 + offs_r
             cols = m0 + offs_c
