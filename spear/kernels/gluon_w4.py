@@ -1,7 +1,8 @@
 """A persistent, warp-specialized W4A16 GEMM for Hopper (sm_90), written in Gluon, over the
 fragment layout (``pack(..., layout="mma")``).
 
-    out (M, N) = x (M, K) · W_hatᵀ (+ bias), optionally silu(gate) * up over (gate, up) pairs
+    out (M, N) = x (M, K) · W_hatᵀ (+ bias) (+ alpha · v Bᵀ), optionally silu(gate) * up over
+    (gate, up) pairs
 
 Why Gluon: the weight is the wgmma's register operand (accT [BN, BM] += W[BN, 64] · xT[64, BM],
 tokens on the MMA's N), and Triton's automatic warp specialization does not take a
@@ -22,7 +23,8 @@ Partitions of each program (one program per SM, ``persistent``):
 
 Work units are (output tile, K split) pairs, taken in turn by the programs; with a K split > 1,
 each unit stores its fp32 partial and bumps the tile's counter in ``locks``; the unit that
-arrives last sums the partials, runs the epilogue (per-channel scales, bias, SiLU·mul, the cast)
+arrives last sums the partials, runs the epilogue (per-channel scales, bias, the compensator's
+alpha · v Bᵀ as one more wgmma, SiLU·mul, the cast)
 and sets the counter back to zero, so ``locks`` stays zero between calls and CUDA-graph replays.
 Gluon does not run under Triton's interpreter: ``available()`` says where this kernel may run,
 and the Triton kernels (w4a16.py) are the path everywhere else.
@@ -36,7 +38,7 @@ import torch
 
 from spear.kernels._mma import _frag_ptx
 from spear.kernels.launch import GluonConfig, pick_split  # noqa: F401  (the launch shapes live there)
-from spear.kernels.layout import LOCK_SLOTS, PackedW4
+from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
 
 try:  # Gluon ships inside Triton 3.5+; absent or partial elsewhere
     import triton
@@ -235,11 +237,35 @@ if HAVE_GLUON:
         return s_lo, s_hi, z_lo + base, z_hi + base
 
     @gluon.jit
+    def _ec_epilogue(acc, b_ptr, v_ptr, alpha, rows, r_ok, m0, M, v_smem, a_layout: gl.constexpr, dtype: gl.constexpr,
+                     BM: gl.constexpr, R: gl.constexpr):
+        """acc [BNC, BM] + (alpha B)[rows, :R] · v[m0 .. m0 + BM, :R]ᵀ: alpha B rounded once to the
+        activation dtype (the register operand), v through shared memory (B operand), fp32 sums."""
+        BNC: gl.constexpr = acc.shape[0]
+        bl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        cols_r = gl.arange(0, R, gl.SliceLayout(0, bl))
+        rows_b = gl.convert_layout(rows, gl.SliceLayout(1, bl))
+        ok_b = gl.convert_layout(r_ok, gl.SliceLayout(1, bl))
+        bt = gl.load(b_ptr + gl.expand_dims(rows_b, 1) * R + gl.expand_dims(cols_r, 0), mask=gl.expand_dims(ok_b, 1),
+                     other=0.0)
+        bt = gl.convert_layout((bt.to(gl.float32) * alpha).to(dtype), a_layout)
+        vr = m0 + gl.arange(0, BM, gl.SliceLayout(1, bl))
+        vt = gl.load(v_ptr + gl.expand_dims(vr, 1) * R + gl.expand_dims(cols_r, 0), mask=gl.expand_dims(vr < M, 1),
+                     other=0.0)
+        _barrier()  # every warp is done with the last tile's v
+        v_smem.store(vt)
+        fence_async_shared()
+        _barrier()
+        acc = warpgroup_mma(bt, v_smem.permute((1, 0)), acc, is_async=True)
+        acc, bt = warpgroup_mma_wait(num_outstanding=0, deps=(acc, bt))
+        return acc
+
+    @gluon.jit
     def _consumer(x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr,
-                  locks_ptr, M, N, stride_om, m_tiles, n_units, steps, split_k,
+                  locks_ptr, b_ptr, v_ptr, alpha, M, N, stride_om, m_tiles, n_units, steps, split_k,
                   CID: gl.constexpr, BNC: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                   GROUP: gl.constexpr, SYMMETRIC: gl.constexpr, IS_BF16: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  ACT: gl.constexpr):
+                  ACT: gl.constexpr, R: gl.constexpr):
         KB: gl.constexpr = BK // 64
         T: gl.constexpr = BNC // 16
         BN: gl.constexpr = 2 * BNC
@@ -260,6 +286,10 @@ if HAVE_GLUON:
             base = 1024.0
             dtype: gl.constexpr = gl.float16
         row0: gl.constexpr = CID * BNC
+        if R > 0:  # v [BM, R] of a tile, the compensator's wgmma operand
+            v_smem = gl.allocate_shared_memory(dtype, [BM, R], gl.NVMMASharedLayout.get_default_for([BM, R], dtype))
+        else:
+            v_smem = x_bufs.index(0)  # never read
         GS: gl.constexpr = (BK + GROUP - 1) // GROUP if GROUP > 0 else 1
         s_plain = _plain(s_bufs, gl.float16, STAGES, GS, BN)
         z_plain = _plain(z_bufs, gl.uint8, STAGES, GS, BN)
@@ -335,7 +365,7 @@ if HAVE_GLUON:
                     _barrier()
                     acc = gl.zeros([BNC, BM], gl.float32, acc_layout)
                     for s in range(split_k):
-                        acc += gl.load(tile_ws + s * (BNC * BM) + offs)
+                        acc += gl.load(tile_ws + s * (BNC * BM) + offs, cache_modifier=".cg")
                     gl.store(lock, 0)
             else:
                 last = True
@@ -345,6 +375,8 @@ if HAVE_GLUON:
                     acc = acc * gl.expand_dims(gl.load(scales_ptr + rows, mask=r_ok, other=0.0).to(gl.float32), 1)
                 if HAS_BIAS:
                     acc = acc + gl.expand_dims(gl.load(bias_ptr + rows, mask=r_ok, other=0.0).to(gl.float32), 1)
+                if R > 0:  # the compensator: acc += (alpha B)[rows] · v[cols]ᵀ, one more wgmma
+                    acc = _ec_epilogue(acc, b_ptr, v_ptr, alpha, rows, r_ok, m0, M, v_smem, a_layout, dtype, BM, R)
                 if ACT:
                     # rows 2i, 2i + 1 are (gate, up): silu(gate) * up, written to feature i of (M, N / 2)
                     pair_layout: gl.constexpr = gl.BlockedLayout([2, 1], [16, 2], [1, 4], [0, 1])
@@ -366,10 +398,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _w4_gluon_kernel(x_desc, w_desc, s_desc, z_desc, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr,
-                         locks_ptr, M, N, stride_om, m_tiles, n_units, steps, split_k,
+                         locks_ptr, b_ptr, v_ptr, alpha, M, N, stride_om, m_tiles, n_units, steps, split_k,
                          BNC: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                          GROUP: gl.constexpr, SYMMETRIC: gl.constexpr, IS_BF16: gl.constexpr,
-                         HAS_BIAS: gl.constexpr, ACT: gl.constexpr):
+                         HAS_BIAS: gl.constexpr, ACT: gl.constexpr, R: gl.constexpr):
         KB: gl.constexpr = BK // 64
         BN: gl.constexpr = 2 * BNC
         GS: gl.constexpr = (BK + GROUP - 1) // GROUP if GROUP > 0 else 1
@@ -388,11 +420,11 @@ if HAVE_GLUON:
         C1: gl.constexpr = 1
         gl.warp_specialize([
             (_consumer, (x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
-                         part_ptr, locks_ptr, M, N, stride_om, m_tiles, n_units, steps, split_k,
-                         C0, BNC, BM, BK, STAGES, GROUP, SYMMETRIC, IS_BF16, HAS_BIAS, ACT)),
+                         part_ptr, locks_ptr, b_ptr, v_ptr, alpha, M, N, stride_om, m_tiles, n_units, steps, split_k,
+                         C0, BNC, BM, BK, STAGES, GROUP, SYMMETRIC, IS_BF16, HAS_BIAS, ACT, R)),
             (_consumer, (x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
-                         part_ptr, locks_ptr, M, N, stride_om, m_tiles, n_units, steps, split_k,
-                         C1, BNC, BM, BK, STAGES, GROUP, SYMMETRIC, IS_BF16, HAS_BIAS, ACT)),
+                         part_ptr, locks_ptr, b_ptr, v_ptr, alpha, M, N, stride_om, m_tiles, n_units, steps, split_k,
+                         C1, BNC, BM, BK, STAGES, GROUP, SYMMETRIC, IS_BF16, HAS_BIAS, ACT, R)),
             (_producer, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, m_tiles,
                          n_units, steps, split_k, BM, BN, BK, STAGES, GROUP, SYMMETRIC)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
@@ -417,9 +449,18 @@ def check(x: torch.Tensor, w: PackedW4, cfg: GluonConfig) -> None:
 
 
 def gluon_w4a16(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, cfg: GluonConfig,
-                act: int = 0) -> torch.Tensor:
-    """``x W_hatᵀ (+ bias)``, or SiLU·mul of its (gate, up) pairs (``act`` 1), with the Gluon kernel."""
+                act: int = 0, ec: PackedEC | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W_hatᵀ (+ bias) (+ alpha · v Bᵀ)``, or SiLU·mul of its (gate, up) pairs (``act`` 1), with the
+    Gluon kernel. ``ec`` and ``v``: the compensator's B and alpha, and v = gamma(u) ⊙ u (M, R) from
+    ``ec.ec_gate``; the epilogue adds alpha · v Bᵀ (alpha B rounded once to the activation dtype)."""
     check(x, w, cfg)
+    if (ec is None) != (v is None):
+        raise ValueError("the compensator's epilogue needs both ec (for B and alpha) and v")
+    if ec is not None and (v.shape != (x.shape[0], ec.b.shape[1]) or v.dtype != x.dtype or not v.is_contiguous()
+                           or ec.b.shape[0] != w.out_features or ec.b.dtype != x.dtype):
+        raise ValueError(f"v must be ({x.shape[0]}, {ec.b.shape[1]}) {x.dtype}, contiguous, and B "
+                         f"({w.out_features}, R) in that dtype; got v {tuple(v.shape)} {v.dtype}, B "
+                         f"{tuple(ec.b.shape)} {ec.b.dtype}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # TMA: 16-byte aligned rows
         x = x.clone(memory_format=torch.contiguous_format)
     m, k = x.shape
@@ -451,9 +492,11 @@ def gluon_w4a16(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, cfg: Gl
     grid = (min(_sm_count(x.device.index or 0), n_units),)
     _w4_gluon_kernel[grid](
         x_desc, w_desc, s_desc, z_desc, w.scales, w.zeros, bias if bias is not None else w.scales, out, part,
-        w.locks, m, n, out.stride(0), m_tiles, n_units, steps, cfg.split_k,
+        w.locks, ec.b if ec is not None else w.scales, v if v is not None else w.scales,
+        float(ec.alpha) if ec is not None else 0.0, m, n, out.stride(0), m_tiles, n_units, steps, cfg.split_k,
         BNC=cfg.BNC, BM=cfg.BM, BK=cfg.BK, STAGES=cfg.stages, GROUP=w.group_size, SYMMETRIC=w.symmetric,
         IS_BF16=x.dtype == torch.bfloat16, HAS_BIAS=bias is not None, ACT=act,
+        R=ec.b.shape[1] if ec is not None else 0,
         num_warps=4, maxnreg=MAX_REGS,
     )
     return out

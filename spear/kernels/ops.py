@@ -106,6 +106,10 @@ def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: P
         gate()
         if isinstance(config, Config):  # the Triton GEMM's epilogue adds alpha · v Bᵀ
             return w4a16_matmul(x, w, bias, e, ec_mode=2, v=v, config=config, act=act, pdl=pdl)
+        if isinstance(config, GluonConfig):  # so does the Gluon GEMM's
+            from spear.kernels.gluon_w4 import gluon_w4a16
+
+            return gluon_w4a16(x, w, bias, config, act=act, ec=e, v=v)
         y = ec_kernels.ec_up(_w4_part(x, w, bias, config, pdl), v, e)
         return fused.silu_mul_pairs(y) if act else y
     join = _beside(x.device, gate)

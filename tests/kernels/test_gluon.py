@@ -17,7 +17,8 @@ import torch
 
 from spear.kernels import gluon_w4 as G
 from spear.kernels import reference as ref
-from tests.kernels._helpers import DEVICE, assert_close, setup_case
+from spear.kernels import ec as ec_kernels
+from tests.kernels._helpers import DEVICE, assert_close, make_ec, setup_case
 
 ON_HOPPER = DEVICE == "cuda" and G.available()
 
@@ -85,9 +86,10 @@ def test_compiles_for_hopper():
 
 
 # ---------------------------------------------------------------------------- GPU
-def _run(m, n, k, gs, sym, dtype, cfg, bias=True, act=0, seed=0):
-    x, w, b, _, expect = setup_case(m, k, n, gs, sym, dtype, seed, bias=bias, layout="mma")
-    out = G.gluon_w4a16(x, w, b, cfg, act=act)
+def _run(m, n, k, gs, sym, dtype, cfg, bias=True, act=0, seed=0, ec=None):
+    x, w, b, e, expect = setup_case(m, k, n, gs, sym, dtype, seed, bias=bias, layout="mma", ec=ec)
+    v = None if e is None else ec_kernels.ec_gate(x, e)
+    out = G.gluon_w4a16(x, w, b, cfg, act=act, ec=e, v=v)
     if act:
         expect = ref.silu_mul_pairs(expect)
     assert_close(out, expect, dtype, f"gluon M={m} {n}x{k} g={gs} sym={sym} {dtype} {cfg} act={act}")
@@ -119,6 +121,18 @@ def test_gpu_odd_shapes(poisoned, m, n, k, gs, sym, dtype):
 def test_gpu_silu_mul_and_no_bias(poisoned, dtype, m):
     _run(m, 528, 640, 128, False, dtype, G.GluonConfig(128, 128, 64, 4, 2), bias=False, act=1, seed=m)
     _run(m, 528, 640, 0, True, dtype, G.GluonConfig(64, 128, 128, 4, 1), bias=True, act=1, seed=m + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU and Gluon")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("r,h,act", [(16, 16, 0), (32, None, 1), (64, 32, 0)])
+@pytest.mark.parametrize("m", [3, 65, 257])
+def test_gpu_compensator_epilogue(poisoned, dtype, r, h, act, m):
+    """alpha · v Bᵀ in the epilogue (v from ec_gate), with and without a K split and SiLU·mul."""
+    n, k = 528, 640
+    for cfg in (G.GluonConfig(128, 128, 64, 4, 1), G.GluonConfig(64, 256, 128, 3, 3)):
+        _run(m, n, k, 128, False, dtype, cfg, act=act, seed=m, ec=make_ec(n, k, r, h, dtype, seed=m))
 
 
 @pytest.mark.gpu
