@@ -260,3 +260,22 @@ def _settings(args: tuple[int, ...]) -> _Settings:
 
 def settings(args) -> _Settings:
     return _settings(tuple(int(a) for a in args))
+
+
+def describe(policy: KernelPolicy, n: int, k: int, group_size: int, layout: str, rank: int = 0, gluon: bool = False,
+             tokens=(1, 2, 4, 16, 32, 64, 96, 128, 256, 512, 1024, 4096)) -> str:
+    """One line per run of token counts that share a path: which kernel a W4 layer (n, k) takes
+    under ``policy`` (``plan``), e.g. for the engine's log and ``spear tune-kernels``."""
+    lines, start, last = [], None, None
+    for t in tokens:
+        p = plan(t, n, k, group_size, layout, rank, policy, gluon=gluon)
+        d = f"{p.path} ({p.w4})"
+        if last is not None and d != last[1]:
+            lines.append(f"{start}-{last[0]} tokens: {last[1]}" if start != last[0] else f"{start} tokens: {last[1]}")
+            start = t
+        elif last is None:
+            start = t
+        last = (t, d)
+    if last is not None:
+        lines.append(f"{start}-{last[0]} tokens: {last[1]}" if start != last[0] else f"{start} tokens: {last[1]}")
+    return "; ".join(lines)

@@ -223,3 +223,14 @@ def test_gluon_entries_the_kernel_cannot_run_are_refused(entry):
         KernelPolicy(launch_table={"gluon": {"128": entry}})
     with pytest.raises(ValueError, match="gluon"):
         KernelPolicy(launch_table={"gluon": {"100": dict(BN=256, BM=128, BK=64, num_stages=4)}})
+
+
+def test_describe_names_each_run_of_token_counts_by_its_kernel():
+    from spear.kernels.policy import describe
+
+    pol = KernelPolicy(launch_table=GLUON_TABLE)
+    assert describe(pol, N, K, GROUP, "mma", 0, gluon=True, tokens=(1, 64, 65, 128, 129, 256, 512, 4096)) == (
+        "1-64 tokens: gemm (triton); 65-128 tokens: gluon (gluon); 129-256 tokens: gemm (triton); "
+        "512-4096 tokens: gluon (gluon)")
+    assert describe(pol, N, K, GROUP, "mma", 16, gluon=False, tokens=(1, 64, 65, 4096)) == (
+        "1-64 tokens: fused_ec (triton); 65 tokens: semi_fused_ec (triton); 4096 tokens: semi_fused_ec (cublas)")
