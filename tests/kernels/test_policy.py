@@ -231,6 +231,6 @@ def test_describe_names_each_run_of_token_counts_by_its_kernel():
     pol = KernelPolicy(launch_table=GLUON_TABLE)
     assert describe(pol, N, K, GROUP, "mma", 0, gluon=True, tokens=(1, 64, 65, 128, 129, 256, 512, 4096)) == (
         "1-64 tokens: gemm (triton); 65-128 tokens: gluon (gluon); 129-256 tokens: gemm (triton); "
-        "512-4096 tokens: gluon (gluon)")
+        "512 tokens: dequant_cublas (cublas); 4096 tokens: gluon (gluon)")
     assert describe(pol, N, K, GROUP, "mma", 16, gluon=False, tokens=(1, 64, 65, 4096)) == (
         "1-64 tokens: fused_ec (triton); 65 tokens: semi_fused_ec (triton); 4096 tokens: semi_fused_ec (cublas)")
