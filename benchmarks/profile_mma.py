@@ -1,5 +1,4 @@
-"""One launch of the fragment layout's W4 GEMM (the Triton kernel, or with --gluon the Gluon
-kernel), for a profiler (ncu) to read.
+"""One launch of the fragment layout's W4 GEMM (Triton, or Gluon with --gluon) for ncu to read.
 
     ncu --clock-control none -k regex:_w4a16 -s 2 -c 1 --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio \\
