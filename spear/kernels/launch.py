@@ -66,14 +66,14 @@ class Config:
     prefetch: bool = False  # K-major CUDA-core loop: issue step k + 1's loads before step k's math
 
 
-# Launch shapes by token count, each the best measured on the H200 for its token class
-# (BENCHMARKS.md, "Where the built-in choices come from").
+# Launch shapes by token count, each the best of a sweep on the H200 for its token class
+# (``spear tune-kernels``, ``benchmarks/bench_kernels.py --tune``).
 _BUILTIN = {
     "fma_max_m": 1,                                       # CUDA-core main loop up to here
     "fma": dict(BN=64, BK=128, num_warps=2, num_stages=2, programs=1024),
     # K-major layout, one token: with the next K step's loads issued before the current step's
     # math, fewer and longer programs win; 528, since ~396 were as fast alone but slower in the
-    # engine (BENCHMARKS.md, "Where the built-in choices come from", "Tried, measured, dropped").
+    # engine (BENCHMARKS.md, "Tried, measured, dropped").
     "fma_kmajor": dict(BN=64, BK=128, num_warps=2, num_stages=1, programs=528, prefetch=True),
     # per token class (MV "2", "4"; JSON keys) its own best launch, with which the CUDA-core loop
     # beats the tensor-core tiles up to M = 4; classes not listed use the M = 1 launch above.
@@ -82,7 +82,7 @@ _BUILTIN = {
     "fma_kmajor_max_m": 4,
     # one token, layers of at most max_n output features (N = 4096: only 64 column tiles): fewer,
     # longer programs (split 8 of four K steps instead of 16 of two) with 4 warps, faster there in
-    # the engine (BENCHMARKS.md, "Where the built-in choices come from")
+    # the engine (bench_decode.py on the H200)
     "fma_kmajor_narrow": dict(max_n=4096, BN=64, BK=128, num_warps=4, num_stages=2, programs=264, prefetch=True),
     "tc": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=512),    # split-K tensor-core decode
     # 17 to DECODE_MAX_M tokens (batched decode of 32-64 sequences): half the programs of "tc", so
@@ -91,7 +91,8 @@ _BUILTIN = {
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
     # the fragment layout's tensor-core loop (_mma.py) by token class (tokens up to the key; "big"
     # above 256): BM tokens a tile, split-K until about ``programs`` programs run (absent: none).
-    # `spear tune-kernels --layout mma` on Llama-3-8B's shapes, H200, 2026-12-04 (BENCHMARKS.md)
+    # `spear tune-kernels --layout mma` on Llama-3-8B's shapes, H200, 2026-12-04 (BENCHMARKS.md,
+    # "Kernels: the W4A16 GEMM from 1 to 4,096 tokens")
     "mma": {"16": dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3, programs=264),
             "32": dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=3, programs=264),
             "64": dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=3, programs=132),
