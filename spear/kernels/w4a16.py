@@ -47,8 +47,8 @@ BENCHMARKS.md, "Tried, measured, dropped".
 EC_MODE 2 (prefill, serial variant): v = gamma(u) ⊙ u was computed by ``ec.ec_gate``;
 the epilogue only adds alpha · B_tile v.
 
-ACT 1 (gate/up as one layer with interleaved features, spear/serve/layers/linear.py): after bias and EC the
-epilogue stores silu(gate) * up for each pair of rows, N / 2 output features.
+ACT 1 (gate/up as one layer with interleaved features, spear/serve/layers/linear.py): after bias
+and EC the epilogue stores silu(gate) * up for each pair of rows, N / 2 output features.
 """
 
 from __future__ import annotations
