@@ -162,11 +162,12 @@ def _plan(tokens, n, k, group_size, layout, rank, s: "_Settings", cuda: bool) ->
 
 # ---------------------------------------------------------------------------- the op's integers
 # The launch table flattened: its scalar keys, then each entry as a presence flag and its fields.
-_SCALARS = ("fma_max_m", "fma_kmajor_max_m")
+_SCALARS = ("fma_max_m", "fma_kmajor_max_m", "fma_mma_max_m")
 _ENTRIES = ("fma", "fma_kmajor", "fma_kmajor_by_mv.2", "fma_kmajor_by_mv.4", "fma_kmajor_narrow", "tc", "tc_wide",
-            "prefill") + tuple(f"mma.{c}" for c in MMA_CLASSES)
+            "prefill") + tuple(f"mma.{c}" for c in MMA_CLASSES) + (
+            "fma_mma", "fma_mma_by_mv.2", "fma_mma_by_mv.4", "fma_mma_narrow")
 _FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "programs", "max_n", "u_split", "prefetch")
-_VERSION = 2
+_VERSION = 3
 
 
 def _entry(table, key):
@@ -215,6 +216,7 @@ def _settings(args: tuple[int, ...]) -> _Settings:
     head, rest = args[1:7], list(args[7:])
     table: dict = {key: rest.pop(0) for key in _SCALARS}
     table["fma_kmajor_by_mv"] = {}
+    table["fma_mma_by_mv"] = {}
     table["mma"] = {}
     for key in _ENTRIES:
         present, values = rest[0], rest[1:1 + len(_FIELDS)]
