@@ -217,27 +217,43 @@ def _code(p, hi, i: tl.constexpr):
 
 
 @triton.jit
-def _word_codes(p):
-    """The eight codes of fragment words p as fp32, nibble order (pair j = i % 4, half i // 4)."""
-    hi = p >> 20
-    return (_code(p, hi, 0), _code(p, hi, 1), _code(p, hi, 2), _code(p, hi, 3), _code(p, hi, 4), _code(p, hi, 5),
-            _code(p, hi, 6), _code(p, hi, 7))
-
-
-@triton.jit
-def _codes_dot(lo, hi, v, xa, xb, IS_BF16: tl.constexpr, FIRST: tl.constexpr):
-    """(lo, hi) + one word's codes ``v`` (``_word_codes``) times its activations: pairs 0, 2 (row g)
-    and 1, 3 (row g + 8) against words A (pairs 0, 1) and B (pairs 2, 3) of x, the low half for
+def _codes_dot(lo, hi, v0, v1, v2, v3, v4, v5, v6, v7, xa, xb, IS_BF16: tl.constexpr, FIRST: tl.constexpr):
+    """(lo, hi) + one word's codes v (nibble order) times its activations: pairs 0, 2 (row g) and
+    1, 3 (row g + 8) against words A (pairs 0, 1) and B (pairs 2, 3) of x, the low half for
     nibbles 0..3. FIRST: the sums start here (lo, hi unused)."""
     a_lo, a_hi = _pair_f32(xa, IS_BF16)
     b_lo, b_hi = _pair_f32(xb, IS_BF16)
     if FIRST:
-        lo = v[0] * a_lo + v[2] * b_lo + v[4] * a_hi + v[6] * b_hi
-        hi = v[1] * a_lo + v[3] * b_lo + v[5] * a_hi + v[7] * b_hi
+        lo = v0 * a_lo + v2 * b_lo + v4 * a_hi + v6 * b_hi
+        hi = v1 * a_lo + v3 * b_lo + v5 * a_hi + v7 * b_hi
     else:
-        lo = lo + v[0] * a_lo + v[2] * b_lo + v[4] * a_hi + v[6] * b_hi
-        hi = hi + v[1] * a_lo + v[3] * b_lo + v[5] * a_hi + v[7] * b_hi
+        lo = lo + v0 * a_lo + v2 * b_lo + v4 * a_hi + v6 * b_hi
+        hi = hi + v1 * a_lo + v3 * b_lo + v5 * a_hi + v7 * b_hi
     return lo, hi
+
+
+@triton.jit
+def _word_tokens(l0, h0, l1, h1, l2, h2, l3, h3, p, xa0, xb0, xa1, xb1, xa2, xb2, xa3, xb3,
+                 MV: tl.constexpr, IS_BF16: tl.constexpr, FIRST: tl.constexpr):
+    """The exact fp32 path's sums (rows g, g + 8 of each token) plus one word's codes against its
+    activation words (xa_t, xb_t of token t). Word by word, every token at once, so that only one
+    word's codes need to be live."""
+    hi = p >> 20
+    v0 = _code(p, hi, 0)
+    v1 = _code(p, hi, 1)
+    v2 = _code(p, hi, 2)
+    v3 = _code(p, hi, 3)
+    v4 = _code(p, hi, 4)
+    v5 = _code(p, hi, 5)
+    v6 = _code(p, hi, 6)
+    v7 = _code(p, hi, 7)
+    l0, h0 = _codes_dot(l0, h0, v0, v1, v2, v3, v4, v5, v6, v7, xa0, xb0, IS_BF16, FIRST)
+    if MV > 1:
+        l1, h1 = _codes_dot(l1, h1, v0, v1, v2, v3, v4, v5, v6, v7, xa1, xb1, IS_BF16, FIRST)
+    if MV > 2:
+        l2, h2 = _codes_dot(l2, h2, v0, v1, v2, v3, v4, v5, v6, v7, xa2, xb2, IS_BF16, FIRST)
+        l3, h3 = _codes_dot(l3, h3, v0, v1, v2, v3, v4, v5, v6, v7, xa3, xb3, IS_BF16, FIRST)
+    return l0, h0, l1, h1, l2, h2, l3, h3
 
 
 @triton.jit
@@ -248,21 +264,16 @@ def _x_sum(xa, xb, IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def _token_fma(acc_lo, acc_hi, c0, c1, c2, c3, a0, b0, a1, b1, a2, b2, a3, b3, s_lo0, s_hi0, z_lo0, z_hi0,
-               s_lo1, s_hi1, z_lo1, z_hi1, GROUPED: tl.constexpr, SPLIT: tl.constexpr, IS_BF16: tl.constexpr):
-    """One token's step on the exact fp32 path: c0..c3 the codes of words 0..3 (``_word_codes``)."""
-    lo, hi = _codes_dot(0.0, 0.0, c0, a0, b0, IS_BF16, True)
-    lo, hi = _codes_dot(lo, hi, c1, a1, b1, IS_BF16, False)
+def _finish_fma(acc_lo, acc_hi, lo, hi, lo1, hi1, a0, b0, a1, b1, a2, b2, a3, b3, s_lo0, s_hi0, z_lo0, z_hi0,
+                s_lo1, s_hi1, z_lo1, z_hi1, GROUPED: tl.constexpr, SPLIT: tl.constexpr, IS_BF16: tl.constexpr):
+    """One token's step on the exact fp32 path from its sums of code · x (lo, hi; SPLIT: words 0, 1
+    and 2, 3 apart): the zero point times the sum of the activations off, the group scale on."""
     sx0 = _x_sum(a0, b0, IS_BF16) + _x_sum(a1, b1, IS_BF16)
     if SPLIT:  # groups of 32: words 2, 3 are the next group
-        lo1, hi1 = _codes_dot(0.0, 0.0, c2, a2, b2, IS_BF16, True)
-        lo1, hi1 = _codes_dot(lo1, hi1, c3, a3, b3, IS_BF16, False)
         sx1 = _x_sum(a2, b2, IS_BF16) + _x_sum(a3, b3, IS_BF16)
         lo1 = lo1 - z_lo1 * sx1
         hi1 = hi1 - z_hi1 * sx1
     else:
-        lo, hi = _codes_dot(lo, hi, c2, a2, b2, IS_BF16, False)
-        lo, hi = _codes_dot(lo, hi, c3, a3, b3, IS_BF16, False)
         sx0 += _x_sum(a2, b2, IS_BF16) + _x_sum(a3, b3, IS_BF16)
     lo = lo - z_lo0 * sx0
     hi = hi - z_hi0 * sx0
@@ -279,12 +290,12 @@ def _token_fma(acc_lo, acc_hi, c0, c1, c2, c3, a0, b0, a1, b1, a2, b2, a3, b3, s
 
 
 @triton.jit
-def _token_ptx(acc_lo, acc_hi, d0, d1, d2, d3, a0, b0, a1, b1, a2, b2, a3, b3, s_lo0, s_hi0, s_lo1, s_hi1,
-               GROUPED: tl.constexpr, SPLIT: tl.constexpr):
-    """One token's step on the fp16x2 path: d0..d3 the pairs of words 0..3 (``_frag_dq``); the
+def _token_ptx(acc_lo, acc_hi, d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3,
+               a0, b0, a1, b1, a2, b2, a3, b3, s_lo0, s_hi0, s_lo1, s_hi1, GROUPED: tl.constexpr, SPLIT: tl.constexpr):
+    """One token's step on the fp16x2 path: d, e, f, h the pairs of words 0..3 (``_frag_dq``); the
     scales times 16 (the sums' unit)."""
-    lo, hi, lo1, hi1 = _frag_dot(d0[0], d0[1], d0[2], d0[3], d1[0], d1[1], d1[2], d1[3], d2[0], d2[1], d2[2], d2[3],
-                                 d3[0], d3[1], d3[2], d3[3], a0, b0, a1, b1, a2, b2, a3, b3, SPLIT)
+    lo, hi, lo1, hi1 = _frag_dot(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3,
+                                 a0, b0, a1, b1, a2, b2, a3, b3, SPLIT)
     if GROUPED:
         acc_lo += s_lo0 * lo
         acc_hi += s_hi0 * hi
@@ -382,43 +393,60 @@ def _frag_fma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n0, k_lo, k_hi, M, 
             # tokens 2 and 3 (M = 3, 4 only): activations loaded at the step that uses them
             ua0, ub0, ua1, ub1, ua2, ub2, ua3, ub3 = _x_words(x32, 2, stride_xm, k, xo, M)
             va0, vb0, va1, vb1, va2, vb2, va3, vb3 = _x_words(x32, 3, stride_xm, k, xo, M)
+        if MV == 1:  # absent tokens' names, never computed with
+            ya0, yb0, ya1, yb1, ya2, yb2, ya3, yb3 = xa0, xb0, xa1, xb1, xa2, xb2, xa3, xb3
+        if MV < 4:
+            ua0, ub0, ua1, ub1, ua2, ub2, ua3, ub3 = xa0, xb0, xa1, xb1, xa2, xb2, xa3, xb3
+            va0, vb0, va1, vb1, va2, vb2, va3, vb3 = xa0, xb0, xa1, xb1, xa2, xb2, xa3, xb3
         w0, w1, w2, w3 = _split4(p, T, KB)
         if PTX:
             # the zero points as fp16x2 offsets, the scales times 16 (the sums' unit)
-            zn_lo0 = _neg_zero_pairs(z_lo0)[0]
-            zn_hi0 = _neg_zero_pairs(z_hi0)[1]
-            zn_lo1 = _neg_zero_pairs(z_lo1)[0]
-            zn_hi1 = _neg_zero_pairs(z_hi1)[1]
-            d0 = _frag_dq(w0, zn_lo0, zn_hi0)
-            d1 = _frag_dq(w1, zn_lo0, zn_hi0)
-            d2 = _frag_dq(w2, zn_lo1, zn_hi1)
-            d3 = _frag_dq(w3, zn_lo1, zn_hi1)
+            zn_lo0, _ = _neg_zero_pairs(z_lo0)
+            _, zn_hi0 = _neg_zero_pairs(z_hi0)
+            zn_lo1, _ = _neg_zero_pairs(z_lo1)
+            _, zn_hi1 = _neg_zero_pairs(z_hi1)
+            d0, d1, d2, d3 = _frag_dq(w0, zn_lo0, zn_hi0)
+            e0, e1, e2, e3 = _frag_dq(w1, zn_lo0, zn_hi0)
+            f0, f1, f2, f3 = _frag_dq(w2, zn_lo1, zn_hi1)
+            g0, g1, g2, g3 = _frag_dq(w3, zn_lo1, zn_hi1)
             t_lo0, t_hi0, t_lo1, t_hi1 = s_lo0 * 16.0, s_hi0 * 16.0, s_lo1 * 16.0, s_hi1 * 16.0
-            l0, h0 = _token_ptx(l0, h0, d0, d1, d2, d3, xa0, xb0, xa1, xb1, xa2, xb2, xa3, xb3, t_lo0, t_hi0, t_lo1,
-                                t_hi1, GROUPED, SPLIT)
+            l0, h0 = _token_ptx(l0, h0, d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, g0, g1, g2, g3,
+                                xa0, xb0, xa1, xb1, xa2, xb2, xa3, xb3, t_lo0, t_hi0, t_lo1, t_hi1, GROUPED, SPLIT)
             if MV > 1:
-                l1, h1 = _token_ptx(l1, h1, d0, d1, d2, d3, ya0, yb0, ya1, yb1, ya2, yb2, ya3, yb3, t_lo0, t_hi0,
-                                    t_lo1, t_hi1, GROUPED, SPLIT)
+                l1, h1 = _token_ptx(l1, h1, d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, g0, g1, g2, g3,
+                                    ya0, yb0, ya1, yb1, ya2, yb2, ya3, yb3, t_lo0, t_hi0, t_lo1, t_hi1, GROUPED, SPLIT)
             if MV > 2:
-                l2, h2 = _token_ptx(l2, h2, d0, d1, d2, d3, ua0, ub0, ua1, ub1, ua2, ub2, ua3, ub3, t_lo0, t_hi0,
-                                    t_lo1, t_hi1, GROUPED, SPLIT)
-                l3, h3 = _token_ptx(l3, h3, d0, d1, d2, d3, va0, vb0, va1, vb1, va2, vb2, va3, vb3, t_lo0, t_hi0,
-                                    t_lo1, t_hi1, GROUPED, SPLIT)
+                l2, h2 = _token_ptx(l2, h2, d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, g0, g1, g2, g3,
+                                    ua0, ub0, ua1, ub1, ua2, ub2, ua3, ub3, t_lo0, t_hi0, t_lo1, t_hi1, GROUPED, SPLIT)
+                l3, h3 = _token_ptx(l3, h3, d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, g0, g1, g2, g3,
+                                    va0, vb0, va1, vb1, va2, vb2, va3, vb3, t_lo0, t_hi0, t_lo1, t_hi1, GROUPED, SPLIT)
         else:
-            c0 = _word_codes(w0)
-            c1 = _word_codes(w1)
-            c2 = _word_codes(w2)
-            c3 = _word_codes(w3)
-            l0, h0 = _token_fma(l0, h0, c0, c1, c2, c3, xa0, xb0, xa1, xb1, xa2, xb2, xa3, xb3, s_lo0, s_hi0, z_lo0,
-                                z_hi0, s_lo1, s_hi1, z_lo1, z_hi1, GROUPED, SPLIT, IS_BF16)
+            # sums of code · x over the step, per token (words 0, 1 then 2, 3: one group at groups of 32)
+            c0, d0, c1, d1, c2, d2, c3, d3 = _word_tokens(acc, acc, acc, acc, acc, acc, acc, acc, w0, xa0, xb0, ya0, yb0,
+                                                          ua0, ub0, va0, vb0, MV, IS_BF16, True)
+            c0, d0, c1, d1, c2, d2, c3, d3 = _word_tokens(c0, d0, c1, d1, c2, d2, c3, d3, w1, xa1, xb1, ya1, yb1,
+                                                          ua1, ub1, va1, vb1, MV, IS_BF16, False)
+            if SPLIT:
+                e0, f0, e1, f1, e2, f2, e3, f3 = _word_tokens(acc, acc, acc, acc, acc, acc, acc, acc, w2, xa2, xb2,
+                                                              ya2, yb2, ua2, ub2, va2, vb2, MV, IS_BF16, True)
+                e0, f0, e1, f1, e2, f2, e3, f3 = _word_tokens(e0, f0, e1, f1, e2, f2, e3, f3, w3, xa3, xb3,
+                                                              ya3, yb3, ua3, ub3, va3, vb3, MV, IS_BF16, False)
+            else:
+                c0, d0, c1, d1, c2, d2, c3, d3 = _word_tokens(c0, d0, c1, d1, c2, d2, c3, d3, w2, xa2, xb2, ya2, yb2,
+                                                              ua2, ub2, va2, vb2, MV, IS_BF16, False)
+                c0, d0, c1, d1, c2, d2, c3, d3 = _word_tokens(c0, d0, c1, d1, c2, d2, c3, d3, w3, xa3, xb3, ya3, yb3,
+                                                              ua3, ub3, va3, vb3, MV, IS_BF16, False)
+                e0, f0, e1, f1, e2, f2, e3, f3 = c0, d0, c1, d1, c2, d2, c3, d3  # no second group
+            l0, h0 = _finish_fma(l0, h0, c0, d0, e0, f0, xa0, xb0, xa1, xb1, xa2, xb2, xa3, xb3, s_lo0, s_hi0, z_lo0,
+                                 z_hi0, s_lo1, s_hi1, z_lo1, z_hi1, GROUPED, SPLIT, IS_BF16)
             if MV > 1:
-                l1, h1 = _token_fma(l1, h1, c0, c1, c2, c3, ya0, yb0, ya1, yb1, ya2, yb2, ya3, yb3, s_lo0, s_hi0,
-                                    z_lo0, z_hi0, s_lo1, s_hi1, z_lo1, z_hi1, GROUPED, SPLIT, IS_BF16)
+                l1, h1 = _finish_fma(l1, h1, c1, d1, e1, f1, ya0, yb0, ya1, yb1, ya2, yb2, ya3, yb3, s_lo0, s_hi0,
+                                     z_lo0, z_hi0, s_lo1, s_hi1, z_lo1, z_hi1, GROUPED, SPLIT, IS_BF16)
             if MV > 2:
-                l2, h2 = _token_fma(l2, h2, c0, c1, c2, c3, ua0, ub0, ua1, ub1, ua2, ub2, ua3, ub3, s_lo0, s_hi0,
-                                    z_lo0, z_hi0, s_lo1, s_hi1, z_lo1, z_hi1, GROUPED, SPLIT, IS_BF16)
-                l3, h3 = _token_fma(l3, h3, c0, c1, c2, c3, va0, vb0, va1, vb1, va2, vb2, va3, vb3, s_lo0, s_hi0,
-                                    z_lo0, z_hi0, s_lo1, s_hi1, z_lo1, z_hi1, GROUPED, SPLIT, IS_BF16)
+                l2, h2 = _finish_fma(l2, h2, c2, d2, e2, f2, ua0, ub0, ua1, ub1, ua2, ub2, ua3, ub3, s_lo0, s_hi0,
+                                     z_lo0, z_hi0, s_lo1, s_hi1, z_lo1, z_hi1, GROUPED, SPLIT, IS_BF16)
+                l3, h3 = _finish_fma(l3, h3, c3, d3, e3, f3, va0, vb0, va1, vb1, va2, vb2, va3, vb3, s_lo0, s_hi0,
+                                     z_lo0, z_hi0, s_lo1, s_hi1, z_lo1, z_hi1, GROUPED, SPLIT, IS_BF16)
         if PREFETCH:
             p, s_lo0, s_hi0, z_lo0, z_hi0, s_lo1, s_hi1, z_lo1, z_hi1 = (pn, ns_lo0, ns_hi0, nz_lo0, nz_hi0, ns_lo1,
                                                                         ns_hi1, nz_lo1, nz_hi1)
