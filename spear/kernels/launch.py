@@ -89,6 +89,14 @@ _BUILTIN = {
     # split-K 2-8 instead of 4-16, because at 64 tokens every split writes an M x N fp32 partial
     "tc_wide": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=256),
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
+    # the fragment layout's CUDA-core loop (_frag_fma.py) at 1-4 tokens, same structure as the
+    # K-major entries: until `spear tune-kernels --layout mma` has timed it, the K-major loop's
+    # launches (its own word products and register prefetch, over a layout of the same bytes)
+    "fma_mma": dict(BN=64, BK=128, num_warps=2, num_stages=1, programs=528, prefetch=True),
+    "fma_mma_by_mv": {"2": dict(BN=64, BK=128, num_warps=2, num_stages=3, programs=528),
+                      "4": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=264, prefetch=True)},
+    "fma_mma_max_m": 4,
+    "fma_mma_narrow": dict(max_n=4096, BN=64, BK=128, num_warps=4, num_stages=2, programs=264, prefetch=True),
     # the fragment layout's tensor-core loop (_mma.py) by token class (tokens up to the key; "big"
     # above 256): BM tokens a tile, split-K until about ``programs`` programs run (absent: none).
     # `spear tune-kernels --layout mma` on Llama-3-8B's shapes, H200, 2026-12-04 (BENCHMARKS.md,
@@ -183,6 +191,12 @@ def check_table(table) -> dict:
             pass  # off
         else:
             _check_entry(key, v)
+        if key.startswith("fma_mma") and not key.endswith("_max_m"):
+            entries = [(f"{key}.{mv}", e) for mv, e in v.items()] if key.endswith("_by_mv") else [(key, v or {})]
+            for where, e in entries:
+                if e.get("BK", 64) % 64 or e.get("BN", 16) < 16:
+                    raise ValueError(f"{where}: the fragment layout's CUDA-core loop takes BK a multiple of 64 "
+                                     f"and BN of at least 16, got {dict(e)}")
     return table
 
 
@@ -278,6 +292,8 @@ def pick_gluon(m: int, n: int, k: int, table=BUILTIN) -> GluonConfig | None:
 def pick_config(m: int, n: int, k: int, group_size: int, layout: str = "nmajor", table=BUILTIN) -> Config:
     """The launch of an (m, n, k) W4 GEMM over a weight of ``layout`` under ``table``
     (``merged_table``'s result)."""
+    if layout == "mma" and m <= table["fma_mma_max_m"]:
+        return _frag_fma_config(m, n, k, table)
     if layout == "mma":
         mma = table["mma"]
         cls = mma_class(m)
@@ -310,3 +326,18 @@ def pick_config(m: int, n: int, k: int, group_size: int, layout: str = "nmajor",
         return Config(bm, c["BN"], bk, split, c["num_warps"], c["num_stages"], u_split=c.get("u_split", 0))
     c = table["prefill"]
     return Config(c["BM"], c["BN"], min(c["BK"], kmax), 1, c["num_warps"], c["num_stages"])
+
+
+def _frag_fma_config(m: int, n: int, k: int, table) -> Config:
+    """The fragment layout's CUDA-core launch for m <= 4 tokens (entries "fma_mma*"): by token
+    class, the narrow launch at one token on layers of at most its max_n features."""
+    mv = 1 if m == 1 else (2 if m == 2 else 4)
+    c = table.get("fma_mma_by_mv", {}).get(str(mv), table["fma_mma"])
+    narrow = table.get("fma_mma_narrow")
+    if mv == 1 and narrow and n <= narrow["max_n"]:
+        c = narrow
+    # any group size: the loop reads the scales of each 64-input block (of each half at groups of 32)
+    bk = c["BK"] if k % c["BK"] == 0 else 64
+    split = _split_for(_cdiv(n, c["BN"]), k, bk, c["programs"])
+    return Config(16, c["BN"], bk, split, c["num_warps"], c["num_stages"], mv=mv, prefetch=bool(c.get("prefetch", False)),
+                  u_split=c.get("u_split", 0))

@@ -184,11 +184,13 @@ def _plan(tokens, n, k, group_size, layout, rank, s: "_Settings", cuda: bool, gl
 
 # ---------------------------------------------------------------------------- the op's integers
 # The launch table flattened: its scalar keys, then each entry as a presence flag and its fields.
-_SCALARS = ("fma_max_m", "fma_kmajor_max_m")
+_SCALARS = ("fma_max_m", "fma_kmajor_max_m", "fma_mma_max_m")
 _ENTRIES = (("fma", "fma_kmajor", "fma_kmajor_by_mv.2", "fma_kmajor_by_mv.4", "fma_kmajor_narrow", "tc", "tc_wide",
-             "prefill") + tuple(f"mma.{c}" for c in MMA_CLASSES) + tuple(f"gluon.{c}" for c in GLUON_CLASSES))
+             "prefill") + tuple(f"mma.{c}" for c in MMA_CLASSES)
+            + ("fma_mma", "fma_mma_by_mv.2", "fma_mma_by_mv.4", "fma_mma_narrow")
+            + tuple(f"gluon.{c}" for c in GLUON_CLASSES))
 _FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "programs", "max_n", "u_split", "prefetch")
-_VERSION = 3
+_VERSION = 4
 
 
 def _entry(table, key):
@@ -238,6 +240,7 @@ def _settings(args: tuple[int, ...]) -> _Settings:
     head, rest = args[1:8], list(args[8:])
     table: dict = {key: rest.pop(0) for key in _SCALARS}
     table["fma_kmajor_by_mv"] = {}
+    table["fma_mma_by_mv"] = {}
     table["mma"] = {}
     table["gluon"] = {}
     for key in _ENTRIES:
