@@ -91,11 +91,13 @@ _BUILTIN = {
     "prefill": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
     # the fragment layout's CUDA-core loop (_frag_fma.py) at 1-4 tokens, same structure as the
     # K-major entries: until `spear tune-kernels --layout mma` has timed it, the K-major loop's
-    # launches (its own word products and register prefetch, over a layout of the same bytes)
+    # launches (its own word products and register prefetch, over a layout of the same bytes), and
+    # off (fma_mma_max_m 0: the tensor-core tiles serve 1-4 tokens, as measured on the H200) until a
+    # table of one's own turns it on where it wins
     "fma_mma": dict(BN=64, BK=128, num_warps=2, num_stages=1, programs=528, prefetch=True),
     "fma_mma_by_mv": {"2": dict(BN=64, BK=128, num_warps=2, num_stages=3, programs=528),
                       "4": dict(BN=64, BK=128, num_warps=4, num_stages=3, programs=264, prefetch=True)},
-    "fma_mma_max_m": 4,
+    "fma_mma_max_m": 0,
     "fma_mma_narrow": dict(max_n=4096, BN=64, BK=128, num_warps=4, num_stages=2, programs=264, prefetch=True),
     # the fragment layout's tensor-core loop (_mma.py) by token class (tokens up to the key; "big"
     # above 256): BM tokens a tile, split-K until about ``programs`` programs run (absent: none).

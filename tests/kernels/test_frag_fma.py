@@ -48,14 +48,18 @@ def test_every_layout_at_one_to_four_tokens(poisoned, case):
         assert int(w.locks.abs().sum()) == 0, "split-K counters not re-armed"
 
 
+ON = {"fma_mma_max_m": 4}  # the built-in table keeps the loop off until a table of one's own turns it on
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_as_dispatched(poisoned, m):
-    """Without a launch: the built-in table's CUDA-core launch for the fragment layout (the one the
-    policy plans), on a layer of two 256-input groups per row and two column tiles."""
+    """Without a launch: a table's CUDA-core launch for the fragment layout (the one the policy
+    plans), on a layer of two 256-input groups per row and two column tiles."""
     x, w, b, _, expect = setup_case(m, 512, 80, 256, m % 2 == 0, torch.float16, seed=m, layout="mma")
-    cfg = launch.pick_config(m, 80, 512, 256, "mma")
-    assert cfg.mv >= m and cfg == plan(m, 80, 512, 256, "mma", 0, KernelPolicy()).config
-    assert_close(w4a16_matmul(x, w, b), expect, torch.float16, f"frag-fma dispatched M={m}")
+    table = launch.merged_table(ON)
+    cfg = launch.pick_config(m, 80, 512, 256, "mma", table)
+    assert cfg.mv >= m and cfg == plan(m, 80, 512, 256, "mma", 0, KernelPolicy(launch_table=ON)).config
+    assert_close(w4a16_matmul(x, w, b, table=table), expect, torch.float16, f"frag-fma dispatched M={m}")
 
 
 def test_rows_starting_at_odd_elements():
@@ -144,21 +148,23 @@ def test_ptx_path_is_the_one_taken(ptx_path, monkeypatch):
 
 # ---------------------------------------------------------------------------- launches and policy
 def test_pick_config_takes_the_cuda_core_loop_up_to_max_m():
-    t = launch.BUILTIN
+    t = launch.merged_table(ON)
+    for m in (1, 2, 3, 4):  # the built-in table: the tensor-core tiles
+        assert launch.pick_config(m, 28672, 4096, 128, "mma").mv == 0
     for m, key in ((1, None), (2, "2"), (3, "4"), (4, "4")):
-        cfg = launch.pick_config(m, 28672, 4096, 128, "mma")
+        cfg = launch.pick_config(m, 28672, 4096, 128, "mma", t)
         e = t["fma_mma_by_mv"][key] if key else t["fma_mma"]
         assert (cfg.mv, cfg.BN, cfg.BK, cfg.num_warps, cfg.prefetch) == (
             (1, 2, 4, 4)[m - 1], e["BN"], e["BK"], e["num_warps"], bool(e.get("prefetch")))
         # split-K until the programs reach the entry's count: 448 column tiles x 2 >= 528, 448 >= 264
         assert cfg.split_k == (2, 2, 1, 1)[m - 1]
-    assert launch.pick_config(5, 28672, 4096, 128, "mma").mv == 0  # the tensor-core tiles above max_m
-    narrow = launch.pick_config(1, 4096, 4096, 128, "mma")  # one token, N <= max_n: the narrow launch
+    assert launch.pick_config(5, 28672, 4096, 128, "mma", t).mv == 0  # the tensor-core tiles above max_m
+    narrow = launch.pick_config(1, 4096, 4096, 128, "mma", t)  # one token, N <= max_n: the narrow launch
     assert (narrow.num_warps, narrow.split_k) == (t["fma_mma_narrow"]["num_warps"], 8)
     # any group size (the loop reads each block's scales): BK stays 128 at groups of 32; K not a
     # multiple of 128 takes 64
-    assert launch.pick_config(2, 4096, 4096, 32, "mma").BK == 128
-    assert launch.pick_config(2, 4096, 4160, 128, "mma").BK == 64
+    assert launch.pick_config(2, 4096, 4096, 32, "mma", t).BK == 128
+    assert launch.pick_config(2, 4096, 4160, 128, "mma", t).BK == 64
     off = launch.merged_table({"fma_mma_max_m": 0})
     assert launch.pick_config(1, 4096, 4096, 128, "mma", off) == launch.pick_config(16, 4096, 4096, 128, "mma")
     two = launch.merged_table({"fma_mma_max_m": 2, "fma_mma_narrow": None,
@@ -199,9 +205,10 @@ def test_the_entries_travel_through_json_and_the_policys_integers(tmp_path):
     one = plan(1, 4096, 4096, 128, "mma", 16, policy)
     assert one.path == "fused_ec" and (one.config.mv, one.config.BN, one.config.BK, one.config.u_split) == (1, 128, 256, 8)
     assert plan(3, 4096, 4096, 128, "mma", 0, policy).config.mv == 0  # max_m 2
-    for m in (1, 2, 3, 4):  # the built-in policy: the CUDA-core loop at 1-4 tokens, the GEMM path
-        p = plan(m, 4096, 4096, 128, "mma", 0, KernelPolicy())
+    for m in (1, 2, 3, 4):  # a policy with the loop on at 1-4 tokens: the GEMM path; the built-in one: the tiles
+        p = plan(m, 4096, 4096, 128, "mma", 0, KernelPolicy(launch_table=ON))
         assert p.path == "gemm" and p.config.mv >= m
+        assert plan(m, 4096, 4096, 128, "mma", 0, KernelPolicy()).config.mv == 0
 
 
 def test_launches_the_loop_cannot_take_are_refused():
