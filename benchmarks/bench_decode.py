@@ -9,7 +9,7 @@ one after another on the same weights:
 
   fp16    the HF-initialised model
   w4      RTN W4 (group 128, symmetric) on every linear but lm_head; on CUDA the engine packs
-          each layer once for the Triton W4A16 kernel (spear/serve/layers/linear.py)
+          each layer once for the Triton W4A16 kernel (spear/serve/model/layers/linear.py)
   w4+ec   w4 plus gated ECs (rank --ec-rank, gate hidden --ec-hidden) on evenly spread
           linears until the compensators reach --ec-budget of the W4 model's bytes (about
           1%); the kernel runs them fused at decode

@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spear.serve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from spear.serve.sampling import sample  # noqa: E402
+from spear.serve.core.sampling import sample  # noqa: E402
 
 PARTS = ("schedule", "inputs", "sample", "finish")
 

@@ -249,7 +249,7 @@ def main(argv=None) -> int:
                 continue
             t0 = time.perf_counter()
             if target is not None and args.tiny:  # the start-up grid needs 256-token contexts: a tiny one
-                from spear.serve.profiler import TINY_GRID, profile
+                from spear.serve.latency.profiler import TINY_GRID, profile
 
                 cfg.latency_table = profile(LLMEngine(model, IdsTokenizer(), replace(cfg, itl_slo_ms=None)),
                                             TINY_GRID, repeats=2)

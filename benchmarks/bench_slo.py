@@ -55,7 +55,7 @@ TINY_STATIC, TINY_CEILING = (16, 32, 64), 64  # the tiny profile grid: steps of 
 def latency_table(engine: LLMEngine, tiny: bool):
     """The engine's deployment table: the cached one or the quick grid's (``spear profile``); on the
     tiny model the tiny grid (the quick grid needs 256-token contexts)."""
-    from spear.serve.profiler import TINY_GRID, profile, table_for
+    from spear.serve.latency.profiler import TINY_GRID, profile, table_for
 
     if engine.scheduler.latency is not None:
         return engine.scheduler.latency

@@ -63,7 +63,7 @@ def main(args) -> int:
 
     engine = engine_from_args(args)
     if args.chat:
-        from spear.serve.chat import chat_prompt_ids, has_chat_template
+        from spear.serve.frontend.chat import chat_prompt_ids, has_chat_template
 
         if not has_chat_template(engine.tokenizer):
             raise SpearError(f"--chat: the model {args.model} has no chat template")

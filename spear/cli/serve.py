@@ -99,7 +99,7 @@ def engine_config_from_args(args, **changes):
     from spear.errors import SpearError
     from spear.serve import EngineConfig
     from spear.serve.config import kernel_policy
-    from spear.serve.latency import load_table
+    from spear.serve.latency.table import load_table
 
     device = None if args.device == "auto" else args.device
     if device and device.startswith("cuda") and not torch.cuda.is_available():
@@ -169,14 +169,14 @@ def register(sub) -> None:
 
 
 def main(args) -> int:
-    """The HTTP server in this process, the engine core in a process of its own (spear/serve/core.py)."""
+    """The HTTP server in this process, the engine core in a process of its own (spear/serve/core/process.py)."""
     import logging
 
     from spear.models.checkpoint import load_folder_tokenizer
     from spear.models.loading import resolve_model_path
-    from spear.serve.client import EngineClient
+    from spear.serve.frontend.client import EngineClient
     from spear.serve.config import ServerLimits
-    from spear.serve.server import run_server
+    from spear.serve.api.app import run_server
 
     logging.getLogger("spear").setLevel(args.log_level.upper())
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,

@@ -58,10 +58,10 @@ def running_server(engine, model_name: str = "test-model", limits=None):
     """Serve ``engine`` (an LLMEngine) with uvicorn in a thread; yields (base_url, AsyncEngine)."""
     import uvicorn
 
-    from spear.serve.async_engine import AsyncEngine
+    from spear.serve.frontend.async_engine import AsyncEngine
     from spear.serve.config import ServerLimits
-    from spear.serve.server import build_app
-    from spear.serve.transport import uvicorn_config
+    from spear.serve.api.app import build_app
+    from spear.serve.api.transport import uvicorn_config
 
     async_engine = AsyncEngine(engine)
     port = free_port()

@@ -286,7 +286,7 @@ def test_llama_family_layouts_equal_hf(kind, variant):
     same (quantized) model.
 
     Catches: the engine's loader dropping a QuantLinear's bias (``bias=None`` in
-    ``spear/serve/loader.py::from_module``: the Qwen2 W4 cases) or its compensator (``ec=None``: the
+    ``spear/serve/model/loader.py::from_module``: the Qwen2 W4 cases) or its compensator (``ec=None``: the
     W4+EC cases)."""
     model = _tiny_variant(kind, variant)
     eng = LLMEngine(model, _IdsTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8,

@@ -1,4 +1,4 @@
-"""``spear serve`` as two processes: the HTTP server and the engine core (spear/serve/core.py,
+"""``spear serve`` as two processes: the HTTP server and the engine core (spear/serve/core/process.py,
 client.py). Greedy outputs, stop strings included, equal the in-process engine's; a client that
 leaves has its request aborted in the core; a dead core turns /health 503 and answers every
 client with the JSON error at once; past --shutdown-timeout a non-streaming request ends with

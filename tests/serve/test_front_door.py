@@ -58,7 +58,7 @@ def test_empty_messages_count_toward_the_character_limit(tiny):
 def test_large_bodies_are_parsed_off_the_event_loop(guarded, monkeypatch):
     """Catches: JSON bodies parsed and validated on the event loop (four 8 MB bodies held /health
     for 124 ms): a large one is parsed on the parse thread, a small one inline."""
-    from spear.serve import endpoints
+    from spear.serve.api import endpoints
 
     url = guarded[0]
     seen, real = [], endpoints._parse
@@ -156,12 +156,12 @@ def test_accept_faults_are_logged_once_a_minute(caplog):
     """Catches: a traceback per failed accept() (the log grew 97 MB in 45 s out of descriptors)."""
     import asyncio
 
-    from spear.serve.transport import quiet_accept_faults
+    from spear.serve.api.transport import quiet_accept_faults
 
     loop = asyncio.new_event_loop()
     try:
         quiet_accept_faults(loop)
-        with caplog.at_level(logging.ERROR, logger="spear.serve.transport"):
+        with caplog.at_level(logging.ERROR, logger="spear.serve.api.transport"):
             for _ in range(200):
                 loop.call_exception_handler({"message": "socket.accept() out of system resource",
                                              "exception": OSError(24, "Too many open files")})

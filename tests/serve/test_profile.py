@@ -8,8 +8,8 @@ import pytest
 from spear.cli import main
 from spear.errors import SpearError
 from spear.serve import EngineConfig, LLMEngine, SamplingParams
-from spear.serve.latency import cache_path, load_table
-from spear.serve.profiler import TINY_GRID, Grid, profile
+from spear.serve.latency.table import cache_path, load_table
+from spear.serve.latency.profiler import TINY_GRID, Grid, profile
 
 
 def test_profile_cli_tiny_writes_a_table_the_engine_finds(tiny_llama_path, tmp_path, monkeypatch, capsys):
@@ -29,7 +29,7 @@ def test_profile_cli_tiny_writes_a_table_the_engine_finds(tiny_llama_path, tmp_p
                 # the timed steps' decodes sat at contexts centred on L
                 assert abs(table.profile["observed_context"][i][j][k] - L) <= 1.5
     # an engine with a target takes the cached table as it is: no profile at start-up
-    monkeypatch.setattr("spear.serve.profiler.profile", lambda *a, **k: pytest.fail("profiled again"))
+    monkeypatch.setattr("spear.serve.latency.profiler.profile", lambda *a, **k: pytest.fail("profiled again"))
     slo = LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(itl_slo_ms=1000.0, max_num_seqs=4))
     assert slo.scheduler.latency == table and slo.scheduler.itl_slo_ms == 1000.0
 
@@ -87,8 +87,8 @@ def test_the_grid_steps_are_every_graph_size_the_scheduler_picks():
     DEFAULT_GRID's sizes. Catches: sizes at or below the decodes (no prefill token), a missing size."""
     from types import SimpleNamespace
 
-    from spear.serve.graphs import mixed_graph_sizes
-    from spear.serve.profiler import DEFAULT_GRID, step_sizes
+    from spear.serve.model.graphs import mixed_graph_sizes
+    from spear.serve.latency.profiler import DEFAULT_GRID, step_sizes
 
     graphs = SimpleNamespace(scheduler=SimpleNamespace(token_sizes=tuple(mixed_graph_sizes(1024))))
     assert step_sizes(graphs, 63, 1024) == (0, 64, 128, 192, 256, 384, 512, 640, 768, 896, 1024)

@@ -13,8 +13,8 @@ import torch
 
 from spear.errors import SpearError
 from spear.serve import LLMEngine, SamplingParams
-from spear.serve.sampling import sample
-from spear.serve.scheduler import QueueFull
+from spear.serve.core.sampling import sample
+from spear.serve.core.scheduler import QueueFull
 from tests.serve.conftest import make_engine
 
 PROMPTS = ["Hello there", "The capital of France is", "Once upon a time", "def f(x):"]
@@ -65,7 +65,7 @@ def test_non_finite_and_mistyped_params_are_refused(kw):
 def test_a_request_that_fails_while_queued_leaves_no_trace(tiny, monkeypatch, clean):
     """Catches: the request put in the scheduler before its generator is made (the denial of
     service: every later step raised KeyError on the orphan)."""
-    import spear.serve.engine as engine_module
+    import spear.serve.core.engine as engine_module
 
     eng = make_engine(tiny)
     monkeypatch.setattr(engine_module, "make_generator", lambda seed: (_ for _ in ()).throw(ValueError("boom")))
@@ -193,9 +193,9 @@ def test_queue_bound_counts_the_free_slots():
     """A burst that arrives between two steps fills the free sequence slots, then max_waiting
     more: 8 slots + 2 waiting = 10 accepted, the 11th refused. Catches: the old bound, which
     refused the burst after max_waiting requests with every slot free."""
-    from spear.serve.block_manager import BlockManager
-    from spear.serve.scheduler import Scheduler
-    from spear.serve.sequence import Sequence
+    from spear.serve.core.block_manager import BlockManager
+    from spear.serve.core.scheduler import Scheduler
+    from spear.serve.core.sequence import Sequence
 
     sched = Scheduler(BlockManager(64, 16), max_num_seqs=8, max_num_batched_tokens=64, max_waiting=2)
     for i in range(10):
@@ -231,7 +231,7 @@ def test_a_top_k_beyond_64_bits_fails_nobody(tiny, clean):
 def test_a_row_the_sampler_cannot_take_fails_alone(monkeypatch):
     """Whatever field makes the batch's pass raise, each row is then sampled on its own: the row
     that still raises gives None (its request fails alone), the others their tokens."""
-    from spear.serve import sampling
+    from spear.serve.core import sampling
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, seed=2),
@@ -252,7 +252,7 @@ def test_a_row_the_sampler_cannot_take_fails_alone(monkeypatch):
 def test_every_bit_of_a_64_bit_seed_counts():
     """Catches: torch's CPU generator keeping only the low 32 bits of a seed, so that seeds 7 and
     7 + 2**40 drew the same tokens."""
-    from spear.serve.sampling import make_generator
+    from spear.serve.core.sampling import make_generator
 
     p = torch.full((1000,), 1e-3)
     draws = {s: torch.multinomial(p, 8, generator=make_generator(s)).tolist()

@@ -135,7 +135,7 @@ def test_bad_requests_fail_alone_while_a_stream_runs(served, monkeypatch):
 def test_chat_content_cannot_inject_control_tokens(served, tiny):
     """The special-token strings of a message stay text: the prompt holds the template's control
     tokens only. Catches: the rendered template tokenized in one piece."""
-    from spear.serve.chat import chat_prompt_ids
+    from spear.serve.frontend.chat import chat_prompt_ids
 
     _, tok = tiny
     if not getattr(tok, "chat_template", None):
@@ -153,7 +153,7 @@ def test_chat_content_cannot_inject_control_tokens(served, tiny):
 
 
 def test_tokenization_runs_off_the_event_loop(served, monkeypatch):
-    from spear.serve import endpoints
+    from spear.serve.api import endpoints
 
     seen, real = [], endpoints._encode
 
@@ -216,8 +216,8 @@ def test_health_says_warming_up_until_the_engine_is_ready(tiny):
         return 0.0
 
     eng.warmup = slow_warmup
-    from spear.serve.async_engine import AsyncEngine
-    from spear.serve.server import build_app
+    from spear.serve.frontend.async_engine import AsyncEngine
+    from spear.serve.api.app import build_app
     import uvicorn
 
     from tests.serve.conftest import free_port

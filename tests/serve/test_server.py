@@ -355,7 +355,7 @@ def test_health_reports_a_step_that_does_not_return(tiny_llama_path):
 
 
 def test_step_timeout_must_be_positive(tiny_llama_path):
-    from spear.serve.async_engine import AsyncEngine
+    from spear.serve.frontend.async_engine import AsyncEngine
 
     with pytest.raises(ValueError, match="step_timeout_s"):
         AsyncEngine(tiny_engine(tiny_llama_path), step_timeout_s=0)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from spear.serve.outputs import StepRecord
+from spear.serve.core.outputs import StepRecord
 
 spec = importlib.util.spec_from_file_location("slo_cases", Path(__file__).resolve().parents[2] / "benchmarks"
                                               / "slo_cases.py")

@@ -12,8 +12,8 @@ import pytest
 
 from spear.errors import SpearError
 from spear.serve import EngineConfig, LLMEngine, SamplingParams
-from spear.serve.latency import LatencyTable
-from spear.serve.metrics import ServingMetrics
+from spear.serve.latency.table import LatencyTable
+from spear.serve.api.metrics import ServingMetrics
 
 TARGET, MARGIN = 20.0, 0.25
 

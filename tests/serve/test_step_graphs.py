@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spear.serve.graphs import MixedGraphs
+from spear.serve.model.graphs import MixedGraphs
 from tests.serve.conftest import hf_greedy
 from tests.serve.test_engine import GREEDY, MAX_NEW, PROMPTS, engine
 
@@ -57,7 +57,7 @@ def test_mixed_graph_buffers_of_a_padded_step(default_model):
     leftover slots or ids of the larger step, tables or lengths of a previous step's sequences."""
     import numpy as np
 
-    from spear.serve.model_runner import StepInputs
+    from spear.serve.model.model_runner import StepInputs
 
     eng = engine(default_model, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=20, cuda_graphs=False)
     runner = eng.runner
@@ -110,7 +110,7 @@ def test_block_tables_kept_between_steps_equal_fresh_ones():
     import random
     from types import SimpleNamespace
 
-    from spear.serve.block_tables import BlockTables
+    from spear.serve.model.block_tables import BlockTables
 
     rng = random.Random(0)
     width, scratch = 12, 999
@@ -148,7 +148,7 @@ def test_block_tables_grown_under_inference_mode_update_outside_it():
     'Inplace update to inference tensor outside InferenceMode')."""
     from types import SimpleNamespace
 
-    from spear.serve.block_tables import BlockTables
+    from spear.serve.model.block_tables import BlockTables
 
     bt = BlockTables(4, 99)
     seqs = [SimpleNamespace(request_id=f"r{i}", block_table=[i]) for i in range(5)]

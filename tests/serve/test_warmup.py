@@ -17,8 +17,8 @@ def _kernel_engine(tiny_llama_path, policy):
     from spear.compensate.lowrank import LowRankCompensator
     from spear.kernels.layout import MAX_RANK
     from spear.models.loading import load_model
-    from spear.serve import loader
-    from spear.serve.llama import build_model
+    from spear.serve.model import loader
+    from spear.serve.model.llama import build_model
 
     model, tok = load_model(tiny_llama_path)
     mods = quantize_model_rtn(model, QuantConfig(bits=4, group_size=32), progress=False)
@@ -66,8 +66,8 @@ def test_the_packed_model_computes_the_dense_one(tiny_llama_path):
     eng = _kernel_engine(tiny_llama_path, KernelPolicy())
     from spear.kernels.layout import MAX_RANK
     from spear.models.loading import load_model
-    from spear.serve import loader
-    from spear.serve.llama import build_model
+    from spear.serve.model import loader
+    from spear.serve.model.llama import build_model
 
     assert all(lin.kind == "w4" for layer in eng.model.layers
                for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))

@@ -2,7 +2,7 @@
 
     rank = build_rank(model_config, quantized, tensors, config, tp, device, dtype, agree)
 
-Rank 0 (the engine, spear/serve/engine.py) and the tensor-parallel workers (spear/serve/workers.py)
+Rank 0 (the engine, spear/serve/core/engine.py) and the tensor-parallel workers (spear/serve/model/workers.py)
 both call it, with the same ``EngineConfig`` and their own ``TPRank``; they differ only in how the
 ranks agree on the KV cache (``agree``): every rank holds the same number of blocks, the fewest
 any rank can, and rank 0 decides the context length from them.
@@ -31,7 +31,7 @@ class Rank:
     layers that run off the kernel path on CUDA, with the reason."""
 
     model: torch.nn.Module
-    runner: object               # spear.serve.model_runner.ModelRunner
+    runner: object               # spear.serve.model.model_runner.ModelRunner
     num_blocks: int
     max_model_len: int
     load_report: list[tuple[str, str]]
@@ -67,8 +67,8 @@ def build_rank(model_config, quantized, tensors, config: EngineConfig, tp: TPRan
     ``agree(blocks this rank can hold)`` returns the (blocks, context length) every rank uses;
     with several ranks the process group must be formed already."""
     from spear.kernels.layout import MAX_RANK
-    from spear.serve.llama import build_model
-    from spear.serve.model_runner import ModelRunner, local_blocks
+    from spear.serve.model.llama import build_model
+    from spear.serve.model.model_runner import ModelRunner, local_blocks
 
     model, report = build_model(model_config, quantized, tensors, device, dtype, MAX_RANK, tp=tp,
                                 layout=config.kernels.w4_layout)

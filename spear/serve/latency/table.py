@@ -4,11 +4,11 @@ A :class:`LatencyTable` holds the wall time of ``LLMEngine.step()`` measured ove
 compositions: ``decodes`` running decodes (d >= 1) x ``tokens``, the step's tokens (T: the d
 decodes plus T - d prefill tokens; T = 0 is the decode-only step) x ``contexts`` (L, the decodes'
 mean context in tokens). The second axis counts the whole step, not its prefill part, because a
-mixed step replays the CUDA graph of its padded token count (spear/serve/graphs.py): its cost is a
+mixed step replays the CUDA graph of its padded token count (spear/serve/model/graphs.py): its cost is a
 staircase over T, flat between graph sizes, and a grid of graph sizes measures the steps that run
 (with a prefill axis, d decodes beside a c-token chunk pad to a size that depends on d, so
 neighbouring grid points straddled different steps of the staircase). It is valid only for what it
-was measured on, its :class:`Deployment` (spear/serve/deployment.py: the checkpoint, device,
+was measured on, its :class:`Deployment` (spear/serve/latency/deployment.py: the checkpoint, device,
 dtype, kernel policy and engine settings that change a step's kernels). ``Deployment.key()`` names
 its cache file,
 ``<spear cache>/latency/<key>.json`` (``~/.cache/spear/latency`` by default).
@@ -43,7 +43,7 @@ from pathlib import Path
 
 from spear.errors import SpearError
 from spear.fileio import read_json
-from spear.serve.deployment import Deployment
+from spear.serve.latency.deployment import Deployment
 
 log = logging.getLogger(__name__)
 

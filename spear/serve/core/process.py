@@ -149,7 +149,7 @@ class _Core:
     def build(self) -> None:
         import torch
 
-        from spear.serve.engine import LLMEngine
+        from spear.serve.core.engine import LLMEngine
 
         dtype = None if self.spec.dtype is None else getattr(torch, self.spec.dtype)
         self.engine = eng = LLMEngine.from_pretrained(self.spec.model, self.spec.config, dtype=dtype,
@@ -194,8 +194,8 @@ class _Core:
         import zmq
 
         from spear.errors import SpearError
-        from spear.serve.scheduler import QueueFull
-        from spear.serve.sequence import SamplingParams
+        from spear.serve.core.scheduler import QueueFull
+        from spear.serve.core.sequence import SamplingParams
 
         accepted, rejected = [], []
         while True:

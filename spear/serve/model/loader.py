@@ -24,7 +24,7 @@ from torch import nn
 from spear.compensate.spec import factors
 from spear.errors import SpearError
 from spear.fileio import read_json
-from spear.serve.layers.linear import MemberWeights, QuantTensors
+from spear.serve.model.layers.linear import MemberWeights, QuantTensors
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints store the recomputed rotary buffer
 

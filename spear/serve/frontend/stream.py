@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from spear.serve.metrics import ServingMetrics
-from spear.serve.outputs import RequestOutput
+from spear.serve.api.metrics import ServingMetrics
+from spear.serve.core.outputs import RequestOutput
 
 # A step longer than this marks the engine unhealthy (/health answers 503) until it returns: a
 # decode step takes milliseconds, a prefill chunk well under a second, and the first steps that

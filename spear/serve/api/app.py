@@ -43,11 +43,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spear.errors import SpearError
 from spear.serve.config import ServerLimits
-from spear.serve.endpoints import NotFound, Server, error_response
-from spear.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError
-from spear.serve.scheduler import QueueFull
-from spear.serve.stream import EngineDead
-from spear.serve.transport import quiet_accept_faults, uvicorn_config
+from spear.serve.api.endpoints import NotFound, Server, error_response
+from spear.serve.api.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from spear.serve.core.scheduler import QueueFull
+from spear.serve.frontend.stream import EngineDead
+from spear.serve.api.transport import quiet_accept_faults, uvicorn_config
 
 log = logging.getLogger(__name__)
 

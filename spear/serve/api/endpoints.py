@@ -24,11 +24,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from spear.errors import SpearError
-from spear.serve.chat import chat_prompt_ids, has_chat_template
+from spear.serve.frontend.chat import chat_prompt_ids, has_chat_template
 from spear.serve.config import ServerLimits
-from spear.serve.outputs import RequestOutput
-from spear.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError
-from spear.serve.stream import RequestStream
+from spear.serve.core.outputs import RequestOutput
+from spear.serve.api.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from spear.serve.frontend.stream import RequestStream
 
 log = logging.getLogger(__name__)
 

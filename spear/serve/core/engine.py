@@ -6,7 +6,7 @@
 ``add_request`` queues a prompt, ``step`` runs the scheduler, the model and the
 sampler once and returns a :class:`RequestOutput` (new tokens and text) for every
 request that produced a token, ``abort`` drops a request and frees its KV blocks.
-The engine is single-threaded; :mod:`spear.serve.async_engine` drives it from one
+The engine is single-threaded; :mod:`spear.serve.frontend.async_engine` drives it from one
 background thread for the HTTP server.
 
 Failure isolation: a request is checked whole before anything of it is queued, and a
@@ -28,21 +28,21 @@ import torch
 from torch import nn
 
 from spear.errors import SpearError
-from spear.serve.block_manager import BlockManager
-from spear.serve import loader
+from spear.serve.core.block_manager import BlockManager
+from spear.serve.model import loader
 from spear.serve.config import EngineConfig
-from spear.serve.detokenizer import IncrementalDetokenizer
-from spear.serve.llama import check_supported
+from spear.serve.frontend.detokenizer import IncrementalDetokenizer
+from spear.serve.model.llama import check_supported
 from spear.parallel.shard import TPRank
-from spear.serve.outputs import EngineStats, RequestOutput, StepRecord
-from spear.serve.sampling import make_generator, sample
-from spear.serve.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from spear.serve.sequence import SamplingParams, Sequence, check_prompt
+from spear.serve.core.outputs import EngineStats, RequestOutput, StepRecord
+from spear.serve.core.sampling import make_generator, sample
+from spear.serve.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from spear.serve.core.sequence import SamplingParams, Sequence, check_prompt
 
 log = logging.getLogger(__name__)
 
 class LLMEngine:
-    """The engine over its own model of the checkpoint (spear/serve/llama.py).
+    """The engine over its own model of the checkpoint (spear/serve/model/llama.py).
 
     ``LLMEngine(model, tokenizer)`` takes a transformers causal LM in memory (with spear's
     QuantLinears and compensators where it has them) and reads its weights into the engine's
@@ -51,8 +51,8 @@ class LLMEngine:
     path on CUDA, with the reason.
 
     With ``EngineConfig.tensor_parallel_size`` N > 1 (``from_pretrained`` only), this process is
-    rank 0 and starts ranks 1..N-1 as worker processes (spear/serve/workers.py), each loading
-    its share of the checkpoint; every rank, this one too, is built by spear/serve/rank.py;
+    rank 0 and starts ranks 1..N-1 as worker processes (spear/serve/model/workers.py), each loading
+    its share of the checkpoint; every rank, this one too, is built by spear/serve/model/rank.py;
     ``close()`` stops them."""
 
     def __init__(self, model: nn.Module, tokenizer, config: EngineConfig | None = None,
@@ -101,7 +101,7 @@ class LLMEngine:
 
     def _start_ranks(self, path, config: EngineConfig, device: torch.device, dtype, verify: bool) -> torch.device:
         """Start ranks 1..N-1 and form the process group with them; this process's device (rank 0)."""
-        from spear.serve import workers
+        from spear.serve.model import workers
 
         pool, device = workers.spawn_ranks(path, config, device, dtype, verify)
         self._pool = pool
@@ -122,9 +122,9 @@ class LLMEngine:
 
     def _setup(self, model_config, quantized, tensors, generation_config, tokenizer, config, device, dtype,
                source=None, tp: TPRank = TPRank()) -> None:
-        from spear.serve.deployment import deployment_of
-        from spear.serve.latency import given_table
-        from spear.serve.rank import alone, build_rank, max_model_len
+        from spear.serve.latency.deployment import deployment_of
+        from spear.serve.latency.table import given_table
+        from spear.serve.model.rank import alone, build_rank, max_model_len
 
         self.config = config = config or EngineConfig()
         pool = getattr(self, "_pool", None) if tp.size > 1 else None
@@ -177,9 +177,9 @@ class LLMEngine:
 
     def prepare_latency(self, progress: bool = False):
         """Give the scheduler a latency table if it has none: the one cached for this deployment, else
-        one profiled now on a quick grid and cached (spear/serve/profiler.py). Returns the table."""
+        one profiled now on a quick grid and cached (spear/serve/latency/profiler.py). Returns the table."""
         if self.scheduler.latency is None:
-            from spear.serve.profiler import table_for
+            from spear.serve.latency.profiler import table_for
 
             self.scheduler.set_latency(table_for(self, progress=progress), self.config.itl_slo_ms,
                                        self.config.min_chunk_tokens, self.config.latency_correction)

@@ -1,17 +1,17 @@
 """Runs one scheduled step of the engine's model against the paged KV cache.
 
 All scheduled tokens, decodes and prefill chunks of different sequences, form one flat batch;
-only attention looks at which sequence a token belongs to (spear/serve/layers/attention.py).
+only attention looks at which sequence a token belongs to (spear/serve/model/layers/attention.py).
 The runner owns the KV cache (one extra block at index ``num_blocks`` that padding rows of
 captured graphs write into), the rotary tables, and on CUDA two sets of CUDA graphs over static
 input buffers: one per padded decode batch size (1, 2, 4, 8, 16, 24, ...), each captured with the
 PDL level the kernel policy gives its batch size, and the mixed steps' graphs, one per padded
-token count (spear/serve/graphs.py).
+token count (spear/serve/model/graphs.py).
 
 A step is ``prepare`` (the scheduled chunks -> ``StepInputs``: host arrays, no tensors of the
 device) then ``run`` (the arrays -> the device, the forward or a graph replay). Under tensor
 parallelism rank 0 prepares and sends the same ``StepInputs`` to the other ranks' runners
-(``workers``, spear/serve/workers.py), and every rank runs it: their layers meet in the same
+(``workers``, spear/serve/model/workers.py), and every rank runs it: their layers meet in the same
 collectives in the same order.
 """
 
@@ -24,13 +24,13 @@ import numpy as np
 import torch
 
 from spear.errors import SpearError
-from spear.serve.block_tables import BlockTables
-from spear.serve.graphs import MixedGraphs, capture
-from spear.serve.layers.attention import AttentionMetadata
-from spear.serve.layers.linear import Context
-from spear.serve.layers.rotary import rotary_tables
-from spear.serve.llama import LlamaForCausalLM, head_dim
-from spear.serve.scheduler import SchedulerOutput
+from spear.serve.model.block_tables import BlockTables
+from spear.serve.model.graphs import MixedGraphs, capture
+from spear.serve.model.layers.attention import AttentionMetadata
+from spear.serve.model.layers.linear import Context
+from spear.serve.model.layers.rotary import rotary_tables
+from spear.serve.model.llama import LlamaForCausalLM, head_dim
+from spear.serve.core.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def pdl_available(device: torch.device) -> bool:
 class ModelRunner:
     """One rank's runner over ``model`` under the engine's ``config`` (its batch limits, block
     size, CUDA graphs and kernel policy), with ``num_blocks`` KV blocks for contexts of up to
-    ``max_model_len`` tokens (what the ranks agreed on, spear/serve/rank.py)."""
+    ``max_model_len`` tokens (what the ranks agreed on, spear/serve/model/rank.py)."""
 
     def __init__(self, model: LlamaForCausalLM, config, num_blocks: int, max_model_len: int):
         cfg = model.config
@@ -128,8 +128,8 @@ class ModelRunner:
         self.cos, self.sin = rotary_tables(cfg, max_model_len, self.dtype, self.device)
         self.graphs: dict = {}  # padded batch size -> torch.cuda.CUDAGraph
         self.graph_pdl: dict[int, int] = {}  # padded batch size -> the PDL level its graph was captured with
-        self.mixed: MixedGraphs | None = None  # the mixed steps' graphs (spear/serve/graphs.py)
-        self.workers = None  # rank 0 under tensor parallelism: the other ranks (spear.serve.workers.WorkerPool)
+        self.mixed: MixedGraphs | None = None  # the mixed steps' graphs (spear/serve/model/graphs.py)
+        self.workers = None  # rank 0 under tensor parallelism: the other ranks (spear.serve.model.workers.WorkerPool)
         self.broken: str | None = None  # why the ranks are out of step (a step failed after it was sent)
         if cuda_graphs and self.device.type == "cuda":
             self._capture_graphs()
@@ -320,7 +320,7 @@ class ModelRunner:
         sequence (a sequence writes each position before it reads it)."""
         from types import SimpleNamespace
 
-        from spear.serve.scheduler import ScheduledChunk
+        from spear.serve.core.scheduler import ScheduledChunk
 
         bs = self.block_size
         for t in token_counts:

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from spear.serve.config import ServerLimits
-from spear.serve.sequence import SEED_MAX, SEED_MIN, SamplingParams
+from spear.serve.core.sequence import SEED_MAX, SEED_MIN, SamplingParams
 
 
 class RequestError(Exception):

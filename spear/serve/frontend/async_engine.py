@@ -23,12 +23,12 @@ import threading
 import time
 import uuid
 
-from spear.serve.engine import LLMEngine
-from spear.serve.outputs import EngineStats, RequestOutput
-from spear.serve.metrics import ServingMetrics
-from spear.serve.scheduler import QueueFull
-from spear.serve.sequence import SamplingParams
-from spear.serve.stream import STEP_TIMEOUT_S, EngineDead, Frontend, RequestStream
+from spear.serve.core.engine import LLMEngine
+from spear.serve.core.outputs import EngineStats, RequestOutput
+from spear.serve.api.metrics import ServingMetrics
+from spear.serve.core.scheduler import QueueFull
+from spear.serve.core.sequence import SamplingParams
+from spear.serve.frontend.stream import STEP_TIMEOUT_S, EngineDead, Frontend, RequestStream
 
 log = logging.getLogger(__name__)
 

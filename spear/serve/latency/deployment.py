@@ -3,7 +3,7 @@
 ``Deployment`` names the checkpoint (its config and where its quantized layers and compensators
 are), the device, the dtype, the kernel policy, the engine settings that change a step's kernels
 (block size, CUDA graphs) and, under tensor parallelism, the rank count and the reduction;
-``key()`` hashes what must match and names the table's cache file (spear/serve/latency.py).
+``key()`` hashes what must match and names the table's cache file (spear/serve/latency/table.py).
 ``deployment_of`` computes it for an engine from the loader's tensors, before the model is built.
 """
 

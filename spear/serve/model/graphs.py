@@ -19,7 +19,7 @@ import logging
 import numpy as np
 import torch
 
-from spear.serve.layers.attention import AttentionMetadata
+from spear.serve.model.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

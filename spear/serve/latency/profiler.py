@@ -5,7 +5,7 @@ phase through the engine's public API (prompts of about L tokens, greedy, EOS ig
 rounds over the grid's step sizes: a step of T tokens (T > 0) is one more request of a (T - d)-token
 prompt and ``max_tokens=1``, admitted and prefilled whole in the next step beside the d decodes and
 finished by it; T = 0 is the decode-only step. The grid's step sizes are CUDA graph sizes of the
-mixed steps (16, 32, 64, 128, 192, then multiples of 128: spear/serve/graphs.py), so every timed
+mixed steps (16, 32, 64, 128, 192, then multiples of 128: spear/serve/model/graphs.py), so every timed
 mixed step runs unpadded. Each timed step is checked against the engine's step record (exactly d
 decodes and T - d prefill tokens) and timed around ``engine.step()`` with CUDA synchronized on both
 sides. The first ``warmup`` rounds are not timed; a point's time is the median of its ``repeats``.
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from spear.errors import SpearError
-from spear.serve.latency import LatencyTable, cache_path, load_cached
-from spear.serve.sequence import SamplingParams
+from spear.serve.latency.table import LatencyTable, cache_path, load_cached
+from spear.serve.core.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Grid:
         return max(0, self.tokens[-1] - self.decodes[0]) if len(self.tokens) > 1 else 0
 
 
-# step sizes: mixed-step graph sizes (spear/serve/graphs.py); contexts: served contexts to 4k
+# step sizes: mixed-step graph sizes (spear/serve/model/graphs.py); contexts: served contexts to 4k
 DEFAULT_GRID = Grid((1, 8, 32, 63), (0, 64, 128, 256, 512, 1024, 2048), (256, 1024, 2048, 4096))
 TINY_GRID = Grid((1, 2, 4), (0, 16, 64), (32, 96))   # seconds on a CPU
 QUICK_REPEATS, QUICK_WARMUP = 3, 1
@@ -236,7 +236,7 @@ def table_for(engine, progress: bool = False) -> LatencyTable:
 # ---------------------------------------------------------------------------- compensator costs
 def linear_shapes(config) -> list[tuple[int, int]]:
     """The distinct (in_features, out_features) of a Llama-family decoder's linears."""
-    from spear.serve.llama import head_dim
+    from spear.serve.model.llama import head_dim
 
     h, inter, hd = config.hidden_size, config.intermediate_size, head_dim(config)
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
@@ -248,7 +248,7 @@ def _probe_layer(k: int, n: int, rank: int, group_size: int, device, dtype, gen:
     from spear.compensate.spec import ECFactors
     from spear.kernels.layout import MAX_RANK
     from spear.quant.primitives import n_groups
-    from spear.serve.layers.linear import Linear, MemberWeights, QuantTensors
+    from spear.serve.model.layers.linear import Linear, MemberWeights, QuantTensors
 
     g = group_size if group_size and k % group_size == 0 else 0
     ng = n_groups(k, g)

@@ -1,7 +1,7 @@
 """The processes of tensor-parallel ranks 1..N-1, driven by rank 0 (the engine's process).
 
 Rank 0 runs the scheduler, the sampler and the detokenizer; every rank holds its share of the
-model (spear/serve/llama.py with ``tp``), its KV cache and its CUDA graphs. Each step rank 0
+model (spear/serve/model/llama.py with ``tp``), its KV cache and its CUDA graphs. Each step rank 0
 sends the step's ``StepInputs`` (host arrays) down one pipe per worker and runs it itself; the
 ranks' layers then meet in the same collectives. The pipes also carry start-up: each worker
 reports that it started (before the process group forms, so a worker that cannot start is an
@@ -61,7 +61,7 @@ def spawn_ranks(path, config, device, dtype, verify: bool) -> tuple["WorkerPool"
 
     from spear.models.checkpoint import _hf_config
     from spear.parallel.shard import TPRank, check_splits
-    from spear.serve.llama import check_supported
+    from spear.serve.model.llama import check_supported
 
     n = config.tensor_parallel_size
     model_config = _hf_config(path)
@@ -242,14 +242,14 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
 
 
 def _build(rank: int, spec: WorkerSpec, conn):
-    """Rank ``rank``'s share (spear/serve/rank.py), agreeing with rank 0 over ``conn``: this rank's
+    """Rank ``rank``'s share (spear/serve/model/rank.py), agreeing with rank 0 over ``conn``: this rank's
     KV capacity up, the blocks and context every rank uses down."""
     import torch
 
     from spear.parallel.comm import init_group
     from spear.parallel.shard import TPRank
-    from spear.serve import loader
-    from spear.serve.rank import build_rank
+    from spear.serve.model import loader
+    from spear.serve.model.rank import build_rank
 
     tp = TPRank(rank, spec.size)
     device = torch.device(f"cuda:{rank}" if spec.device_type == "cuda" else "cpu")

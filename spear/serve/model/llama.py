@@ -1,14 +1,14 @@
 """The engine's model of the Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2.
 
 Built from the transformers config alone (no transformers module runs in the engine); its
-weights come from a checkpoint through ``load_weights`` (spear/serve/loader.py reads them):
+weights come from a checkpoint through ``load_weights`` (spear/serve/model/loader.py reads them):
 
     embed_tokens -> [ RMSNorm -> qkv_proj -> PagedAttention (rotary, cache) -> o_proj
                       -> (+ residual) RMSNorm -> gate_up_proj -> SiLU·mul -> down_proj ] x L
                  -> RMSNorm -> lm_head
 
 q/k/v and gate/up are one ``Linear`` each, built merged at load from the checkpoint's separate
-linears and their compensators (spear/serve/layers/linear.py); each residual add runs inside
+linears and their compensators (spear/serve/model/layers/linear.py); each residual add runs inside
 the RMSNorm after it. Numerics follow transformers' Llama modules so that greedy output equals
 ``generate`` token for token.
 
@@ -27,9 +27,9 @@ from torch import nn
 from spear.errors import SpearError
 from spear.parallel import split_of
 from spear.parallel.shard import TPRank, check_splits
-from spear.serve.layers.attention import AttentionMetadata, PagedAttention
-from spear.serve.layers.linear import Context, Linear, MemberWeights
-from spear.serve.layers.norm import RMSNorm
+from spear.serve.model.layers.attention import AttentionMetadata, PagedAttention
+from spear.serve.model.layers.linear import Context, Linear, MemberWeights
+from spear.serve.model.layers.norm import RMSNorm
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 

@@ -21,7 +21,7 @@ free slots matters for a burst that arrives between two steps: all of it is queu
 before the step that admits it.)
 
 With an inter-token latency target (``itl_slo_ms``) and a latency table
-(:mod:`spear.serve.latency`, the deployment's measured step times), the token budget
+(:mod:`spear.serve.latency.table`, the deployment's measured step times), the token budget
 after the decodes is no longer fixed: every running decode is scheduled, then the
 prefill chunks (running prompts, then admissions) share the largest chunk ``c`` whose
 predicted step time, with the table's margin, keeps the step within the target:
@@ -33,7 +33,7 @@ inter-token latency at stake and gets the ceiling. Without a target the schedule
 exactly the static one; a table alone only adds predictions.
 
 Where the runner replays mixed steps as CUDA graphs of padded token counts (``token_sizes``,
-spear/serve/graphs.py), a step of ``n`` tokens costs what the smallest size ``>= n`` costs: the
+spear/serve/model/graphs.py), a step of ``n`` tokens costs what the smallest size ``>= n`` costs: the
 chunk under a target is then the largest that makes ``d + c`` one of the sizes (a chunk between
 two sizes would pay for the larger one while the table priced the smaller), and a step's
 prediction is the table's at its padded size. Decode-only steps are priced at their own decode
@@ -53,9 +53,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from spear.serve.block_manager import BlockManager
-from spear.serve.latency import Correction, LatencyTable
-from spear.serve.sequence import Sequence, Status
+from spear.serve.core.block_manager import BlockManager
+from spear.serve.latency.table import Correction, LatencyTable
+from spear.serve.core.sequence import Sequence, Status
 
 
 class QueueFull(Exception):

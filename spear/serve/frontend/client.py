@@ -25,13 +25,13 @@ import time
 import uuid
 
 from spear.errors import SpearError
-from spear.serve import core as _core
-from spear.serve.detokenizer import IncrementalDetokenizer
-from spear.serve.metrics import ServingMetrics
-from spear.serve.outputs import EngineStats, RequestOutput, StepRecord
-from spear.serve.scheduler import QueueFull
-from spear.serve.sequence import SamplingParams, check_prompt
-from spear.serve.stream import STEP_TIMEOUT_S, EngineDead, Frontend, RequestStream
+from spear.serve.core import process as _core
+from spear.serve.frontend.detokenizer import IncrementalDetokenizer
+from spear.serve.api.metrics import ServingMetrics
+from spear.serve.core.outputs import EngineStats, RequestOutput, StepRecord
+from spear.serve.core.scheduler import QueueFull
+from spear.serve.core.sequence import SamplingParams, check_prompt
+from spear.serve.frontend.stream import STEP_TIMEOUT_S, EngineDead, Frontend, RequestStream
 
 log = logging.getLogger(__name__)
 

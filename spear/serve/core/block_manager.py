@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from spear.serve.sequence import Sequence
+from spear.serve.core.sequence import Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
