@@ -61,8 +61,8 @@ from spear.serve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 def run_in_process(engine: LLMEngine, reqs: list[Request]) -> Trace:
     trace = Trace(arrivals=[r.arrival for r in reqs], tokens=[[] for _ in reqs])
-    cuda = engine.runner.device.type == "cuda"
-    engine.last_step = None
+    cuda = engine.core.runner.device.type == "cuda"
+    engine.core.last_step = None
     pending = list(range(len(reqs)))
     index: dict[str, int] = {}
     t0 = time.perf_counter()
@@ -82,9 +82,9 @@ def run_in_process(engine: LLMEngine, reqs: list[Request]) -> Trace:
         if cuda:
             torch.cuda.synchronize()
         end = time.perf_counter()
-        if engine.last_step is not None:
-            trace.steps.append((engine.last_step.num_tokens, engine.last_step.decode_only, end - s0))
-            trace.records.append(engine.last_step)
+        if engine.core.last_step is not None:
+            trace.steps.append((engine.core.last_step.num_tokens, engine.core.last_step.decode_only, end - s0))
+            trace.records.append(engine.core.last_step)
         for o in outs:
             if o.error is None and o.new_token_ids:
                 trace.tokens[index[o.request_id]].extend([end - t0] * len(o.new_token_ids))
@@ -98,18 +98,18 @@ def profile_mixed(engine: LLMEngine, vocab: int, decodes: int = 20, prompt: int 
     from torch.profiler import ProfilerActivity, profile
 
     rng = random.Random(1)
-    short, prompt = min(128, engine.max_model_len // 4), min(prompt, engine.max_model_len - 1)
+    short, prompt = min(128, engine.core.max_model_len // 4), min(prompt, engine.core.max_model_len - 1)
     rids = [engine.add_request([rng.randrange(vocab) for _ in range(short)],
-                               SamplingParams(max_tokens=engine.max_model_len - short, temperature=0,
+                               SamplingParams(max_tokens=engine.core.max_model_len - short, temperature=0,
                                               ignore_eos=True))
             for _ in range(decodes)]
-    engine.last_step = None
-    while engine.last_step is None or not engine.last_step.decode_only:
+    engine.core.last_step = None
+    while engine.core.last_step is None or not engine.core.last_step.decode_only:
         engine.step()
     long_ids = [engine.add_request([rng.randrange(vocab) for _ in range(prompt)],
                                    SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
                 for _ in range(2)]
-    cuda = engine.runner.device.type == "cuda"
+    cuda = engine.core.runner.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     records = []
     with profile(activities=activities) as prof:
@@ -117,7 +117,7 @@ def profile_mixed(engine: LLMEngine, vocab: int, decodes: int = 20, prompt: int 
             engine.step()
             if cuda:
                 torch.cuda.synchronize()
-            s = engine.last_step
+            s = engine.core.last_step
             records.append((s.num_tokens, s.num_seqs, s.decode_only, round(1e3 * s.seconds, 1)))
     for rid in rids + long_ids:
         engine.abort(rid)
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
             if target is not None and args.tiny:  # the start-up grid needs 256-token contexts: a tiny one
                 from spear.serve.latency.profiler import TINY_GRID, profile
 
-                cfg.latency_table = profile(LLMEngine(model, IdsTokenizer(), replace(cfg, itl_slo_ms=None)),
+                cfg.latency_table = profile(LLMEngine(model, IdsTokenizer(), replace(cfg, itl_slo_ms=None)).core,
                                             TINY_GRID, repeats=2)
             engine = LLMEngine(model, IdsTokenizer(), cfg)  # with a target: profiles its latency table
             warm = engine.warmup()

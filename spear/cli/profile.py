@@ -66,7 +66,7 @@ def main(args) -> int:
 
     progress = not args.quiet
     if args.ec_costs is not None:
-        engine = engine_from_args(args)
+        engine = engine_from_args(args).core
         table = measure_ec_costs(engine, args.ec_ranks, repeats=args.repeats or 5, progress=progress)
         table.save(args.ec_costs)
         print(f"{table.device}: EC costs of {len(table.costs)} linear shapes at ranks "
@@ -78,7 +78,7 @@ def main(args) -> int:
     repeats = args.repeats or (3 if args.tiny else 5)
     d_max, t_max = max(grid.decodes), max(grid.tokens)
     engine = engine_from_args(args, max_num_seqs=max(args.max_num_seqs, d_max + (t_max > 0)),
-                              max_num_batched_tokens=max(args.max_num_batched_tokens, t_max))
+                              max_num_batched_tokens=max(args.max_num_batched_tokens, t_max)).core
     if not args.tokens and not args.tiny:
         from spear.serve.latency.profiler import step_sizes
 

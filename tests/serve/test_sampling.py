@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from spear.serve.frontend.detokenizer import IncrementalDetokenizer
 from spear.serve.core.sampling import apply_top_k, apply_top_p, make_generator, sample
-from spear.serve.core.sequence import SamplingParams
+from spear.serve.core.messages import SamplingParams
 
 
 def ref_top_k(row: torch.Tensor, k: int) -> torch.Tensor:
@@ -90,10 +90,11 @@ def test_sampling_respects_top_k():
 @pytest.mark.parametrize("kw,message", [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
                                         ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"stop": ("",)}, "stop")])
 def test_bad_sampling_params(kw, message):
-    from spear.errors import SpearError
+    from spear.serve.frontend.processor import InvalidRequest, check_params
 
-    with pytest.raises(SpearError, match=message):
-        SamplingParams(**kw)
+    with pytest.raises(InvalidRequest, match=message) as e:
+        check_params(SamplingParams(**kw))
+    assert e.value.param == message
 
 
 # ---------------------------------------------------------------------- text

@@ -65,7 +65,7 @@ def _spear_greedy(checkpoint: Path) -> dict:
     from spear.models.loading import load_model
     from spear.serve.config import EngineConfig
     from spear.serve.core.engine import LLMEngine
-    from spear.serve.core.sequence import SamplingParams
+    from spear.serve.core.messages import SamplingParams
 
     engine = LLMEngine.from_pretrained(str(checkpoint), config=EngineConfig(max_model_len=512, kv_memory=64 << 20),
                                        dtype=torch.float32, device="cpu")

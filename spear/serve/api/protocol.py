@@ -5,6 +5,8 @@ string "5" is not a number), so a typo never silently changes what runs. Fields
 that OpenAI defines but this server does not implement are accepted only at their
 neutral value (``n=1``, no logprobs, zero penalties) and otherwise refused with a
 message that names them. ``top_k`` and ``ignore_eos`` are extensions (as in vLLM).
+A body becomes ``SamplingParams``, which the input processor (frontend/processor.py)
+checks against the engine with the prompt.
 """
 
 from __future__ import annotations
@@ -14,15 +16,8 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from spear.serve.config import ServerLimits
-from spear.serve.core.sequence import SEED_MAX, SEED_MIN, SamplingParams
-
-
-class RequestError(Exception):
-    """A request the server refuses with HTTP 400; ``param`` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.message, self.param = message, param
+from spear.serve.core.messages import SEED_MAX, SEED_MIN, SamplingParams
+from spear.serve.frontend.processor import InvalidRequest
 
 
 def _valid_unicode(text: str) -> str:
@@ -65,20 +60,21 @@ class _Sampling(_Strict):
 
     def _check_unsupported(self) -> None:
         if self.n != 1:
-            raise RequestError("only n=1 is supported", "n")
+            raise InvalidRequest("only n=1 is supported", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
-                raise RequestError(f"{name} is not supported (only 0)", name)
+                raise InvalidRequest(f"{name} is not supported (only 0)", name)
         if self.stream_options is not None and not self.stream:
-            raise RequestError("stream_options is only allowed with stream=true", "stream_options")
+            raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
 
-    def sampling_params(self, max_tokens: int, limits: ServerLimits = ServerLimits()) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, limits: ServerLimits = ServerLimits()) -> SamplingParams:
+        """The body's sampling fields (``max_tokens`` None: as many as the context leaves)."""
         self._check_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > limits.max_stop_strings or any(not s for s in stop):
-            raise RequestError(f"stop takes up to {limits.max_stop_strings} non-empty strings", "stop")
+            raise InvalidRequest(f"stop takes up to {limits.max_stop_strings} non-empty strings", "stop")
         if any(len(s) > limits.max_stop_chars for s in stop):
-            raise RequestError(f"each stop string may hold at most {limits.max_stop_chars} characters", "stop")
+            raise InvalidRequest(f"each stop string may hold at most {limits.max_stop_chars} characters", "stop")
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stop), ignore_eos=self.ignore_eos)
 
@@ -98,20 +94,20 @@ class CompletionRequest(_Sampling):
     def single_prompt(self) -> str | list[int]:
         """The one prompt of the request (a list of prompts must hold exactly one)."""
         if self.echo:
-            raise RequestError("echo is not supported", "echo")
+            raise InvalidRequest("echo is not supported", "echo")
         if self.logprobs is not None:
-            raise RequestError("logprobs are not supported", "logprobs")
+            raise InvalidRequest("logprobs are not supported", "logprobs")
         if self.suffix is not None:
-            raise RequestError("suffix is not supported", "suffix")
+            raise InvalidRequest("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
-            raise RequestError("only best_of=1 is supported", "best_of")
+            raise InvalidRequest("only best_of=1 is supported", "best_of")
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise RequestError("send one prompt per request (batched prompts are not supported)", "prompt")
+                raise InvalidRequest("send one prompt per request (batched prompts are not supported)", "prompt")
             p = p[0]
         if len(p) == 0:
-            raise RequestError("the prompt is empty", "prompt")
+            raise InvalidRequest("the prompt is empty", "prompt")
         return p
 
 
@@ -137,9 +133,9 @@ class ChatCompletionRequest(_Sampling):
 
     def max_tokens_requested(self) -> int | None:
         if self.logprobs or self.top_logprobs is not None:
-            raise RequestError("logprobs are not supported", "logprobs")
+            raise InvalidRequest("logprobs are not supported", "logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise RequestError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+            raise InvalidRequest("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def chat(self) -> list[dict]:

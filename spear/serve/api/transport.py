@@ -1,10 +1,11 @@
-"""The HTTP transport under the app: uvicorn's h11 protocol with a deadline for a request's
-headers and a cap on open connections, the process's file limit raised so that the cap bites
-first, and the event loop's failures to accept a connection logged once a minute. A
-connection that has not sent a request's headers within ``ServerLimits.header_timeout_s`` is
-closed, and beyond ``ServerLimits.max_connections`` open connections new ones are closed at once
-(slow-header clients cannot hold the server's sockets); each of these faults is logged once a
-minute, not once per connection.
+"""The HTTP transport under the app: the listening socket, bound before anything is loaded; uvicorn's
+httptools protocol on uvloop, with a deadline for a request's headers and a cap on open
+connections; the process's file limit raised so that the cap bites first; the event loop's
+failures to accept a connection logged once a minute. A connection that has not sent a request's
+headers within ``ServerLimits.header_timeout_s`` is closed, and beyond
+``ServerLimits.max_connections`` open connections new ones are closed at once (slow-header clients
+cannot hold the server's sockets); each of these faults is logged once a minute, not once per
+connection.
 """
 
 from __future__ import annotations
@@ -12,33 +13,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
+import socket
+
+from spear.errors import SpearError
 
 from spear.serve.config import ServerLimits
+from spear.serve.faults import OncePer
 
 log = logging.getLogger(__name__)
-
-
-class _OncePer:
-    """Lets a repeated fault through once per ``interval_s`` (with the count held back since)."""
-
-    def __init__(self, interval_s: float = 60.0):
-        self.interval_s, self.last, self.held = interval_s, 0.0, 0
-
-    def allow(self) -> int | None:
-        """None to hold this one back, else how many were held back before it."""
-        now = time.monotonic()
-        if now - self.last < self.interval_s:
-            self.held += 1
-            return None
-        held, self.last, self.held = self.held, now, 0
-        return held
 
 
 def quiet_accept_faults(loop: asyncio.AbstractEventLoop) -> None:
     """Log the event loop's failures to accept a connection (out of file descriptors, typically)
     once a minute, one line, instead of a traceback per attempt."""
-    gate, default = _OncePer(), loop.get_exception_handler()
+    gate, default = OncePer(), loop.get_exception_handler()
 
     def handler(loop, context):
         if "accept" in str(context.get("message", "")):
@@ -55,13 +43,33 @@ def quiet_accept_faults(loop: asyncio.AbstractEventLoop) -> None:
     loop.set_exception_handler(handler)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host``:``port`` (port 0: one the system picks); a SpearError in one
+    line when the host does not resolve or the address is taken, before any model is loaded."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise SpearError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise SpearError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def guarded_protocol(limits: ServerLimits):
-    """uvicorn's h11 protocol with a deadline for a request's headers and a cap on connections."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    """uvicorn's httptools protocol with a deadline for a request's headers and a cap on connections."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    timeouts, refusals = _OncePer(), _OncePer()
+    timeouts, refusals = OncePer(), OncePer()
 
-    class Guarded(H11Protocol):
+    class Guarded(HttpToolsProtocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._deadline = None
@@ -92,8 +100,8 @@ def guarded_protocol(limits: ServerLimits):
                                 "(header_timeout_s)%s", limits.header_timeout_s, f"; {held} more since" if held else "")
                 self.transport.close()
 
-        def handle_events(self) -> None:
-            super().handle_events()
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
             if self._deadline is not None and self.cycle is not self._seen:  # a request's headers arrived
                 self._disarm()
 
@@ -125,14 +133,15 @@ def raise_fd_limit() -> int:
         return 1024
 
 
-def uvicorn_config(app, host: str, port: int, log_level: str, limits: ServerLimits):
-    """uvicorn's settings for ``app``: the guarded h11 protocol (header deadline, connection cap below
-    the process's file limit, which is raised to its hard limit first), a 5 s keep-alive, and a
-    graceful shutdown that outlasts ``shutdown_timeout_s`` by the time to write the last errors."""
+def uvicorn_config(app, log_level: str, limits: ServerLimits):
+    """uvicorn's settings for ``app`` on a listening socket of its caller (``listen``): the guarded
+    httptools protocol (header deadline, connection cap below the process's file limit, which is
+    raised to its hard limit first) on uvloop, a 5 s keep-alive, and a graceful shutdown that
+    outlasts ``shutdown_timeout_s`` by the time to write the last errors."""
     import uvicorn
 
     fds = raise_fd_limit()
     if limits.max_connections > fds - 64:  # the cap must bite before the descriptors run out
         limits = dataclasses.replace(limits, max_connections=max(16, fds - 64))
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=guarded_protocol(limits),
+    return uvicorn.Config(app, log_level=log_level, http=guarded_protocol(limits), loop="uvloop",
                           timeout_keep_alive=5, timeout_graceful_shutdown=limits.shutdown_timeout_s + 5)

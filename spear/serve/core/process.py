@@ -1,33 +1,23 @@
-"""The engine core: ``LLMEngine`` in a process of its own, driven by the HTTP server's process.
+"""The engine core in a process of its own (``spear serve``), driven over ZeroMQ by the HTTP server.
 
-    API server process                         engine-core process
-    HTTP, validation, tokenization,   --add/abort/stop-->   scheduler, model runner, sampler,
-    detokenization, stop strings,     <--one message/step--  tensor-parallel ranks (workers.py)
-    streaming (client.py)
+    API server process                                          engine-core process
+    HTTP; input processor (checks, tokenization);  --CoreRequest, Abort, Stop-->   EngineCore: scheduler,
+    output processor (text, stop strings); SSE     <--CoreOutputs (one a step)--   model runner, sampler,
+    (frontend/async_llm.py, zmq_client.py)         <--CoreHealth every 0.25 s--   tensor-parallel ranks
 
-The two talk over ZeroMQ sockets on IPC paths, messages packed with msgpack: a PUSH/PULL pair
-each way, and a second core-to-server pair for a heartbeat that a thread of the core sends every
-``HEARTBEAT_S`` whatever the engine is doing (so the server can tell a step that has run too long,
-or a core that died, from a quiet one). The core never waits on the server: its sockets have no
-send limit, so a slow or vanished client costs it nothing but memory in the server's process.
+The messages are core/messages.py's Structs, signed with the server's secret (core/wire.py). The
+sockets are IPC paths in a folder only the user can enter; each receiver binds its PULL socket and
+each sender connects a PUSH (the core binds its inbox, the server the outputs' and the
+heartbeat's), so another process could only connect to send, and what it sends is not signed. The
+core removes its inbox's name when the server's ``Hello`` arrives (the two are connected), the
+server the other names at the core's first messages: within a second or two of the start no name
+is left to connect to, and a killed server leaves no folder behind it.
 
-Messages, core to server (lists):
-  ["loaded", info]                 the model is in place (``info``: the engine's facts the server
-                                   checks requests against); the warm-up starts
-  ["ready", warmup_seconds]        requests are served from now on
-  ["failed", message]              the engine could not start; the process exits
-  ["step", outputs, accepted, rejected]
-                                   one engine step: every request's new tokens ``[rid, new ids,
-                                   finished, finish_reason, error, first_token_time]``, the
-                                   requests admitted since the last message and those refused
-                                   ``[rid, "queue_full" | "invalid", message]``
-  ["health", {...}]                the heartbeat: the running step's start, failures, EngineStats
-Server to core:
-  ["add", rid, prompt ids, sampling fields, arrival]   ["abort", [rids]]   ["stop"]
-
-Stop strings are the server's (it detokenizes): the core runs ``LLMEngine(detokenize=False)`` and
-ends a request on EOS, its stop token ids or its length; when the server sees a stop string it
-finishes the request itself and aborts it here.
+A thread of the core sends ``CoreHealth`` every ``HEARTBEAT_S`` whatever the engine does, so the
+server tells a step that runs too long, a core that stopped (SIGSTOP, a frozen host) and a quiet
+one apart. The core never waits on the server: its sockets have no send limit, so a slow or
+vanished client costs it nothing but memory in the server. Torch's threads are the core's: it
+runs on ``CoreSpec.torch_threads`` (the server's process, which computes nothing with torch, on one).
 """
 
 from __future__ import annotations
@@ -37,46 +27,40 @@ import os
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
+
+from spear.serve.config import EngineConfig
+from spear.serve.core.messages import (Abort, CoreHealth, CoreOutputs, CoreRequest, Failed, Hello, Loaded, Ready,
+                                       Rejection, Stop, ToCore)
+from spear.serve.core.wire import Malformed, Wire
+from spear.serve.faults import OncePer
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.25
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CoreSpec:
-    """What the core process needs to build its engine (picklable)."""
+    """What the core process needs to build its engine and reach the server (picklable)."""
 
-    model: str                     # a folder, or the embedded default's name
-    config: object                 # spear.serve.config.EngineConfig
-    dtype: str | None              # "float16", ...; None: the engine's default for the device
-    device: str | None             # "cpu", "cuda", "cuda:N"; None: cuda when available
+    model: str                          # a folder, or the embedded default's name
+    config: EngineConfig
+    dtype: str | None                   # "float16", ...; None: the engine's default for the device
+    device: str | None                  # "cpu", "cuda", "cuda:N"; None: cuda when available
     verify: bool
+    eos_token_ids: tuple[int, ...]      # the tokenizer's, beside the model's own
+    torch_threads: int
     parent_pid: int
-    to_core: str                   # ZeroMQ addresses (ipc://...)
-    from_core: str
+    inbox: str                          # ZeroMQ addresses (ipc://...): the core binds the inbox
+    outbox: str
     heartbeat: str
+    secret: bytes = field(repr=False)
     log_level: str = "info"
 
 
-def pack(message) -> bytes:
-    import msgpack
-
-    return msgpack.packb(message, use_bin_type=True)
-
-
-def unpack(data: bytes):
-    import msgpack
-
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
-
-def sampling_fields(params) -> dict:
-    """The fields of a SamplingParams the core needs (stop strings stay with the server)."""
-    return {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
-            "top_k": params.top_k, "seed": params.seed, "stop_token_ids": list(params.stop_token_ids),
-            "ignore_eos": params.ignore_eos}
+def ipc_path(address: str) -> str:
+    return address.removeprefix("ipc://")
 
 
 def _die_with_parent() -> None:
@@ -94,156 +78,147 @@ class _Heartbeat(threading.Thread):
     """Sends the core's health every HEARTBEAT_S on a socket of its own (ZeroMQ sockets are not
     shared between threads); reads the loop's fields, which only the loop writes."""
 
-    def __init__(self, ctx, address: str, core: "_Core"):
+    def __init__(self, ctx, proc: "_CoreProcess"):
         super().__init__(name="spear-core-heartbeat", daemon=True)
         import zmq
 
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-        self.core, self.stopping = core, threading.Event()
+        self.sock.connect(proc.spec.heartbeat)
+        self.wire = Wire(proc.spec.secret, ToCore)  # an encoder of its own: the loop's is the loop's
+        self.proc, self.stopping = proc, threading.Event()
 
     def run(self) -> None:
         import zmq
 
-        while not self.stopping.wait(HEARTBEAT_S):
+        while True:
             try:
-                self.sock.send(pack(["health", self.core.health()]), zmq.NOBLOCK)
+                self.sock.send(self.wire.pack(self.proc.health()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+            if self.stopping.wait(HEARTBEAT_S):
+                break
         self.sock.close()
 
 
-class _Core:
+class _CoreProcess:
     def __init__(self, spec: CoreSpec):
         import zmq
 
         self.spec = spec
+        self.wire = Wire(spec.secret, ToCore)
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
-        self.inbox.connect(spec.to_core)
+        self.inbox.bind(spec.inbox)
         self.outbox = self.ctx.socket(zmq.PUSH)
         self.outbox.setsockopt(zmq.SNDHWM, 0)   # never block on the server
         self.outbox.setsockopt(zmq.LINGER, 2000)
-        self.outbox.connect(spec.from_core)
-        self.engine = None
-        self.step_started: float | None = None
-        self.loop_failures = 0
-        self.last_failure: str | None = None
+        self.outbox.connect(spec.outbox)
+        self.core = None
         self.ready = False
+        self.bad = OncePer()
 
     def send(self, message) -> None:
         import zmq
 
-        self.outbox.send(pack(message), zmq.NOBLOCK)
+        self.outbox.send(self.wire.pack(message), zmq.NOBLOCK, copy=False)
 
-    def health(self) -> dict:
-        eng = self.engine
-        stats = None if eng is None else _stats(eng.stats())
-        failed = self.loop_failures if eng is None else max(self.loop_failures, eng.num_failed_steps)
-        return {"ready": self.ready, "step_started": self.step_started, "failed_steps": failed,
-                "last_failure": self.last_failure, "stats": stats}
+    def health(self) -> CoreHealth:
+        core = self.core
+        if core is None:
+            return CoreHealth(ready=False, step_started=None, failed_steps=0, last_failure=None, stats=None)
+        return CoreHealth(ready=self.ready, step_started=core.step_started, failed_steps=core.num_failed_steps,
+                          last_failure=core.last_failure, stats=core.stats())
+
+    def _receive(self, frame: bytes):
+        """The message of ``frame``; None for a malformed or unsigned one (logged once a minute)."""
+        try:
+            return self.wire.unpack(frame)
+        except Malformed as exc:
+            held = self.bad.allow()
+            if held is not None:
+                log.error("dropped %s%s", exc, OncePer.since(held))
+            return None
+
+    def await_server(self) -> None:
+        """Until the server's Hello arrives; then no other process may connect to the inbox."""
+        while not (self.inbox.poll(1000) and isinstance(self._receive(self.inbox.recv()), Hello)):
+            if os.getppid() != self.spec.parent_pid:
+                raise SystemExit(1)
+        try:
+            os.unlink(ipc_path(self.spec.inbox))
+        except OSError:
+            pass
+        self.send(Hello())
 
     def build(self) -> None:
         import torch
 
-        from spear.serve.core.engine import LLMEngine
+        from spear.serve.core.engine import EngineCore
 
-        dtype = None if self.spec.dtype is None else getattr(torch, self.spec.dtype)
-        self.engine = eng = LLMEngine.from_pretrained(self.spec.model, self.spec.config, dtype=dtype,
-                                                      device=self.spec.device, verify=self.spec.verify,
-                                                      detokenize=False)
-        sched = eng.scheduler
-        latency = None
-        if sched.itl_slo_ms is not None:
-            t = sched.latency
-            latency = {"created": str(t.created), "device": str(t.deployment.device), "margin": t.margin}
-        self.send(["loaded", {
-            "max_model_len": eng.max_model_len, "vocab_size": eng.model.config.vocab_size,
-            "eos_ids": sorted(int(i) for i in eng.eos_ids), "num_blocks": eng.block_manager.num_blocks,
-            "block_size": eng.config.block_size, "tensor_parallel_size": eng.config.tensor_parallel_size,
-            "load_report": [list(r) for r in eng.load_report], "itl_slo_ms": sched.itl_slo_ms,
-            "min_chunk_tokens": eng.config.min_chunk_tokens, "latency": latency}])
+        spec = self.spec
+        self.core = EngineCore.from_pretrained(spec.model, spec.config,
+                                               dtype=None if spec.dtype is None else getattr(torch, spec.dtype),
+                                               device=spec.device, verify=spec.verify, eos_token_ids=spec.eos_token_ids)
+        self.send(Loaded(self.core.facts()))
 
     def run(self) -> None:
         import zmq
 
-        eng = self.engine
-        warm = eng.warmup()
+        core = self.core
+        warm = core.warmup()
         self.ready = True
-        self.send(["ready", warm])
+        self.send(Ready(warm))
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         while True:
             if os.getppid() != self.spec.parent_pid:  # the server is gone
                 log.warning("the server process went away; the engine core stops")
                 return
-            busy = eng.has_unfinished()
-            if not busy:
+            if not core.has_unfinished():
                 poller.poll(1000)
             accepted, rejected, stop = self._commands()
+            if accepted or rejected:  # answered at once: the server's handlers wait for it, not for a step
+                self.send(CoreOutputs(accepted=accepted, rejected=rejected, timestamp=time.monotonic()))
             if stop:
                 return
-            outputs = self._step() if eng.has_unfinished() else []
-            if outputs or accepted or rejected:
-                self.send(["step", outputs, accepted, rejected])
+            if core.has_unfinished():
+                outputs = core.step()
+                self.send(CoreOutputs(outputs=outputs, timestamp=time.monotonic(), step=core.last_step))
 
-    def _commands(self) -> tuple[list, list, bool]:
+    def _commands(self) -> tuple[list[str], list[Rejection], bool]:
         import zmq
 
         from spear.errors import SpearError
         from spear.serve.core.scheduler import QueueFull
-        from spear.serve.core.sequence import SamplingParams
 
         accepted, rejected = [], []
         while True:
             try:
-                msg = unpack(self.inbox.recv(zmq.NOBLOCK))
+                msg = self._receive(self.inbox.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return accepted, rejected, False
-            if msg[0] == "stop":
+            if isinstance(msg, CoreRequest):
+                try:
+                    self.core.add(msg)
+                    accepted.append(msg.request_id)
+                except QueueFull as exc:
+                    rejected.append(Rejection(msg.request_id, "queue_full", str(exc)))
+                except SpearError as exc:
+                    rejected.append(Rejection(msg.request_id, "invalid", str(exc)))
+            elif isinstance(msg, Abort):
+                self.core.abort(msg.request_ids)
+            elif isinstance(msg, Stop):
                 return accepted, rejected, True
-            if msg[0] == "abort":
-                for rid in msg[1]:
-                    self.engine.abort(rid)
-                continue
-            _, rid, ids, fields, arrival = msg
-            try:
-                self.engine.add_request(ids, SamplingParams(**fields), request_id=rid, arrival_time=arrival)
-                accepted.append(rid)
-            except QueueFull as exc:
-                rejected.append([rid, "queue_full", str(exc)])
-            except (SpearError, TypeError, ValueError) as exc:
-                rejected.append([rid, "invalid", str(exc)])
 
-    def _step(self) -> list:
-        self.step_started = time.monotonic()
-        try:
-            outs = self.engine.step()
-        except Exception as exc:  # outside any request (the engine isolates theirs): fail all, go on
-            log.exception("engine step failed; failing every request")
-            self.loop_failures += 1
-            self.last_failure = repr(exc)
-            message = f"the engine step failed: {exc!r}"
-            return [[rid, [], True, "error", message, None] for rid in self.engine.abort_all()]
-        finally:
-            self.step_started = None
-        self.loop_failures = 0
-        packed = []
-        for o in outs:
-            if o.error is not None:
-                self.last_failure = o.error
-            packed.append([o.request_id, list(o.new_token_ids), o.finished, o.finish_reason, o.error,
-                           o.first_token_time])
-        return packed
-
-
-def _stats(stats) -> dict:
-    d = asdict(stats)
-    d["latency_correction"] = {str(k): v for k, v in d["latency_correction"].items()}
-    return d
+    def close(self) -> None:
+        if self.core is not None:
+            self.core.close()
+        self.inbox.close()
+        self.outbox.close()
+        self.ctx.term()
 
 
 def core_main(spec: CoreSpec) -> None:
@@ -253,24 +228,26 @@ def core_main(spec: CoreSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     logging.basicConfig(level=spec.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    core = _Core(spec)
-    beat = _Heartbeat(core.ctx, spec.heartbeat, core)
-    beat.start()
+    import torch
+
+    torch.set_num_threads(spec.torch_threads)
+    proc = _CoreProcess(spec)
+    beat = None
     try:
+        proc.await_server()
+        beat = _Heartbeat(proc.ctx, proc)
+        beat.start()
         try:
-            core.build()
+            proc.build()
         except BaseException as exc:  # a bad model, out of memory, a refused config: say so and exit
             from spear.errors import SpearError
 
             log.debug("engine start failed", exc_info=True)
-            core.send(["failed", str(exc) if isinstance(exc, SpearError) else f"{type(exc).__name__}: {exc}"])
+            proc.send(Failed(str(exc) if isinstance(exc, SpearError) else f"{type(exc).__name__}: {exc}"))
             raise SystemExit(1) from None
-        core.run()
+        proc.run()
     finally:
-        beat.stopping.set()
-        beat.join(2)
-        if core.engine is not None:
-            core.engine.close()
-        core.inbox.close()
-        core.outbox.close()
-        core.ctx.term()
+        if beat is not None:
+            beat.stopping.set()
+            beat.join(2)
+        proc.close()

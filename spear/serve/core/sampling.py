@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from spear.serve.core.sequence import SamplingParams
+from spear.serve.core.messages import SamplingParams
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

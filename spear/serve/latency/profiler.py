@@ -1,7 +1,7 @@
 """Measuring a deployment's latency table by timing real engine steps (``spear profile``).
 
 For each context L and decode count d of the grid, ``profile`` brings d requests to their decode
-phase through the engine's public API (prompts of about L tokens, greedy, EOS ignored), then runs
+phase through the engine core (prompts of about L random token ids, greedy, EOS ignored), then runs
 rounds over the grid's step sizes: a step of T tokens (T > 0) is one more request of a (T - d)-token
 prompt and ``max_tokens=1``, admitted and prefilled whole in the next step beside the d decodes and
 finished by it; T = 0 is the decode-only step. The grid's step sizes are CUDA graph sizes of the
@@ -29,7 +29,7 @@ import torch
 
 from spear.errors import SpearError
 from spear.serve.latency.table import LatencyTable, cache_path, load_cached
-from spear.serve.core.sequence import SamplingParams
+from spear.serve.core.messages import CoreRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -161,21 +161,25 @@ def profile(engine, grid: Grid = DEFAULT_GRID, repeats: int = 5, warmup: int = 1
     times = [[[[] for _ in range(shape[2])] for _ in range(shape[1])] for _ in range(shape[0])]
     seen_ctx = [[[[] for _ in range(shape[2])] for _ in range(shape[1])] for _ in range(shape[0])]
     steps = _rounds_steps(grid, repeats, warmup)
-    ids = iter(range(1 << 62))
+    serial = iter(range(1 << 62))
     started = time.perf_counter()
     bar = tqdm(total=shape[0] * shape[2] * steps, desc="profile", unit="step", disable=not progress)
+    def add(ids: list[int], params: SamplingParams) -> str:
+        rid = f"profile-{next(serial)}"
+        engine.add(CoreRequest(rid, ids, params, time.monotonic()))
+        return rid
+
     def block(d: int, p: int, rounds: int, record) -> None:
         params = SamplingParams(max_tokens=_max_tokens(engine, d, p, steps), temperature=0, ignore_eos=True)
-        rids = [engine.add_request(prompt(p), params, request_id=f"profile-{next(ids)}") for _ in range(d)]
+        rids = [add(prompt(p), params) for _ in range(d)]
         pending = set(rids)
         while pending:  # every decode past its prompt
-            pending -= {o.request_id for o in engine.step() if o.num_output_tokens}
+            pending -= {o.request_id for o in engine.step() if o.new_token_ids}
         for r in range(rounds):
             for j, t in enumerate(grid.tokens):
                 c = t - d if t else 0
                 if c:
-                    engine.add_request(prompt(c), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
-                                       request_id=f"profile-{next(ids)}")
+                    add(prompt(c), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
                 _sync(device)
                 t0 = time.perf_counter()
                 engine.step()
@@ -186,8 +190,7 @@ def profile(engine, grid: Grid = DEFAULT_GRID, repeats: int = 5, warmup: int = 1
                     raise SpearError(f"profiling: a step meant as {d} decodes + {c} prefill tokens ran "
                                      f"{rec.num_decodes} decodes + {rec.prefill_tokens}")
                 record(r, j, ms, rec.decode_context)
-        for rid in rids:
-            engine.abort(rid)
+        engine.abort(rids)
 
     try:
         # one untimed block first: the first steps of each shape pay for allocation and lazy set-up

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from spear.serve.core.outputs import EngineStats, RequestOutput, StepRecord
+from spear.serve.core.messages import EngineStats, StepRecord
+from spear.serve.frontend.output import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                     30.0, 60.0)
@@ -34,7 +35,7 @@ class ServingMetrics:
         self.waiting = Gauge("spear_num_requests_waiting", "Requests in the waiting queue", registry=r)
         self.running = Gauge("spear_num_requests_running", "Requests being decoded or prefilled", registry=r)
         self.preemptions = Counter("spear_preemptions", "Sequences preempted for lack of KV blocks", registry=r)
-        # read at scrape time (AsyncEngine sets its function): a hung step shows as a growing value
+        # read at scrape time (AsyncLLM sets its function): a hung step shows as a growing value
         self.step_running = Gauge("spear_engine_step_running_seconds",
                                   "How long the engine step now running has run (0 between steps)", registry=r)
         self.itl_slo = Gauge("spear_itl_slo_seconds", "The inter-token latency target (0: none)", registry=r)
@@ -57,7 +58,6 @@ class ServingMetrics:
                                 "latency table's predictions (step_tokens: 0 decode-only, N mixed steps of N padded "
                                 "tokens, 1 every mixed step without CUDA graphs)", ["step_tokens"], registry=r)
         self._preempted_seen = 0
-        self._steps_seen = 0
 
     def observe(self, out: RequestOutput, now: float, last_token_time: float | None) -> None:
         """One step's output of one request; ``last_token_time`` is when its previous token came."""
@@ -82,12 +82,9 @@ class ServingMetrics:
         self.itl_slo.set(0.0 if stats.itl_slo_ms is None else stats.itl_slo_ms / 1e3)
         for kind, ratio in stats.latency_correction.items():
             self.correction.labels(str(kind)).set(ratio)
-        step = stats.last_step
-        if step is not None and stats.num_steps > self._steps_seen:  # stats are also published between steps
-            self._steps_seen = stats.num_steps
-            self.observe_step(step, stats.itl_slo_ms)
 
     def observe_step(self, step: StepRecord, itl_slo_ms: float | None) -> None:
+        """Every engine step, as it comes."""
         measured = step.measured_ms / 1e3
         self.step_seconds.observe(measured)
         self.prefill_tokens.observe(step.prefill_tokens)
