@@ -122,7 +122,7 @@ class AsyncLLM:
         self._listener: asyncio.Task | None = None
         self._faults = OncePer()
         self.error: BaseException | None = None  # the frontend itself stopped (its listener died)
-        client.on_error = self._core_stopped
+        client.on_error = self.fail_open  # a core that stops serving ends every open request
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
@@ -135,7 +135,7 @@ class AsyncLLM:
             self._listener.remove_done_callback(self._listener_ended)
             self._listener.cancel()
         await self.client.shutdown(timeout)
-        self._fail_all(EngineDead("the server is shutting down", "shutting_down"))
+        self.fail_open(EngineDead("the server is shutting down", "shutting_down"))
 
     @property
     def loaded(self):
@@ -259,40 +259,39 @@ class AsyncLLM:
     def fail_open(self, exc: BaseException) -> None:
         """End every open request with ``exc`` now (the server's shutdown deadline) and abort them in
         the core."""
-        rids = list(self._streams)
-        self._fail_all(exc)
-        if rids and self.client.alive:
-            self.client.abort(rids)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for taken in self._taking.values():
-            if not taken.done():
-                taken.set_exception(exc)
-        for rid, stream in self._streams.items():
-            self.output.drop(rid)
-            stream.fail(exc)
-        self._taking.clear()
-        self._streams.clear()
-
-    def _core_stopped(self, exc: BaseException) -> None:
-        self._fail_all(exc)
+        self._fail_some(list(self._streams), exc)
 
     # ------------------------------------------------------------------ the core's messages
     async def _listen(self) -> None:
         while True:
-            outputs = await self.client.get_output()
+            message = await self.client.get_output()
             try:
-                self._handle(outputs)
-            except Exception as exc:  # a bug in one message's handling: said, and the listener goes on
+                self._handle(message)
+            except Exception as exc:  # a bug in one message's handling: said, its requests failed, the listener goes on
                 held = self._faults.allow()
                 if held is not None:
                     log.exception("handling the engine core's message failed: %r%s", exc, OncePer.since(held))
+                self._fail_some([o.request_id for o in message.outputs] + message.accepted,
+                                EngineDead(f"the server failed on the engine's output: {exc!r}"))
+
+    def _fail_some(self, request_ids: list[str], exc: BaseException) -> None:
+        failed = []
+        for rid in request_ids:
+            taken, stream = self._taking.pop(rid, None), self._streams.pop(rid, None)
+            if taken is not None and not taken.done():
+                taken.set_exception(exc)
+            if stream is not None:
+                stream.fail(exc)
+            if self.output.drop(rid):
+                failed.append(rid)
+        if failed and self.client.alive:
+            self.client.abort(failed)
 
     def _listener_ended(self, task: asyncio.Task) -> None:
         exc = None if task.cancelled() else task.exception()
         self.error = EngineDead(f"the server stopped listening to the engine core: {exc!r}")
         log.error("%s", self.error, exc_info=exc)
-        self._fail_all(self.error)
+        self.fail_open(self.error)
 
     def _handle(self, msg: CoreOutputs) -> None:
         for rid in msg.accepted:
