@@ -22,6 +22,7 @@ runs on ``CoreSpec.torch_threads`` (the server's process, which computes nothing
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -169,6 +170,10 @@ class _CoreProcess:
 
         core = self.core
         warm = core.warmup()
+        # what is alive now lives as long as the core: out of the collector's sweeps, whose pauses over
+        # the model's objects would stall steps
+        gc.collect()
+        gc.freeze()
         self.ready = True
         self.send(Ready(warm))
         poller = zmq.Poller()
@@ -247,6 +252,7 @@ def core_main(spec: CoreSpec) -> None:
             raise SystemExit(1) from None
         proc.run()
     finally:
+        gc.unfreeze()
         if beat is not None:
             beat.stopping.set()
             beat.join(2)
