@@ -306,7 +306,10 @@ def main(argv=None) -> int:
         args.shape, args.client_procs = "tiny", min(args.client_procs, 2)
         budgets = [min(b, 64) for b in budgets]
     if args.tiny or args.cpu:
+        from spear.serve.frontend.zmq_client import default_torch_threads
+
         device, dtype = "cpu", torch.float32
+        torch.set_num_threads(default_torch_threads())  # the in-process engine on the threads spear serve's core gets
     else:
         if not torch.cuda.is_available():
             p.error("no CUDA device: the benchmark needs a GPU (use --tiny for a CPU smoke check, --cpu for a small "

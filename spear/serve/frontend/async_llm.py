@@ -315,13 +315,15 @@ class AsyncLLM:
         if ended_here:  # a stop string (or an undecodable token) ended them here: the core still runs them
             self.client.abort(ended_here)
         now = time.monotonic()
-        observe, streams = self.metrics.observe, self._streams
+        observe, streams, tokens = self.metrics.observe, self._streams, 0
         for out in outputs:
             stream = streams.get(out.request_id)
             if stream is None:
                 continue
             observe(out, now, stream.last_token_time)
+            tokens += len(out.new_token_ids)
             stream.last_token_time = now
             if out.finished:
                 del streams[out.request_id]
             stream.put(out)
+        self.metrics.generation_tokens.inc(tokens)

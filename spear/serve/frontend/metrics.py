@@ -60,9 +60,9 @@ class ServingMetrics:
         self._preempted_seen = 0
 
     def observe(self, out: RequestOutput, now: float, last_token_time: float | None) -> None:
-        """One step's output of one request; ``last_token_time`` is when its previous token came."""
+        """One step's output of one request; ``last_token_time`` is when its previous token came. The
+        step's tokens are counted for all its requests at once (``generation_tokens.inc``)."""
         n = len(out.new_token_ids)
-        self.generation_tokens.inc(n)
         if last_token_time is None:
             self.prompt_tokens.inc(out.num_prompt_tokens)
             self.ttft.observe(now - out.arrival_time)

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from spear.errors import SpearError
 from spear.parallel.shard import TPRank
 from spear.serve.config import EngineConfig
+
+if TYPE_CHECKING:  # the runner module imports the kernels: only when a rank is built
+    from spear.serve.model.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +34,7 @@ class Rank:
     layers that run off the kernel path on CUDA, with the reason."""
 
     model: torch.nn.Module
-    runner: object               # spear.serve.model.model_runner.ModelRunner
+    runner: ModelRunner
     num_blocks: int
     max_model_len: int
     load_report: list[tuple[str, str]]
