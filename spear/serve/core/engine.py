@@ -48,8 +48,9 @@ class EngineCore:
     ``EngineCore(model)`` takes a transformers causal LM in memory (with spear's QuantLinears and
     compensators where it has them) and reads its weights into the engine's model, on ``device``
     and in ``dtype`` (default: the model's); ``from_pretrained`` reads a checkpoint from disk.
-    ``eos_token_ids`` add to the ids the model's configs name (the tokenizer's, which the frontend
-    knows). ``load_report`` lists the quantized layers that run off the kernel path on CUDA.
+    A request ends on the end-of-sequence ids the model's configs name and those ``stop_on`` adds
+    (a tokenizer's, which the frontend knows). ``load_report`` lists the quantized layers that run
+    off the kernel path on CUDA.
 
     With ``EngineConfig.tensor_parallel_size`` N > 1 (``from_pretrained`` only), this process is
     rank 0 and starts ranks 1..N-1 as worker processes (spear/serve/model/workers.py), each loading
@@ -57,8 +58,7 @@ class EngineCore:
     ``close()`` stops them."""
 
     def __init__(self, model: nn.Module, config: EngineConfig | None = None,
-                 device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
         if config is not None and config.tensor_parallel_size > 1:
             raise SpearError("a tensor-parallel engine loads each rank's share from disk: use "
                              "LLMEngine.from_pretrained(<folder>, config) or save the model first")
@@ -66,13 +66,13 @@ class EngineCore:
         ref = model.get_input_embeddings().weight
         cfg, quantized, tensors = loader.from_module(model)
         self._close = None
-        self._setup(cfg, quantized, tensors, getattr(model, "generation_config", None), eos_token_ids, config,
+        self._setup(cfg, quantized, tensors, getattr(model, "generation_config", None), config,
                     torch.device(device) if device is not None else ref.device, dtype or ref.dtype)
 
     @classmethod
     def from_pretrained(cls, model: str = "smollm2-135m", config: EngineConfig | None = None,
-                        dtype: torch.dtype | None = None, device: str | None = None, verify: bool = False,
-                        eos_token_ids: tuple[int, ...] = ()) -> "EngineCore":
+                        dtype: torch.dtype | None = None, device: str | None = None,
+                        verify: bool = False) -> "EngineCore":
         """Load the default model, an HF folder or a spear checkpoint; fp32 on CPU, fp16 on CUDA by
         default (``verify``: a checkpoint's tensors checked against their recorded digests)."""
         from spear.models.loading import resolve_model_path
@@ -89,7 +89,7 @@ class EngineCore:
                 device = self._start_ranks(path, config, device, dtype, verify)
             cfg, quantized, tensors = loader.from_folder(path, verify)
             check_supported(cfg)
-            self._setup(cfg, quantized, tensors, loader.generation_config(path), eos_token_ids, config, device, dtype,
+            self._setup(cfg, quantized, tensors, loader.generation_config(path), config, device, dtype,
                         source=path, tp=tp)
         except BaseException:
             self.close()
@@ -117,7 +117,7 @@ class EngineCore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _setup(self, model_config, quantized, tensors, generation_config, eos_token_ids, config, device, dtype,
+    def _setup(self, model_config, quantized, tensors, generation_config, config, device, dtype,
                source=None, tp: TPRank = TPRank()) -> None:
         from spear.serve.latency.deployment import deployment_of
         from spear.serve.latency.table import given_table
@@ -126,9 +126,10 @@ class EngineCore:
         self.config = config = config or EngineConfig()
         pool = getattr(self, "_pool", None) if tp.size > 1 else None
         # before build_rank, which takes the tensors over
-        self.deployment = deployment_of(model_config, quantized, tensors, source, device, dtype, config.kernels,
-                                        config.block_size, config.cuda_graphs and device.type == "cuda", tp.size,
-                                        config.tp_reduce)
+        self.deployment = deployment_of(model_config, quantized, tensors, source, device, dtype, policy=config.kernels,
+                                        block_size=config.block_size,
+                                        cuda_graphs=config.cuda_graphs and device.type == "cuda",
+                                        tensor_parallel=tp.size, tp_reduce=config.tp_reduce)
         table = given_table(config.latency_table, self.deployment)  # a wrong table fails before the weights load
         agree = alone(model_config, config)
         if pool is not None:
@@ -148,12 +149,13 @@ class EngineCore:
             log.warning("%s runs off the W4 kernel path: %s", layer, reason)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         # a mixed step replayed as a graph costs its padded size: the chunks fill one
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_waiting, token_sizes=self.runner.mixed and tuple(self.runner.mixed.graphs))
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
+                                   token_sizes=self.runner.mixed and tuple(self.runner.mixed.graphs))
         if pool is not None:
             pool.wait("that it is ready")
             self.runner.workers = pool
-        self.eos_ids = loader.eos_token_ids(model_config, generation_config, None) | set(eos_token_ids)
+        self.eos_ids = loader.eos_token_ids(model_config, generation_config)
         self._seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self.num_preemptions = 0
@@ -167,9 +169,19 @@ class EngineCore:
         log.info("engine: %d KV blocks of %d tokens, max_model_len %d, %s %s", num_blocks, config.block_size,
                  self.max_model_len, device, dtype)
         if table is not None:
-            self.scheduler.set_latency(table, config.itl_slo_ms, config.min_chunk_tokens, config.latency_correction)
+            self._set_latency(table)
         elif config.itl_slo_ms is not None:
             self.prepare_latency()
+
+    def _set_latency(self, table) -> None:
+        cfg = self.config
+        self.scheduler.set_latency(table, itl_slo_ms=cfg.itl_slo_ms, min_chunk_tokens=cfg.min_chunk_tokens,
+                                   correct=cfg.latency_correction)
+
+    def stop_on(self, eos_token_ids) -> None:
+        """End requests on these ids too (a tokenizer's end of sequence, which the model's configs
+        may not name)."""
+        self.eos_ids |= set(eos_token_ids)
 
     def prepare_latency(self, progress: bool = False):
         """Give the scheduler a latency table if it has none: the one cached for this deployment, else
@@ -177,8 +189,7 @@ class EngineCore:
         if self.scheduler.latency is None:
             from spear.serve.latency.profiler import table_for
 
-            self.scheduler.set_latency(table_for(self, progress=progress), self.config.itl_slo_ms,
-                                       self.config.min_chunk_tokens, self.config.latency_correction)
+            self._set_latency(table_for(self, progress=progress))
         return self.scheduler.latency
 
     def warmup(self) -> float:

@@ -162,7 +162,8 @@ class _CoreProcess:
         spec = self.spec
         self.core = EngineCore.from_pretrained(spec.model, spec.config,
                                                dtype=None if spec.dtype is None else getattr(torch, spec.dtype),
-                                               device=spec.device, verify=spec.verify, eos_token_ids=spec.eos_token_ids)
+                                               device=spec.device, verify=spec.verify)
+        self.core.stop_on(spec.eos_token_ids)
         self.send(Loaded(self.core.facts()))
 
     def run(self) -> None:

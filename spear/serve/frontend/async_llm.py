@@ -47,7 +47,7 @@ FAILING_STEPS = 3
 HEARTBEAT_STALE_S = 3.0
 _TAKE_POLL_S = 0.25
 
-_END = object()
+END = object()  # after a stream's final item
 
 
 class RequestStream:
@@ -68,7 +68,7 @@ class RequestStream:
             self.queue.put_nowait(item)
         if out.finished:
             self.finished = True
-            self.queue.put_nowait(_END)
+            self.queue.put_nowait(END)
 
     def fail(self, exc: BaseException) -> None:
         if not self.finished:
@@ -80,7 +80,7 @@ class RequestStream:
 
     async def __anext__(self):
         item = await self.queue.get()
-        if item is _END:
+        if item is END:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             raise item
@@ -100,13 +100,13 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._owner.abort(self.request_id)
-            self.queue.put_nowait(_END)  # wakes a consumer waiting for the next output
+            self.queue.put_nowait(END)  # wakes a consumer waiting for the next output
 
-
-END = _END
 
 
 class AsyncLLM:
+    """The requests of one HTTP server over one engine core (``client``), on the server's event loop."""
+
     def __init__(self, client: CoreClient, tokenizer, metrics: ServingMetrics | None = None,
                  step_timeout_s: float = STEP_TIMEOUT_S):
         if not step_timeout_s > 0:

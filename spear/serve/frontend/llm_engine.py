@@ -42,7 +42,7 @@ class LLMEngine:
 
     def __init__(self, model: nn.Module, tokenizer, config: EngineConfig | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None):
-        self._attach(EngineCore(model, config, device, dtype, tokenizer_eos(tokenizer)), tokenizer)
+        self._attach(EngineCore(model, config, device, dtype), tokenizer)
 
     @classmethod
     def from_pretrained(cls, model: str = "smollm2-135m", config: EngineConfig | None = None,
@@ -53,14 +53,19 @@ class LLMEngine:
         from spear.models.checkpoint import load_folder_tokenizer
         from spear.models.loading import resolve_model_path
 
-        if tokenizer is None:
-            tokenizer = load_folder_tokenizer(resolve_model_path(model))
+        core = EngineCore.from_pretrained(model, config, dtype, device, verify)  # a damaged checkpoint is said first
+        try:
+            if tokenizer is None:
+                tokenizer = load_folder_tokenizer(resolve_model_path(model))
+        except BaseException:
+            core.close()
+            raise
         self = cls.__new__(cls)
-        self._attach(EngineCore.from_pretrained(model, config, dtype, device, verify, tokenizer_eos(tokenizer)),
-                     tokenizer)
+        self._attach(core, tokenizer)
         return self
 
     def _attach(self, core: EngineCore, tokenizer) -> None:
+        core.stop_on(tokenizer_eos(tokenizer))
         self.core, self.tokenizer = core, tokenizer
         self.client = InProcClient(core)
         self.processor = InputProcessor(self.client.facts)

@@ -68,11 +68,12 @@ class Deployment:
             raise SpearError(f"{where}: 'deployment' must be an object, got {type(d).__name__}")
         try:
             dens = d.get("density") or {}
-            density = Density(int(dens.get("modules_with_ec", 0)), int(dens.get("modules", 0)),
-                              float(dens.get("extra_memory_pct", 0.0)))
-            out = cls(d["checkpoint"], d["checkpoint_hash"], d["device"], d["dtype"], d["policy_hash"],
-                      d["block_size"], d["cuda_graphs"], density, tuple(d.get("policy_op_args", ())),
-                      d.get("tensor_parallel", 1), d.get("tp_reduce", "allreduce"))
+            density = Density(modules_with_ec=int(dens.get("modules_with_ec", 0)), modules=int(dens.get("modules", 0)),
+                              extra_memory_pct=float(dens.get("extra_memory_pct", 0.0)))
+            out = cls(**{k: d[k] for k in ("checkpoint", "checkpoint_hash", "device", "dtype", "policy_hash",
+                                           "block_size", "cuda_graphs")},
+                      density=density, policy_op_args=tuple(d.get("policy_op_args", ())),
+                      tensor_parallel=d.get("tensor_parallel", 1), tp_reduce=d.get("tp_reduce", "allreduce"))
         except KeyError as exc:
             raise SpearError(f"{where}: 'deployment' lacks {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
@@ -143,11 +144,12 @@ def deployment_of(model_config, quantized: dict, tensors: dict, source: Path | N
         ec_bytes += 0 if ec is None else 2 * _ec_params(ec)
     h.update(json.dumps(layout).encode())
     model_bytes += 2 * sum(t.numel() for t in tensors.values())
-    density = Density(sum(1 for m in quantized.values() if m.ec is not None), len(quantized),
-                      100 * ec_bytes / model_bytes if model_bytes else 0.0)
-    return Deployment(None if source is None else str(source), h.hexdigest(), device_name(device),
-                      str(dtype).removeprefix("torch."), policy_hash(policy), block_size, cuda_graphs, density,
-                      tuple(policy.op_args), tensor_parallel, tp_reduce)
+    density = Density(modules_with_ec=sum(1 for m in quantized.values() if m.ec is not None), modules=len(quantized),
+                      extra_memory_pct=100 * ec_bytes / model_bytes if model_bytes else 0.0)
+    return Deployment(checkpoint=None if source is None else str(source), checkpoint_hash=h.hexdigest(),
+                      device=device_name(device), dtype=str(dtype).removeprefix("torch."), policy_hash=policy_hash(policy),
+                      block_size=block_size, cuda_graphs=cuda_graphs, density=density,
+                      policy_op_args=tuple(policy.op_args), tensor_parallel=tensor_parallel, tp_reduce=tp_reduce)
 
 
 def policy_hash(policy) -> str:

@@ -146,11 +146,10 @@ def generation_config(path):
     return read_generation_config(path)
 
 
-def eos_token_ids(config, gen_config, tokenizer) -> set[int]:
-    """The ids that end a request: the generation config's, the model config's and the tokenizer's."""
+def eos_token_ids(config, gen_config) -> set[int]:
+    """The ids that end a request by the model's configs: the generation config's and the model config's."""
     ids: set[int] = set()
-    for source in (getattr(gen_config, "eos_token_id", None), getattr(config, "eos_token_id", None),
-                   getattr(tokenizer, "eos_token_id", None)):
+    for source in (getattr(gen_config, "eos_token_id", None), getattr(config, "eos_token_id", None)):
         if isinstance(source, int):
             ids.add(source)
         elif source is not None:
