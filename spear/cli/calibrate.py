@@ -96,7 +96,7 @@ def main(args) -> int:
     from spear.models.checkpoint import check_checkpoint_out, is_checkpoint, save_checkpoint
     from spear.models.loading import load_model, resolve_model_path
     from spear.models.modules import quantizable_linears
-    from spear.quant.api import quantize_model
+    from spear.quant.api import quantize_for_compensation
     from spear.errors import SpearError
 
     quant = quant_config_from(args)
@@ -114,13 +114,7 @@ def main(args) -> int:
     plan, selection = plan_from_args(args, model, tok, quant, cfg, progress)
     check_plan_ranks(plan, quantizable_linears(model, quant.include_lm_head))  # before the sampling and teacher
     data = prepare_calibration(model, tok, cfg, quant.include_lm_head, progress=progress, teacher=not args.blockwise)
-    channel_scales: dict = {}
-    modules = quantize_model(model, quant, calib=data.train_ids, progress=progress, tokenizer=tok,
-                             channel_scales=channel_scales)
-    if channel_scales:  # AWQ scaled the linears: compensate against the weights it rounded
-        from spear.quant.awq import rescale_reference
-
-        data.fp_weights, data.stats = rescale_reference(data.fp_weights, data.stats, channel_scales)
+    modules = quantize_for_compensation(model, quant, [data], calib=data.train_ids, progress=progress, tokenizer=tok)
     unknown = sorted(set(plan) - set(modules))
     if unknown:
         raise SpearError(f"plan names {len(unknown)} module(s) that are not quantized linears, e.g. {unknown[0]}")

@@ -24,7 +24,7 @@ from spear.compensate.registry import stored_checked
 from spear.compensate.spec import check_plan_ranks, warn_off_kernel
 from spear.compensate.stats import ActivationStats, collect_activation_stats
 from spear.compensate.svd_init import ScalingCache, error_factors
-from spear.data.selfsample import SampleConfig, sample_sequences
+from spear.data.selfsample import sample_sequences
 from spear.models.modules import quantizable_linears
 from spear.quant.linear import QuantLinear
 
@@ -47,8 +47,7 @@ def prepare_calibration(model: nn.Module, tokenizer, cfg: CalibrationConfig, inc
     follow the model (``teacher_top_k=None``) are resolved with :meth:`CalibrationConfig.for_model`."""
     cfg = cfg.for_model(model)
     n = cfg.n_samples + cfg.val_samples
-    ids = sample_sequences(model, tokenizer, SampleConfig(n=n, length=cfg.sample_len, temperature=cfg.temperature,
-                                                          top_p=cfg.top_p, seed=cfg.seed), progress=progress)
+    ids = sample_sequences(model, tokenizer, cfg.self_samples(n, cfg.sample_len), progress=progress)
     # A held-out tail of the same sampling run: validation never sees training sequences.
     train_ids, val_ids = ids[: cfg.n_samples], ids[cfg.n_samples:]
     targets = quantizable_linears(model, include_lm_head)

@@ -1,4 +1,4 @@
-"""The engine's linear layer (spear/serve/layers/linear.py) against the modules it stands for.
+"""The engine's linear layer (spear/serve/model/layers/linear.py) against the modules it stands for.
 
 Members are real QuantLinears with their compensators (the quality pipeline's modules, the
 independent reference). The packed form ("w4": merged codes, merged block-diagonal EC,
@@ -18,7 +18,7 @@ from spear.config import QuantConfig
 from spear.errors import SpearError
 from spear.kernels.policy import KernelPolicy
 from spear.quant.rtn import rtn_quantize_linear
-from spear.serve.layers.linear import Context, Linear, MemberWeights, QuantTensors, merge_factors
+from spear.serve.model.layers.linear import Context, Linear, MemberWeights, QuantTensors, merge_factors
 from tests.conftest import sqnr_db
 
 K = 128
