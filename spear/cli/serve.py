@@ -199,7 +199,7 @@ def main(args) -> int:
 
     def loaded(facts) -> None:
         for layer, reason in facts.load_report:
-            print(f"note: {layer} runs off the W4 kernel path: {reason}", flush=True)
+            print(f"note: {layer} runs off the kernel path: {reason}", flush=True)
         if facts.itl_slo_ms is not None:
             t = facts.latency
             print(f"inter-token latency target {facts.itl_slo_ms:g} ms: step times measured {t.created} on "

@@ -166,7 +166,7 @@ class CoreFacts(msgspec.Struct, frozen=True, kw_only=True):
     num_blocks: int
     block_size: int
     tensor_parallel_size: int = 1
-    load_report: list[tuple[str, str]] = []   # (layer, why it runs off the W4 kernel path)
+    load_report: list[tuple[str, str]] = []   # (layer, why it runs off the kernel path)
     itl_slo_ms: float | None = None
     min_chunk_tokens: int = 16
     latency: LatencyFacts | None = None

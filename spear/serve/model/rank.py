@@ -75,6 +75,12 @@ def build_rank(model_config, quantized, tensors, config: EngineConfig, tp: TPRan
 
     model, report = build_model(model_config, quantized, tensors, device, dtype, MAX_RANK, tp=tp,
                                 layout=config.kernels.w4_layout)
+    if device.type == "cuda":  # an attention kernel that cannot take the model's shapes is said once, here
+        from spear.serve.model.layers.attention import PagedAttention
+
+        attn = next((m for m in model.modules() if isinstance(m, PagedAttention)), None)
+        if attn is not None:
+            report = report + attn.kernel_fallbacks(config.block_size, dtype)
     num_blocks, context = agree(local_blocks(model_config, config.block_size, dtype, device, config.kv_memory,
                                              config.num_blocks, tp.size))
     comm = None

@@ -85,6 +85,25 @@ class PagedAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = head_dim ** -0.5
 
+    def kernel_fallbacks(self, block_size: int, dtype: torch.dtype) -> list[tuple[str, str]]:
+        """(step kind, why) for each attention kernel that does not take this layer's shapes on CUDA,
+        so that the engine says it once at load (the load report and its log) instead of falling
+        back silently every step."""
+        from spear.kernels import attention, paged_prefill
+
+        q = torch.empty(1, self.n_heads, self.head_dim, dtype=dtype, device="meta")
+        cache = torch.empty(1, block_size, self.n_kv_heads, self.head_dim, dtype=dtype, device="meta")
+        shape = (f"head_dim {self.head_dim}, block_size {block_size}, {self.n_heads} query / {self.n_kv_heads} "
+                 f"kv heads, {dtype}")
+        out = []
+        if not attention.supports(q, cache):
+            out.append(("attention (decode steps)", f"the paged decode kernel does not take {shape}: the torch "
+                                                    "reference runs (slower)"))
+        if not paged_prefill.supports(q, cache):
+            out.append(("attention (prefill and mixed steps)", f"the paged prefill kernel does not take {shape}: "
+                                                               "one SDPA per sequence runs (slower)"))
+        return out
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, ctx) -> torch.Tensor:
         """q (T, n_heads·head_dim) and k, v (T, n_kv_heads·head_dim) as the projections give them
