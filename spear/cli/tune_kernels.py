@@ -151,17 +151,26 @@ def _tune_mma(args, shapes) -> int:
         if best is not None:
             print(f"  {m} token(s), CUDA-core loop: {best} {us:.1f} us geomean (tensor-core tiles "
                   f"{tune.geomean(r['mma']['tc_us'] for r in rs):.1f} us)")
+    _print_rows(rows, shapes, "kmajor_us", "mma")
+    print(f"wrote {args.out}: serve with `spear serve --model ... --launch-table {args.out}`")
+    return 0
+
+
+def _print_rows(rows, shapes, baseline: str, kind: str) -> None:
+    """Per (shape, M) row: cuBLAS FP16, the ``baseline`` column, and the sweep's best launch."""
+    import torch
+
     print(f"{torch.cuda.get_device_name()}: {len(rows)} shape x token rows on {', '.join(s[0] for s in shapes)}")
-    print(f"{'M':>6} {'shape':>12} {'fp16 us':>9} {'kmajor us':>10} {'best mma us':>12}  vs fp16  launch")
+    print(f"{'M':>6} {'shape':>12} {'fp16 us':>9} {baseline.removesuffix('_us') + ' us':>12} "
+          f"{'best ' + kind + ' us':>14}  vs fp16  launch")
     for r in rows:
         timed = {kk: v["us"] for kk, v in r["sweep"].items() if "us" in v}
         if not timed:
             continue
         best = min(timed, key=timed.get)
-        print(f"{r['m']:>6} {r['shape']:>12} {r['fp16_us']:>9.1f} {r['kmajor_us']:>10.1f} {timed[best]:>12.1f} "
-              f"{r['fp16_us'] / timed[best]:>7.2f}x  {best}")
-    print(f"wrote {args.out}: serve with `spear serve --model ... --launch-table {args.out}`")
-    return 0
+        split = r["sweep"][best].get("split")
+        print(f"{r['m']:>6} {r['shape']:>12} {r['fp16_us']:>9.1f} {r[baseline]:>12.1f} {timed[best]:>14.1f} "
+              f"{r['fp16_us'] / timed[best]:>7.2f}x  {best}" + (f" split {split}" if split else ""))
 
 
 def _tune_gluon(args, shapes) -> int:
@@ -178,15 +187,7 @@ def _tune_gluon(args, shapes) -> int:
     _write_json(args.out, out)
     if args.rows:
         _write_json(args.rows, {"device": torch.cuda.get_device_name(), "rows": rows})
-    print(f"{torch.cuda.get_device_name()}: {len(rows)} shape x token rows on {', '.join(s[0] for s in shapes)}")
-    print(f"{'M':>6} {'shape':>12} {'fp16 us':>9} {'without us':>11} {'best gluon us':>14}  vs fp16  launch")
-    for r in rows:
-        timed = {kk: v["us"] for kk, v in r["sweep"].items() if "us" in v}
-        if not timed:
-            continue
-        best = min(timed, key=timed.get)
-        print(f"{r['m']:>6} {r['shape']:>12} {r['fp16_us']:>9.1f} {r['without_us']:>11.1f} {timed[best]:>14.1f} "
-              f"{r['fp16_us'] / timed[best]:>7.2f}x  {best} split {r['sweep'][best]['split']}")
+    _print_rows(rows, shapes, "without_us", "gluon")
     kept = ", ".join(table["gluon"]) or "none"
     print(f"classes that take the Gluon GEMM: {kept}")
     print(f"wrote {args.out}: serve with `spear serve --model ... --launch-table {args.out}`")

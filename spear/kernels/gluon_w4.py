@@ -108,7 +108,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _pair16(v, IS_BF16: gl.constexpr):
-        """int32 words holding the 16-bit float v (fp32 in) in both halves."""
+        """int32 words holding the 16-bit float v (fp32 in) in both halves (``_mma._pair16``: a Gluon
+        function cannot call a triton.jit one)."""
         if IS_BF16:
             h = v.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
         else:
