@@ -449,6 +449,13 @@ def check(x: torch.Tensor, w: PackedW4, cfg: GluonConfig) -> None:
         raise ValueError(f"group size {w.group_size} is not supported")
 
 
+def _desc(t: torch.Tensor, block: list[int], layout):
+    """A TMA descriptor of a 2-D tensor of unit column stride. torch may give a tensor of one row
+    (the per-channel scales and zeros, one token's activations) any row stride, and TMA takes only
+    multiples of 16 bytes, so such a tensor gets its row length as its row stride."""
+    return TensorDescriptor(t, list(t.shape), [t.stride(0) if t.shape[0] > 1 else t.shape[1], 1], block, layout)
+
+
 def gluon_w4a16(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, cfg: GluonConfig,
                 act: int = 0, ec: PackedEC | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
     """``x W_hatᵀ (+ bias) (+ alpha · v Bᵀ)``, or SiLU·mul of its (gate, up) pairs (``act`` 1), with the
@@ -482,14 +489,12 @@ def gluon_w4a16(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, cfg: Gl
     else:
         part = w.locks  # never read
     gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    x_desc = TensorDescriptor.from_tensor(x, [cfg.BM, 64], gl.NVMMASharedLayout.get_default_for([cfg.BM, 64], gdt))
+    x_desc = _desc(x, [cfg.BM, 64], gl.NVMMASharedLayout.get_default_for([cfg.BM, 64], gdt))
     plain32 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    w_desc = TensorDescriptor.from_tensor(w.qweight, [cfg.BN // 16, 128 * (cfg.BK // 64)], plain32)
+    w_desc = _desc(w.qweight, [cfg.BN // 16, 128 * (cfg.BK // 64)], plain32)
     gs = -(-cfg.BK // w.group_size) if w.group_size else 1
-    s_desc = TensorDescriptor.from_tensor(w.scales, [gs, cfg.BN],
-                                          gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
-    z_desc = TensorDescriptor.from_tensor(w.zeros, [gs, cfg.BN],
-                                          gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
+    s_desc = _desc(w.scales, [gs, cfg.BN], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
+    z_desc = _desc(w.zeros, [gs, cfg.BN], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2))
     grid = (min(_sm_count(x.device.index or 0), n_units),)
     _w4_gluon_kernel[grid](
         x_desc, w_desc, s_desc, z_desc, w.scales, w.zeros, bias if bias is not None else w.scales, out, part,

@@ -117,7 +117,13 @@ MMA_CLASSES = ("16", "32", "64", "128", "256", "big")  # the "mma" entries' toke
 # consumer warpgroups of BN / 2), BM tokens a tile, BK inputs a stage, num_stages ring stages,
 # programs: the K split brings the tiles up to about this many units.
 GLUON_CLASSES = ("16", "32", "64", "128", "256", "512", "1024", "big")
-_BUILTIN["gluon"] = {}
+# `spear tune-kernels --layout gluon` on Llama-3-8B's three shapes, H100, 2026-12-06 (BENCHMARKS.md,
+# "The warp-specialized Gluon GEMM"): the classes where one launch beat the Triton kernel over
+# the three shapes (geometric mean): 128 by 18%, 512 by 21%, 1024 by 14%; at 16-64 tokens it tied
+# (within 5-8%), at 129-256 no one launch won on all three shapes, and above 1024 it lost by 3%.
+_BUILTIN["gluon"] = {"128": dict(BN=128, BM=128, BK=128, num_stages=4),
+                     "512": dict(BN=128, BM=128, BK=128, num_stages=4),
+                     "1024": dict(BN=128, BM=256, BK=128, num_stages=2)}
 
 
 def _frozen(v):

@@ -203,14 +203,17 @@ def test_plan_takes_the_gluon_gemm_for_the_classes_its_table_holds():
     big = plan(4096, N, K, GROUP, "mma", 0, pol, gluon=True)
     assert big.config == GluonConfig(64, 256, 64, 3, 1)  # 16 x 32 = 512 tiles: no split
     assert plan(2048, 28672, K, GROUP, "mma", 0, pol, gluon=True).config.split_k == 1
-    for m in (1, 16, 64, 129, 256, 1024):  # classes without an entry
+    for m in (1, 16, 64, 129, 256):  # classes without an entry here or in the built-in table
         assert plan(m, N, K, GROUP, "mma", 0, pol, gluon=True).w4 in ("triton", "cublas"), m
+    builtin = BUILTIN["gluon"]["1024"]  # a table of one's own is merged over the built-in one
+    assert plan(1024, N, K, GROUP, "mma", 0, pol, gluon=True).config == GluonConfig(
+        builtin["BN"] // 2, builtin["BM"], builtin["BK"], builtin["num_stages"], 1)
     fused = plan(64, N, K, GROUP, "mma", 16, pol, gluon=True)
     assert fused.path == "fused_ec" and fused.w4 == "triton"
     for other in (plan(128, N, K, GROUP, "mma", 0, pol, gluon=False),
                   plan(128, N, K, GROUP, "kmajor", 0, pol, gluon=True),
                   plan(128, N, K, GROUP, "mma", 0, pol.replace(gluon=False), gluon=True),
-                  plan(128, N, K, GROUP, "mma", 0, KernelPolicy(), gluon=True)):
+                  plan(256, N, K, GROUP, "mma", 0, KernelPolicy(), gluon=True)):
         assert other.w4 in ("triton", "cublas")
     assert KernelPolicy(launch_table=GLUON_TABLE).op_args != KernelPolicy().op_args
 
@@ -231,6 +234,6 @@ def test_describe_names_each_run_of_token_counts_by_its_kernel():
     pol = KernelPolicy(launch_table=GLUON_TABLE)
     assert describe(pol, N, K, GROUP, "mma", 0, gluon=True, tokens=(1, 64, 65, 128, 129, 256, 512, 4096)) == (
         "1-64 tokens: gemm (triton); 65-128 tokens: gluon (gluon); 129-256 tokens: gemm (triton); "
-        "512 tokens: dequant_cublas (cublas); 4096 tokens: gluon (gluon)")
+        "512-4096 tokens: gluon (gluon)")  # 512: the built-in table's class under this one
     assert describe(pol, N, K, GROUP, "mma", 16, gluon=False, tokens=(1, 64, 65, 4096)) == (
         "1-64 tokens: fused_ec (triton); 65 tokens: semi_fused_ec (triton); 4096 tokens: semi_fused_ec (cublas)")
