@@ -37,7 +37,8 @@ from functools import lru_cache
 import torch
 
 from spear.kernels._mma import _frag_ptx
-from spear.kernels.launch import GluonConfig, pick_split  # noqa: F401  (the launch shapes live there)
+from spear.kernels.launch import (GLUON_SMEM_LIMIT, GluonConfig, fit_gluon, gluon_smem,  # noqa: F401
+                                  pick_split)  # (the launch shapes live there)
 from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
 
 try:  # Gluon ships inside Triton 3.5+; absent or partial elsewhere
@@ -437,7 +438,7 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def check(x: torch.Tensor, w: PackedW4, cfg: GluonConfig) -> None:
+def check(x: torch.Tensor, w: PackedW4, cfg: GluonConfig, rank: int = 0) -> None:
     """Raise ValueError where the Gluon kernel cannot take (x, w) under ``cfg``."""
     if w.layout != "mma":
         raise ValueError(f"the Gluon GEMM takes the fragment layout; got {w.layout!r}")
@@ -447,6 +448,11 @@ def check(x: torch.Tensor, w: PackedW4, cfg: GluonConfig) -> None:
         raise ValueError(f"x must be float16 or bfloat16; got {x.dtype}")
     if w.group_size and w.group_size < 32:
         raise ValueError(f"group size {w.group_size} is not supported")
+    if gluon_smem(cfg, w.group_size, rank) > GLUON_SMEM_LIMIT:
+        fitted = fit_gluon(cfg, w.group_size, rank)
+        raise ValueError(f"{cfg} with a rank-{rank} compensator needs {gluon_smem(cfg, w.group_size, rank)} bytes of "
+                         f"shared memory, more than {GLUON_SMEM_LIMIT}; "
+                         + (f"{fitted.stages} stages fit" if fitted else "not even two stages fit"))
 
 
 def _desc(t: torch.Tensor, block: list[int], layout):
@@ -461,7 +467,7 @@ def gluon_w4a16(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, cfg: Gl
     """``x W_hatᵀ (+ bias) (+ alpha · v Bᵀ)``, or SiLU·mul of its (gate, up) pairs (``act`` 1), with the
     Gluon kernel. ``ec`` and ``v``: the compensator's B and alpha, and v = gamma(u) ⊙ u (M, R) from
     ``ec.ec_gate``; the epilogue adds alpha · v Bᵀ (alpha B rounded once to the activation dtype)."""
-    check(x, w, cfg)
+    check(x, w, cfg, ec.b.shape[1] if ec is not None else 0)
     if (ec is None) != (v is None):
         raise ValueError("the compensator's epilogue needs both ec (for B and alpha) and v")
     if ec is not None and (v.shape != (x.shape[0], ec.b.shape[1]) or v.dtype != x.dtype or not v.is_contiguous()

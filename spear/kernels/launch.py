@@ -10,6 +10,8 @@ table, read-only; a deployment passes its own through ``KernelPolicy.launch``
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -286,15 +288,45 @@ def gluon_class(m: int) -> str:
 GLUON_PROGRAMS = 132  # the K split's default target: one unit per SM of an H100/H200
 
 
-def pick_gluon(m: int, n: int, k: int, table=BUILTIN) -> GluonConfig | None:
-    """The Gluon launch of an (m, n, k) GEMM over the fragment layout under ``table``, or None when
-    the table keeps ``m`` tokens off the Gluon kernel."""
+# Shared memory one block may take on sm_90 (227 KB), and what the Gluon kernel's epilogue takes
+# beside its ring and the compensator's v tiles: the scratch of its layout conversions (the store;
+# with a compensator its B tile too), in the compiled kernels' totals 4.0 KB beside a compensator
+# of rank 16, 16.0-16.3 KB beside ranks 32 and 64 (H100, 2026-12-06; tests/kernels/test_gluon.py).
+GLUON_SMEM_LIMIT = 232_448
+GLUON_EPILOGUE_SCRATCH = 4 * 1024
+GLUON_EC_SCRATCH = 17 * 1024
+
+
+def gluon_smem(cfg: GluonConfig, group_size: int, rank: int = 0) -> int:
+    """Shared memory of the Gluon kernel under ``cfg`` (bytes): per ring stage the activations, the
+    codes, a scale and a zero point per row and group, two mbarriers; the two consumers' v tiles of
+    a compensator of ``rank``; the epilogue's scratch."""
+    kb = cfg.BK // 64
+    groups = _cdiv(cfg.BK, group_size) if group_size else 1
+    stage = kb * cfg.BM * 64 * 2 + cfg.BN // 16 * 128 * kb * 4 + groups * cfg.BN * 3 + 16
+    return cfg.stages * stage + (2 * cfg.BM * rank * 2 + GLUON_EC_SCRATCH if rank else GLUON_EPILOGUE_SCRATCH)
+
+
+def fit_gluon(cfg: GluonConfig, group_size: int, rank: int = 0) -> GluonConfig | None:
+    """``cfg`` with as many ring stages as fit beside a compensator of ``rank`` (at most its own),
+    or None where not even two do."""
+    for stages in range(cfg.stages, 1, -1):
+        fitted = dataclasses.replace(cfg, stages=stages)
+        if gluon_smem(fitted, group_size, rank) <= GLUON_SMEM_LIMIT:
+            return fitted
+    return None
+
+
+def pick_gluon(m: int, n: int, k: int, table=BUILTIN, group_size: int = 128, rank: int = 0) -> GluonConfig | None:
+    """The Gluon launch of an (m, n, k) GEMM over the fragment layout under ``table``, with the
+    compensator of ``rank`` in its epilogue (0: none), or None when the table keeps ``m`` tokens
+    off the Gluon kernel or its tile leaves no room for two stages beside the compensator."""
     e = (table.get("gluon") or {}).get(gluon_class(m))
     if e is None:
         return None
     tiles = _cdiv(m, e["BM"]) * _cdiv(n, e["BN"])
     split = pick_split(tiles, _cdiv(k, e["BK"]), e.get("programs", GLUON_PROGRAMS))
-    return GluonConfig(e["BN"] // 2, e["BM"], e["BK"], e["num_stages"], split)
+    return fit_gluon(GluonConfig(e["BN"] // 2, e["BM"], e["BK"], e["num_stages"], split), group_size, rank)
 
 
 def pick_config(m: int, n: int, k: int, group_size: int, layout: str = "nmajor", table=BUILTIN) -> Config:

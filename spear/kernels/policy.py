@@ -168,7 +168,7 @@ def _plan(tokens, n, k, group_size, layout, rank, s: "_Settings", cuda: bool, gl
     if not cuda:
         return Plan("reference", None)
     cublas_from = s.mma_cublas_min_m if layout == "mma" else s.dequant_mm_min_m
-    g = pick_gluon(tokens, n, k, s.table) if gluon and s.gluon and layout == "mma" else None
+    g = pick_gluon(tokens, n, k, s.table, group_size, rank) if gluon and s.gluon and layout == "mma" else None
     if g is not None:
         config, w4 = g, "gluon"
     elif not cublas_from or tokens < cublas_from:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -104,6 +105,33 @@ WEIGHTS = [(128, False, torch.float16), (128, True, torch.bfloat16), (64, False,
            (32, False, torch.float16), (32, True, torch.bfloat16), (0, False, torch.float16), (0, True, torch.bfloat16)]
 
 
+# The compiled kernel's shared memory ("Required" of Triton's OutOfResources) for BN=128 BM=256
+# BK=128, 3 stages, groups of 128, beside a compensator of rank 16, 32, 64 (H100, 2026-12-06)
+COMPILED_SMEM = {16: 242_880, 32: 271_552, 64: 304_576}
+
+
+@pytest.mark.parametrize("rank", sorted(COMPILED_SMEM))
+def test_shared_memory_estimate_bounds_the_compiled_kernel(rank):
+    cfg = G.GluonConfig(64, 256, 128, 3, 3)
+    est = G.gluon_smem(cfg, 128, rank)
+    assert COMPILED_SMEM[rank] <= est <= 1.06 * COMPILED_SMEM[rank]
+    fitted = G.fit_gluon(cfg, 128, rank)
+    assert fitted == G.GluonConfig(64, 256, 128, 2, 3)  # none of the three fit at 3 stages, all at 2
+    assert G.gluon_smem(fitted, 128, rank) <= G.GLUON_SMEM_LIMIT < est
+
+
+def test_a_compensator_takes_ring_stages_and_the_plan_says_so():
+    from spear.kernels.policy import KernelPolicy, plan
+
+    pol = KernelPolicy(launch_table={"gluon": {"1024": dict(BN=128, BM=256, BK=128, num_stages=3)}})
+    assert plan(1024, 4096, 4096, 128, "mma", 0, pol, gluon=True).config.stages == 3
+    assert plan(1024, 4096, 4096, 128, "mma", 16, pol, gluon=True).config.stages == 2
+    assert G.fit_gluon(G.GluonConfig(64, 256, 128, 2), 128, 256) is None  # v tiles of 256 KB
+    w = types.SimpleNamespace(layout="mma", group_size=128)
+    with pytest.raises(ValueError, match="2 stages fit"):
+        G.check(torch.zeros(1, 64, dtype=torch.float16), w, G.GluonConfig(64, 256, 128, 3), rank=16)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU and Gluon")
 @pytest.mark.parametrize("m,n,k", ODD)
@@ -135,7 +163,7 @@ def test_gpu_silu_mul_and_no_bias(poisoned, dtype, m):
 def test_gpu_compensator_epilogue(poisoned, dtype, r, h, act, m):
     """alpha · v Bᵀ in the epilogue (v from ec_gate), with and without a K split and SiLU·mul."""
     n, k = 528, 640
-    for cfg in (G.GluonConfig(128, 128, 64, 4, 1), G.GluonConfig(64, 256, 128, 3, 3)):
+    for cfg in (G.GluonConfig(128, 128, 64, 4, 1), G.fit_gluon(G.GluonConfig(64, 256, 128, 3, 3), 128, r)):
         _run(m, n, k, 128, False, dtype, cfg, act=act, seed=m, ec=make_ec(n, k, r, h, dtype, seed=m))
 
 
