@@ -55,7 +55,7 @@ from spear.eval.perplexity import perplexity  # noqa: E402
 from spear.eval.report import gap_recovered, machine_label  # noqa: E402
 from spear.models.loading import load_model  # noqa: E402
 from spear.models.modules import quantizable_linears  # noqa: E402
-from spear.quant.api import quantize_model  # noqa: E402
+from spear.quant.api import Reference, quantize_for_compensation  # noqa: E402
 from spear.select.plan import make_plan  # noqa: E402
 
 
@@ -242,19 +242,12 @@ def main() -> None:
         select_s = time.perf_counter() - t0
         if args.damage_cache:
             _save_damage_cache(args.damage_cache, cache_prefix, damage_cache)
-        scales: dict = {}
+        # copies: the prepared references serve every setting, each rescaled by its own AWQ run
+        ref, sdata = Reference(fp_w, text_stats), {key: replace(d) for key, d in data.items()}
         t0 = time.perf_counter()
-        mods = quantize_model(model, qcfg, calib=None, progress=False, tokenizer=tok, channel_scales=scales)
+        mods = quantize_for_compensation(model, qcfg, [ref, *sdata.values()], progress=False, tokenizer=tok)
         quant_s = time.perf_counter() - t0
-        stats, sdata = text_stats, data
-        weights = fp_w
-        if scales:  # AWQ: compensate against the weights it rounded
-            from spear.quant.awq import rescale_reference
-            weights, stats = rescale_reference(fp_w, text_stats, scales)
-            sdata = {}
-            for key, d in data.items():
-                w2, st2 = rescale_reference(d.fp_weights, d.stats, scales)
-                sdata[key] = replace(d, fp_weights=w2, stats=st2)
+        weights, stats = ref.fp_weights, ref.stats
         base = ppl(model)
         base_scales = {n: m.scales.clone() for n, m in mods.items()}  # tune_scales runs change them
         norms = NormWeights(norm_modules(model))

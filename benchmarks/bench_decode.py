@@ -9,7 +9,7 @@ one after another on the same weights:
 
   fp16    the HF-initialised model
   w4      RTN W4 (group 128, symmetric) on every linear but lm_head; on CUDA the engine packs
-          each layer once for the Triton W4A16 kernel (spear/serve/layers/linear.py)
+          each layer once for the Triton W4A16 kernel (spear/serve/model/layers/linear.py)
   w4+ec   w4 plus gated ECs (rank --ec-rank, gate hidden --ec-hidden) on evenly spread
           linears until the compensators reach --ec-budget of the W4 model's bytes (about
           1%); the kernel runs them fused at decode
@@ -55,7 +55,7 @@ from spear.quant import quantize_model_rtn  # noqa: E402
 from spear.serve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 def graph_latency_ms(engine: LLMEngine, batch: int, reps: int) -> float | None:
-    runner = engine.runner
+    runner = engine.core.runner
     if not runner.graphs:
         return None
     graph = runner.graphs[next(b for b in runner.graphs if b >= batch)]
@@ -105,7 +105,7 @@ def _batch_list(text: str) -> list[int]:
 def kernel_profile(engine: LLMEngine, batch: int, reps: int = 10) -> list[dict] | None:
     """GPU time per decode step by kernel name (torch.profiler over graph replays), largest first,
     with the graph's wall time per step, so launch gaps show as the difference."""
-    runner = engine.runner
+    runner = engine.core.runner
     if not runner.graphs:
         return None
     from spear.kernels.timing import profile_graph
@@ -122,10 +122,10 @@ def engine_decode(engine: LLMEngine, batch: int, prompt_len: int, gen: int, warm
         engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
     times, seen = [], 0
     while engine.has_unfinished():
-        sched = engine.scheduler
+        sched = engine.core.scheduler
         decode_only = (not sched.waiting and len(sched.running) == batch
                        and all(s.is_decode for s in sched.running))
-        if engine.runner.device.type == "cuda":
+        if engine.core.runner.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         engine.step()  # sampling reads the logits back: the step has finished on return

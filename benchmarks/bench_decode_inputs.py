@@ -28,9 +28,9 @@ import torch
 def _import_runner(root: Path):
     """ModelRunner and BlockTables (None before it existed) of the spear tree at ``root``."""
     sys.path.insert(0, str(root))
-    from spear.serve.model_runner import ModelRunner
+    from spear.serve.model.model_runner import ModelRunner
     try:
-        from spear.serve.block_tables import BlockTables
+        from spear.serve.model.block_tables import BlockTables
     except ImportError:  # an older tree: _decode_inputs built the tables at every step
         BlockTables = None
     return ModelRunner, BlockTables

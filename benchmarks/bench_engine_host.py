@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spear.serve import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from spear.serve.sampling import sample  # noqa: E402
+from spear.serve.core.sampling import sample  # noqa: E402
 
 PARTS = ("schedule", "inputs", "sample", "finish")
 
@@ -63,9 +63,9 @@ class Timers:
     def __init__(self, eng: LLMEngine):
         self.cur = dict.fromkeys(("schedule", "execute", "forward", "sample"), 0.0)
         self.last: tuple[torch.Tensor, list] | None = None
-        self._wrap(eng.scheduler, "schedule", "schedule")
-        self._wrap(eng.runner, "execute", "execute", keep=True)
-        model = eng.runner.model
+        self._wrap(eng.core.scheduler, "schedule", "schedule")
+        self._wrap(eng.core.runner, "execute", "execute", keep=True)
+        model = eng.core.runner.model
         model.register_forward_pre_hook(lambda *_: setattr(self, "_t_forward", time.perf_counter()))
         model.register_forward_hook(lambda *_: self._add("forward", self._t_forward))
 
@@ -110,7 +110,7 @@ def measure(eng: LLMEngine, prompts: list[list[int]], batch: int, new_tokens: in
     timers = Timers(eng)
     rows = []
     while eng.has_unfinished():
-        sched = eng.scheduler
+        sched = eng.core.scheduler
         decode_only = not sched.waiting and len(sched.running) == batch and all(s.is_decode for s in sched.running)
         timers.reset()
         t0 = time.perf_counter()

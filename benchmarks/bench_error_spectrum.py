@@ -29,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_calibration import parse_setting  # noqa: E402
 from spear.compensate.calibrate import CalibrationConfig  # noqa: E402
 from spear.compensate.stats import collect_activation_stats  # noqa: E402
-from spear.data.selfsample import SampleConfig, sample_sequences  # noqa: E402
+from spear.data.selfsample import sample_sequences  # noqa: E402
 from spear.eval.error_spectrum import top_share, weighted_spectrum  # noqa: E402
 from spear.eval.report import machine_label  # noqa: E402
 from spear.models.loading import load_model  # noqa: E402
 from spear.models.modules import quantizable_linears  # noqa: E402
-from spear.quant.api import quantize_model  # noqa: E402
+from spear.quant.api import Reference, quantize_for_compensation  # noqa: E402
 from spear.select.plan import make_plan  # noqa: E402
 
 RANKS = (1, 2, 4, 8, 16, 64)
@@ -46,19 +46,15 @@ def spectra(model_name: str, spec: str, plan_spec: str, damage_cache: dict, dama
     model, tok = load_model(model_name)
     targets = quantizable_linears(model, qcfg.include_lm_head)
     cal = CalibrationConfig()
-    ids = sample_sequences(model, tok, SampleConfig(n=cal.n_samples + cal.val_samples, length=cal.sample_len,
-                                                    seed=cal.seed), progress=False)[: cal.stats_samples]
-    stats = collect_activation_stats(model, targets, ids, progress=False)
-    fp = {n: lin.weight.detach().clone() for n, lin in targets.items()}
+    ids = sample_sequences(model, tok, cal.self_samples(cal.n_samples + cal.val_samples, cal.sample_len),
+                           progress=False)[: cal.stats_samples]
+    ref = Reference({n: lin.weight.detach().clone() for n, lin in targets.items()},
+                    collect_activation_stats(model, targets, ids, progress=False))
     plan = make_plan(plan_spec, model, tok, qcfg, damage_samples=damage_samples, damage_cache=damage_cache)
-    scales: dict = {}
     t0 = time.perf_counter()
-    mods = quantize_model(model, qcfg, progress=False, tokenizer=tok, channel_scales=scales)
+    mods = quantize_for_compensation(model, qcfg, [ref], progress=False, tokenizer=tok)
     quant_s = time.perf_counter() - t0
-    if scales:
-        from spear.quant.awq import rescale_reference
-
-        fp, stats = rescale_reference(fp, stats, scales)
+    fp, stats = ref.fp_weights, ref.stats
     total, at_plan, shares, eff = 0.0, 0.0, dict.fromkeys(RANKS, 0.0), []
     for name, m in mods.items():
         e = fp[name].double() - m.dequantized_weight(torch.float64)

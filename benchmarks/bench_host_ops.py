@@ -29,9 +29,9 @@ from spear.kernels import ops  # noqa: E402
 from spear.kernels.layout import pack  # noqa: E402
 from spear.kernels.policy import KernelPolicy  # noqa: E402
 from spear.quant.primitives import rtn  # noqa: E402
-from spear.serve.block_tables import BlockTables  # noqa: E402
-from spear.serve.model_runner import ModelRunner  # noqa: E402
-from spear.serve.scheduler import ScheduledChunk, SchedulerOutput  # noqa: E402
+from spear.serve.model.block_tables import BlockTables  # noqa: E402
+from spear.serve.model.model_runner import ModelRunner  # noqa: E402
+from spear.serve.core.scheduler import ScheduledChunk, SchedulerOutput  # noqa: E402
 
 
 def median_us(fn, reps: int = 300, rounds: int = 5) -> float:

@@ -16,8 +16,8 @@ exceed twice the L2 cache, so each call streams its weights from HBM as in a rea
 (shape, M) are timed in the same run, so the ratios compare like with like.
 
 Variants: fp16 (cuBLAS on the dequantized weight), int4mm (torch._weight_int4pack_mm, bf16),
-w4 (spear::w4a16_ec without EC, as dispatched), w4_triton / w4_dqmm (the two W4 prefill
-paths, for the threshold), and per rank r (gate hidden h = 32): fused, semi (side stream),
+w4 (spear::w4a16_ec without EC, as dispatched), w4_no_gluon (the same policy with the Gluon GEMM
+off, on Hopper), w4_triton / w4_dqmm (the Triton GEMM and dequantize + cuBLAS), and per rank r (gate hidden h = 32): fused, semi (side stream),
 serial (v-epilogue), ec (the op as dispatched) and naive (w4 then torch ops for the EC).
 Writes results.json and table.md under --out.
 """
@@ -76,6 +76,9 @@ def variants(layer, m, ranks, ecs, policy: KernelPolicy):
     }
     if layer.int4 and (m < 1024 or layer.n == layer.k):  # slow at large M: q/o only there
         v["int4mm"] = [lambda w=w: torch._weight_int4pack_mm(xb, w[0], GROUP, w[1]) for w in layer.int4]
+    if layer.layout == "mma" and ops.gluon_available(x.device):  # the policy's path with the Gluon GEMM off
+        no_gluon = policy.replace(gluon=False)
+        v["w4_no_gluon"] = [lambda w=w: w4a16_linear(x, w, policy=no_gluon) for w in layer.w4]
     if m >= 128 or layer.layout == "mma":
         v["w4_triton"] = [lambda w=w: w4a16_matmul(x, w, table=table) for w in layer.w4]
         v["w4_dqmm"] = [lambda w=w: torch.nn.functional.linear(x, dequantize(w, x.dtype)) for w in layer.w4]
@@ -213,7 +216,7 @@ def report(meta, results, checks, ranks):
              f"fp16 mm {meta['fp16_peak'] / 1e12:.0f} TFLOP/s; g{meta['group_size']} asym, h={meta['gate_hidden']}, "
              f"{meta.get('layout', 'nmajor')} weights; "
              f"checks: {sum(c['ok'] for c in checks)}/{len(checks)} pass (int4mm excluded from the gate)", ""]
-    base = ["fp16", "int4mm", "w4", "w4_triton", "w4_dqmm"]
+    base = ["fp16", "int4mm", "w4", "w4_no_gluon", "w4_triton", "w4_dqmm"]
     per_rank = ["fused", "semi", "serial", "ec", "naive"]
     cols = base + [f"{p} r{r}" for r in ranks for p in per_rank]
     lines.append("| model | proj | N×K | M | floor | " + " | ".join(cols) + " |")

@@ -31,8 +31,7 @@ from spear.eval.report import Row, gap_recovered, machine_label
 from spear.models.loading import load_model
 from spear.models.modules import quantizable_linears
 from spear.pipeline import load_split
-from spear.quant.api import calibration_ids, quantize_model
-from spear.quant.awq import rescale_reference
+from spear.quant.api import Reference, calibration_ids, quantize_for_compensation
 
 
 def spear_rows(model, modules, fp_weights, stats, base_label: str) -> list[Row]:
@@ -102,10 +101,10 @@ def main() -> None:
                 ids = calibration_ids(model, cfg, tokenizer=tokenizer, progress=False)
                 header["self_sampling_s"] = round(time.perf_counter() - t0, 1)
                 print(f"calibration: {tuple(ids.shape)} self-sampled ids in {header['self_sampling_s']} s", flush=True)
-            scales: dict = {}
+            ref = Reference(fp_weights0, stats0)
             t0 = time.perf_counter()
-            modules = quantize_model(model, cfg, calib=None if method == "rtn" else text_calib, progress=False,
-                                     tokenizer=tokenizer, channel_scales=scales)
+            modules = quantize_for_compensation(model, cfg, [ref], calib=None if method == "rtn" else text_calib,
+                                                progress=False, tokenizer=tokenizer)
             quant_s = time.perf_counter() - t0
             base = ppl(model)
             base_ppl[method] = base.ppl
@@ -119,7 +118,7 @@ def main() -> None:
             records.append(rec)
             print(json.dumps(rec), flush=True)
 
-            fp_weights, stats = rescale_reference(fp_weights0, stats0, scales)
+            fp_weights, stats = ref.fp_weights, ref.stats
             comp = StaticCompensationConfig(method="qera-approx", rank=args.rank)
             attach_static(modules, fp_weights, comp, stats, progress=False)
             total, extra = quantized_model_bytes(model), compensator_bytes(model)

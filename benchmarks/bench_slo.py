@@ -55,11 +55,11 @@ TINY_STATIC, TINY_CEILING = (16, 32, 64), 64  # the tiny profile grid: steps of 
 def latency_table(engine: LLMEngine, tiny: bool):
     """The engine's deployment table: the cached one or the quick grid's (``spear profile``); on the
     tiny model the tiny grid (the quick grid needs 256-token contexts)."""
-    from spear.serve.profiler import TINY_GRID, profile, table_for
+    from spear.serve.latency.profiler import TINY_GRID, profile, table_for
 
-    if engine.scheduler.latency is not None:
-        return engine.scheduler.latency
-    return profile(engine, TINY_GRID, repeats=2) if tiny else table_for(engine)
+    if engine.core.scheduler.latency is not None:
+        return engine.core.scheduler.latency
+    return profile(engine.core, TINY_GRID, repeats=2) if tiny else table_for(engine.core)
 
 
 STEP_COLUMNS = ["decodes", "tokens", "padded_tokens", "decode_context", "predicted_ms", "measured_ms", "interval_ms"]
@@ -68,7 +68,7 @@ STEP_COLUMNS = ["decodes", "tokens", "padded_tokens", "decode_context", "predict
 def step_row(r, engine: LLMEngine) -> list:
     """One StepRecord as STEP_COLUMNS (padded: the size of the mixed-step graph it replayed)."""
     pred = None if r.predicted_ms is None else round(r.predicted_ms, 3)
-    return [r.num_decodes, r.num_tokens, 0 if r.decode_only else engine.scheduler.padded(r.num_tokens),
+    return [r.num_decodes, r.num_tokens, 0 if r.decode_only else engine.core.scheduler.padded(r.num_tokens),
             round(r.decode_context, 1), pred, round(r.measured_ms, 3), round(r.interval_ms, 3)]
 
 
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
                     base = dict(density=dname, ec_pct=round(ec_pct, 3), workload=wname, scheduler=sched.name,
                                 budget=budget)
                     try:
-                        if engine is None or engine.config.max_num_batched_tokens != cfg.max_num_batched_tokens:
+                        if engine is None or engine.core.config.max_num_batched_tokens != cfg.max_num_batched_tokens:
                             engine = None
                             gc.collect()
                             if device == "cuda":
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
                             engine = LLMEngine(model, IdsTokenizer(), cfg)
                             engine.warmup()
                         if target is not None:
-                            engine.scheduler.set_latency(latency_table(engine, args.tiny), target, cfg.min_chunk_tokens)
+                            engine.core.scheduler.set_latency(latency_table(engine, args.tiny), target, cfg.min_chunk_tokens)
                         trace = run_in_process(engine, requests_of(workload, vocab))
                     except Exception as exc:  # recorded; a CUDA error ends the run
                         rows.append(dict(base, target_ms=target, error=repr(exc)))
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
                         m["chunk_p50"] = percentile(chunks, 0.5) if chunks else 0.0
                         if target is not None:
                             m["prediction_within_10pct"] = cases.prediction_accuracy(trace.records)
-                            m["latency_margin"] = engine.scheduler.latency.margin
+                            m["latency_margin"] = engine.core.scheduler.latency.margin
                         row = dict(base, target_ms=t, **m)
                         rows.append(row)
                         case_rows.append((cases.Case(t, density, workload, sched), m))

@@ -70,9 +70,9 @@ def time_steps(engine: LLMEngine, batch: int, prompt_len: int, steps: int, warmu
     for _ in range(batch):
         engine.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
     times, seen = [], 0
-    cuda = engine.runner.device.type == "cuda"
+    cuda = engine.core.runner.device.type == "cuda"
     while engine.has_unfinished():
-        sched = engine.scheduler
+        sched = engine.core.scheduler
         decode_only = not sched.waiting and len(sched.running) == batch and all(s.is_decode for s in sched.running)
         if cuda:
             torch.cuda.synchronize()

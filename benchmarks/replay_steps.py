@@ -1,11 +1,11 @@
 """Replay the steps a bench_slo run recorded (``steps.json``) against a latency table: the share of
 predictions within 10% of the measured step time (its interval from the previous step's end where
 the run recorded it, else its wall time), with the table as measured and with the online correction
-(``spear.serve.latency.Correction``) fed the measured times in order.
+(``spear.serve.latency.table.Correction``) fed the measured times in order.
 
     python benchmarks/replay_steps.py STEPS_JSON TABLE_JSON [--max-num-seqs 64] [--runs SUBSTRING]
 
-Predictions follow the scheduler's rules (spear/serve/scheduler.py): a mixed step at its padded
+Predictions follow the scheduler's rules (spear/serve/core/scheduler.py): a mixed step at its padded
 size, a decode-only step at its decode count (``--decode-batch padded``: at its decode graph's
 batch, ``graph_batch_sizes``, the rule the scheduler does not use). The schedule itself is the
 recorded one: this scores the latency model on those steps, not a scheduler that would have
@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spear.serve.latency import Correction, load_table, quantile  # noqa: E402
-from spear.serve.model_runner import graph_batch_sizes  # noqa: E402
+from spear.serve.latency.table import Correction, load_table, quantile  # noqa: E402
+from spear.serve.model.model_runner import graph_batch_sizes  # noqa: E402
 
 TOL = 0.10
 

@@ -62,6 +62,7 @@ def summarize(trace: Trace, target_ms: float | None = None) -> dict:
     out = dict(requests=len(trace.arrivals), output_tokens=n_tokens,
                ttft_p50_s=percentile(ttft, 0.5), ttft_p99_s=percentile(ttft, 0.99),
                itl_p50_ms=1e3 * percentile(itl, 0.5), itl_p99_ms=1e3 * percentile(itl, 0.99),
+               itl_max_ms=1e3 * max(itl, default=float("nan")),
                output_tok_s=n_tokens / span if span > 0 else float("nan"))
     if target_ms is not None:  # SLO attainment: % of inter-token gaps within the target
         out["slo_attainment_pct"] = 100 * sum(g <= target_ms / 1e3 for g in itl) / len(itl) if itl else float("nan")

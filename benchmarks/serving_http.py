@@ -1,5 +1,7 @@
 """bench_serving.py's HTTP path: the workload through ``spear serve`` in a process of its own,
-driven by the official ``openai`` client from the benchmark's process, as a user's would be."""
+driven by the official ``openai`` client, as a user's would be, from processes of its own (the
+requests dealt round-robin), so that the client's own parsing of the events stays out of the
+numbers. Every process times tokens on the host's monotonic clock from one shared start."""
 
 from __future__ import annotations
 
@@ -42,23 +44,54 @@ def write_folder(model, name: str, quantized: bool, folder: Path) -> Path:
     return folder
 
 
+def _client(port: int, name: str, jobs: list[tuple[int, float, list[int], int]], ready, start, results) -> None:
+    """One client process: its requests (index, arrival, prompt, output tokens), each sent at its
+    arrival after the shared ``start`` (time.monotonic()), streamed; (index, token times) back."""
+    import httpx
+    import openai
+
+    times: dict[int, list[float]] = {i: [] for i, *_ in jobs}
+
+    async def one(client, i, arrival, prompt, output, t0):
+        await asyncio.sleep(max(0.0, arrival - (time.monotonic() - t0)))
+        stream = await client.completions.create(model=name, prompt=prompt, max_tokens=output, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                times[i].append(time.monotonic() - t0)
+
+    async def run_all():
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                                    timeout=3600, http_client=httpx.AsyncClient(
+                                        limits=httpx.Limits(max_connections=len(jobs) + 8), timeout=3600))
+        ready.put(True)
+        t0 = start.get()
+        try:
+            await asyncio.gather(*[one(client, *job, t0) for job in jobs])
+        finally:
+            await client.close()
+
+    asyncio.run(run_all())
+    results.put(times)
+
+
 def run_http(folder: Path, cfg: EngineConfig, dtype: torch.dtype, reqs: list[Request], name: str = "bench",
-             start_timeout_s: float = 1800) -> tuple[Trace, float]:
+             start_timeout_s: float = 1800, client_procs: int = 4, device: str = "auto") -> tuple[Trace, float]:
     """The workload through ``spear serve`` on ``folder`` in a process of its own (it runs the
-    engine core in another), driven from this process by the official ``openai`` client, as a
-    user would: (trace, seconds until /health said ready)."""
+    engine core in another), driven by the official ``openai`` client in ``client_procs``
+    processes: (trace, seconds until /health said ready)."""
+    import multiprocessing as mp
     import signal
     import socket
     import subprocess
 
     import httpx
-    import openai
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "spear", "-q", "serve", "--model", str(folder), "--port", str(port),
-           "--served-model-name", name, "--dtype", str(dtype).removeprefix("torch."),
+           "--served-model-name", name, "--dtype", str(dtype).removeprefix("torch."), "--device", device,
            "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
            "--max-model-len", str(cfg.max_model_len), "--max-waiting", str(max(cfg.max_waiting, len(reqs))),
            "--log-level", "warning"]
@@ -68,6 +101,7 @@ def run_http(folder: Path, cfg: EngineConfig, dtype: torch.dtype, reqs: list[Req
         cmd += ["--itl-slo-ms", str(cfg.itl_slo_ms)]
     t0 = time.perf_counter()
     server = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
+    clients = []
     try:
         while True:
             if server.poll() is not None:
@@ -81,29 +115,30 @@ def run_http(folder: Path, cfg: EngineConfig, dtype: torch.dtype, reqs: list[Req
                 raise RuntimeError(f"spear serve was not ready within {start_timeout_s:.0f} s")
             time.sleep(0.5)
         ready_s = time.perf_counter() - t0
+        ctx = mp.get_context("spawn")
+        ready, results = ctx.Queue(), ctx.Queue()
+        starts = [ctx.Queue() for _ in range(client_procs)]
+        jobs = [[(i, r.arrival, r.prompt, r.output) for i, r in enumerate(reqs) if i % client_procs == k]
+                for k in range(client_procs)]
+        clients = [ctx.Process(target=_client, args=(port, name, jobs[k], ready, starts[k], results), daemon=True)
+                   for k in range(client_procs)]
+        for c in clients:
+            c.start()
+        for _ in clients:  # every client imported and connected: the arrivals start together
+            ready.get(timeout=300)
+        start = time.monotonic() + 0.2
+        for q in starts:
+            q.put(start)
         trace = Trace(arrivals=[r.arrival for r in reqs], tokens=[[] for _ in reqs])
-
-        async def one(client, i, r, t0):
-            await asyncio.sleep(max(0.0, r.arrival - (time.perf_counter() - t0)))
-            stream = await client.completions.create(model=name, prompt=r.prompt, max_tokens=r.output,
-                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].text:
-                    trace.tokens[i].append(time.perf_counter() - t0)
-
-        async def run_all():
-            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                                        timeout=3600, http_client=httpx.AsyncClient(
-                                            limits=httpx.Limits(max_connections=len(reqs) + 8), timeout=3600))
-            t0 = time.perf_counter()
-            try:
-                await asyncio.gather(*[one(client, i, r, t0) for i, r in enumerate(reqs)])
-            finally:
-                await client.close()
-
-        asyncio.run(run_all())
+        for _ in clients:
+            for i, times in results.get(timeout=7200).items():
+                trace.tokens[i] = times
         return trace, ready_s
     finally:
+        for c in clients:
+            c.join(30)
+            if c.is_alive():
+                c.kill()
         if server.poll() is None:
             server.send_signal(signal.SIGINT)
             try:

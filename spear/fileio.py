@@ -82,11 +82,12 @@ def check_can_write_in(folder: str | os.PathLike, target: str | os.PathLike | No
     os.rmdir(probe)
 
 
-def _refuse_to_replace(target: Path, overwrite: bool, marker: str | None) -> None:
+def _refuse_to_replace(target: Path, overwrite: bool, marker: str | None, owned=None) -> None:
     """Refuse to replace ``target`` when it holds files and this write may not replace them: only
     with ``overwrite``, and only a folder holding ``marker``, the file every folder of this kind of
-    output holds (a spear checkpoint's spear_config.json), so that a mistyped --out never deletes
-    anything else. An empty folder is always fine."""
+    output holds (a spear checkpoint's spear_config.json), and, with ``owned``, for which
+    ``owned(target)`` (a SpearError saying why not, else nothing) accepts that file as this kind
+    of output's, so that a mistyped --out never deletes anything else. An empty folder is always fine."""
     if not os.path.isdir(target):
         return
     try:
@@ -95,6 +96,13 @@ def _refuse_to_replace(target: Path, overwrite: bool, marker: str | None) -> Non
     except OSError as exc:
         raise SpearError(f"cannot read output folder {target}: {exc.strerror or exc}") from None
     replaceable = marker is not None and (target / marker).is_file()
+    if replaceable and owned is not None:
+        try:
+            owned(target)
+        except SpearError as exc:
+            raise SpearError(f"output folder {target} holds a {marker} that is not spear's ({exc}): spear replaces "
+                             "only what it wrote (choose another folder, or remove it yourself if it should go)") \
+                from None
     if replaceable and overwrite:
         return
     if replaceable:
@@ -105,17 +113,17 @@ def _refuse_to_replace(target: Path, overwrite: bool, marker: str | None) -> Non
                      f"empty folder{allowed} (choose another one, or remove it yourself if it should go)")
 
 
-def check_output_folder(target: str | os.PathLike, overwrite: bool, marker: str | None = None) -> Path:
+def check_output_folder(target: str | os.PathLike, overwrite: bool, marker: str | None = None, owned=None) -> Path:
     """Refuse an output folder a write would refuse, before any work is spent on what goes in it:
-    a file in its place; a folder holding files, unless ``overwrite`` and it holds ``marker`` (so
-    that --overwrite replaces what spear wrote, never a folder of anything else); a place where no
-    folder can be created. First remove the temporary folders a killed writer of ``target`` left,
-    so that they go even when this run fails too."""
+    a file in its place; a folder holding files, unless ``overwrite`` and it holds ``marker`` that
+    ``owned`` accepts (so that --overwrite replaces what spear wrote, never a folder of anything
+    else); a place where no folder can be created. First remove the temporary folders a killed
+    writer of ``target`` left, so that they go even when this run fails too."""
     target = Path(target).expanduser()
     clean_stale_temporaries(target)
     if os.path.lexists(target) and not os.path.isdir(target):
         raise SpearError(f"output {target} exists and is not a folder")
-    _refuse_to_replace(target, overwrite, marker)
+    _refuse_to_replace(target, overwrite, marker, owned)
     check_can_write_in(target.parent, target)  # the write goes to a temporary sibling of target
     return target
 
@@ -162,12 +170,12 @@ def make_temporary(target: Path, kind: str = "tmp") -> Path:
 
 
 def write_folder_atomic(target: Path, write, overwrite: bool = False, keep_existing: bool = False,
-                        marker: str | None = None) -> bool:
+                        marker: str | None = None, owned=None) -> bool:
     """Have ``write(tmp)`` fill a temporary sibling of ``target``, then rename it into place: a failed
     or killed write leaves no half-written folder. ``overwrite``: replace a ``target`` holding
-    ``marker`` (see :func:`check_output_folder`). ``keep_existing``: a ``target`` that another
+    ``marker`` that ``owned`` accepts (see :func:`check_output_folder`). ``keep_existing``: a ``target`` that another
     writer completed meanwhile is kept and this one dropped. True when this write is in place."""
-    target = check_output_folder(target, overwrite, marker)  # removes stale temporaries
+    target = check_output_folder(target, overwrite, marker, owned)  # removes stale temporaries
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_temporary(target)
     try:
@@ -178,7 +186,7 @@ def write_folder_atomic(target: Path, write, overwrite: bool = False, keep_exist
             shutil.rmtree(tmp)
             return False
         if target.exists():
-            _refuse_to_replace(target, overwrite, marker)  # again: it may have been filled meanwhile
+            _refuse_to_replace(target, overwrite, marker, owned)  # again: it may have been filled meanwhile
             trash = make_temporary(target, "old")
             os.replace(target, trash / "old")
             os.replace(tmp, target)

@@ -26,7 +26,7 @@ from spear.eval.perplexity import perplexity
 from spear.eval.report import Row, fill_gap
 from spear.models.loading import load_model
 from spear.models.modules import quantizable_linears
-from spear.quant.api import quantize_model
+from spear.quant.api import Reference, quantize_for_compensation
 
 STATIC_LABELS = {"identity": "ZeroQuant-V2 / LQER-plain", "loftq": "LoftQ", "lqer": "LQER (L²QER)",
                  "qera-approx": "QERA-approx", "qera-exact": "QERA-exact"}
@@ -123,24 +123,18 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
             f"({100 * selection.allocation.bytes / selection.model_bytes:.2f}% of the quantized model)"
             + (f", damage from {selection.damage.tokens} tokens in {selection.damage.seconds:.0f} s"
                if selection.damage else ""))
-    fp_weights = {n: lin.weight.detach().clone() for n, lin in targets.items()}
-    stats = None
+    ref = Reference({n: lin.weight.detach().clone() for n, lin in targets.items()})
     if any(needs_stats(m) for m in static_methods):
         if split.calib.shape[0] == 0:
             raise ValueError("static methods with activation statistics need --calib-windows >= 1")
         with clock("text statistics"):
-            stats = collect_activation_stats(model, targets, split.calib, outer="qera-exact" in static_methods,
-                                             progress=progress)
-    channel_scales: dict = {}
+            ref.stats = collect_activation_stats(model, targets, split.calib, outer="qera-exact" in static_methods,
+                                                 progress=progress)
     with clock("quantization"):
-        modules = quantize_model(model, quant, calib=split.calib if quant.calib.source == "text" else None,
-                                 progress=progress, tokenizer=tokenizer, channel_scales=channel_scales)
-    if channel_scales:  # AWQ scaled the linears: compensate against the scaled weights
-        from spear.quant.awq import rescale_reference
-        fp_weights, stats = rescale_reference(fp_weights, stats, channel_scales)
-        if calib_data is not None:
-            calib_data.fp_weights, calib_data.stats = rescale_reference(calib_data.fp_weights, calib_data.stats,
-                                                                        channel_scales)
+        modules = quantize_for_compensation(model, quant, [ref] + ([calib_data] if calib_data else []),
+                                            calib=split.calib if quant.calib.source == "text" else None,
+                                            progress=progress, tokenizer=tokenizer)
+    fp_weights, stats = ref.fp_weights, ref.stats
     base = ppl(quant.label)
     log(f"{quant.label} ppl {base.ppl:.3f}")
     total = quantized_model_bytes(model)

@@ -102,7 +102,7 @@ def main(args) -> int:
     from spear.models.checkpoint import check_checkpoint_out, is_checkpoint, save_checkpoint
     from spear.models.loading import load_model, resolve_model_path
     from spear.models.modules import quantizable_linears
-    from spear.quant.api import quantize_model
+    from spear.quant.api import quantize_for_compensation
     from spear.errors import SpearError
 
     quant = quant_config_from(args)
@@ -125,13 +125,7 @@ def main(args) -> int:
     if not given:  # the selection scores damage on the self-samples just drawn (with their teacher)
         plan, selection = plan_from_args(args, model, tok, quant, cfg, progress,
                                          ids=data.sample_ids[:args.damage_samples])
-    channel_scales: dict = {}
-    modules = quantize_model(model, quant, calib=data.train_ids, progress=progress, tokenizer=tok,
-                             channel_scales=channel_scales)
-    if channel_scales:  # AWQ scaled the linears: compensate against the weights it rounded
-        from spear.quant.awq import rescale_reference
-
-        data.fp_weights, data.stats = rescale_reference(data.fp_weights, data.stats, channel_scales)
+    modules = quantize_for_compensation(model, quant, [data], calib=data.train_ids, progress=progress, tokenizer=tok)
     unknown = sorted(set(plan) - set(modules))
     if unknown:
         raise SpearError(f"plan names {len(unknown)} module(s) that are not quantized linears, e.g. {unknown[0]}")

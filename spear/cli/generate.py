@@ -40,6 +40,7 @@ def _check_unicode(text: str, where: str) -> None:
 def main(args) -> int:
     from spear.errors import SpearError
     from spear.serve import SamplingParams
+    from spear.serve.frontend.processor import check_params
 
     prompts = list(args.prompt)
     # bytes that are not UTF-8 reach argv as lone surrogates (surrogateescape); no tokenizer takes them
@@ -56,14 +57,15 @@ def main(args) -> int:
             raise SpearError(f"cannot read --prompt-file: {exc}") from None
     if not prompts:
         raise SpearError("no prompt given (use --prompt TEXT or --prompt-file FILE)")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, stop=tuple(args.stop), seed=args.request_seed)
+    # checked before the model loads (the engine would refuse them only then)
+    params = check_params(SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                         top_k=args.top_k, stop=tuple(args.stop), seed=args.request_seed))
 
     from spear.cli.serve import engine_from_args
 
     engine = engine_from_args(args)
     if args.chat:
-        from spear.serve.chat import chat_prompt_ids, has_chat_template
+        from spear.serve.frontend.chat import chat_prompt_ids, has_chat_template
 
         if not has_chat_template(engine.tokenizer):
             raise SpearError(f"--chat: the model {args.model} has no chat template")

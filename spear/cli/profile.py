@@ -23,7 +23,7 @@ def _ints(minimum: int):
 def register(sub) -> None:
     from spear.cli.common import nonneg_int, positive_int
     from spear.cli.serve import add_engine_args
-    from spear.serve.profiler import DEFAULT_GRID, TINY_GRID
+    from spear.serve.latency.profiler import DEFAULT_GRID, TINY_GRID
 
     fmt = lambda v: ",".join(map(str, v))  # noqa: E731
     p = sub.add_parser("profile", help="time the engine's steps: the latency table of --itl-slo-ms",
@@ -61,12 +61,12 @@ def register(sub) -> None:
 
 def main(args) -> int:
     from spear.cli.serve import engine_from_args
-    from spear.serve.latency import cache_path
-    from spear.serve.profiler import DEFAULT_GRID, TINY_GRID, Grid, measure_ec_costs, profile
+    from spear.serve.latency.table import cache_path
+    from spear.serve.latency.profiler import DEFAULT_GRID, TINY_GRID, Grid, measure_ec_costs, profile
 
     progress = not args.quiet
     if args.ec_costs is not None:
-        engine = engine_from_args(args)
+        engine = engine_from_args(args).core
         table = measure_ec_costs(engine, args.ec_ranks, repeats=args.repeats or 5, progress=progress)
         table.save(args.ec_costs)
         print(f"{table.device}: EC costs of {len(table.costs)} linear shapes at ranks "
@@ -78,9 +78,9 @@ def main(args) -> int:
     repeats = args.repeats or (3 if args.tiny else 5)
     d_max, t_max = max(grid.decodes), max(grid.tokens)
     engine = engine_from_args(args, max_num_seqs=max(args.max_num_seqs, d_max + (t_max > 0)),
-                              max_num_batched_tokens=max(args.max_num_batched_tokens, t_max))
+                              max_num_batched_tokens=max(args.max_num_batched_tokens, t_max)).core
     if not args.tokens and not args.tiny:
-        from spear.serve.profiler import step_sizes
+        from spear.serve.latency.profiler import step_sizes
 
         grid = Grid(grid.decodes, step_sizes(engine, d_max, engine.config.max_num_batched_tokens), grid.contexts)
     table = profile(engine, grid, repeats, args.warmup, progress=progress)

@@ -36,7 +36,7 @@ def main(args) -> int:
     from spear.models.loading import load_model, resolve_model_path
     from spear.models.modules import quantizable_linears
     from spear.pipeline import load_split
-    from spear.quant.api import quantize_model
+    from spear.quant.api import Reference, quantize_for_compensation
 
     quant = quant_config_from(args)
     if is_checkpoint(resolve_model_path(args.model)):
@@ -54,19 +54,14 @@ def main(args) -> int:
     targets = quantizable_linears(model, quant.include_lm_head)
     if comp:  # a rank no module can hold fails before the statistics and quantization
         check_plan_ranks({n: comp.rank_for(n) for n in targets}, targets)
-    fp_weights = {n: lin.weight.detach().clone() for n, lin in targets.items()} if comp else {}
-    stats = None
+    ref = Reference({n: lin.weight.detach().clone() for n, lin in targets.items()} if comp else {})
     if comp and needs_stats(comp.method):
-        stats = collect_activation_stats(model, targets, calib, outer=comp.method == "qera-exact", progress=progress)
-    channel_scales: dict = {}
-    modules = quantize_model(model, quant, calib=calib if text_calib else None, progress=progress,
-                             tokenizer=tokenizer, channel_scales=channel_scales)
+        ref.stats = collect_activation_stats(model, targets, calib, outer=comp.method == "qera-exact", progress=progress)
+    modules = quantize_for_compensation(model, quant, [ref], calib=calib if text_calib else None, progress=progress,
+                                        tokenizer=tokenizer)
     meta = {"text": eval_cfg.text, "calib_windows": eval_cfg.calib_windows, "seq_len": eval_cfg.seq_len}
     if comp:
-        if channel_scales:  # AWQ scaled the linears: compensate against the scaled weights
-            from spear.quant.awq import rescale_reference
-            fp_weights, stats = rescale_reference(fp_weights, stats, channel_scales)
-        attach_static(modules, fp_weights, comp, stats, progress=progress)
+        attach_static(modules, ref.fp_weights, comp, ref.stats, progress=progress)
         meta["compensation"] = comp.to_dict()
     out = save_checkpoint(model, tokenizer, args.out, quant, args.model, meta=meta, overwrite=args.overwrite)
     total = quantized_model_bytes(model)

@@ -99,7 +99,7 @@ def engine_config_from_args(args, **changes):
     from spear.errors import SpearError
     from spear.serve import EngineConfig
     from spear.serve.config import kernel_policy
-    from spear.serve.latency import load_table
+    from spear.serve.latency.table import load_table
 
     device = None if args.device == "auto" else args.device
     if device and device.startswith("cuda") and not torch.cuda.is_available():
@@ -118,7 +118,8 @@ def engine_config_from_args(args, **changes):
 
 
 def engine_from_args(args, **changes):
-    """The engine the arguments describe, in this process; ``changes`` replace EngineConfig fields."""
+    """The engine the arguments describe, in this process (``LLMEngine``); ``changes`` replace
+    EngineConfig fields."""
     import torch
 
     from spear.serve import LLMEngine
@@ -169,14 +170,19 @@ def register(sub) -> None:
 
 
 def main(args) -> int:
-    """The HTTP server in this process, the engine core in a process of its own (spear/serve/core.py)."""
+    """The HTTP server in this process, the engine core in a process of its own (spear/serve/core/process.py)."""
     import logging
+
+    import torch
 
     from spear.models.checkpoint import load_folder_tokenizer
     from spear.models.loading import resolve_model_path
-    from spear.serve.client import EngineClient
+    from spear.serve.api.app import run_server
+    from spear.serve.api.transport import listen
     from spear.serve.config import ServerLimits
-    from spear.serve.server import run_server
+    from spear.serve.frontend.async_llm import AsyncLLM
+    from spear.serve.frontend.llm_engine import tokenizer_eos
+    from spear.serve.frontend.zmq_client import ZmqClient
 
     logging.getLogger("spear").setLevel(args.log_level.upper())
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
@@ -184,29 +190,34 @@ def main(args) -> int:
                           max_messages=args.max_messages, header_timeout_s=args.header_timeout,
                           max_connections=args.max_connections)
     config, dtype, device = engine_config_from_args(args)  # a bad setting fails here, before any loading
+    listener = listen(args.host, args.port)  # so does an address that is taken or does not resolve
+    port = listener.getsockname()[1]
+    torch.set_num_threads(1)  # this process computes nothing with torch: the engine core owns the threads
     path = resolve_model_path(args.model)  # the embedded default converted once, here, not in both processes
     tokenizer = load_folder_tokenizer(path)
     name = args.served_model_name or args.model
 
-    def loaded(info: dict) -> None:
-        for layer, reason in info["load_report"]:
-            print(f"note: {layer} runs off the W4 kernel path: {reason}", flush=True)
-        if info["itl_slo_ms"] is not None:
-            t = info["latency"]
-            print(f"inter-token latency target {info['itl_slo_ms']:g} ms: step times measured {t['created']} on "
-                  f"{t['device']}, margin {100 * t['margin']:.1f}%, at least {info['min_chunk_tokens']} prefill "
-                  "tokens a step", flush=True)
-        tp = info["tensor_parallel_size"]
-        print(f"serving {name} on http://{args.host}:{args.port} (max_model_len {info['max_model_len']}, "
-              f"{info['num_blocks']} KV blocks of {info['block_size']} tokens"
-              + (f", tensor parallel over {tp} ranks" if tp > 1 else "") + "); /health answers 200 once warm",
-              flush=True)
+    def loaded(facts) -> None:
+        for layer, reason in facts.load_report:
+            print(f"note: {layer} runs off the kernel path: {reason}", flush=True)
+        if facts.itl_slo_ms is not None:
+            t = facts.latency
+            print(f"inter-token latency target {facts.itl_slo_ms:g} ms: step times measured {t.created} on "
+                  f"{t.device}, margin {100 * t.margin:.1f}%, at least {facts.min_chunk_tokens} prefill tokens a step",
+                  flush=True)
+        tp = facts.tensor_parallel_size
+        print(f"serving {name} on http://{args.host}:{port} (max_model_len {facts.max_model_len}, "
+              f"{facts.num_blocks} KV blocks of {facts.block_size} tokens"
+              + (f", tensor parallel over {tp} ranks" if tp > 1 else "")
+              + f"; engine core on {facts.torch_threads} torch thread{'s' if facts.torch_threads > 1 else ''}"
+              "); /health answers 200 once warm", flush=True)
 
-    client = EngineClient(str(path), config, tokenizer, dtype=dtype, device=device, verify=args.verify,
-                          step_timeout_s=args.step_timeout, log_level=args.log_level, on_loaded=loaded)
-    print(f"loading {name} in the engine core; http://{args.host}:{args.port}/health answers 503 until it is "
+    client = ZmqClient(str(path), config, dtype=dtype, device=device, verify=args.verify,
+                       eos_token_ids=tokenizer_eos(tokenizer), log_level=args.log_level, on_loaded=loaded)
+    llm = AsyncLLM(client, tokenizer, step_timeout_s=args.step_timeout)
+    print(f"loading {name} in the engine core; http://{args.host}:{port}/health answers 503 until it is "
           "ready", flush=True)
-    run_server(client, name, args.host, args.port, args.log_level, limits)
+    run_server(llm, name, listener, args.log_level, limits)
     if client.error is not None and not client.loaded.is_set():
         from spear.errors import SpearError
 

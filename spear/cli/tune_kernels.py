@@ -40,11 +40,12 @@ def _shapes(text: str) -> list[tuple[str, int, int]]:
 def _classes(text: str) -> list[str]:
     import argparse
 
-    from spear.kernels.launch import MMA_CLASSES
+    from spear.kernels.launch import GLUON_CLASSES, MMA_CLASSES
 
     out = [c.strip() for c in text.split(",") if c.strip()]
-    if not out or set(out) - set(MMA_CLASSES):
-        raise argparse.ArgumentTypeError(f"token classes among {','.join(MMA_CLASSES)}; got {text!r}")
+    known = dict.fromkeys(MMA_CLASSES + GLUON_CLASSES)
+    if not out or set(out) - set(known):
+        raise argparse.ArgumentTypeError(f"token classes among {','.join(known)}; got {text!r}")
     return out
 
 
@@ -56,22 +57,26 @@ def register(sub) -> None:
                                    "(or --shapes), on this CUDA GPU, and write the fastest as a JSON launch table "
                                    "for `spear serve --launch-table` (the built-in table was chosen on an H200). "
                                    "--layout mma (default): the tensor-core GEMM of the fragment layout, per token "
-                                   "class from 1 to 4096 tokens, against cuBLAS FP16; --layout kmajor: the "
-                                   "K-major layout's one-token loops (1, 2 and 4 tokens). Needs a CUDA GPU; "
-                                   "minutes.")
+                                   "class from 1 to 4096 tokens, against cuBLAS FP16, and its CUDA-core loop at 1, 2 "
+                                   "and 4 tokens (with class 16); --layout gluon: the warp-specialized Gluon GEMM "
+                                   "of the fragment layout (Hopper), per token class from 16 tokens on, kept for a "
+                                   "class only where it beats the path without it; --layout kmajor: the K-major "
+                                   "layout's one-token loops (1, 2 and 4 tokens). Needs a CUDA GPU; minutes.")
     add_model_arg(p)
     p.add_argument("--shapes", type=_shapes, default=None,
                    help="tune on these layer shapes instead of --model's, e.g. 4096x4096,28672x4096,4096x14336 "
                         "(out x in features)")
-    p.add_argument("--layout", choices=["mma", "kmajor"], default="mma",
-                   help="the packed layout whose launches to tune (default: %(default)s)")
+    p.add_argument("--layout", choices=["mma", "gluon", "kmajor"], default="mma",
+                   help="the launches to tune: the fragment layout's Triton GEMM (mma), its Gluon GEMM (gluon), "
+                        "or the K-major layout's one-token loops (default: %(default)s)")
     p.add_argument("--classes", type=_classes, default=None,
-                   help="--layout mma: the token classes to tune, among 16,32,64,128,256,big (default: all); the "
-                        "others keep the built-in launches")
+                   help="--layout mma: the token classes to tune, among 16,32,64,128,256,big (class 16 includes "
+                        "the CUDA-core loop at 1-4 tokens); --layout gluon: among 16,32,64,128,256,512,1024,big "
+                        "(default: all); the others keep the built-in launches")
     p.add_argument("--out", required=True, help="the launch table to write (JSON)")
     p.add_argument("--rows", default=None, help="also write every timing (JSON), with cuBLAS FP16 beside each")
     p.add_argument("--tokens", type=_tokens, default=(1, 2, 4),
-                   help="--layout kmajor: token counts to tune, from 1, 2, 4 (default: 1,2,4)")
+                   help="token counts of the CUDA-core loop to tune, from 1, 2, 4 (default: 1,2,4)")
     p.add_argument("--budget-s", type=float, default=600,
                    help="stop starting new launches after this many seconds (default: %(default)s)")
     p.set_defaults(func=main)
@@ -103,6 +108,8 @@ def main(args) -> int:
             raise SpearError(f"--model {args.model}: not a Llama-family config ({exc})") from None
     if args.layout == "mma":
         return _tune_mma(args, shapes)
+    if args.layout == "gluon":
+        return _tune_gluon(args, shapes)
     table, rows = tune.tune(shapes, tokens=args.tokens, budget_s=args.budget_s, progress=not args.quiet)
     if not table:
         raise SpearError("no launch was timed on every shape within --budget-s; give it more time")
@@ -130,18 +137,58 @@ def _tune_mma(args, shapes) -> int:
     table, rows = tune.tune_mma(shapes, classes=args.classes, budget_s=args.budget_s, progress=not args.quiet)
     if not table["mma"]:
         raise SpearError("no launch was timed on every shape within --budget-s; give it more time")
+    fma_rows = []
+    if args.classes is None or "16" in args.classes:  # 1-4 tokens: the CUDA-core loop against the tiles
+        fma_table, fma_rows = tune.tune(shapes, tokens=args.tokens, layout="mma", budget_s=args.budget_s,
+                                        progress=not args.quiet)
+        table.update(fma_table)
     out = {k: launch._thaw(v) for k, v in launch.merged_table(table).items()}
     _write_json(args.out, out)
     if args.rows:
-        _write_json(args.rows, {"device": torch.cuda.get_device_name(), "rows": rows})
+        _write_json(args.rows, {"device": torch.cuda.get_device_name(), "rows": rows, "one_token_rows": fma_rows})
+    for m in args.tokens if fma_rows else ():
+        best, us, rs = tune._best(fma_rows, "mma", m)
+        if best is not None:
+            print(f"  {m} token(s), CUDA-core loop: {best} {us:.1f} us geomean (tensor-core tiles "
+                  f"{tune.geomean(r['mma']['tc_us'] for r in rs):.1f} us)")
+    _print_rows(rows, shapes, "kmajor_us", "mma")
+    print(f"wrote {args.out}: serve with `spear serve --model ... --launch-table {args.out}`")
+    return 0
+
+
+def _print_rows(rows, shapes, baseline: str, kind: str) -> None:
+    """Per (shape, M) row: cuBLAS FP16, the ``baseline`` column, and the sweep's best launch."""
+    import torch
+
     print(f"{torch.cuda.get_device_name()}: {len(rows)} shape x token rows on {', '.join(s[0] for s in shapes)}")
-    print(f"{'M':>6} {'shape':>12} {'fp16 us':>9} {'kmajor us':>10} {'best mma us':>12}  vs fp16  launch")
+    print(f"{'M':>6} {'shape':>12} {'fp16 us':>9} {baseline.removesuffix('_us') + ' us':>12} "
+          f"{'best ' + kind + ' us':>14}  vs fp16  launch")
     for r in rows:
         timed = {kk: v["us"] for kk, v in r["sweep"].items() if "us" in v}
         if not timed:
             continue
         best = min(timed, key=timed.get)
-        print(f"{r['m']:>6} {r['shape']:>12} {r['fp16_us']:>9.1f} {r['kmajor_us']:>10.1f} {timed[best]:>12.1f} "
-              f"{r['fp16_us'] / timed[best]:>7.2f}x  {best}")
+        split = r["sweep"][best].get("split")
+        print(f"{r['m']:>6} {r['shape']:>12} {r['fp16_us']:>9.1f} {r[baseline]:>12.1f} {timed[best]:>14.1f} "
+              f"{r['fp16_us'] / timed[best]:>7.2f}x  {best}" + (f" split {split}" if split else ""))
+
+
+def _tune_gluon(args, shapes) -> int:
+    import torch
+
+    from spear.errors import SpearError
+    from spear.kernels import gluon_w4, launch, tune
+
+    if not gluon_w4.available():
+        raise SpearError("--layout gluon needs a Hopper GPU (sm_90) and a Triton with Gluon; this is "
+                         f"{torch.cuda.get_device_name()}")
+    table, rows = tune.tune_gluon(shapes, classes=args.classes, budget_s=args.budget_s, progress=not args.quiet)
+    out = {k: launch._thaw(v) for k, v in launch.merged_table(table).items()}
+    _write_json(args.out, out)
+    if args.rows:
+        _write_json(args.rows, {"device": torch.cuda.get_device_name(), "rows": rows})
+    _print_rows(rows, shapes, "without_us", "gluon")
+    kept = ", ".join(table["gluon"]) or "none"
+    print(f"classes that take the Gluon GEMM: {kept}")
     print(f"wrote {args.out}: serve with `spear serve --model ... --launch-table {args.out}`")
     return 0

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 
 from spear.compensate.scales import NormWeights, ScaleFactors, tunable_norms, tunable_scales
 from spear.compensate.teacher import TopKTeacher, teacher_logprobs  # noqa: F401  (re-exported)
+from spear.config import Sampling
 from spear.errors import SpearError
 from spear.quant.linear import QuantLinear
 
@@ -51,15 +52,13 @@ TRAIN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
-class CalibrationConfig:
-    """Self-sampling, optimisation and EC-shape settings of one calibration run."""
+class CalibrationConfig(Sampling):
+    """Self-sampling (``Sampling``'s temperature, top_p and seed), optimisation and EC-shape settings
+    of one calibration run."""
 
     n_samples: int = 64
     val_samples: int = 16
     sample_len: int = 128
-    temperature: float = 1.0
-    top_p: float = 0.95
-    seed: int = 0
     steps: int = 240
     batch_size: int = 4
     lr: float = 2e-3  # A, B
@@ -97,6 +96,7 @@ class CalibrationConfig:
     train_dtype: str = "float32"
 
     def __post_init__(self):
+        super().__post_init__()
         positive = ("n_samples", "val_samples", "steps", "batch_size", "eval_every", "patience", "hidden",
                     "stats_samples")
         for name in positive:
@@ -104,7 +104,7 @@ class CalibrationConfig:
                 raise SpearError(f"calibration {name} must be >= 1, got {getattr(self, name)}")
         if self.sample_len < 2:
             raise SpearError(f"calibration sample_len must be >= 2, got {self.sample_len}")
-        for name in ("lr", "gate_lr", "alpha_lr", "scale_lr", "norm_lr", "temperature", "clip"):
+        for name in ("lr", "gate_lr", "alpha_lr", "scale_lr", "norm_lr", "clip"):
             if not getattr(self, name) > 0:
                 raise SpearError(f"calibration {name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.warmup < 1:

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from spear.data.selfsample import SampleConfig, _cache_path, cached_samples, sample_sequences
+from spear.config import SampleConfig
+from spear.data.selfsample import _cache_path, cached_samples, sample_sequences
 
 
 @dataclass

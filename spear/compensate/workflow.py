@@ -24,7 +24,7 @@ from spear.compensate.spec import check_plan_ranks, warn_off_kernel
 from spear.compensate.stats import ActivationStats, collect_activation_stats
 from spear.compensate.svd_init import ScalingCache, error_factors
 from spear.compensate.teacher import TopKTeacher, sample_with_teacher, teacher_logprobs
-from spear.data.selfsample import SampleConfig, sample_sequences
+from spear.data.selfsample import sample_sequences
 from spear.models.modules import quantizable_linears
 from spear.quant.linear import QuantLinear
 
@@ -58,7 +58,7 @@ def prepare_calibration(model: nn.Module, tokenizer, cfg: CalibrationConfig, inc
     so early stopping and the state kept are judged on the real KL, not a top-k bound of it."""
     cfg = cfg.for_model(model)
     n = cfg.n_samples + cfg.val_samples
-    sampling = SampleConfig(n=n, length=cfg.sample_len, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
+    sampling = cfg.self_samples(n, cfg.sample_len)
     lp = None
     if teacher and cfg.teacher_top_k:
         ids, lp = sample_with_teacher(model, tokenizer, sampling, cfg.teacher_top_k, progress=progress)

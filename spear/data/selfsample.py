@@ -27,32 +27,15 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from spear.config import SampleConfig
 from spear.errors import SpearError
-
-
-@dataclass(frozen=True)
-class SampleConfig:
-    n: int = 64
-    length: int = 128
-    temperature: float = 1.0
-    top_p: float = 0.95
-    seed: int = 0
-    batch_size: int = 64  # sequences per forward pass: 1.5x less CPU time per sequence than 16 (the weights are read once per step)
-
-    def __post_init__(self):
-        if self.n < 1 or self.length < 2 or self.batch_size < 1:
-            raise SpearError(f"self-sampling needs n>=1, length>=2, batch_size>=1; got {self}")
-        if self.temperature <= 0:
-            raise SpearError(f"temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise SpearError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 def model_fingerprint(model: nn.Module) -> str:

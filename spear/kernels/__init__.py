@@ -4,7 +4,8 @@ policy.py         KernelPolicy: every threshold, launch table and switch, frozen
 launch.py         the W4 GEMM's launch ``Config`` and the built-in launch table
 layout.py         packed weight / compensator layouts and ``pack()`` (N-major, or K-major)
 reference.py      plain-torch references of every kernel (the contract)
-w4a16.py          W4 GEMM: split-K, fused compensator epilogue (_kmajor.py, _nmajor.py: its decode loops)
+w4a16.py          W4 GEMM: split-K, fused compensator epilogue (_kmajor.py, _nmajor.py, _frag_fma.py: its
+                  decode loops; _mma.py: the fragment layout's tensor-core loop)
 dequant.py        W4 -> fp16/bf16 for the dequantize + cuBLAS prefill path
 ec.py             compensator kernels of the semi-fused prefill path
 ops.py            ``spear::w4a16_ec`` (torch.library.custom_op), dispatched by the policy

@@ -25,8 +25,8 @@ K-major variant (``pack(..., layout="kmajor")``, K a multiple of 128):
                            on the word shifted by 4i takes k-offsets (2i, 2i+1): a pair of
                            neighbouring activations, one 32-bit fp16x2 register. Output
                            features are contiguous: a thread's 16-byte load holds 4 columns
-                           that share their activations (measured faster at decode,
-                           BENCHMARKS.md "Decode GEMV study"). Scales, zeros, locks as above.
+                           that share their activations (faster at decode than N-major words
+                           on the H200, bench_kernels.py). Scales, zeros, locks as above.
                            Its tensor-core tiles unpack the same [BN, BK] operand as the
                            N-major ones (only the join order of the nibbles differs).
   Storage at group 128: 4 + 16/128 + 8/128 = 4.19 bits per weight (the locks are per layer,

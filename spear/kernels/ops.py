@@ -14,7 +14,7 @@ programmatic-dependent-launch level of this call (0 or 1). Use :func:`w4a16_line
 than spelling the arguments out.
 
 The path by M = number of tokens is ``policy.plan`` (see spear/kernels/policy.py): the Triton
-GEMM, dequantize + cuBLAS, the fused EC, or the semi-fused EC (ec_gate on a side stream,
+GEMM, the Gluon GEMM (Hopper), dequantize + cuBLAS, the fused EC, or the semi-fused EC (ec_gate on a side stream,
 overlapped with the W4 part, then ec_up adds alpha · v Bᵀ; inside CUDA-graph capture the fork
 and join are captured as graph edges; while torch.compile traces the op, which has no streams,
 the serial variant runs: ec_gate, then the GEMM with the v-epilogue). On any other device
@@ -39,6 +39,7 @@ from spear.kernels import ec as ec_kernels
 from spear.kernels import fused
 from spear.kernels import reference
 from spear.kernels.dequant import dequantize
+from spear.kernels.launch import Config, GluonConfig
 from spear.kernels.layout import LAYOUTS, PackedEC, PackedW4
 from spear.kernels.policy import KernelPolicy, _plan, settings
 from spear.kernels.w4a16 import check_act, w4a16_matmul
@@ -55,8 +56,26 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[idx]
 
 
+_gluon_devices: dict[int, bool] = {}  # whether each device runs the Gluon GEMM, asked once
+
+
+def gluon_available(device: torch.device) -> bool:
+    """The device is a Hopper GPU and this Triton has Gluon (gluon_w4.available), asked once per device."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _gluon_devices:
+        from spear.kernels import gluon_w4
+
+        _gluon_devices[idx] = gluon_w4.available(torch.device("cuda", idx))
+    return _gluon_devices[idx]
+
+
 def _w4_part(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], config, pdl: int, act: int = 0):
-    """The W4 product alone: the decode GEMM with a ``Config``, or dequantize + cuBLAS (None)."""
+    """The W4 product alone: the Triton GEMM with a ``Config``, the Gluon GEMM with a
+    ``GluonConfig``, or dequantize + cuBLAS (None)."""
+    if isinstance(config, GluonConfig):
+        from spear.kernels.gluon_w4 import gluon_w4a16
+
+        return gluon_w4a16(x, w, bias, config, act=act)
     if config is None:
         y = torch.nn.functional.linear(x, dequantize(w, x.dtype), bias)
         return fused.silu_mul_pairs(y) if act else y
@@ -85,9 +104,13 @@ def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: P
 
     if not overlap:
         gate()
-        if config is not None:  # the decode GEMM's epilogue adds alpha · v Bᵀ
+        if isinstance(config, Config):  # the Triton GEMM's epilogue adds alpha · v Bᵀ
             return w4a16_matmul(x, w, bias, e, ec_mode=2, v=v, config=config, act=act, pdl=pdl)
-        y = ec_kernels.ec_up(_w4_part(x, w, bias, None, pdl), v, e)
+        if isinstance(config, GluonConfig):  # so does the Gluon GEMM's
+            from spear.kernels.gluon_w4 import gluon_w4a16
+
+            return gluon_w4a16(x, w, bias, config, act=act, ec=e, v=v)
+        y = ec_kernels.ec_up(_w4_part(x, w, bias, config, pdl), v, e)
         return fused.silu_mul_pairs(y) if act else y
     join = _beside(x.device, gate)
     out = _w4_part(x, w, bias, config, pdl)
@@ -114,8 +137,9 @@ def w4a16_ec_impl(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e:
     if x.device.type != "cuda":
         y = reference.w4a16_ec_packed(x2, w, bias, e)
         return (reference.silu_mul_pairs(y) if act else y).to(x.dtype).reshape(*lead, n_out)
-    p = _plan(m, n, k, w.group_size, w.layout, 0 if e is None else e.a.shape[0], s, cuda=True)
-    if p.path in ("gemm", "dequant_cublas"):
+    p = _plan(m, n, k, w.group_size, w.layout, 0 if e is None else e.a.shape[0], s, cuda=True,
+              gluon=w.layout == "mma" and gluon_available(x.device))
+    if p.path in ("gemm", "dequant_cublas", "gluon"):
         y = _w4_part(x2, w, bias, p.config, pdl, act)
     elif p.path == "fused_ec":
         y = w4a16_matmul(x2, w, bias, e, ec_mode=1, config=p.config, act=act, pdl=pdl,

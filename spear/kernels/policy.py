@@ -14,6 +14,8 @@ Paths of a W4 layer (CUDA; everywhere else the fp32 torch reference of reference
   gemm            the Triton W4 GEMM (split-K at decode)                no EC, M < dequant_mm_min_m
                                                                          (fragment layout: M < mma_cublas_min_m)
   dequant_cublas  dequantize the weight, then cuBLAS                     no EC, M >= that threshold
+  gluon           the warp-specialized Gluon GEMM (gluon_w4.py)          no EC, fragment layout on Hopper,
+                                                                         M in a class of the table's "gluon"
   fused_ec        the GEMM with u = A x, the gate and alpha B v fused    EC, M <= fused_max_m
   semi_fused_ec   ec_gate beside the W4 part (one of the two above       EC, M > fused_max_m
                   by M), then ec_up adds alpha v Bᵀ
@@ -26,10 +28,11 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from types import MappingProxyType
 
-from spear.kernels.launch import BUILTIN, MMA_CLASSES, _frozen, _thaw, check_table, merged_table, pick_config
+from spear.kernels.launch import (BUILTIN, GLUON_CLASSES, MMA_CLASSES, GluonConfig, _frozen, _thaw, check_table,
+                                  merged_table, pick_config, pick_gluon)
 from spear.kernels.layout import LAYOUTS
 
-PATHS = ("reference", "gemm", "dequant_cublas", "fused_ec", "semi_fused_ec")
+PATHS = ("reference", "gemm", "dequant_cublas", "gluon", "fused_ec", "semi_fused_ec")
 PDL_MODES = ("off", "wait", "auto")
 
 
@@ -59,6 +62,9 @@ class KernelPolicy:
     # to pdl_auto_max_batch sequences (faster there, slower at 64 sequences with ECs)
     pdl: str = "auto"
     pdl_auto_max_batch: int = 32
+    # the warp-specialized Gluon GEMM for the token classes the launch table gives it, where the GPU
+    # is a Hopper and Triton has Gluon (elsewhere the Triton kernels run whatever this says)
+    gluon: bool = True
     # launch shapes of the W4 GEMM: a table (dict or JSON path) merged over the built-in one
     launch_table: object = field(default_factory=lambda: BUILTIN, compare=False)
     # the policy as the op's integers (table included): what equality and hashing compare
@@ -72,7 +78,7 @@ class KernelPolicy:
             low = 0 if name in ("fused_max_m", "mma_cublas_min_m") else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ValueError(f"KernelPolicy.{name} must be a whole number >= {low}, got {v!r}")
-        for name in ("semi_fused_overlap", "rope_in_attention"):
+        for name in ("semi_fused_overlap", "rope_in_attention", "gluon"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelPolicy.{name} must be True or False, got {getattr(self, name)!r}")
         if self.w4_layout not in LAYOUTS:
@@ -130,43 +136,61 @@ def _rebuild(fields: dict) -> KernelPolicy:
 @dataclass(frozen=True)
 class Plan:
     path: str                   # one of PATHS
-    # the W4 part's launch: a Config (the Triton GEMM) or None (dequantize + cuBLAS); for
-    # semi_fused_ec, the W4 part beside the compensator's kernels
+    # the W4 part's launch: a Config (the Triton GEMM), a GluonConfig (the Gluon GEMM) or None
+    # (dequantize + cuBLAS); for semi_fused_ec, the W4 part beside the compensator's kernels
     config: object | None
+
+    @property
+    def w4(self) -> str:
+        """Which kernel computes the W4 product: "triton", "gluon", "cublas" or "reference"."""
+        if self.path == "reference":
+            return "reference"
+        if isinstance(self.config, GluonConfig):
+            return "gluon"
+        return "cublas" if self.config is None else "triton"
+
+    def __str__(self) -> str:
+        return f"{self.path} ({self.w4}{': ' + str(self.config) if self.config is not None else ''})"
 
 
 def plan(tokens: int, n: int, k: int, group_size: int, layout: str, rank: int, policy: KernelPolicy,
-         cuda: bool = True) -> Plan:
+         cuda: bool = True, gluon: bool = False) -> Plan:
     """Which path a W4 layer call of ``tokens`` rows over a weight of ``layout`` (layout.LAYOUTS)
-    takes under ``policy`` (module docstring); ``rank`` 0 means no compensator."""
+    takes under ``policy`` (module docstring); ``rank`` 0 means no compensator. ``gluon``: the
+    device runs the Gluon GEMM (a Hopper GPU, a Triton with Gluon: ``gluon_w4.available``)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
-    return _plan(tokens, n, k, group_size, layout, rank, _settings(policy.op_args), cuda)
+    return _plan(tokens, n, k, group_size, layout, rank, _settings(policy.op_args), cuda, gluon)
 
 
 @lru_cache(maxsize=4096)
-def _plan(tokens, n, k, group_size, layout, rank, s: "_Settings", cuda: bool) -> Plan:
+def _plan(tokens, n, k, group_size, layout, rank, s: "_Settings", cuda: bool, gluon: bool = False) -> Plan:
     if not cuda:
         return Plan("reference", None)
     cublas_from = s.mma_cublas_min_m if layout == "mma" else s.dequant_mm_min_m
-    if not cublas_from or tokens < cublas_from:
+    g = pick_gluon(tokens, n, k, s.table, group_size, rank) if gluon and s.gluon and layout == "mma" else None
+    if g is not None:
+        config, w4 = g, "gluon"
+    elif not cublas_from or tokens < cublas_from:
         config, w4 = pick_config(tokens, n, k, group_size, layout, s.table), "gemm"
     else:
         config, w4 = None, "dequant_cublas"
     if rank == 0:
         return Plan(w4, config)
-    if tokens <= s.fused_max_m:
-        return Plan("fused_ec", config)
+    if tokens <= s.fused_max_m:  # the Triton GEMM's fused compensator, whatever the W4 part would be
+        return Plan("fused_ec", pick_config(tokens, n, k, group_size, layout, s.table))
     return Plan("semi_fused_ec", config)
 
 
 # ---------------------------------------------------------------------------- the op's integers
 # The launch table flattened: its scalar keys, then each entry as a presence flag and its fields.
-_SCALARS = ("fma_max_m", "fma_kmajor_max_m")
-_ENTRIES = ("fma", "fma_kmajor", "fma_kmajor_by_mv.2", "fma_kmajor_by_mv.4", "fma_kmajor_narrow", "tc", "tc_wide",
-            "prefill") + tuple(f"mma.{c}" for c in MMA_CLASSES)
+_SCALARS = ("fma_max_m", "fma_kmajor_max_m", "fma_mma_max_m")
+_ENTRIES = (("fma", "fma_kmajor", "fma_kmajor_by_mv.2", "fma_kmajor_by_mv.4", "fma_kmajor_narrow", "tc", "tc_wide",
+             "prefill") + tuple(f"mma.{c}" for c in MMA_CLASSES)
+            + ("fma_mma", "fma_mma_by_mv.2", "fma_mma_by_mv.4", "fma_mma_narrow")
+            + tuple(f"gluon.{c}" for c in GLUON_CLASSES))
 _FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "programs", "max_n", "u_split", "prefetch")
-_VERSION = 2
+_VERSION = 4
 
 
 def _entry(table, key):
@@ -178,7 +202,7 @@ def _entry(table, key):
 
 def _encode(p: KernelPolicy) -> tuple[int, ...]:
     out = [_VERSION, p.fused_max_m, p.dequant_mm_min_m, int(p.semi_fused_overlap), p.u_split_max, p.gate_programs,
-           p.mma_cublas_min_m]
+           p.mma_cublas_min_m, int(p.gluon)]
     table = p.launch_table
     out += [int(table[key]) for key in _SCALARS]
     for key in _ENTRIES:
@@ -198,6 +222,7 @@ class _Settings:
     semi_fused_overlap: bool
     u_split_max: int
     gate_programs: int
+    gluon: bool
     table: MappingProxyType
 
     def __hash__(self) -> int:
@@ -212,10 +237,12 @@ def _settings(args: tuple[int, ...]) -> _Settings:
     """``op_args`` back into what the op reads (cached: a policy's integers are decoded once)."""
     if not args or args[0] != _VERSION:
         raise ValueError(f"op policy arguments of an unknown version: {args[:1]}")
-    head, rest = args[1:7], list(args[7:])
+    head, rest = args[1:8], list(args[8:])
     table: dict = {key: rest.pop(0) for key in _SCALARS}
     table["fma_kmajor_by_mv"] = {}
+    table["fma_mma_by_mv"] = {}
     table["mma"] = {}
+    table["gluon"] = {}
     for key in _ENTRIES:
         present, values = rest[0], rest[1:1 + len(_FIELDS)]
         del rest[:1 + len(_FIELDS)]
@@ -230,8 +257,28 @@ def _settings(args: tuple[int, ...]) -> _Settings:
                 table[outer][inner] = e
         else:
             table[key] = e
-    return _Settings(args, head[0], head[1], head[5], bool(head[2]), head[3], head[4], _frozen(check_table(table)))
+    return _Settings(args, head[0], head[1], head[5], bool(head[2]), head[3], head[4], bool(head[6]),
+                     _frozen(check_table(table)))
 
 
 def settings(args) -> _Settings:
     return _settings(tuple(int(a) for a in args))
+
+
+def describe(policy: KernelPolicy, n: int, k: int, group_size: int, layout: str, rank: int = 0, gluon: bool = False,
+             tokens=(1, 2, 4, 16, 32, 64, 96, 128, 256, 512, 1024, 4096)) -> str:
+    """One line per run of token counts that share a path: which kernel a W4 layer (n, k) takes
+    under ``policy`` (``plan``), e.g. for the engine's log and ``spear tune-kernels``."""
+    lines, start, last = [], None, None
+    for t in tokens:
+        p = plan(t, n, k, group_size, layout, rank, policy, gluon=gluon)
+        d = f"{p.path} ({p.w4})"
+        if last is not None and d != last[1]:
+            lines.append(f"{start}-{last[0]} tokens: {last[1]}" if start != last[0] else f"{start} tokens: {last[1]}")
+            start = t
+        elif last is None:
+            start = t
+        last = (t, d)
+    if last is not None:
+        lines.append(f"{start}-{last[0]} tokens: {last[1]}" if start != last[0] else f"{start} tokens: {last[1]}")
+    return "; ".join(lines)

@@ -1,7 +1,7 @@
 """Launch shapes of the W4 kernel's one-token loops, measured on the GPU at hand.
 
-The built-in table (``launch.BUILTIN``) was chosen on an H200. ``tune`` times the CUDA-core
-loop (M = 1, 2, 4 tokens) over a grid of tile widths, warps, program counts and the
+The built-in table (``launch.BUILTIN``) was chosen on an H200. ``tune`` times a layout's CUDA-core
+loop (M = 1, 2, 4 tokens; the K-major loop, or the fragment layout's of _frag_fma.py) over a grid of tile widths, warps, program counts and the
 register prefetch, on the layer shapes of a model, against the tensor-core tiles, and
 returns a table in ``BUILTIN``'s structure: per token class the launch with the best geometric mean over the shapes, and the
 largest token count up to which the loop beats the tiles. ``spear tune-kernels`` writes it;
@@ -30,7 +30,7 @@ from spear.kernels.timing import copies_for, time_calls
 from spear.kernels.w4a16 import w4a16_matmul
 
 GROUP = 128
-LAYOUTS = {"nmajor": False, "kmajor": True}
+LAYOUTS = {"nmajor": "fma", "kmajor": "fma_kmajor", "mma": "fma_mma"}  # layout: its CUDA-core loop's table entries
 # The sweep's grid (each key a list of values)
 GRID = dict(BN=[32, 64, 128, 256], num_warps=[2, 4, 8], programs=[528, 1056, 2112], prefetch=[0], num_stages=[1])
 # ``spear tune-kernels``'s default grid: the widths, warps and program counts that won somewhere
@@ -47,18 +47,25 @@ def geomean(xs) -> float:
     return math.exp(sum(math.log(v) for v in xs) / len(xs)) if xs else float("inf")
 
 
-def tc_config(m: int, n: int, k: int, kmajor: bool) -> Config:
-    """The tensor-core launch pick_config makes when the CUDA-core loop is switched off."""
-    key = "fma_kmajor_max_m" if kmajor else "fma_max_m"
-    return pick_config(m, n, k, GROUP, "kmajor" if kmajor else "nmajor", merged_table({key: 0}))
+def _layout(kmajor) -> str:
+    """A layout name from ``kmajor``: True / False (the K- / N-major layout) or the name itself."""
+    return kmajor if isinstance(kmajor, str) else ("kmajor" if kmajor else "nmajor")
 
 
-def fma_configs(m: int, n: int, k: int, kmajor: bool, grid=GRID):
-    """The CUDA-core launches of the sweep (the register prefetch only exists in the K-major loop)."""
+def tc_config(m: int, n: int, k: int, kmajor) -> Config:
+    """The tensor-core launch pick_config makes when the CUDA-core loop is switched off
+    (``kmajor``: see ``_layout``)."""
+    layout = _layout(kmajor)
+    return pick_config(m, n, k, GROUP, layout, merged_table({LAYOUTS[layout] + "_max_m": 0}))
+
+
+def fma_configs(m: int, n: int, k: int, kmajor, grid=GRID):
+    """The CUDA-core launches of the sweep (the register prefetch exists in the K-major and the
+    fragment layout's loops)."""
     mv = 1 if m == 1 else (2 if m == 2 else 4)
     for bn, nw, prog, pf, ns in itertools.product(grid["BN"], grid["num_warps"], grid["programs"],
                                                   grid["prefetch"], grid["num_stages"]):
-        if pf and not kmajor:
+        if pf and _layout(kmajor) == "nmajor":
             continue
         yield (dict(BN=bn, num_warps=nw, programs=prog, prefetch=bool(pf), num_stages=ns),
                Config(16, bn, 128, _split_for(-(-n // bn), k, 128, prog), nw, ns, mv=mv, prefetch=bool(pf)))
@@ -92,12 +99,12 @@ def _best(rows, layout, m):
 
 
 def launch_table(rows, layouts=LAYOUTS) -> dict:
-    """Per layout: the CUDA-core launch with the best geometric mean at M = 1; for M = 2 and 4 the
-    best launch of that token class (kept when it differs from M = 1's); and the largest M up to
-    which the class's launch beats the tensor-core tiles."""
+    """Per layout (the names in ``layouts``): the CUDA-core launch with the best geometric mean at
+    M = 1; for M = 2 and 4 the best launch of that token class (kept when it differs from M = 1's);
+    and the largest M up to which the class's launch beats the tensor-core tiles."""
     table = {}
-    for layout, kmajor in layouts.items():
-        prefix = "fma_kmajor" if kmajor else "fma"
+    for layout in layouts:
+        prefix = LAYOUTS[layout]
         best1, _, ones = _best(rows, layout, 1)
         if best1 is None:
             continue
@@ -124,7 +131,7 @@ def random_layer(n: int, k: int, seed: int = 0):
     return codes, scales.half(), zeros
 
 
-def sweep_loop(x: torch.Tensor, ws: list, ref: torch.Tensor, m: int, n: int, k: int, kmajor: bool, grid,
+def sweep_loop(x: torch.Tensor, ws: list, ref: torch.Tensor, m: int, n: int, k: int, kmajor, grid,
                deadline: float = math.inf, on_launch=None) -> dict:
     """The CUDA-core loop over ``grid`` and the tensor-core tiles at one shape and token count:
     {"tc_us": µs, "sweep": {key: {"launch", "us" or "error"}}}; launches not started past
@@ -162,15 +169,15 @@ def model_shapes(config) -> list[tuple[str, int, int]]:
 
 def tune(shapes, tokens=(1, 2, 4), grid=TUNE_GRID, layout: str = "kmajor", budget_s: float = 600,
          progress: bool = True) -> tuple[dict, list]:
-    """Sweep the CUDA-core loop on ``shapes`` [(label, n, k)] at each token count in ``tokens``:
-    (the table entries for ``layout``, the timed rows). Needs a CUDA GPU."""
+    """Sweep ``layout``'s CUDA-core loop ("kmajor", "nmajor" or "mma") on ``shapes`` [(label, n, k)]
+    at each token count in ``tokens``: (the table entries for ``layout``, the timed rows). Needs a
+    CUDA GPU."""
     from tqdm.auto import tqdm
 
     if not torch.cuda.is_available():
         raise RuntimeError("tuning times the W4 kernel on a CUDA GPU; none is available")
-    kmajor = LAYOUTS[layout]
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    n_launch = sum(1 for m in tokens for _ in fma_configs(m, 4096, 4096, kmajor, grid)) * len(shapes)
+    n_launch = sum(1 for m in tokens for _ in fma_configs(m, 4096, 4096, layout, grid)) * len(shapes)
     deadline = time.time() + budget_s
     rows = []
     with tqdm(total=n_launch, desc="tune-kernels", unit="launch", disable=not progress) as bar:
@@ -182,27 +189,27 @@ def tune(shapes, tokens=(1, 2, 4), grid=TUNE_GRID, layout: str = "kmajor", budge
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 ref = reference.w4a16_ec(x, codes, scales, zeros, GROUP)
                 rows.append({"m": m, "shape": label, "n": n, "k": k,
-                             layout: sweep_loop(x, ws, ref, m, n, k, kmajor, grid, deadline, bar.update)})
+                             layout: sweep_loop(x, ws, ref, m, n, k, layout, grid, deadline, bar.update)})
             del ws
             torch.cuda.empty_cache()
-    table = launch_table(rows, {layout: kmajor})
-    if table and kmajor:
-        table["fma_kmajor_narrow"] = narrow_launch(rows, table["fma_kmajor"])
+    table = launch_table(rows, (layout,))
+    if table and layout != "nmajor":
+        table[LAYOUTS[layout] + "_narrow"] = narrow_launch(rows, table[LAYOUTS[layout]], layout=layout)
     return table, rows
 
 
-def narrow_launch(rows, one_token: dict, max_n: int = 4096) -> dict | None:
-    """The K-major one-token launch for layers of at most ``max_n`` output features (launch.BUILTIN's
-    "fma_kmajor_narrow"): the sweep's best on those shapes at M = 1 when it beats ``one_token`` there,
-    else None (the one-token launch serves them too)."""
-    narrow = [r for r in rows if r["m"] == 1 and r["n"] <= max_n and r["kmajor"].get("sweep")]
+def narrow_launch(rows, one_token: dict, max_n: int = 4096, layout: str = "kmajor") -> dict | None:
+    """``layout``'s one-token launch for layers of at most ``max_n`` output features (launch.BUILTIN's
+    "fma_kmajor_narrow", "fma_mma_narrow"): the sweep's best on those shapes at M = 1 when it beats
+    ``one_token`` there, else None (the one-token launch serves them too)."""
+    narrow = [r for r in rows if r["m"] == 1 and r["n"] <= max_n and r[layout].get("sweep")]
     if not narrow:
         return None
-    best, us, _ = _best(narrow, "kmajor", 1)
-    current = [r["kmajor"]["sweep"].get(launch_key(one_token), {}).get("us") for r in narrow]
+    best, us, _ = _best(narrow, layout, 1)
+    current = [r[layout]["sweep"].get(launch_key(one_token), {}).get("us") for r in narrow]
     if best is None or (all(current) and geomean(current) <= us):
         return None
-    return dict(max_n=max_n, **_launch_entry(narrow[0]["kmajor"]["sweep"][best]["launch"]))
+    return dict(max_n=max_n, **_launch_entry(narrow[0][layout]["sweep"][best]["launch"]))
 
 
 
@@ -240,9 +247,10 @@ def mma_launch_key(e: dict) -> str:
 
 
 def mma_config(m: int, n: int, k: int, e: dict) -> Config:
-    """The launch ``pick_config`` makes for table entry ``e`` (class of m) at an (m, n, k) GEMM."""
+    """The launch ``pick_config`` makes for table entry ``e`` (class of m) at an (m, n, k) GEMM: the
+    tensor-core tiles, also at 1-4 tokens (the CUDA-core loop is ``tune(..., layout="mma")``'s)."""
     return pick_config(m, n, k, GROUP, "mma", merged_table({"mma": {"16": e, "32": e, "64": e, "128": e, "256": e,
-                                                                     "big": e}}))
+                                                                     "big": e}, "fma_mma_max_m": 0}))
 
 
 def _compile_one(args) -> int:
@@ -348,5 +356,108 @@ def mma_table(rows) -> dict:
         keys = set.intersection(*(set(kk for kk, v in r["sweep"].items() if "us" in v) for r in rs))
         if keys:
             best = min(keys, key=lambda kk: geomean(r["sweep"][kk]["us"] for r in rs))
+            out[cls] = dict(rs[0]["sweep"][best]["launch"])
+    return out
+
+
+# ---------------------------------------------------------------------------- the Gluon GEMM
+# Token counts timed per "gluon" class (launch.GLUON_CLASSES) and the grid of its launches: tiles
+# of two consumer warpgroups (BN = 128 or 256 rows) by BM tokens, 64 or 128 inputs a stage, as many
+# ring stages as fit in GLUON_SMEM (at most GLUON_MAX_STAGES), the K split for one unit per SM.
+GLUON_TOKENS = {"16": (16,), "32": (32,), "64": (64,), "128": (96, 128), "256": (192, 256), "512": (512,),
+                "1024": (1024,), "big": (2048, 4096)}
+GLUON_SMEM = 200 * 1024
+GLUON_MAX_STAGES = 6
+
+
+def gluon_stage_bytes(bn: int, bm: int, bk: int) -> int:
+    """Shared memory of one ring stage: activations, codes, and (at most) a scale and a zero point
+    per row and 32 inputs."""
+    kb = bk // 64
+    return kb * bm * 128 + bn // 16 * 512 * kb + (bk // 32) * bn * 3
+
+
+def _gluon_grid(cls: str) -> list[dict]:
+    bms = {"16": (16,), "32": (32,), "64": (64,), "128": (64, 128), "256": (128, 256)}.get(cls, (128, 256))
+    out = []
+    for bm, bn, bk in itertools.product(bms, (128, 256), (64, 128)):
+        if bn // 2 * bm > 128 * 128:
+            continue
+        stages = min(GLUON_MAX_STAGES, GLUON_SMEM // gluon_stage_bytes(bn, bm, bk))
+        out.append(dict(BN=bn, BM=bm, BK=bk, num_stages=stages))
+    return out
+
+
+def gluon_launch_key(e: dict) -> str:
+    return f"BN{e['BN']}_BM{e['BM']}_BK{e['BK']}_s{e['num_stages']}" + (f"_p{e['programs']}" if e.get("programs") else "")
+
+
+def tune_gluon(shapes, classes=None, budget_s: float = 900, progress: bool = True) -> tuple[dict, list]:
+    """Sweep the Gluon GEMM's launches (``_gluon_grid``) on ``shapes`` [(label, n, k)] at each class's
+    token counts (``GLUON_TOKENS``) against what the policy runs without it (the Triton fragment
+    kernel or dequantize + cuBLAS) and cuBLAS FP16: ({"gluon": {class: best entry}}, rows). A class
+    gets an entry only where its best launch (geometric mean over the class's shapes and token
+    counts) beats the policy's path without Gluon. Needs a Hopper GPU and a Triton with Gluon."""
+    from tqdm.auto import tqdm
+
+    from spear.kernels import gluon_w4
+    from spear.kernels.dequant import dequantize
+    from spear.kernels.launch import GLUON_CLASSES, pick_gluon
+    from spear.kernels.ops import w4a16_linear
+    from spear.kernels.policy import KernelPolicy
+
+    if not gluon_w4.available():
+        raise RuntimeError("the Gluon GEMM needs a Hopper GPU (sm_90) and a Triton with Gluon")
+    classes = [c for c in GLUON_CLASSES if c in (classes or GLUON_TOKENS)]
+    without = KernelPolicy(gluon=False)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    todo = [(cls, m, e) for cls in classes for m in GLUON_TOKENS[cls] for e in _gluon_grid(cls)]
+    deadline = time.time() + budget_s
+    rows = []
+    with tqdm(total=len(todo) * len(shapes), desc="tune-kernels gluon", unit="launch", disable=not progress) as bar:
+        for label, n, k in shapes:
+            codes, scales, zeros = random_layer(n, k)
+            ws = [pack(codes, scales, zeros, GROUP, layout="mma") for _ in range(copies_for(n * k // 2, l2))]
+            w16 = dequantize(ws[0], torch.float16)
+            fp16 = [w16] + [w16.clone() for _ in range(copies_for(2 * n * k, l2) - 1)]
+            for cls in classes:
+                for m in GLUON_TOKENS[cls]:
+                    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+                    ref = reference.w4a16_ec(x, codes, scales, zeros, GROUP)
+                    row = {"m": m, "class": cls, "shape": label, "n": n, "k": k, "sweep": {},
+                           "fp16_us": time_calls([lambda w_=w_: torch.nn.functional.linear(x, w_) for w_ in fp16]),
+                           "without_us": time_calls([lambda w_=w_: w4a16_linear(x, w_, policy=without) for w_ in ws])}
+                    for e in _gluon_grid(cls):
+                        if time.time() > deadline:
+                            break
+                        key = gluon_launch_key(e)
+                        try:
+                            cfg = pick_gluon(m, n, k, {"gluon": {cls: e}})
+                            s_ = sqnr(ref, gluon_w4.gluon_w4a16(x, ws[0], None, cfg))
+                            if s_ < 40:
+                                row["sweep"][key] = dict(launch=e, error=f"SQNR {s_:.1f} dB")
+                            else:
+                                row["sweep"][key] = dict(launch=e, split=cfg.split_k, us=time_calls(
+                                    [lambda w_=w_: gluon_w4.gluon_w4a16(x, w_, None, cfg) for w_ in ws]))
+                        except Exception as exc:  # out of resources for a tile shape: record and go on
+                            row["sweep"][key] = dict(launch=e, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+                        bar.update()
+                    rows.append(row)
+            del ws, fp16, w16
+            torch.cuda.empty_cache()
+    return {"gluon": gluon_table(rows)}, rows
+
+
+def gluon_table(rows) -> dict:
+    """Per class: the launch with the best geometric mean over its rows, where it beats the path
+    without Gluon over the same rows."""
+    out = {}
+    for cls in dict.fromkeys(r["class"] for r in rows):
+        rs = [r for r in rows if r["class"] == cls]
+        keys = set.intersection(*(set(kk for kk, v in r["sweep"].items() if "us" in v) for r in rs))
+        if not keys:
+            continue
+        best = min(keys, key=lambda kk: geomean(r["sweep"][kk]["us"] for r in rs))
+        if geomean(r["sweep"][best]["us"] for r in rs) < geomean(r["without_us"] for r in rs):
             out[cls] = dict(rs[0]["sweep"][best]["launch"])
     return out

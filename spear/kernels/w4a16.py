@@ -9,9 +9,10 @@ column tiles x split_k. Each W program streams BN rows of packed codes over its 
     the zero point (and per group the scale) is applied in the activation dtype, and
     accT [BN, BM] += W[BN, BK] · xT[BK, BM] accumulates in fp32. Tiles are transposed
     (weights on the left) so that decode's few tokens sit on the small MMA dimension.
-  * CUDA cores (MV = 1, 2, 4 tokens; _nmajor.py and _kmajor.py): exact fp32 codes, one
+  * CUDA cores (MV = 1, 2, 4 tokens; _nmajor.py, _kmajor.py, _frag_fma.py): exact fp32 codes, one
     FMA per weight and token, no change of register layout; with fp16 activations on CUDA,
-    two words' 16 products at a time run in fp16x2 PTX instead (``_common._word2_dot``).
+    16 products at a time run in fp16x2 PTX instead (``_common._word2_dot``; over the fragment
+    layout ``_frag_fma._frag_dot``).
 Per-channel scales are applied once after the loop.
 
 Split-K (decode: N/BN tiles alone cannot fill 132 SMs). Every split writes its fp32
@@ -47,8 +48,8 @@ BENCHMARKS.md, "Tried, measured, dropped".
 EC_MODE 2 (prefill, serial variant): v = gamma(u) ⊙ u was computed by ``ec.ec_gate``;
 the epilogue only adds alpha · B_tile v.
 
-ACT 1 (gate/up fused with interleaved features, spear/serve/fusion.py): after bias and EC the
-epilogue stores silu(gate) * up for each pair of rows, N / 2 output features.
+ACT 1 (gate/up as one layer with interleaved features, spear/serve/layers/linear.py): after bias
+and EC the epilogue stores silu(gate) * up for each pair of rows, N / 2 output features.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from spear.kernels import _common
 from spear.kernels._common import INTERPRET, _dequant, _dot, _pdl_wait, _unpack_w4
 from spear.kernels._ec_programs import _fused_ec, _u_program
 from spear.kernels._epilogue import _epilogue, _finish_tile
+from spear.kernels._frag_fma import _frag_fma_mainloop
 from spear.kernels._kmajor import _kmajor_mainloop
 from spear.kernels._mma import _mma_mainloop
 from spear.kernels._nmajor import _fma_mainloop
@@ -98,7 +100,8 @@ def _w4a16_kernel(
     # programmatic dependent launch (KernelPolicy.pdl): start loading weights before the kernel
     # before this one has finished; everything that reads x or writes waits for it
     PDL: tl.constexpr = False,
-    # the fragment layout (layout.py, "mma"): the tensor-core loop of _mma.py; ASM its PTX conversion
+    # the fragment layout (layout.py, "mma"): the tensor-core loop of _mma.py (MV 0; ASM its PTX
+    # conversion) or the CUDA-core loop of _frag_fma.py (MV > 0; PTX its fp16x2 products)
     MMA: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
     # torch.compile passes Python floats as fp64 scalars; fp32 keeps the accumulators fp32
@@ -151,15 +154,18 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
                PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr, ACT: tl.constexpr,
                PDL: tl.constexpr, MMA: tl.constexpr = False, ASM: tl.constexpr = False):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
-    if not (KMAJOR and MV > 0 and PTX and PREFETCH):
-        _pdl_wait(PDL)  # the K-major PTX loop waits after loading its first weights
+    if not ((KMAJOR and MV > 0 and PTX and PREFETCH) or (MMA and MV > 0 and PREFETCH)):
+        _pdl_wait(PDL)  # the prefetching decode loops wait after loading their first weights
     iters = tl.cdiv(K // BK, SPLIT_K)
     k_lo = split * iters * BK
     k_hi = tl.minimum(k_lo + iters * BK, K)
     offs_n = wt * BN + tl.arange(0, BN)
     n_mask = offs_n < N
     n_ld = offs_n % N  # in-bounds rows: unmasked, vectorized loads
-    if MMA:  # scales applied inside
+    if MMA and MV > 0:  # scales applied inside
+        accT = _frag_fma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt * BN, k_lo, k_hi, M, N, K, stride_xm,
+                                  GROUP, SYMMETRIC, IS_BF16, BN, BK, BM, MV, PTX, PREFETCH, ASM, PDL)
+    elif MMA:  # scales applied inside
         accT = _mma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt * BN, k_lo, k_hi, offs_m, m_mask, N, K,
                              stride_xm, GROUP, SYMMETRIC, IS_BF16, BN, BK, BM, DOT_F32, ASM)
     else:
@@ -286,8 +292,14 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
     check_act(act, n)
     cfg = config or pick_config(m, n, k, w.group_size, w.layout, table)
     mma = w.layout == "mma"
-    if mma:  # the fragment loop: any group within a step, 64-input blocks, no CUDA-core loop
-        if (cfg.mv or cfg.BK not in (64, 128) or k % cfg.BK or (cfg.BK == 128 and 0 < w.group_size < 128)
+    if mma and cfg.mv:  # the fragment layout's CUDA-core loop: any group, 64-input blocks
+        if cfg.BK < 64 or cfg.BK & (cfg.BK - 1) or k % cfg.BK or cfg.BN < 16 or cfg.BN & (cfg.BN - 1):
+            raise ValueError(f"the fragment layout's CUDA-core loop takes BK a power of two >= 64 dividing "
+                             f"in_features={k} and BN a power of two >= 16; got {cfg}")
+        if x.storage_offset() % 2 or (m > 1 and x.stride(0) % 2):
+            x = x.clone()  # the loop reads x as 32-bit pairs: rows must start at even elements
+    elif mma:  # the fragment loop: any group within a step, 64-input blocks
+        if (cfg.BK not in (64, 128) or k % cfg.BK or (cfg.BK == 128 and 0 < w.group_size < 128)
                 or cfg.BN % 16 or cfg.BM < 16):
             raise ValueError(f"the fragment layout takes tensor-core launches with BK 64 or 128 dividing "
                              f"in_features={k} (128 only with groups of 128 or more), BN a multiple of 16 "
@@ -334,8 +346,9 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         GROUP=w.group_size, SYMMETRIC=w.symmetric, HAS_BIAS=bias is not None, IS_BF16=x.dtype == torch.bfloat16,
         EC_MODE=ec_mode, GATE=bool(e and e.gated), R=r, H=h,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
-        PTX=bool(cfg.mv and cfg.ptx and aligned and x.dtype == torch.float16 and not INTERPRET), KMAJOR=w.kmajor,
-        SPLIT_K=cfg.split_k, U_SPLIT=u_split, PREFETCH=bool(cfg.prefetch and w.kmajor and cfg.mv), ACT=act,
+        PTX=bool(cfg.mv and cfg.ptx and (aligned or mma) and x.dtype == torch.float16 and not INTERPRET),
+        KMAJOR=w.kmajor, SPLIT_K=cfg.split_k, U_SPLIT=u_split,
+        PREFETCH=bool(cfg.prefetch and (w.kmajor or mma) and cfg.mv), ACT=act,
         MMA=mma, ASM=mma and not INTERPRET,
         **_common.pdl_args(pdl),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -54,9 +54,9 @@ from spear.kernels._common import INTERPRET, _pdl_wait
 # step; ``dot``: tensor cores. M = 1: the fastest launch of ``benchmarks/bench_w8.py --sweep`` on
 # the H200 heads, BK = 256 although its activation rows need a layout change (module docstring).
 # M = 2-16 take the tensor-core tile: memory-bound, it costs the same at any M <= 16 and beats
-# every CUDA-core launch from 2 tokens on (BENCHMARKS.md, "W8 head kernel"; "Tried, measured,
-# dropped"). M > 16: not swept; they stream the weight through cp.async stages into wgmma, the
-# int8 -> fp16 operand in registers.
+# every CUDA-core launch from 2 tokens on (BENCHMARKS.md, "Tried, measured, dropped"). M > 16: not
+# swept; they stream the weight through cp.async stages into wgmma, the int8 -> fp16 operand in
+# registers.
 LAUNCH = MappingProxyType({
     1: MappingProxyType(dict(BM=1, BN=16, BK=256, num_warps=4, num_stages=2, dot=False)),
     16: MappingProxyType(dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3, dot=True)),

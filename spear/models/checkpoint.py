@@ -57,9 +57,9 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 
 def check_checkpoint_out(out_dir: str | os.PathLike, overwrite: bool) -> Path:
     """Refuse ``out_dir`` as the folder of a new checkpoint before any work goes into one (see
-    :func:`spear.fileio.check_output_folder`): ``overwrite`` replaces a spear checkpoint or an
-    empty folder, never a folder of anything else."""
-    return check_output_folder(out_dir, overwrite, marker=CONFIG_NAME)
+    :func:`spear.fileio.check_output_folder`): ``overwrite`` replaces a spear checkpoint (its
+    spear_config.json read whole) or an empty folder, never a folder of anything else."""
+    return check_output_folder(out_dir, overwrite, marker=CONFIG_NAME, owned=read_spear_config)
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -141,7 +141,7 @@ def save_checkpoint(model: nn.Module, tokenizer, out_dir: str | os.PathLike, qua
         (tmp / CONFIG_NAME).write_text(json.dumps(spear_cfg, indent=2))
 
     target = Path(out_dir)
-    write_folder_atomic(target, write, overwrite, marker=CONFIG_NAME)
+    write_folder_atomic(target, write, overwrite, marker=CONFIG_NAME, owned=read_spear_config)
     return target
 
 

@@ -16,8 +16,8 @@ comm.py       the collectives a rank's layers call: the row-parallel reduction w
               compensator's second half after it, and the head's gather; an all-reduce path
               (gloo / NCCL) and a peer path over symmetric memory (CUDA)
 
-The worker processes of ranks 1..N-1 live with the engine that drives them (spear/serve/workers.py;
-every rank is built by spear/serve/rank.py): nothing here imports spear.serve.
+The worker processes of ranks 1..N-1 live with the engine that drives them (spear/serve/model/workers.py;
+every rank is built by spear/serve/model/rank.py): nothing here imports spear.serve.
 
 The selection's communication cost (spear/select/allocate.py) reads ``ROW_PARALLEL`` from here,
 the same names the engine's model splits by (``split_of``).

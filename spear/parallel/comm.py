@@ -50,7 +50,7 @@ class RowPost:
     n: int
     bias: torch.Tensor | None = None
     packed: object | None = None   # spear.kernels.layout.PackedEC
-    dense: object | None = None    # spear.serve.layers.linear._DenseEC
+    dense: object | None = None    # spear.serve.model.layers.linear._DenseEC
 
     def __call__(self, staging: list[torch.Tensor]) -> torch.Tensor:
         s0 = staging[0]

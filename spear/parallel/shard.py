@@ -1,7 +1,7 @@
 """One tensor-parallel rank's share of a checkpoint's tensors: pure functions, no communication.
 
 ``TPRank(rank, size)`` names the share; ``share(total)`` is the rank's contiguous slice of an
-evenly split dimension. A linear's member (spear/serve/layers/linear.py, ``MemberWeights``: a
+evenly split dimension. A linear's member (spear/serve/model/layers/linear.py, ``MemberWeights``: a
 dense or quantized weight, a bias, a compensator in runtime factors) is cut with
 
   column_share(w, rows)   the output rows ``rows`` of the weight, its scales and zero points, the

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -31,11 +31,36 @@ def calibration_ids(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | No
         raise SpearError("calibration source 'text' needs (n, seq_len) token windows passed as calib; none were given")
     if tokenizer is None:
         raise SpearError("calibration source 'self' needs the model's tokenizer to sample from the model")
-    from spear.data.selfsample import SampleConfig, sample_sequences
+    from spear.data.selfsample import sample_sequences
 
     c = cfg.calib
-    sample = SampleConfig(n=c.n_samples, length=c.seq_len, temperature=c.temperature, top_p=c.top_p, seed=c.seed)
+    sample = c.self_samples(c.n_samples, c.seq_len)
     return sample_sequences(model, tokenizer, sample, cache=True, progress=progress)
+
+
+@dataclass
+class Reference:
+    """What compensators are fitted against: the FP weights (name -> weight) and the statistics of
+    their inputs (None when the method needs none)."""
+
+    fp_weights: dict
+    stats: dict | None = None
+
+
+def quantize_for_compensation(model: nn.Module, cfg: QuantConfig, references: list, calib: torch.Tensor | None = None,
+                              progress: bool = True, tokenizer=None) -> dict[str, QuantLinear]:
+    """``quantize_model``, then each of ``references`` (anything with ``fp_weights`` and ``stats``:
+    a Reference, a CalibrationData) moved to the weights the method rounded: AWQ scales each
+    linear's channels before rounding, so its compensators make up for the error against the
+    scaled weights (spear/quant/awq.py, ``rescale_reference``). Other methods leave them as they are."""
+    channel_scales: dict = {}
+    modules = quantize_model(model, cfg, calib, progress, tokenizer, channel_scales)
+    if channel_scales:
+        from spear.quant.awq import rescale_reference
+
+        for ref in references:
+            ref.fp_weights, ref.stats = rescale_reference(ref.fp_weights, ref.stats, channel_scales)
+    return modules
 
 
 def quantize_model(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | None = None,

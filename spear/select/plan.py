@@ -56,8 +56,7 @@ def damage_ids(model: nn.Module, tokenizer, n: int, calib=None, progress: bool =
     from spear.data.selfsample import SampleConfig, sample_sequences
 
     if calib is not None:
-        cfg = SampleConfig(n=max(n, calib.n_samples + calib.val_samples), length=calib.sample_len,
-                           temperature=calib.temperature, top_p=calib.top_p, seed=calib.seed)
+        cfg = calib.self_samples(max(n, calib.n_samples + calib.val_samples), calib.sample_len)
     else:
         cfg = SampleConfig(n=n, length=128, seed=0)
     return sample_sequences(model, tokenizer, cfg, progress=progress)[:n]

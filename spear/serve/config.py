@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from spear.errors import SpearError
 from spear.kernels.policy import KernelPolicy
-from spear.serve.latency import LatencyTable
+from spear.serve.latency.table import LatencyTable
 
 
 @dataclass(slots=True)
@@ -26,7 +26,7 @@ class EngineConfig:
     kernels: KernelPolicy = field(default_factory=KernelPolicy)
     seed: int = 0                        # the generator of requests without a seed
     # inter-token latency target (ms): each step's prefill chunk is the largest the latency table
-    # predicts within it (spear/serve/scheduler.py); None: the static max_num_batched_tokens budget
+    # predicts within it (spear/serve/core/scheduler.py); None: the static max_num_batched_tokens budget
     itl_slo_ms: float | None = None
     # a LatencyTable or the path of one (spear profile); None with a target: the table cached for
     # this deployment, else one profiled at start-up and cached. A table alone adds predictions

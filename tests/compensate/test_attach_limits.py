@@ -84,7 +84,7 @@ def test_run_rejects_the_rank_before_quantizing(tiny_llama_path, tmp_path, monke
     def no_quantization(*a, **k):
         raise AssertionError("quantized for a rank that cannot be attached")
 
-    monkeypatch.setattr(pipeline, "quantize_model", no_quantization)
+    monkeypatch.setattr(pipeline, "quantize_for_compensation", no_quantization)
     rc = main(["-q", "run", "--model", str(tiny_llama_path), "--baselines", "identity", "--spear", "none",
                "--rank", "33", "--seq-len", "32", "--eval-windows", "1", "--calib-windows", "0",
                "--out", str(tmp_path / "run")])

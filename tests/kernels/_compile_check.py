@@ -76,6 +76,45 @@ def check_mma_loop(ptx: str) -> None:
     assert "wgmma.wait_group.sync.aligned 0" in loop, "no wgmma drain at the end of a step"
 
 
+def check_frag_fma_loop(ptx: str, bf16: bool, bn: int, bk: int, num_warps: int) -> None:
+    """The fragment layout's CUDA-core loop (_frag_fma.py) in compiled PTX: its main loop loads
+    every weight word once per step, in 16-byte vectors (a lane's four words: BN · BK / 8 words
+    over the program's threads, four a load), touches no shared memory and no barrier (nothing
+    changes register layout between the load and the products: the scale loads are inline PTX for
+    that reason), and makes its products in fp16x2 PTX (fp16: ``_frag_dq``'s LOP3 with the fp16
+    1024 and ``_frag_dot``'s fma.rn.f16x2) or from exact fp32 codes (bf16: the OR with 2^23)."""
+    marker = "1258291200" if bf16 else "0x64006400"  # 0x4B000000 (2^23 as fp32), fp16x2 1024
+    parts = re.split(r"\n\$L__BB\d+_\d+:", ptx)
+    loops = [p for p in parts if "Loop Header" in "".join(p.split("\n")[:2]) and marker in p]
+    assert len(loops) == 1, f"{len(loops)} main loops with the code conversion, expected 1"
+    loop = loops[0]
+    v4 = len(re.findall(r"ld\.global(\.nc)?\.v4\.b32", loop))
+    assert v4 == bn * bk // 8 // (32 * num_warps) // 4, f"{v4} 16-byte loads a step"
+    assert not re.search(r"(st|ld)\.shared|bar\.sync", loop), "shared memory or a barrier in the main loop"
+    if not bf16:
+        assert "fma.rn.f16x2" in loop and "lop3.b32" in loop, "the fp16x2 word products are not in the main loop"
+
+
+def resources(kernel) -> tuple[int, int] | None:
+    """(registers, local memory bytes) per thread of a compiled kernel, from the cuobjdump Triton
+    ships (None without one): local memory means ptxas spilled registers."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
+    return int(m.group(1)), int(m.group(2)) + int(m.group(3))
+
+
 def check_polls(ptx: str) -> int:
     """The spin-waits of the fused EC (``_common._wait_above``) in compiled PTX: after each poll
     loop (an ``ld.acquire.gpu`` and a branch back to it) the first barrier, store or atomic must
@@ -199,6 +238,28 @@ if __name__ == "__main__":
                                                               (0, 64, 128, 64, 4, 1, 0, True, 0)):
         check_mma_loop(compile_w4(bf16, ec_mode, 0, bm, mma=True, bn=bn, bk=bk, group=group, sym=sym, split=split,
                                   num_warps=warps, act=act).asm["ptx"])
+    # the fragment layout's CUDA-core loop (1-4 tokens): the built-in launches (BN 64, BK 128; 2
+    # warps at one and two tokens, 4 at four and in the narrow one-token launch) over every group
+    # form, with the fused EC, the v-epilogue, SiLU·mul, PDL, and a 256-input step
+    dt = "bf16" if bf16 else "fp16"
+    for mv, ec_mode, group, sym, warps, act, pdl, prefetch, bk in ((1, 0, 128, False, 2, 0, 0, True, 128),
+                                                                 (1, 1, 128, False, 4, 0, 1, True, 128),
+                                                                 (2, 0, 32, False, 2, 0, 0, False, 128),
+                                                                 (4, 1, 64, True, 4, 1, 0, True, 128),
+                                                                 (4, 2, 0, False, 4, 0, 0, True, 128),
+                                                                 (2, 0, 0, True, 2, 0, 0, True, 256)):
+        kernel = compile_w4(bf16, ec_mode, mv, 16, mma=True, prefetch=prefetch, bn=64, bk=bk, group=group, sym=sym,
+                            split=8, num_warps=warps, act=act, pdl=pdl)
+        ptx = kernel.asm["ptx"]
+        check_frag_fma_loop(ptx, bf16, 64, bk, warps)
+        assert check_polls(ptx) == (2 if ec_mode == 1 else 0)
+        if pdl:
+            assert "griddepcontrol.wait" in ptx, "PDL 1 without the wait for the kernel before"
+        use = resources(kernel)
+        if use is not None:
+            assert use[1] == 0, f"fragment CUDA-core loop {dt} mv={mv} g={group}: {use[1]} bytes of local memory"
+            print(f"fragment CUDA-core loop {dt} mv={mv} group={group} sym={sym} EC={ec_mode} act={act} "
+                  f"warps={warps} BK={bk}: {use[0]} registers, no local memory")
     compile_small(bf16)
     compile_small(bf16, "fp64")
     for peers, ec, gate, bias in ((1, True, True, True), (2, True, True, False), (8, True, False, True),

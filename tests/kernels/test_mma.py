@@ -114,7 +114,7 @@ def test_launch_classes_and_plan():
     ends inside a step; the plan keeps the Triton GEMM at every M unless mma_cublas_min_m says."""
     assert [launch.mma_class(m) for m in (1, 16, 17, 64, 65, 128, 200, 256, 257, 4096)] == \
         ["16", "16", "32", "64", "128", "128", "256", "256", "big", "big"]
-    for m in (1, 16, 33, 100, 200, 3000):
+    for m in (5, 16, 33, 100, 200, 3000):  # 1-4 tokens: the CUDA-core loop (test_frag_fma.py)
         cfg = launch.pick_config(m, 4096, 4096, 128, "mma")
         e = launch.BUILTIN["mma"][launch.mma_class(m)]
         assert (cfg.BM, cfg.BN, cfg.num_warps, cfg.mv) == (e["BM"], e["BN"], e["num_warps"], 0)
@@ -129,7 +129,7 @@ def test_launch_classes_and_plan():
     with pytest.raises(ValueError, match="BK 64 or 128"):
         launch.merged_table({"mma": {"16": dict(BM=16, BN=64, BK=32, num_warps=4, num_stages=2)}})
     policy = KernelPolicy()
-    for m in (1, 64, 65, 256):
+    for m in (1, 5, 64, 65, 256):
         p = plan(m, 4096, 4096, 128, "mma", 0, policy)
         assert p.path == "gemm" and p.config == launch.pick_config(m, 4096, 4096, 128, "mma")
     assert plan(policy.mma_cublas_min_m, 4096, 4096, 128, "mma", 0, policy) == ops_plan("dequant_cublas")
@@ -150,7 +150,7 @@ def ops_plan(path):
 
 def test_gemm_rejects_launches_the_loop_cannot_take():
     x, w, _, _, _ = setup_case(2, K, N, 32, False, torch.float16, seed=0, bias=False, layout="mma")
-    for bad in (Config(16, 16, 128, 1, 4, 2), Config(16, 24, 64, 1, 4, 2), Config(16, 16, 64, 1, 4, 2, mv=2)):
+    for bad in (Config(16, 16, 128, 1, 4, 2), Config(16, 24, 64, 1, 4, 2), Config(16, 16, 32, 1, 4, 2, mv=2)):
         with pytest.raises(ValueError, match="fragment layout"):
             w4a16_matmul(x, w, config=bad)
 

@@ -173,7 +173,67 @@ def test_pdl_level():
     assert [KernelPolicy(pdl_auto_max_batch=64).pdl_level(b, True) for b in (None, 33, 64, 65)] == [0, 1, 1, 0]
 
 
+GLUON_TABLE = {"gluon": {"128": dict(BN=256, BM=128, BK=64, num_stages=4),
+                          "big": dict(BN=128, BM=256, BK=64, num_stages=3, programs=264)}}
+
+
 def test_paths_are_the_documented_ones():
-    seen = {plan(m, N, K, GROUP, "kmajor", r, KernelPolicy(), cuda=c).path
-            for m in TOKENS for r in (0, 16) for c in (True, False)}
+    gl = KernelPolicy(launch_table=GLUON_TABLE)
+    seen = {plan(m, N, K, GROUP, layout, r, pol, cuda=c, gluon=True).path
+            for m in TOKENS for r in (0, 16) for c in (True, False) for layout, pol in
+            (("kmajor", KernelPolicy()), ("mma", gl))}
     assert seen == set(PATHS)
+
+
+def test_plan_takes_the_gluon_gemm_for_the_classes_its_table_holds():
+    """Fragment layout on a Hopper GPU: the classes of the table's "gluon" run the Gluon GEMM (with
+    the K split that brings the tiles up to the entry's programs), beside a compensator too above
+    fused_max_m; every other class, another layout, a device without it, or KernelPolicy(gluon=
+    False) keeps the Triton kernel or cuBLAS."""
+    from spear.kernels.launch import GluonConfig
+
+    pol = KernelPolicy(launch_table=GLUON_TABLE)
+    for m in (65, 100, 128):
+        p = plan(m, N, K, GROUP, "mma", 0, pol, gluon=True)
+        # 4096 / 256 = 16 tiles of 64 steps of 64: split 8, 128 units of 8 (+ 2) steps on 132 programs
+        assert (p.path, p.config) == ("gluon", GluonConfig(128, 128, 64, 4, 8)), m
+        assert p.w4 == "gluon" and str(p) == "gluon (gluon: BN=256 BM=128 BK=64 stages=4 split=8)"
+        s = plan(m, N, K, GROUP, "mma", 16, pol, gluon=True)
+        assert (s.path, s.config) == ("semi_fused_ec", p.config)
+    big = plan(4096, N, K, GROUP, "mma", 0, pol, gluon=True)
+    assert big.config == GluonConfig(64, 256, 64, 3, 1)  # 16 x 32 = 512 tiles: no split
+    assert plan(2048, 28672, K, GROUP, "mma", 0, pol, gluon=True).config.split_k == 1
+    for m in (1, 16, 64, 129, 256):  # classes without an entry here or in the built-in table
+        assert plan(m, N, K, GROUP, "mma", 0, pol, gluon=True).w4 in ("triton", "cublas"), m
+    builtin = BUILTIN["gluon"]["1024"]  # a table of one's own is merged over the built-in one
+    assert plan(1024, N, K, GROUP, "mma", 0, pol, gluon=True).config == GluonConfig(
+        builtin["BN"] // 2, builtin["BM"], builtin["BK"], builtin["num_stages"], 1)
+    fused = plan(64, N, K, GROUP, "mma", 16, pol, gluon=True)
+    assert fused.path == "fused_ec" and fused.w4 == "triton"
+    for other in (plan(128, N, K, GROUP, "mma", 0, pol, gluon=False),
+                  plan(128, N, K, GROUP, "kmajor", 0, pol, gluon=True),
+                  plan(128, N, K, GROUP, "mma", 0, pol.replace(gluon=False), gluon=True),
+                  plan(256, N, K, GROUP, "mma", 0, KernelPolicy(), gluon=True)):
+        assert other.w4 in ("triton", "cublas")
+    assert KernelPolicy(launch_table=GLUON_TABLE).op_args != KernelPolicy().op_args
+
+
+@pytest.mark.parametrize("entry", [dict(BN=512, BM=128, BK=64, num_stages=4), dict(BN=256, BM=256, BK=64, num_stages=4),
+                                   dict(BN=256, BM=128, BK=32, num_stages=4), dict(BN=256, BM=128, BK=64),
+                                   dict(BN=256, BM=128, BK=64, num_stages=9)])
+def test_gluon_entries_the_kernel_cannot_run_are_refused(entry):
+    with pytest.raises(ValueError, match="gluon"):
+        KernelPolicy(launch_table={"gluon": {"128": entry}})
+    with pytest.raises(ValueError, match="gluon"):
+        KernelPolicy(launch_table={"gluon": {"100": dict(BN=256, BM=128, BK=64, num_stages=4)}})
+
+
+def test_describe_names_each_run_of_token_counts_by_its_kernel():
+    from spear.kernels.policy import describe
+
+    pol = KernelPolicy(launch_table=GLUON_TABLE)
+    assert describe(pol, N, K, GROUP, "mma", 0, gluon=True, tokens=(1, 64, 65, 128, 129, 256, 512, 4096)) == (
+        "1-64 tokens: gemm (triton); 65-128 tokens: gluon (gluon); 129-256 tokens: gemm (triton); "
+        "512-4096 tokens: gluon (gluon)")  # 512: the built-in table's class under this one
+    assert describe(pol, N, K, GROUP, "mma", 16, gluon=False, tokens=(1, 64, 65, 4096)) == (
+        "1-64 tokens: fused_ec (triton); 65 tokens: semi_fused_ec (triton); 4096 tokens: semi_fused_ec (cublas)")

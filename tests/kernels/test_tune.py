@@ -101,6 +101,35 @@ def test_narrow_layers_get_their_own_launch_only_when_it_wins_there():
     assert tune.narrow_launch(rows, table["fma_kmajor"]) is None
 
 
+def test_tuner_grid_and_table_for_the_fragment_loop():
+    """``spear tune-kernels --layout mma`` sweeps the CUDA-core loop with the register prefetch on and
+    off, times the fragment layout's tensor-core tiles beside it, and writes the "fma_mma" entries."""
+    grid = dict(BN=[64], num_warps=[2], programs=[528], prefetch=[0, 1], num_stages=[1])
+    cfgs = list(tune.fma_configs(3, 4096, 4096, "mma", grid))
+    assert sorted(c.prefetch for _, c in cfgs) == [False, True] and all(c.mv == 4 for _, c in cfgs)
+    tc = tune.tc_config(1, 4096, 4096, "mma")
+    assert tc.mv == 0 and tc == launch.pick_config(16, 4096, 4096, tune.GROUP, "mma")
+    # the class sweep of the tensor-core tiles times them at one token too, not the CUDA-core loop
+    assert tune.mma_config(1, 4096, 4096, dict(launch.BUILTIN["mma"]["16"])).mv == 0
+
+    def row(m, n, us, tc_us):
+        sweep = {tune.launch_key(lc): dict(launch=lc, us=u) for lc, u in us}
+        return {"m": m, "n": n, "k": 4096, "mma": {"sweep": sweep, "tc_us": tc_us}}
+
+    a = dict(BN=64, num_warps=2, programs=528, prefetch=True, num_stages=1)
+    b = dict(BN=128, num_warps=4, programs=264, prefetch=False, num_stages=1)
+    rows = [row(1, 4096, [(a, 8.0), (b, 7.0)], 9.0), row(1, 28672, [(a, 20.0), (b, 30.0)], 30.0),
+            row(2, 4096, [(a, 9.0), (b, 8.0)], 9.5), row(2, 28672, [(a, 22.0), (b, 21.0)], 30.0),
+            row(4, 4096, [(a, 12.0), (b, 13.0)], 10.0), row(4, 28672, [(a, 30.0), (b, 32.0)], 29.0)]
+    table = tune.launch_table(rows, ("mma",))
+    assert table["fma_mma"] == dict(BN=64, BK=128, num_warps=2, num_stages=1, programs=528, prefetch=True)
+    assert table["fma_mma_by_mv"] == {"2": dict(BN=128, BK=128, num_warps=4, num_stages=1, programs=264)}
+    assert table["fma_mma_max_m"] == 2  # at 4 tokens the tiles win
+    narrow = tune.narrow_launch(rows, table["fma_mma"], layout="mma")
+    assert narrow == dict(max_n=4096, BN=128, BK=128, num_warps=4, num_stages=1, programs=264)
+    launch.check_table(dict(table, fma_mma_narrow=narrow))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal without a GPU")
 def test_tune_kernels_needs_a_gpu_and_checks_its_arguments(tmp_path, capsys):
     out = tmp_path / "table.json"

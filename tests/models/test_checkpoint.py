@@ -266,3 +266,22 @@ def test_overwrite_replaces_a_checkpoint_never_another_folder(tiny_llama, tmp_pa
     (tmp_path / "empty").mkdir()
     assert check_checkpoint_out(tmp_path / "empty", overwrite=False) == tmp_path / "empty"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "data", "empty"]
+
+
+@pytest.mark.parametrize("config", ["{}", '{"format": "spear"}', "not json", '["spear"]'])
+def test_overwrite_needs_a_real_spear_config_not_a_file_of_its_name(tiny_llama, tmp_path, config):
+    """Catches: --overwrite replacing any folder that holds a file named spear_config.json, even
+    ``{}``: only a folder whose spear_config.json reads as a spear checkpoint's is replaced."""
+    model, tok = tiny_llama
+    cfg = QuantConfig()
+    quantize_model_rtn(model, cfg, progress=False)
+    other = tmp_path / "results"
+    other.mkdir()
+    (other / "spear_config.json").write_text(config)
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(SpearError, match="holds a spear_config.json that is not spear's"):
+        check_checkpoint_out(other, overwrite=True)
+    with pytest.raises(SpearError, match="holds a spear_config.json that is not spear's"):
+        save_checkpoint(model, tok, other, cfg, "tiny", overwrite=True)
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt", "spear_config.json"]
+    assert (other / "spear_config.json").read_text() == config and (other / "notes.txt").read_text() == "keep me"

@@ -64,7 +64,7 @@ def _reduce_worker(rank: int, size: int, address: str, results):
 def test_peer_reduction_equals_the_allreduce_path():
     import torch.multiprocessing as mp
 
-    from spear.serve.workers import free_address
+    from spear.serve.model.workers import free_address
 
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

@@ -18,7 +18,7 @@ from spear.parallel import split_of
 from spear.parallel.comm import RowPost
 from spear.parallel.shard import TPRank, column_share, row_share
 from spear.quant.primitives import rtn
-from spear.serve.layers.linear import Linear, MemberWeights, QuantTensors
+from spear.serve.model.layers.linear import Linear, MemberWeights, QuantTensors
 
 
 def _gen(seed):
@@ -54,7 +54,7 @@ def _layer(members, k, split, tp, dtype=torch.float64, kernels=None, interleave=
 
 def _ctx():
     from spear.kernels.policy import KernelPolicy
-    from spear.serve.layers.linear import Context
+    from spear.serve.model.layers.linear import Context
 
     return Context(KernelPolicy())
 

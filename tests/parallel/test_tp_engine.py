@@ -139,7 +139,7 @@ def test_a_step_that_fails_after_it_was_sent_fails_its_requests_and_the_ranks_st
     path = checkpoints("llama", "w4")
     engine = LLMEngine.from_pretrained(str(path), _config(2), device="cpu")
     try:
-        real, calls = engine.runner.run, []
+        real, calls = engine.core.runner.run, []
 
         def run(step):
             calls.append(step.kind)
@@ -147,7 +147,7 @@ def test_a_step_that_fails_after_it_was_sent_fails_its_requests_and_the_ranks_st
                 raise RuntimeError("out of memory on rank 0")
             return real(step)
 
-        engine.runner.run = run
+        engine.core.runner.run = run
         outs = engine.generate(PROMPTS[:2], GREEDY)
         assert all(o.finish_reason == "error" for o in outs)
         assert "out of memory on rank 0" in outs[0].error

@@ -161,3 +161,34 @@ def test_awq_model_and_reference_for_compensation(rand_ids):
             lin.weight.copy_(w)
             set_module(model, name, lin)
     torch.testing.assert_close(_logits(model, rand_ids), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_quantizing_for_compensation_moves_every_reference_to_what_awq_rounded(rand_ids):
+    """Catches: a caller (spear quantize, spear calibrate, spear run) that compensates an AWQ model
+    against the unscaled FP weights: every reference handed over leaves at the weights AWQ rounded,
+    statistics included; under RTN, which scales nothing, the references stay as they are."""
+    from spear.compensate.stats import collect_activation_stats
+    from spear.models.modules import quantizable_linears
+    from spear.quant.api import Reference, quantize_for_compensation, quantize_model
+
+    cfg = QuantConfig(method="awq", group_size=16, calib=TEXT)
+    model = make_tiny_llama()
+    twin = deepcopy(model)
+    targets = quantizable_linears(model)
+    fp_weights = {n: m.weight.detach().clone() for n, m in targets.items()}
+    stats = collect_activation_stats(model, targets, rand_ids, progress=False)
+    scales: dict = {}
+    quantize_model(twin, cfg, calib=rand_ids, progress=False, channel_scales=scales)
+    want_w, want_stats = rescale_reference(fp_weights, stats, scales)
+    refs = [Reference(dict(fp_weights), stats), Reference(dict(fp_weights))]
+    quantize_for_compensation(model, cfg, refs, calib=rand_ids, progress=False)
+    for ref in refs:
+        assert ref.fp_weights.keys() == want_w.keys()
+        for name in want_w:
+            torch.testing.assert_close(ref.fp_weights[name], want_w[name])
+    assert refs[1].stats is None
+    up = "model.layers.0.mlp.up_proj"
+    torch.testing.assert_close(refs[0].stats[up].abs_sum, want_stats[up].abs_sum)
+    plain = Reference(dict(fp_weights), stats)
+    quantize_for_compensation(make_tiny_llama(), QuantConfig(group_size=16), [plain], progress=False)
+    assert plain.stats is stats and all(plain.fp_weights[n] is fp_weights[n] for n in fp_weights)

@@ -54,35 +54,50 @@ def wait_healthy(url: str, timeout_s: float, proc=None, what: str = "the server"
 
 
 @contextlib.contextmanager
-def running_server(engine, model_name: str = "test-model", limits=None):
-    """Serve ``engine`` (an LLMEngine) with uvicorn in a thread; yields (base_url, AsyncEngine)."""
+def running_server(model_path, model_name: str = "test-model", limits=None, target=None, **config):
+    """Serve the model at ``model_path`` as ``spear serve`` does: this process is the API server
+    (uvicorn on a thread of its own), the engine core a process of its own over ZeroMQ, running
+    ``target`` (default: core/process.py's core_main; tests/serve/core_faults.py wraps it with a
+    fault). ``config``: EngineConfig fields over small KV limits. Yields (base_url, AsyncLLM)."""
     import uvicorn
 
-    from spear.serve.async_engine import AsyncEngine
+    from spear.models.checkpoint import load_folder_tokenizer
+    from spear.serve import EngineConfig
+    from spear.serve.api.app import build_app
+    from spear.serve.api.transport import listen, uvicorn_config
     from spear.serve.config import ServerLimits
-    from spear.serve.server import build_app
-    from spear.serve.transport import uvicorn_config
+    from spear.serve.core.process import core_main
+    from spear.serve.frontend.async_llm import AsyncLLM
+    from spear.serve.frontend.llm_engine import tokenizer_eos
+    from spear.serve.frontend.zmq_client import ZmqClient
 
-    async_engine = AsyncEngine(engine)
-    port = free_port()
+    cfg = EngineConfig(**{"num_blocks": 64, "max_model_len": 256, "max_num_seqs": 8, **config})
+    tokenizer = load_folder_tokenizer(model_path)
+    client = ZmqClient(str(model_path), cfg, eos_token_ids=tokenizer_eos(tokenizer), log_level="warning",
+                       target=target or core_main)
+    llm = AsyncLLM(client, tokenizer)
     limits = limits or ServerLimits()
-    server = uvicorn.Server(uvicorn_config(build_app(async_engine, model_name, limits), "127.0.0.1", port, "warning",
-                                           limits))
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = listen("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(build_app(llm, model_name, limits), "warning", limits))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
         time.sleep(0.05)
-    if not async_engine.ready.wait(60):  # the warm-up (nothing to compile on the CPU)
-        raise RuntimeError("the test engine did not finish its warm-up")
     try:
-        yield f"http://127.0.0.1:{port}", async_engine
+        yield f"http://127.0.0.1:{port}", llm
     finally:
         server.should_exit = True
-        thread.join(30)
-        assert not async_engine._thread.is_alive(), "the engine thread outlived the server"
+        thread.join(60)
+        assert client._proc is None or not client._proc.is_alive(), "the engine core outlived the server"
+
+
+def wait_ready(llm, timeout_s: float = 120) -> None:
+    """Until the engine core has loaded and warmed up (its process starts with the server)."""
+    assert llm.ready.wait(timeout_s), f"the engine core was not ready within {timeout_s:g} s: {llm.client.error!r}"
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +109,7 @@ def tiny(tiny_llama_path):
 
 
 def make_engine(tiny, **cfg):
-    """An engine on ``tiny`` (model, tokenizer) with small KV limits, ``cfg`` over them."""
+    """An in-process engine on ``tiny`` (model, tokenizer) with small KV limits, ``cfg`` over them."""
     from spear.serve import EngineConfig, LLMEngine
 
     model, tok = tiny

@@ -31,6 +31,7 @@ def test_metrics_of_a_synthetic_trace(bench):
     # TTFT [0.5, 0.25]; ITL [0.1, 0.2] and [0.25]; p-quantiles interpolate between order statistics
     assert s["ttft_p50_s"] == pytest.approx(0.375) and s["ttft_p99_s"] == pytest.approx(0.4975)
     assert s["itl_p50_ms"] == pytest.approx(200.0) and s["itl_p99_ms"] == pytest.approx(249.0)
+    assert s["itl_max_ms"] == pytest.approx(250.0)
     assert s["output_tok_s"] == pytest.approx(5 / 1.5)
     assert s["decode_step_p50_ms"] == pytest.approx(11.0) and s["mixed_step_p50_ms"] == pytest.approx(200.0)
     assert s["stalls"] == 1  # 0.03 s > 2 x median(0.01, 0.011, 0.03); the 100-token step has no peers
@@ -55,6 +56,7 @@ def test_tiny_run(bench, tmp_path, http):
     for r in rows:
         assert r["requests"] == 6 and r["output_tokens"] == 6 * 6
         assert r["ttft_p50_s"] > 0 and r["itl_p50_ms"] > 0 and r["output_tok_s"] > 0
+        assert r["itl_max_ms"] >= r["itl_p99_ms"] >= r["itl_p50_ms"] and r["ttft_p99_s"] >= r["ttft_p50_s"]
         assert ("mixed_step_p50_ms" in r) != http
 
 

@@ -59,7 +59,7 @@ def test_replay_scores_the_table_and_the_correction_on_recorded_steps():
     sys.path.insert(0, str(BENCH))
     import replay_steps
 
-    from spear.serve.latency import LatencyTable
+    from spear.serve.latency.table import LatencyTable
 
     f = lambda d, t, L: 5 + d + (t / 100 if t else 0)  # noqa: E731
     table = LatencyTable((1, 8), (0, 64, 128), (256, 1024), [[[f(d, t, L) for L in (256, 1024)] for t in (0, 64, 128)]

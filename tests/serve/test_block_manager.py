@@ -1,7 +1,8 @@
 import pytest
 
-from spear.serve.block_manager import BlockManager, blocks_for
-from spear.serve.sequence import SamplingParams, Sequence
+from spear.serve.core.block_manager import BlockManager, blocks_for
+from spear.serve.core.messages import SamplingParams
+from spear.serve.core.sequence import Sequence
 
 
 def seq(n_tokens: int, rid: str = "r") -> Sequence:

@@ -108,13 +108,40 @@ def test_serve_subprocess_answers_and_stops(tiny_llama_path):
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert f"serving tiny on http://127.0.0.1:{port}" in out
+    # torch's threads are the engine core's: the cores this process may use, but one for the server
+    # (with one core busy elsewhere, a 4-token request took 6.0 s on 2 threads, 0.3 s on one)
+    threads = max(1, len(os.sched_getaffinity(0)) - 1)
+    assert f"engine core on {threads} torch thread" in out, out
 
 
-def _start_server(tiny_llama_path, *extra):
+@pytest.mark.parametrize("how", ["port in use", "unresolvable host"])
+def test_serve_refuses_an_address_it_cannot_listen_on_before_loading(tiny_llama_path, how):
+    """Catches: a port in use or a --host that does not resolve found only after the model had
+    loaded, ending with uvicorn's error and exit code 3. Now one line and exit code 2, before the
+    engine core starts."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        where = (["--port", str(held.getsockname()[1])] if how == "port in use"
+                 else ["--host", "no-such-host.invalid", "--port", "0"])
+        res = subprocess.run([sys.executable, "-m", "spear", "serve", "--model", str(tiny_llama_path), *where],
+                             capture_output=True, text=True, timeout=120)
+    err = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(err) == 1, (res.returncode, res.stderr[-2000:])
+    assert ("cannot listen on 127.0.0.1" in err[0] and "in use" in err[0]) if how == "port in use" else \
+        "--host no-such-host.invalid: cannot resolve it" in err[0], err
+    assert "loading" not in res.stdout, res.stdout  # the engine core never started
+
+
+def _start_server(tiny_llama_path, *extra, env=None):
+    """``spear serve`` of the tiny model in a process of its own (``env``: over this one's), healthy."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "spear", "-q", "serve", "--model", str(tiny_llama_path), "--port",
                              str(port), "--num-blocks", "512", "--served-model-name", "tiny", "--log-level",
-                             "warning", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "warning", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=None if env is None else {**os.environ, **env})
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, 120, proc, "spear serve")
     return proc, url

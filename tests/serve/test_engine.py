@@ -74,7 +74,7 @@ def test_preemption_and_recompute_equal_hf(default_model, reference):
     # 12 blocks of 4 tokens: fewer than the prompts need together, so decodes preempt.
     eng = engine(default_model, num_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=48)
     outs = eng.generate(PROMPTS[:4], GREEDY)
-    assert eng.num_preemptions > 0
+    assert eng.core.num_preemptions > 0
     assert [o.output_token_ids for o in outs] == reference[:4]
     assert eng.stats().kv_usage == 0.0
 
@@ -89,7 +89,7 @@ def test_stop_string_and_stop_token(default_model, reference):
     # a stop token ends the output after it (as EOS does unless ignore_eos)
     out = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0, stop_token_ids=(reference[0][1],)))[0]
     assert out.output_token_ids == reference[0][:2] and out.finish_reason == "stop"
-    assert tok.eos_token_id in eng.eos_ids
+    assert tok.eos_token_id in eng.core.eos_ids
 
 
 def test_seeded_sampling_is_reproducible_across_batches(default_model):
@@ -150,7 +150,7 @@ def test_bad_engine_settings_are_refused(default_model):
         engine(default_model, kernels=kernel_policy(pdl="wait"))
     # "auto" (the default) is PDL where the hardware has it: nothing on the CPU (no error either)
     for eng in (engine(default_model, kernels=kernel_policy(pdl="auto")), engine(default_model)):
-        assert eng.config.kernels.pdl == "auto" and not eng.runner.pdl_ok and eng.runner.eager_ctx.pdl == 0
+        assert eng.core.config.kernels.pdl == "auto" and not eng.core.runner.pdl_ok and eng.core.runner.eager_ctx.pdl == 0
     with pytest.raises(SpearError, match="cannot read the launch table"):
         kernel_policy(launch_table="/nonexistent/launch_table.json")
     with pytest.raises(SpearError, match="fma.BN must be a power of two"):
@@ -215,7 +215,7 @@ def test_spear_checkpoint_loads_and_equals_hf(tiny_llama_path, tmp_path, head_bi
     eng = LLMEngine.from_pretrained(str(tmp_path / "ckpt"), EngineConfig(num_blocks=64), device="cpu")
     hf, _ = load_model(tmp_path / "ckpt")  # transformers' model of the same checkpoint: the reference
     assert isinstance(hf.lm_head, QuantLinear) == bool(head_bits)
-    assert torch.equal(eng.model.lm_head.weight, hf.lm_head.dequantized_weight() if head_bits else hf.lm_head.weight)
+    assert torch.equal(eng.core.model.lm_head.weight, hf.lm_head.dequantized_weight() if head_bits else hf.lm_head.weight)
     ids = list(range(10, 30))
     assert eng.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].output_token_ids \
         == hf_greedy(hf, tok, ids, 16)
@@ -286,7 +286,7 @@ def test_llama_family_layouts_equal_hf(kind, variant):
     same (quantized) model.
 
     Catches: the engine's loader dropping a QuantLinear's bias (``bias=None`` in
-    ``spear/serve/loader.py::from_module``: the Qwen2 W4 cases) or its compensator (``ec=None``: the
+    ``spear/serve/model/loader.py::from_module``: the Qwen2 W4 cases) or its compensator (``ec=None``: the
     W4+EC cases)."""
     model = _tiny_variant(kind, variant)
     eng = LLMEngine(model, _IdsTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8,
@@ -307,4 +307,4 @@ def test_llama_family_preemption_equals_hf():
     eng = LLMEngine(model, _IdsTokenizer(), EngineConfig(num_blocks=40, block_size=4, max_num_batched_tokens=48,
                                                          max_num_seqs=5))
     _family_greedy_equals_hf(model, eng, FAMILY_PROMPTS + [list(range(100, 160)), list(range(200, 230))])
-    assert eng.num_preemptions > 0
+    assert eng.core.num_preemptions > 0

@@ -1,20 +1,28 @@
-"""``spear serve`` as two processes: the HTTP server and the engine core (spear/serve/core.py,
-client.py). Greedy outputs, stop strings included, equal the in-process engine's; a client that
-leaves has its request aborted in the core; a dead core turns /health 503 and answers every
-client with the JSON error at once; past --shutdown-timeout a non-streaming request ends with
-the JSON error too."""
+"""``spear serve`` as two processes: the HTTP server and the engine core (spear/serve/core/process.py,
+frontend/zmq_client.py). Greedy outputs, stop strings included, equal the in-process engine's; a
+client that leaves has its request aborted in the core; a dead core turns /health 503 and answers
+every client with the JSON error at once; past --shutdown-timeout a non-streaming request ends with
+the JSON error too. A frozen core (SIGSTOP) turns /health 503 and ends the requests it has not
+taken with a 503; messages that are not the protocol's are dropped and logged once; the socket
+folder goes once the two are connected, and none is left behind a killed server."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import signal
 import threading
 import time
+from functools import partial
 
 import httpx
 import psutil
 import pytest
 
+from spear.serve.frontend.async_llm import HEARTBEAT_STALE_S
+from tests.serve import core_faults
+from tests.serve.conftest import running_server, wait_ready
 from tests.serve.test_cli import _start_server
 
 PROMPTS = ["Hello there", "The capital of France is", "Once upon a time"]
@@ -188,3 +196,99 @@ def test_a_model_that_cannot_load_ends_the_server_with_one_line(tiny_llama_path,
     last = proc.stderr.strip().splitlines()[-1]
     assert "error:" in last and "no weights" in last and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def _status_within(url: str, path: str, status: int, seconds: float) -> httpx.Response:
+    deadline = time.monotonic() + seconds
+    while (r := httpx.get(url + path, timeout=5)).status_code != status:
+        assert time.monotonic() < deadline, f"{path} stayed {r.status_code} for {seconds:g} s: {r.text[:300]}"
+        time.sleep(0.1)
+    return r
+
+
+def test_a_frozen_core_turns_health_503_and_ends_requests_it_has_not_taken(tiny_llama_path):
+    """Catches: a core stopped by SIGSTOP for 20 s behind a /health that answered 200 throughout,
+    and a request that waited 20.3 s for it. A heartbeat older than HEARTBEAT_STALE_S turns /health
+    503 (and back to 200 when the core resumes); a request the core has not taken by then ends with
+    a 503 ``engine_unresponsive``; nothing of it is left in the core afterwards."""
+    proc, url = _start_server(tiny_llama_path)
+    core = _core_of(proc)
+    try:
+        core.suspend()
+        frozen_at = time.monotonic()
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        waited = time.monotonic() - frozen_at
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unresponsive", r.text
+        assert waited < HEARTBEAT_STALE_S + 3, waited
+        health = _status_within(url, "/health", 503, 1)
+        assert "stopped or frozen" in health.json()["error"]["message"]
+        core.resume()
+        _status_within(url, "/health", 200, 10)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        deadline = time.monotonic() + 10
+        while _running(url) != 0:  # the request given up on was aborted in the core too
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        if core.is_running() and core.status() == psutil.STATUS_STOPPED:
+            core.resume()
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+
+
+def test_messages_that_are_not_the_protocols_are_dropped_and_logged_once(tiny_llama_path, caplog):
+    """Catches: one malformed message (a signed msgpack 42 or []) stopping the server's listener
+    silently: every later request hung while /health said 200. Frames that are not the protocol's,
+    signed with the secret or not, are dropped, logged once (not once each), and the server serves."""
+    with caplog.at_level(logging.ERROR, logger="spear.serve.frontend.zmq_client"):
+        with running_server(tiny_llama_path, "tiny", target=core_faults.sending_garbage) as (url, llm):
+            wait_ready(llm)
+            assert httpx.get(url + "/health", timeout=5).status_code == 200
+            r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3}, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    dropped = [r.getMessage() for r in caplog.records if "dropped a message" in r.getMessage()]
+    assert len(dropped) == 1 and "not one of the protocol's" in dropped[0], dropped
+
+
+def test_a_listener_that_stops_turns_health_503_and_fails_the_requests(tiny_llama_path, monkeypatch):
+    """The task that reads the core's messages never ends silently: should it end, /health says so
+    (503) and every open and later request gets the JSON 503 at once."""
+    with running_server(tiny_llama_path, "tiny") as (url, llm):
+        wait_ready(llm)
+
+        async def broken():
+            raise RuntimeError("the listener broke")
+
+        monkeypatch.setattr(llm.client, "get_output", broken)
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 50, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)  # its first message ends the listener
+        assert r.status_code == 503, r.text
+        health = _status_within(url, "/health", 503, 5)
+        assert "stopped listening" in health.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json=body, timeout=10)
+        assert r.status_code == 503 and "stopped listening" in r.json()["error"]["message"], r.text
+
+
+def test_no_socket_folder_outlives_the_start_or_a_killed_server(tiny_llama_path, tmp_path):
+    """Catches: the core's socket folder left in the temporary directory after a kill -9. The names
+    go once the two processes are connected (no other process can connect then either), and a
+    start removes the folders of servers killed before that."""
+    stale = tmp_path / "spear-core-999999999-old"  # a server that was killed while it started
+    stale.mkdir()
+    (stale / "inbox").touch()
+    proc, url = _start_server(tiny_llama_path, env={"TMPDIR": str(tmp_path)})
+    core = _core_of(proc)
+    try:
+        deadline = time.monotonic() + 10
+        while list(tmp_path.glob("spear-core-*")):
+            assert time.monotonic() < deadline, list(tmp_path.rglob("*"))
+            time.sleep(0.1)
+        proc.kill()  # kill -9: nothing of the server's runs after this
+        proc.communicate(timeout=30)
+        core.wait(30)  # the core ends with its server
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not list(tmp_path.glob("spear-core-*")), list(tmp_path.rglob("*"))

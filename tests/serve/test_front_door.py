@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from spear.serve.config import ServerLimits
-from tests.serve.conftest import make_engine, running_server, wait_healthy
+from tests.serve.conftest import running_server, wait_healthy, wait_ready
 
 
 def _post(url, path, body, timeout=60):
@@ -22,16 +22,12 @@ def _post(url, path, body, timeout=60):
 
 
 @pytest.fixture(scope="module")
-def guarded(tiny_default_chat):
+def guarded(tiny_llama_path):
+    """The tiny model (its tokenizer, the default model's, has a chat template) behind tight guards."""
     limits = ServerLimits(max_messages=8, header_timeout_s=0.5, max_connections=6, max_body_bytes=256 * 1024)
-    with running_server(tiny_default_chat, "tiny", limits) as (url, ae):
-        yield url, ae, limits
-
-
-@pytest.fixture(scope="module")
-def tiny_default_chat(tiny):
-    """The tiny engine; its tokenizer (the default model's) has a chat template."""
-    return make_engine(tiny)
+    with running_server(tiny_llama_path, "tiny", limits) as (url, llm):
+        wait_ready(llm)
+        yield url, llm, limits
 
 
 def test_a_chat_of_more_messages_than_the_limit_is_refused(guarded):
@@ -46,10 +42,11 @@ def test_a_chat_of_more_messages_than_the_limit_is_refused(guarded):
     assert ok.status_code == 200, ok.text
 
 
-def test_empty_messages_count_toward_the_character_limit(tiny):
+def test_empty_messages_count_toward_the_character_limit(tiny_llama_path):
     """Every message's role counts, so a chat of empty contents is not free."""
     limits = ServerLimits(max_prompt_chars=40)
-    with running_server(make_engine(tiny), "tiny", limits) as (url, _):
+    with running_server(tiny_llama_path, "tiny", limits) as (url, llm):
+        wait_ready(llm)
         msgs = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}] * 4
         r = _post(url, "/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 1})
         assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
@@ -58,7 +55,7 @@ def test_empty_messages_count_toward_the_character_limit(tiny):
 def test_large_bodies_are_parsed_off_the_event_loop(guarded, monkeypatch):
     """Catches: JSON bodies parsed and validated on the event loop (four 8 MB bodies held /health
     for 124 ms): a large one is parsed on the parse thread, a small one inline."""
-    from spear.serve import endpoints
+    from spear.serve.api import endpoints
 
     url = guarded[0]
     seen, real = [], endpoints._parse
@@ -156,12 +153,12 @@ def test_accept_faults_are_logged_once_a_minute(caplog):
     """Catches: a traceback per failed accept() (the log grew 97 MB in 45 s out of descriptors)."""
     import asyncio
 
-    from spear.serve.transport import quiet_accept_faults
+    from spear.serve.api.transport import quiet_accept_faults
 
     loop = asyncio.new_event_loop()
     try:
         quiet_accept_faults(loop)
-        with caplog.at_level(logging.ERROR, logger="spear.serve.transport"):
+        with caplog.at_level(logging.ERROR, logger="spear.serve.api.transport"):
             for _ in range(200):
                 loop.call_exception_handler({"message": "socket.accept() out of system resource",
                                              "exception": OSError(24, "Too many open files")})

@@ -16,9 +16,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from spear.serve import EngineConfig, LLMEngine
 from spear.serve.config import ServerLimits
-from tests.serve.conftest import running_server
+from tests.serve.conftest import running_server, wait_ready
 
 MODEL = "tiny"
 LIMITS = ServerLimits(max_body_bytes=32 * 1024, max_prompt_chars=4_000, max_stop_chars=64)
@@ -65,17 +64,28 @@ chat = st.fixed_dictionaries({"model": field(st.just(MODEL)), "messages": field(
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_path):
-    from spear.models.loading import load_model
+def chat_model(tiny_llama_path, tmp_path_factory):
+    """The tiny model, with a chat template of its own should its tokenizer lack one."""
+    import shutil
 
-    model, tok = load_model(tiny_llama_path)
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    shutil.copytree(tiny_llama_path, folder, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(folder)
     if not getattr(tok, "chat_template", None):
         tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    eng = LLMEngine(model, tok, EngineConfig(num_blocks=64, max_model_len=64, max_num_seqs=8))
-    with running_server(eng, MODEL, limits=LIMITS) as (url, ae):
+        tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(chat_model):
+    with running_server(chat_model, MODEL, limits=LIMITS, num_blocks=64, max_model_len=64, max_num_seqs=8) as (url, llm):
+        wait_ready(llm)
         with httpx.Client(base_url=url, timeout=60) as client:
-            yield client, ae
+            yield client, llm
 
 
 def check(client: httpx.Client, path: str, body) -> None:

@@ -70,7 +70,7 @@ def _no_tf32():
 def test_fp32_graph_decode_equals_hf():
     model = _model().cuda()
     eng = _engine(model)
-    assert eng.runner.graphs, "decode graphs were not captured"
+    assert eng.core.runner.graphs, "decode graphs were not captured"
     outs = eng.generate(PROMPTS, GREEDY)
     assert [o.output_token_ids for o in outs] == [_hf_greedy(model, p, 24) for p in PROMPTS]
 
@@ -115,11 +115,11 @@ def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None, head_b
     eng = _engine(ref_model, pdl=pdl, launch_table=launch_table, dtype=torch.float16, budget=budget, **policy)
     eng.warmup()
     if pdl == "auto":  # at most 8 sequences here: every graph with PDL on, eager steps without
-        assert set(eng.runner.graph_pdl.values()) == {1} and eng.runner.eager_ctx.pdl == 0
-    assert (eng.model.lm_head.kind == "w8") == bool(head_bits)
-    assert eng.load_report == []
+        assert set(eng.core.runner.graph_pdl.values()) == {1} and eng.core.runner.eager_ctx.pdl == 0
+    assert (eng.core.model.lm_head.kind == "w8") == bool(head_bits)
+    assert eng.core.load_report == []
     # q/k/v and gate/up are one packed layer each: 4 W4 layers per decoder layer
-    layers = [lin for layer in eng.model.layers for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+    layers = [lin for layer in eng.core.model.layers for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
                                                            layer.down_proj)]
     assert all(lin.kind == "w4" for lin in layers)
     assert sum(len(lin.names) for lin in layers) == len(modules)  # the W8 head is quantized on its own
@@ -136,3 +136,21 @@ def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None, head_b
         assert float(gap.max()) <= 0.05, (float(gap.max()), int(gap.argmax()), g_ids, r_ids)
         exact += int((gap == 0).sum())
     assert exact >= 0.9 * 24 * len(refs)
+
+
+def test_gluon_gemm_through_the_engine_equals_the_reference_math(monkeypatch):
+    """A launch table that sends every token class to the Gluon GEMM (Hopper): the 240-token first
+    step (semi-fused compensators in its epilogue) and the decode steps above fused_max_m serve the
+    same tokens as the fp32 reference; the kernel ran."""
+    from spear.kernels import gluon_w4
+    from spear.kernels.launch import GLUON_CLASSES
+
+    if not gluon_w4.available():
+        pytest.skip("needs a Hopper GPU and a Triton with Gluon")
+    calls = []
+    run = gluon_w4.gluon_w4a16
+    monkeypatch.setattr(gluon_w4, "gluon_w4a16", lambda *a, **kw: calls.append(a[3]) or run(*a, **kw))
+    table = {"gluon": {c: dict(BN=128, BM=min(128, int(c)) if c.isdigit() else 128, BK=64, num_stages=4)
+                       for c in GLUON_CLASSES}}
+    _w4_engine_equals_the_reference_math(True, "off", launch_table=table, budget=256, fused_max_m=0)
+    assert calls and {c.BM for c in calls} >= {16, 128}, calls

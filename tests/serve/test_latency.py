@@ -7,8 +7,8 @@ import random
 import pytest
 
 from spear.errors import SpearError
-from spear.serve.deployment import Density, Deployment
-from spear.serve.latency import (
+from spear.serve.latency.deployment import Density, Deployment
+from spear.serve.latency.table import (
     DEFAULT_MARGIN,
     VERSION,
     LatencyTable,
@@ -225,7 +225,7 @@ def test_correction_weighs_each_step_held_within_the_bounds():
     the residual by 0.1, not to the bound; steady 3x and 0.1x steps approach the bounds; kinds are
     apart; a step without a valid time is ignored.
     Catches: the bound applied after the mean (one odd step would jump to x2), kinds mixed."""
-    from spear.serve.latency import Correction
+    from spear.serve.latency.table import Correction
 
     c = Correction()
     c.observe(128, 10.0, 1000.0)

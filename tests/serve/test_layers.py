@@ -1,4 +1,4 @@
-"""The engine's linear layer (spear/serve/layers/linear.py) against the modules it stands for.
+"""The engine's linear layer (spear/serve/model/layers/linear.py) against the modules it stands for.
 
 Members are real QuantLinears with their compensators (the quality pipeline's modules, the
 independent reference). The packed form ("w4": merged codes, merged block-diagonal EC,
@@ -18,7 +18,7 @@ from spear.config import QuantConfig
 from spear.errors import SpearError
 from spear.kernels.policy import KernelPolicy
 from spear.quant.rtn import rtn_quantize_linear
-from spear.serve.layers.linear import Context, Linear, MemberWeights, QuantTensors, merge_factors
+from spear.serve.model.layers.linear import Context, Linear, MemberWeights, QuantTensors, merge_factors
 from tests.conftest import sqnr_db
 
 K = 128
@@ -127,3 +127,14 @@ def test_off_kernel_reasons_and_shapes():
         Linear(K, [32], ["x"]).load(0, weights_of(member(64), "x"))
     with pytest.raises(SpearError, match="different bounds"):
         layer_of([member(64, "gated", bound=0.5), member(64, "gated", bound=0.25, seed=1)], True, torch.float16)
+
+
+def test_attention_says_which_kernels_cannot_take_its_shapes():
+    """At load, not silently each step: a head_dim the paged kernels do not take (96, not a power of
+    two) is reported for decode and prefill; Llama shapes are not."""
+    from spear.serve.model.layers.attention import PagedAttention
+
+    assert PagedAttention(32, 8, 128).kernel_fallbacks(16, torch.float16) == []
+    odd = PagedAttention(12, 4, 96).kernel_fallbacks(16, torch.bfloat16)
+    assert [kind for kind, _ in odd] == ["attention (decode steps)", "attention (prefill and mixed steps)"]
+    assert all("head_dim 96" in why and "torch.bfloat16" in why for _, why in odd)

@@ -13,8 +13,9 @@ import torch
 
 from spear.errors import SpearError
 from spear.serve import LLMEngine, SamplingParams
-from spear.serve.sampling import sample
-from spear.serve.scheduler import QueueFull
+from spear.serve.core.sampling import sample
+from spear.serve.core.scheduler import QueueFull
+from spear.serve.frontend.processor import check_params
 from tests.serve.conftest import make_engine
 
 PROMPTS = ["Hello there", "The capital of France is", "Once upon a time", "def f(x):"]
@@ -35,7 +36,7 @@ def run_all(eng: LLMEngine, prompts, params) -> dict[str, object]:
         for out in eng.step():
             if out.finished:
                 final[out.request_id] = out
-    assert eng.stats().kv_usage == 0.0 and not eng._seqs and not eng._generators
+    assert eng.stats().kv_usage == 0.0 and not eng.core._seqs and not eng.core._generators
     return {r: final[r] for r in rids}
 
 
@@ -44,7 +45,7 @@ def run_all(eng: LLMEngine, prompts, params) -> dict[str, object]:
 def test_seeds_torch_cannot_take_are_refused_up_front(seed):
     """Catches: a seed range check dropped (torch raises inside the engine after queuing)."""
     with pytest.raises(SpearError, match="seed"):
-        SamplingParams(seed=seed)
+        check_params(SamplingParams(seed=seed))
 
 
 @pytest.mark.parametrize("seed", [2**64 - 1, -(2**63), 0])
@@ -59,19 +60,19 @@ def test_seeds_at_the_edges_of_the_range_work(tiny, seed):
                                 dict(stop_token_ids=(-1,))])
 def test_non_finite_and_mistyped_params_are_refused(kw):
     with pytest.raises(SpearError):
-        SamplingParams(**kw)
+        check_params(SamplingParams(**kw))
 
 
 def test_a_request_that_fails_while_queued_leaves_no_trace(tiny, monkeypatch, clean):
     """Catches: the request put in the scheduler before its generator is made (the denial of
     service: every later step raised KeyError on the orphan)."""
-    import spear.serve.engine as engine_module
+    import spear.serve.core.engine as engine_module
 
     eng = make_engine(tiny)
     monkeypatch.setattr(engine_module, "make_generator", lambda seed: (_ for _ in ()).throw(ValueError("boom")))
     with pytest.raises(ValueError, match="boom"):
         eng.add_request("Hi", SamplingParams(max_tokens=2, seed=1))
-    assert not eng.has_unfinished() and not eng._seqs and not eng._detok
+    assert not eng.has_unfinished() and not eng.core._seqs and not len(eng.output)
     monkeypatch.undo()
     assert [o.output_token_ids for o in run_all(eng, PROMPTS, GREEDY).values()] == clean
 
@@ -105,7 +106,7 @@ def test_a_row_of_non_finite_logits_fails_only_its_row():
 def _poison(eng, bad_prompt_ids: list[int], how: str):
     """Make the model fail (raise, or NaN logits) on every step that holds the request whose
     prompt is ``bad_prompt_ids``."""
-    real = eng.runner.execute
+    real = eng.core.runner.execute
 
     def execute(sched):
         rows = [c for c in sched.chunks if c.samples]
@@ -120,7 +121,7 @@ def _poison(eng, bad_prompt_ids: list[int], how: str):
                     logits[i] = float("nan")
         return logits
 
-    eng.runner.execute = execute
+    eng.core.runner.execute = execute
 
 
 @pytest.mark.parametrize("how", ["raise", "nan"])
@@ -146,7 +147,7 @@ def test_a_token_the_tokenizer_cannot_decode_fails_only_its_request(tiny, clean)
     def add(tok):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
 
-    eng._detok[rid_bad].add = add
+    eng.output._states[rid_bad].detok.add = add
     rids = [eng.add_request(p, GREEDY) for p in PROMPTS]
     final = {}
     while eng.has_unfinished():
@@ -155,12 +156,12 @@ def test_a_token_the_tokenizer_cannot_decode_fails_only_its_request(tiny, clean)
                 final[out.request_id] = out
     assert final[rid_bad].finish_reason == "error" and "UnicodeDecodeError" in final[rid_bad].error
     assert [final[r].output_token_ids for r in rids] == clean
-    assert eng.stats().kv_usage == 0.0 and not eng._seqs
+    assert eng.stats().kv_usage == 0.0 and not eng.core._seqs and not len(eng.output)
 
 
 def test_steps_that_fail_everyone_are_counted(tiny):
     eng = make_engine(tiny)
-    eng.runner.execute = lambda sched: (_ for _ in ()).throw(RuntimeError("GPU fell off the bus"))
+    eng.core.runner.execute = lambda sched: (_ for _ in ()).throw(RuntimeError("GPU fell off the bus"))
     for i in range(3):
         eng.add_request(f"request {i}", GREEDY)
         while eng.has_unfinished():
@@ -186,16 +187,16 @@ def test_a_prompt_that_is_not_valid_unicode_is_refused_before_queuing(tiny):
     eng = make_engine(tiny)
     with pytest.raises(SpearError, match="not valid Unicode text"):
         eng.add_request("a\ud800b", GREEDY)
-    assert not eng._seqs and not eng.has_unfinished()
+    assert not eng.core._seqs and not eng.has_unfinished()
 
 
 def test_queue_bound_counts_the_free_slots():
     """A burst that arrives between two steps fills the free sequence slots, then max_waiting
     more: 8 slots + 2 waiting = 10 accepted, the 11th refused. Catches: the old bound, which
     refused the burst after max_waiting requests with every slot free."""
-    from spear.serve.block_manager import BlockManager
-    from spear.serve.scheduler import Scheduler
-    from spear.serve.sequence import Sequence
+    from spear.serve.core.block_manager import BlockManager
+    from spear.serve.core.scheduler import Scheduler
+    from spear.serve.core.sequence import Sequence
 
     sched = Scheduler(BlockManager(64, 16), max_num_seqs=8, max_num_batched_tokens=64, max_waiting=2)
     for i in range(10):
@@ -209,12 +210,12 @@ def test_queue_bound_counts_the_free_slots():
 
 
 # ---------------------------------------------------------------------- the sampler's rows
-def test_a_top_k_beyond_64_bits_fails_nobody(tiny, clean):
-    """Catches: top_k >= 2**63 overflowing the sampler's int64 tensor, which failed every request of
-    the step (the sender got a 500, its neighbours too, three such requests turned /health 503).
-    A cut beyond the vocabulary is no cut."""
+def test_a_top_k_beyond_the_vocabulary_is_no_cut_and_fails_nobody(tiny, clean):
+    """Catches: a top_k at the top of its range overflowing the sampler's int64 tensor, which failed
+    every request of the step (the sender got a 500, its neighbours too, three such requests turned
+    /health 503). A cut beyond the vocabulary is no cut."""
     eng = make_engine(tiny)
-    huge = SamplingParams(max_tokens=8, temperature=0.7, top_k=2**63 + 5, seed=3, ignore_eos=True)
+    huge = SamplingParams(max_tokens=8, temperature=0.7, top_k=2**63 - 1, seed=3, ignore_eos=True)
     rids = [eng.add_request(p, GREEDY) for p in PROMPTS] + [eng.add_request("Hello there", huge)]
     outs = {}
     while eng.has_unfinished():
@@ -231,7 +232,7 @@ def test_a_top_k_beyond_64_bits_fails_nobody(tiny, clean):
 def test_a_row_the_sampler_cannot_take_fails_alone(monkeypatch):
     """Whatever field makes the batch's pass raise, each row is then sampled on its own: the row
     that still raises gives None (its request fails alone), the others their tokens."""
-    from spear.serve import sampling
+    from spear.serve.core import sampling
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, seed=2),
@@ -252,7 +253,7 @@ def test_a_row_the_sampler_cannot_take_fails_alone(monkeypatch):
 def test_every_bit_of_a_64_bit_seed_counts():
     """Catches: torch's CPU generator keeping only the low 32 bits of a seed, so that seeds 7 and
     7 + 2**40 drew the same tokens."""
-    from spear.serve.sampling import make_generator
+    from spear.serve.core.sampling import make_generator
 
     p = torch.full((1000,), 1e-3)
     draws = {s: torch.multinomial(p, 8, generator=make_generator(s)).tolist()

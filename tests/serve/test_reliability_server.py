@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 
 import httpx
 import pytest
 
+from functools import partial
+
 from spear.serve.config import ServerLimits
-from tests.serve.conftest import make_engine, running_server
+from tests.serve import core_faults
+from tests.serve.conftest import running_server, wait_ready
 
 LIMITS = ServerLimits(max_body_bytes=64 * 1024, max_prompt_chars=20_000, max_stop_chars=32)
 STREAM = {"model": "tiny", "prompt": "A well-formed request that runs through all of this:", "max_tokens": 120,
@@ -65,13 +69,23 @@ def _stream_text(url) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(tiny):
-    eng = make_engine(tiny, max_model_len=512, num_blocks=128)
-    with running_server(eng, "tiny", limits=LIMITS) as (url, ae):
-        yield url, ae, _stream_text(url)  # the stream alone, as the reference
+def served(tiny_llama_path):
+    with running_server(tiny_llama_path, "tiny", limits=LIMITS, max_model_len=512, num_blocks=128) as (url, llm):
+        wait_ready(llm)
+        yield url, llm, _stream_text(url)  # the stream alone, as the reference
 
 
-def test_bad_requests_fail_alone_while_a_stream_runs(served, monkeypatch):
+@pytest.fixture(scope="module")
+def slow_served(tiny_llama_path):
+    """The same server, its engine's steps slowed (a sleep before each, no work), so that a stream
+    outlives the list of bad requests on any machine."""
+    with running_server(tiny_llama_path, "tiny", limits=LIMITS, target=partial(core_faults.slow_steps, 0.05),
+                        max_model_len=512, num_blocks=128) as (url, llm):
+        wait_ready(llm)
+        yield url, llm
+
+
+def test_bad_requests_fail_alone_while_a_stream_runs(served, slow_served):
     """Each request of BAD_REQUESTS is answered as listed while the stream runs: the stream has
     started before the first and is still open after each one; then it completes with the text
     of the stream run alone, and the server is healthy and idle afterwards. The engine's steps are
@@ -80,15 +94,8 @@ def test_bad_requests_fail_alone_while_a_stream_runs(served, monkeypatch):
     Catches: a bad request that kills or cuts the running stream (the old test's stream ended
     before the last bad requests were sent, so it did not catch that for them), and a chunked
     body over the limit answered 400 instead of 413."""
-    url, ae, alone = served
-    runner = ae.engine.runner
-    real = runner.execute
-
-    def slow_execute(sched):
-        time.sleep(0.05)
-        return real(sched)
-
-    monkeypatch.setattr(runner, "execute", slow_execute)
+    alone = served[2]
+    url, llm = slow_served
     events: list[str] = []
     done = threading.Event()
 
@@ -126,16 +133,39 @@ def test_bad_requests_fail_alone_while_a_stream_runs(served, monkeypatch):
     reader.join(120)
     assert done.is_set() and events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == alone
-    monkeypatch.undo()
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     r = _post(url, "/v1/completions", {"prompt": "still serving", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
+# every integer field at and beyond what 64 bits hold (msgpack carries int64 and uint64)
+WIDE = [("top_k", 2**63), ("top_k", 2**64), ("top_k", 2**200), ("max_tokens", 2**64), ("max_tokens", 2**70),
+        ("seed", 2**64), ("seed", 2**70), ("seed", -(2**63) - 1), ("prompt", [2**64]), ("prompt", [1, -(2**70)])]
+
+
+def test_integers_beyond_64_bits_are_refused_and_leave_nothing(served, caplog):
+    """Catches: top_k >= 2**64 passing validation, the request registered, then msgpack's
+    OverflowError: a 500 with a 10 KB traceback in the log and the request kept forever (3,000 such
+    requests grew the server from 890 to 1,501 MB). Every integer field beyond its range is a 400
+    naming the field, nothing of the request stays in the server, nothing is logged, and the
+    server goes on serving."""
+    url, llm, _ = served
+    with caplog.at_level(logging.WARNING):
+        for _ in range(20):
+            for field, value in WIDE:
+                r = _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, field: value})
+                assert r.status_code == 400, (field, value, r.text)
+                assert r.json()["error"]["param"] == field, r.text
+    assert not llm._streams and not llm._taking and len(llm.output) == 0
+    assert not [r.getMessage()[:200] for r in caplog.records if r.levelno >= logging.WARNING]
+    r = _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "top_k": 2**63 - 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
 def test_chat_content_cannot_inject_control_tokens(served, tiny):
     """The special-token strings of a message stay text: the prompt holds the template's control
     tokens only. Catches: the rendered template tokenized in one piece."""
-    from spear.serve.chat import chat_prompt_ids
+    from spear.serve.frontend.chat import chat_prompt_ids
 
     _, tok = tiny
     if not getattr(tok, "chat_template", None):
@@ -153,48 +183,51 @@ def test_chat_content_cannot_inject_control_tokens(served, tiny):
 
 
 def test_tokenization_runs_off_the_event_loop(served, monkeypatch):
-    from spear.serve import endpoints
+    from spear.serve.api import endpoints
 
-    seen, real = [], endpoints._encode
+    seen, real = [], endpoints.encode_text
 
     def encode(tokenizer, prompt):
         seen.append(threading.current_thread().name)
         return real(tokenizer, prompt)
 
-    monkeypatch.setattr(endpoints, "_encode", encode)
+    monkeypatch.setattr(endpoints, "encode_text", encode)
     url = served[0]
     assert _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
     _post(url, "/v1/completions", {"prompt": "hi " * 5000, "max_tokens": 1})  # tokenized, then past the context
     assert seen[0].startswith("spear-tokenize-short") and seen[1].startswith("spear-tokenize-long"), seen
 
 
-def test_health_turns_503_while_every_step_fails_and_back(tiny):
-    eng = make_engine(tiny)
-    real, broken = eng.runner.execute, threading.Event()
-    broken.set()
+def _health_until(url: str, status: int, within: float = 10.0) -> httpx.Response:
+    """/health polled until it answers ``status`` (the core reports with its heartbeat, every 0.25 s)."""
+    deadline = time.monotonic() + within
+    while (r := httpx.get(url + "/health", timeout=5)).status_code != status:
+        assert time.monotonic() < deadline, f"/health stayed {r.status_code}: {r.text}"
+        time.sleep(0.05)
+    return r
 
-    def execute(sched):
-        if broken.is_set():
-            raise RuntimeError("the GPU is gone")
-        return real(sched)
 
-    eng.runner.execute = execute
-    with running_server(eng, "tiny") as (url, ae):
+def test_health_turns_503_while_every_step_fails_and_back(tiny_llama_path, tmp_path):
+    broken = tmp_path / "broken"
+    broken.touch()
+    with running_server(tiny_llama_path, "tiny", target=partial(core_faults.failing_while, str(broken))) as (url, llm):
+        wait_ready(llm)
         for _ in range(3):
             r = _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
             assert r.status_code == 500 and "the GPU is gone" in r.json()["error"]["message"]
-        r = httpx.get(url + "/health")
-        assert r.status_code == 503 and "failed for every request" in r.json()["error"]["message"]
-        broken.clear()
+        r = _health_until(url, 503)
+        assert "failed for every request" in r.json()["error"]["message"]
+        broken.unlink()
         assert _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
-        assert httpx.get(url + "/health").status_code == 200
+        _health_until(url, 200)
 
 
-def test_a_burst_fills_every_slot_before_the_queue_bound(tiny):
+def test_a_burst_fills_every_slot_before_the_queue_bound(tiny_llama_path):
     """64 requests at once against 16 slots and max_waiting 8: at least 16 + 8 are accepted
     (the old bound accepted max_waiting + what one step admitted), the rest get 429."""
-    eng = make_engine(tiny, max_num_seqs=16, max_waiting=8, num_blocks=256, max_num_batched_tokens=64)
-    with running_server(eng, "tiny") as (url, ae):
+    with running_server(tiny_llama_path, "tiny", max_num_seqs=16, max_waiting=8, num_blocks=256,
+                        max_num_batched_tokens=64) as (url, llm):
+        wait_ready(llm)
         async def burst():
             async with httpx.AsyncClient(base_url=url, timeout=120) as c:
                 body = {"model": "tiny", "prompt": "burst", "max_tokens": 16, "ignore_eos": True}
@@ -204,47 +237,25 @@ def test_a_burst_fills_every_slot_before_the_queue_bound(tiny):
     assert set(codes) <= {200, 429} and codes.count(200) >= 24, codes
 
 
-def test_health_says_warming_up_until_the_engine_is_ready(tiny):
+def test_health_says_warming_up_until_the_engine_is_ready(tiny_llama_path, tmp_path):
     """/health is 503 ``warming_up`` while the warm-up runs; a request sent meanwhile waits and is
     answered once it is done."""
-    eng = make_engine(tiny)
-    release, started = threading.Event(), threading.Event()
-
-    def slow_warmup():
-        started.set()
-        release.wait(30)
-        return 0.0
-
-    eng.warmup = slow_warmup
-    from spear.serve.async_engine import AsyncEngine
-    from spear.serve.server import build_app
-    import uvicorn
-
-    from tests.serve.conftest import free_port
-
-    ae = AsyncEngine(eng)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(ae, "tiny"), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        assert started.wait(30)
-        while not server.started:
-            threading.Event().wait(0.05)
+    started, release = tmp_path / "started", tmp_path / "release"
+    with running_server(tiny_llama_path, "tiny", target=partial(core_faults.slow_warmup, str(started),
+                                                                  str(release))) as (url, llm):
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert time.monotonic() < deadline, "the warm-up never started"
+            time.sleep(0.05)
         r = httpx.get(url + "/health")
         assert r.status_code == 503 and r.json()["error"]["code"] == "warming_up"
         result = {}
         sender = threading.Thread(target=lambda: result.update(r=_post(url, "/v1/completions",
                                                                        {"prompt": "hi", "max_tokens": 2})))
         sender.start()
-        threading.Event().wait(0.3)
+        time.sleep(0.3)
         assert "r" not in result  # waiting for the warm-up
-        release.set()
+        release.touch()
         sender.join(60)
         assert result["r"].status_code == 200
         assert httpx.get(url + "/health").status_code == 200
-    finally:
-        release.set()
-        server.should_exit = True
-        thread.join(30)

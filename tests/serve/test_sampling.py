@@ -5,9 +5,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from spear.serve.detokenizer import IncrementalDetokenizer
-from spear.serve.sampling import apply_top_k, apply_top_p, make_generator, sample
-from spear.serve.sequence import SamplingParams
+from spear.serve.frontend.detokenizer import IncrementalDetokenizer
+from spear.serve.core.sampling import apply_top_k, apply_top_p, make_generator, sample
+from spear.serve.core.messages import SamplingParams
 
 
 def ref_top_k(row: torch.Tensor, k: int) -> torch.Tensor:
@@ -90,10 +90,11 @@ def test_sampling_respects_top_k():
 @pytest.mark.parametrize("kw,message", [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
                                         ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"stop": ("",)}, "stop")])
 def test_bad_sampling_params(kw, message):
-    from spear.errors import SpearError
+    from spear.serve.frontend.processor import InvalidRequest, check_params
 
-    with pytest.raises(SpearError, match=message):
-        SamplingParams(**kw)
+    with pytest.raises(InvalidRequest, match=message) as e:
+        check_params(SamplingParams(**kw))
+    assert e.value.param == message
 
 
 # ---------------------------------------------------------------------- text
@@ -150,7 +151,7 @@ class _OldStream:  # a tokenizers release whose DecodeStream takes only skip_spe
 # without prompt ids in DecodeStream, or without the tokenizers stream at all (the import failed)
 @pytest.mark.parametrize("patch", [{"DecodeStream": _OldStream}, {"DecodeStream": None, "_RustTokenizer": None}])
 def test_without_a_usable_stream_the_python_scheme_runs(tokenizer, monkeypatch, patch):
-    from spear.serve import detokenizer
+    from spear.serve.frontend import detokenizer
 
     for name, value in patch.items():
         monkeypatch.setattr(detokenizer, name, value)

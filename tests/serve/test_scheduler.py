@@ -5,9 +5,10 @@ A fake model step: every chunk that reaches its sequence's end samples token 7.
 
 import pytest
 
-from spear.serve.block_manager import BlockManager
-from spear.serve.scheduler import QueueFull, Scheduler
-from spear.serve.sequence import SamplingParams, Sequence, Status
+from spear.serve.core.block_manager import BlockManager
+from spear.serve.core.scheduler import QueueFull, Scheduler
+from spear.serve.core.messages import SamplingParams
+from spear.serve.core.sequence import Sequence, Status
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=4, budget=8, max_waiting=16):

@@ -1,4 +1,5 @@
-"""A real server on a loopback port, driven by the official openai client and raw httpx.
+"""A real server on a loopback port, driven by the official openai client and raw httpx; its engine
+core runs in a process of its own, over ZeroMQ, as under ``spear serve``.
 
 The default model answers the openai-client tests (greedy text must equal HF
 generate); a tiny random Llama carries the overload, disconnect and load tests.
@@ -10,24 +11,24 @@ import asyncio
 import json
 import random
 import time
+from functools import partial
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from spear.serve import EngineConfig, LLMEngine
-from tests.serve.conftest import hf_greedy, running_server
+from tests.serve import core_faults
+from tests.serve.conftest import hf_greedy, running_server, wait_ready
 
 MODEL = "smollm2-135m"
 
 
 @pytest.fixture(scope="module")
-def smol(default_model):
-    model, tok = default_model
-    eng = LLMEngine(model, tok, EngineConfig(num_blocks=128, max_num_seqs=8, max_model_len=256))
-    with running_server(eng, MODEL) as (url, async_engine):
-        yield url, async_engine
+def smol(default_model_path):
+    with running_server(default_model_path, MODEL, num_blocks=128, max_num_seqs=8, max_model_len=256) as (url, llm):
+        wait_ready(llm)
+        yield url, llm
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +42,17 @@ def metrics(url: str) -> dict[str, float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-def wait_idle(async_engine, timeout: float = 20.0):
-    """Until the engine has no request and no used KV block (aborts are applied between steps)."""
+def wait_idle(llm, timeout: float = 20.0):
+    """Until the engine core reports no request and no used KV block (aborts are applied between
+    steps; the report comes with its heartbeat, every 0.25 s)."""
     deadline = time.monotonic() + timeout
+    time.sleep(0.3)  # a report from before the last requests ended says nothing
     while time.monotonic() < deadline:
-        s = async_engine.stats
+        s = llm.stats
         if s.num_running == 0 and s.num_waiting == 0 and s.kv_usage == 0.0:
             return s
         time.sleep(0.05)
-    raise AssertionError(f"engine not idle after {timeout}s: {async_engine.stats}")
+    raise AssertionError(f"engine not idle after {timeout}s: {llm.stats}")
 
 
 # ---------------------------------------------------------------------- openai client, default model
@@ -81,15 +84,15 @@ def test_chat_streaming_and_not(smol, client, default_model, monkeypatch):
     developer ones): the same number of tokens (the old count-only check passed), other ids; a
     user/assistant swap fails it too."""
     _, tok = default_model
-    async_engine = smol[1]
+    llm = smol[1]
     submitted: list[list[int]] = []
-    submit = async_engine.submit
+    submit = llm.submit
 
-    async def recording_submit(ids, params, *args, **kw):  # this engine object only, undone after the test
+    async def recording_submit(ids, params, *args, **kw):  # this frontend object only, undone after the test
         submitted.append(list(ids))
         return await submit(ids, params, *args, **kw)
 
-    monkeypatch.setattr(async_engine, "submit", recording_submit)
+    monkeypatch.setattr(llm, "submit", recording_submit)
     messages = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a color."}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
     ref = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -200,19 +203,25 @@ def test_unknown_model_path_and_method(smol):
 
 
 # ---------------------------------------------------------------------- overload, disconnects, load (tiny model)
-def tiny_engine(tiny_llama_path, **cfg) -> LLMEngine:
-    from spear.models.loading import load_model
+def tiny_server(tiny_llama_path, target=None, **cfg):
+    """A server of the tiny model (its core with the fault ``target``, if given), ready."""
+    import contextlib
 
-    model, tok = load_model(tiny_llama_path)
-    return LLMEngine(model, tok, EngineConfig(**{"num_blocks": 128, "max_model_len": 512, **cfg}))
+    @contextlib.contextmanager
+    def ready():
+        with running_server(tiny_llama_path, "tiny", target=target,
+                            **{"num_blocks": 128, "max_model_len": 512, **cfg}) as (url, llm):
+            wait_ready(llm)
+            yield url, llm
+
+    return ready()
 
 
 LONG = {"model": "tiny", "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True}
 
 
 def test_full_queue_answers_429(tiny_llama_path):
-    with running_server(tiny_engine(tiny_llama_path, max_num_seqs=1, max_num_batched_tokens=8, max_waiting=1),
-                        "tiny") as (url, ae):
+    with tiny_server(tiny_llama_path, max_num_seqs=1, max_num_batched_tokens=8, max_waiting=1) as (url, ae):
         async def burst():
             async with httpx.AsyncClient(base_url=url, timeout=60) as c:
                 return await asyncio.gather(*[c.post("/v1/completions", json=LONG) for _ in range(4)])
@@ -227,14 +236,17 @@ def test_full_queue_answers_429(tiny_llama_path):
 
 
 def test_client_disconnect_aborts_and_frees_blocks(tiny_llama_path):
-    with running_server(tiny_engine(tiny_llama_path, max_num_seqs=2), "tiny") as (url, ae):
+    with tiny_server(tiny_llama_path, max_num_seqs=2) as (url, ae):
         with httpx.stream("POST", url + "/v1/completions", json={**LONG, "stream": True, "max_tokens": 500}) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             for _ in range(3):
                 while not next(lines).startswith("data: "):
                     pass
-            assert ae.stats.kv_usage > 0
+            deadline = time.monotonic() + 5
+            while ae.stats.kv_usage == 0:  # the core reports with its heartbeat, every 0.25 s
+                assert time.monotonic() < deadline, "the request never held KV blocks"
+                time.sleep(0.05)
         wait_idle(ae)  # the engine dropped the request well before its 500 tokens
         # a non-streaming client that gives up is aborted too
         with pytest.raises(httpx.ReadTimeout):
@@ -247,8 +259,7 @@ def test_client_disconnect_aborts_and_frees_blocks(tiny_llama_path):
 
 def test_64_concurrent_streams_with_random_disconnects(tiny_llama_path):
     # 16 sequences at a time over a small cache: requests queue, and decodes preempt others.
-    eng = tiny_engine(tiny_llama_path, max_num_seqs=16, num_blocks=24, block_size=8, max_num_batched_tokens=64,
-                      max_model_len=128)
+    cfg = dict(max_num_seqs=16, num_blocks=24, block_size=8, max_num_batched_tokens=64, max_model_len=128)
     rng = random.Random(0)
     plan = [(f"Request {i}: " + "lorem ipsum " * rng.randint(1, 12), rng.randint(8, 16),
              rng.randint(1, 4) if rng.random() < 0.3 else None) for i in range(64)]
@@ -272,7 +283,7 @@ def test_64_concurrent_streams_with_random_disconnects(tiny_llama_path):
         finally:
             await client.close()
 
-    with running_server(eng, "tiny") as (url, ae):
+    with tiny_server(tiny_llama_path, **cfg) as (url, ae):
         results = asyncio.run(run_all(url))
         stats = wait_idle(ae)
         m = metrics(url)
@@ -282,7 +293,7 @@ def test_64_concurrent_streams_with_random_disconnects(tiny_llama_path):
     assert all(r == "length" for r in results if r != "left"), results
     assert m['spear_requests_total{"finish_reason": "length"}'] == 64 - left
     assert m["spear_kv_cache_usage_ratio"] == 0.0 and m["spear_num_requests_running"] == 0
-    assert stats.num_preemptions > 0 and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert stats.num_preemptions > 0 and stats.num_free_blocks == cfg["num_blocks"]
 
 
 def test_metrics_exposition(smol, client):
@@ -296,18 +307,8 @@ def test_metrics_exposition(smol, client):
 
 
 def test_a_failing_step_fails_its_requests_not_the_server(tiny_llama_path):
-    eng = tiny_engine(tiny_llama_path)
-    real, calls = eng.runner.execute, []
-
-    def flaky(out):
-        calls.append(1)
-        if len(calls) <= 2:
-            raise RuntimeError("injected failure")
-        return real(out)
-
-    eng.runner.execute = flaky
     body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4}
-    with running_server(eng, "tiny") as (url, ae):
+    with tiny_server(tiny_llama_path, partial(core_faults.failing_first_steps, 2)) as (url, ae):
         r = httpx.post(url + "/v1/completions", json=body, timeout=30)
         check_error(r, 500, None, "injected failure")
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
@@ -318,29 +319,24 @@ def test_a_failing_step_fails_its_requests_not_the_server(tiny_llama_path):
         assert httpx.get(url + "/health").status_code == 200
 
 
-def test_health_reports_a_step_that_does_not_return(tiny_llama_path):
-    """A step that runs past the step timeout (here: blocked on an event, as on a hung GPU) turns
-    /health into 503 while it runs; once it returns, /health is 200 again and the request completes."""
+def test_health_reports_a_step_that_does_not_return(tiny_llama_path, tmp_path):
+    """A step that runs past the step timeout (here: blocked until a file appears, as on a hung
+    GPU) turns /health into 503 while it runs; once it returns, /health is 200 again and the request
+    completes."""
     import threading
 
-    eng = tiny_engine(tiny_llama_path)
-    real, release, entered = eng.runner.execute, threading.Event(), threading.Event()
-
-    def hang_once(out):
-        if not release.is_set():
-            entered.set()
-            release.wait(30)
-        return real(out)
-
-    eng.runner.execute = hang_once
-    with running_server(eng, "tiny") as (url, ae):
+    entered, release = tmp_path / "entered", tmp_path / "release"
+    with tiny_server(tiny_llama_path, partial(core_faults.hanging_first_step, str(entered), str(release))) as (url, ae):
         ae.step_timeout_s = 0.3
         assert httpx.get(url + "/health").status_code == 200
         result = {}
         sender = threading.Thread(target=lambda: result.update(
             r=httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3}, timeout=60)))
         sender.start()
-        assert entered.wait(30), "the engine never ran the step"
+        deadline = time.monotonic() + 30
+        while not entered.exists():
+            assert time.monotonic() < deadline, "the engine never ran the step"
+            time.sleep(0.05)
         deadline = time.monotonic() + 10
         while httpx.get(url + "/health").status_code != 503:
             assert time.monotonic() < deadline, "/health never reported the stuck step"
@@ -348,14 +344,17 @@ def test_health_reports_a_step_that_does_not_return(tiny_llama_path):
         r = httpx.get(url + "/health")
         assert r.status_code == 503 and "hung" in r.json()["error"]["message"]
         assert metrics(url)["spear_engine_step_running_seconds"] > 0.3
-        release.set()
+        release.touch()
         sender.join(60)
         assert result["r"].status_code == 200
+        time.sleep(0.6)  # the next heartbeats
         assert httpx.get(url + "/health").status_code == 200 and ae.step_seconds == 0.0
 
 
 def test_step_timeout_must_be_positive(tiny_llama_path):
-    from spear.serve.async_engine import AsyncEngine
+    from spear.serve import EngineConfig
+    from spear.serve.frontend.async_llm import AsyncLLM
+    from spear.serve.frontend.zmq_client import ZmqClient
 
     with pytest.raises(ValueError, match="step_timeout_s"):
-        AsyncEngine(tiny_engine(tiny_llama_path), step_timeout_s=0)
+        AsyncLLM(ZmqClient(str(tiny_llama_path), EngineConfig()), None, step_timeout_s=0)

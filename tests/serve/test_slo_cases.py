@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from spear.serve.outputs import StepRecord
+from spear.serve.core.messages import StepRecord
 
 spec = importlib.util.spec_from_file_location("slo_cases", Path(__file__).resolve().parents[2] / "benchmarks"
                                               / "slo_cases.py")
@@ -50,7 +50,7 @@ def test_the_grid():
 
 
 def test_prediction_accuracy():
-    rec = lambda p, m: StepRecord(2, 2, False, m / 1e3, predicted_ms=p)  # noqa: E731
+    rec = lambda p, m: StepRecord(num_tokens=2, num_seqs=2, decode_only=False, seconds=m / 1e3, predicted_ms=p)  # noqa: E731
     steps = [rec(10.0, 10.5), rec(10.0, 11.2), rec(None, 50.0), rec(9.0, 10.0), rec(10.0, 9.0)]
     # |p - m| <= 0.1 m: 0.5 <= 1.05 yes, 1.2 <= 1.12 no, 1.0 <= 1.0 yes, 1.0 <= 0.9 no
     assert cases.prediction_accuracy(steps) == 0.5

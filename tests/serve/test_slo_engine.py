@@ -12,8 +12,8 @@ import pytest
 
 from spear.errors import SpearError
 from spear.serve import EngineConfig, LLMEngine, SamplingParams
-from spear.serve.latency import LatencyTable
-from spear.serve.metrics import ServingMetrics
+from spear.serve.latency.table import LatencyTable
+from spear.serve.frontend.metrics import ServingMetrics
 
 TARGET, MARGIN = 20.0, 0.25
 
@@ -55,15 +55,16 @@ def _run(engine, prompts, metrics=None, pause_s=0.0):
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out.output_token_ids
-        records.append(engine.last_step)
-        if metrics is not None:
+        records.append(engine.core.last_step)
+        if metrics is not None:  # as the server's frontend does with each step's message
+            metrics.observe_step(engine.core.last_step, engine.core.scheduler.itl_slo_ms)
             metrics.set_stats(engine.stats())
-            metrics.set_stats(engine.stats())  # published again between steps: counted once
+            metrics.set_stats(engine.stats())  # the state read again at another scrape: counted once
     return [final[r] for r in rids], records
 
 
 def test_the_engine_schedules_the_chunks_the_table_allows(static_engine, tiny_llama_path):
-    table = table_for(static_engine.deployment)
+    table = table_for(static_engine.core.deployment)
     engine = LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(
         max_num_seqs=4, max_num_batched_tokens=256, itl_slo_ms=TARGET, latency_table=table, latency_correction=False))
     prompts = [[(7 * i + j) % 1000 + 1 for j in range(n)] for i, n in enumerate((30, 300, 250))]
@@ -109,7 +110,7 @@ def test_the_correction_learns_the_measured_steps_and_moves_the_chunks(static_en
     Catches: a correction not fed by the engine, applied to the wrong kind, learned from the
     corrected prediction instead of the table's, or from the step's wall time instead of its interval."""
     engine = LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(
-        max_num_seqs=4, max_num_batched_tokens=256, itl_slo_ms=TARGET, latency_table=table_for(static_engine.deployment)))
+        max_num_seqs=4, max_num_batched_tokens=256, itl_slo_ms=TARGET, latency_table=table_for(static_engine.core.deployment)))
     prompts = [[(5 * i + j) % 900 + 1 for j in range(n)] for i, n in enumerate((20, 400, 400, 300))]
     want, _ = _run(static_engine, prompts)
     metrics = ServingMetrics()
@@ -127,9 +128,9 @@ def test_the_correction_learns_the_measured_steps_and_moves_the_chunks(static_en
         assert rec.chunk_budget == min(256 - rec.num_decodes, max(16, fit))
         r = min(max(rec.interval_ms / price - 1, -0.5), 1.0)
         residual[kind] += 0.1 * (r - residual[kind])
-    assert engine.scheduler.correction.residual == pytest.approx({k: v for k, v in residual.items() if v})
+    assert engine.core.scheduler.correction.residual == pytest.approx({k: v for k, v in residual.items() if v})
     text = metrics.render().decode()  # /metrics: the running residual of each kind
-    for kind, v in engine.scheduler.correction.residual.items():
+    for kind, v in engine.core.scheduler.correction.residual.items():
         got_v = float(re.search(rf'^spear_latency_correction_ratio{{step_tokens="{kind}"}} (\S+)$', text, re.M).group(1))
         assert got_v == pytest.approx(v)
     # faster than the table: chunks beyond what the table alone allows
@@ -154,7 +155,7 @@ def test_a_steps_interval_counts_the_callers_work_since_the_last_step_not_idle_t
 
 def test_a_table_alone_predicts_without_changing_the_schedule(static_engine, tiny_llama_path):
     engine = LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(
-        max_num_seqs=4, max_num_batched_tokens=256, latency_table=table_for(static_engine.deployment)))
+        max_num_seqs=4, max_num_batched_tokens=256, latency_table=table_for(static_engine.core.deployment)))
     prompts = [[3] * 200, [4] * 50]
     want, static = _run(static_engine, prompts)
     got, records = _run(engine, prompts)
@@ -165,10 +166,10 @@ def test_a_table_alone_predicts_without_changing_the_schedule(static_engine, tin
 
 
 def test_tables_of_another_deployment_and_bad_settings_are_refused(static_engine, tiny_llama_path, tmp_path):
-    dep = dataclasses.replace(static_engine.deployment, device="NVIDIA H200")
+    dep = dataclasses.replace(static_engine.core.deployment, device="NVIDIA H200")
     with pytest.raises(SpearError, match="measured on another deployment: device 'NVIDIA H200'"):
         LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(itl_slo_ms=TARGET, latency_table=table_for(dep)))
-    path = table_for(dataclasses.replace(static_engine.deployment, block_size=32)).save(tmp_path / "t.json")
+    path = table_for(dataclasses.replace(static_engine.core.deployment, block_size=32)).save(tmp_path / "t.json")
     with pytest.raises(SpearError, match=r"t.json was measured on another deployment: block_size 32"):
         LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(itl_slo_ms=TARGET, latency_table=str(path)))
     for bad, message in [(dict(itl_slo_ms=0), "itl_slo_ms must be a finite number"),

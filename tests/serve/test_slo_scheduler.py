@@ -19,10 +19,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spear.serve.block_manager import BlockManager
-from spear.serve.latency import LatencyTable
-from spear.serve.scheduler import QueueFull, ScheduledChunk, Scheduler, SchedulerOutput
-from spear.serve.sequence import SamplingParams, Sequence, Status
+from spear.serve.core.block_manager import BlockManager
+from spear.serve.latency.table import LatencyTable
+from spear.serve.core.scheduler import QueueFull, ScheduledChunk, Scheduler, SchedulerOutput
+from spear.serve.core.messages import SamplingParams
+from spear.serve.core.sequence import Sequence, Status
 
 TARGET, MARGIN = 20.0, 0.25   # the scheduler keeps predict <= 20 / 1.25 = 16 ms
 

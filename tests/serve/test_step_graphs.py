@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spear.serve.graphs import MixedGraphs
+from spear.serve.model.graphs import MixedGraphs
 from tests.serve.conftest import hf_greedy
 from tests.serve.test_engine import GREEDY, MAX_NEW, PROMPTS, engine
 
@@ -22,8 +22,8 @@ def test_decode_graph_path_with_padding_equals_hf(default_model, reference):
     # The CUDA-graph decode path (static buffers, padded batch sizes, scratch block) replayed
     # eagerly on the CPU: 3 running sequences replay the batch-4 "graph" with one padding row.
     eng = engine(default_model, max_num_seqs=6, max_model_len=128, cuda_graphs=False)
-    eng.runner._capture_graphs(eager=True)
-    assert list(eng.runner.graphs) == [1, 2, 4, 6]
+    eng.core.runner._capture_graphs(eager=True)
+    assert list(eng.core.runner.graphs) == [1, 2, 4, 6]
     outs = eng.generate(PROMPTS[:3], GREEDY)
     assert [o.output_token_ids for o in outs] == reference[:3]
 
@@ -37,11 +37,11 @@ def test_mixed_graph_path_with_padding_equals_hf(default_model, reference):
     Catches: padding tokens writing a live block (slots left from a larger step) and every step
     routed to the largest graph."""
     eng = engine(default_model, max_num_seqs=6, max_model_len=128, max_num_batched_tokens=40, cuda_graphs=False)
-    eng.runner._capture_graphs(eager=True)
-    eng.runner.mixed = MixedGraphs(eng.runner, eager=True)
-    assert list(eng.runner.mixed.graphs) == [16, 32, 40]
+    eng.core.runner._capture_graphs(eager=True)
+    eng.core.runner.mixed = MixedGraphs(eng.core.runner, eager=True)
+    assert list(eng.core.runner.mixed.graphs) == [16, 32, 40]
     used = []
-    for size, graph in eng.runner.mixed.graphs.items():
+    for size, graph in eng.core.runner.mixed.graphs.items():
         graph.replay = (lambda f, size: lambda: (used.append(size), f())[1])(graph.replay, size)
     outs = eng.generate(PROMPTS[:5], GREEDY)
     assert [o.output_token_ids for o in outs] == reference[:5]
@@ -57,10 +57,10 @@ def test_mixed_graph_buffers_of_a_padded_step(default_model):
     leftover slots or ids of the larger step, tables or lengths of a previous step's sequences."""
     import numpy as np
 
-    from spear.serve.model_runner import StepInputs
+    from spear.serve.model.model_runner import StepInputs
 
     eng = engine(default_model, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=20, cuda_graphs=False)
-    runner = eng.runner
+    runner = eng.core.runner
     runner.mixed = MixedGraphs(runner, eager=True)
     seen = []
     for g in runner.mixed.graphs.values():
@@ -91,7 +91,7 @@ def test_decode_inputs_pad_the_block_tables_with_the_scratch_block(default_model
     from types import SimpleNamespace
 
     eng = engine(default_model, max_num_seqs=4, max_model_len=256)
-    runner = eng.runner
+    runner = eng.core.runner
     seqs = [SimpleNamespace(request_id=f"r{i}", token_ids=list(range(40, 40 + n)), block_table=tbl)
             for i, (n, tbl) in enumerate(((20, [7, 3]), (1, [5]), (33, [9, 0, 2])))]
     out = SimpleNamespace(chunks=[SimpleNamespace(seq=s, start=len(s.token_ids) - 1) for s in seqs])
@@ -110,7 +110,7 @@ def test_block_tables_kept_between_steps_equal_fresh_ones():
     import random
     from types import SimpleNamespace
 
-    from spear.serve.block_tables import BlockTables
+    from spear.serve.model.block_tables import BlockTables
 
     rng = random.Random(0)
     width, scratch = 12, 999
@@ -148,7 +148,7 @@ def test_block_tables_grown_under_inference_mode_update_outside_it():
     'Inplace update to inference tensor outside InferenceMode')."""
     from types import SimpleNamespace
 
-    from spear.serve.block_tables import BlockTables
+    from spear.serve.model.block_tables import BlockTables
 
     bt = BlockTables(4, 99)
     seqs = [SimpleNamespace(request_id=f"r{i}", block_table=[i]) for i in range(5)]

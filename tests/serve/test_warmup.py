@@ -17,8 +17,8 @@ def _kernel_engine(tiny_llama_path, policy):
     from spear.compensate.lowrank import LowRankCompensator
     from spear.kernels.layout import MAX_RANK
     from spear.models.loading import load_model
-    from spear.serve import loader
-    from spear.serve.llama import build_model
+    from spear.serve.model import loader
+    from spear.serve.model.llama import build_model
 
     model, tok = load_model(tiny_llama_path)
     mods = quantize_model_rtn(model, QuantConfig(bits=4, group_size=32), progress=False)
@@ -29,8 +29,8 @@ def _kernel_engine(tiny_llama_path, policy):
     eng = LLMEngine(model, tok, EngineConfig(num_blocks=64, max_model_len=512, max_num_batched_tokens=256,
                                              kernels=policy), dtype=torch.float16)
     cfg, quantized, tensors = loader.from_module(model)
-    eng.model, _ = build_model(cfg, quantized, tensors, "cpu", torch.float16, MAX_RANK, kernels=True)
-    eng.runner.model = eng.model
+    eng.core.model, _ = build_model(cfg, quantized, tensors, "cpu", torch.float16, MAX_RANK, kernels=True)
+    eng.core.runner.model = eng.core.model
     return eng
 
 
@@ -38,7 +38,7 @@ def test_warmup_counts_cover_every_signature_once(tiny_llama_path):
     """Catches: a threshold of the policy (fused EC, dequant + cuBLAS, a launch class) or an ec_gate
     split that the warm-up never runs, which a request would then compile."""
     for policy in (KernelPolicy(), KernelPolicy(fused_max_m=16, dequant_mm_min_m=100, gate_programs=64)):
-        runner = _kernel_engine(tiny_llama_path, policy).runner
+        runner = _kernel_engine(tiny_llama_path, policy).core.runner
         assert runner._w4_shapes, "no layer on the kernel path"
         counts = runner.warmup_token_counts(256)
         every = {runner.kernel_signature(t) for t in range(1, 257)}
@@ -52,7 +52,7 @@ def test_warmup_steps_leave_the_engine_serving_the_same(tiny_llama_path):
     eng = _kernel_engine(tiny_llama_path, KernelPolicy())
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     before = eng.generate([list(range(5, 40))], params)[0].output_token_ids
-    eng.runner.warmup(eng.runner.warmup_token_counts(64))
+    eng.core.runner.warmup(eng.core.runner.warmup_token_counts(64))
     assert eng.generate([list(range(5, 40))], params)[0].output_token_ids == before
     assert eng.stats().kv_usage == 0.0
 
@@ -66,12 +66,12 @@ def test_the_packed_model_computes_the_dense_one(tiny_llama_path):
     eng = _kernel_engine(tiny_llama_path, KernelPolicy())
     from spear.kernels.layout import MAX_RANK
     from spear.models.loading import load_model
-    from spear.serve import loader
-    from spear.serve.llama import build_model
+    from spear.serve.model import loader
+    from spear.serve.model.llama import build_model
 
-    assert all(lin.kind == "w4" for layer in eng.model.layers
+    assert all(lin.kind == "w4" for layer in eng.core.model.layers
                for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
-    assert eng.model.layers[0].gate_up_proj.interleaved
+    assert eng.core.model.layers[0].gate_up_proj.interleaved
     model, _ = load_model(tiny_llama_path)
     mods = quantize_model_rtn(model, QuantConfig(bits=4, group_size=32), progress=False)
     from spear.compensate.lowrank import LowRankCompensator
@@ -84,7 +84,7 @@ def test_the_packed_model_computes_the_dense_one(tiny_llama_path):
     ids = list(range(5, 40))
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     packed_tokens = eng.generate([ids], params)[0].output_token_ids
-    eng.model, eng.runner.model = dense, dense
-    eng.runner.kv_caches = [(k.float(), v.float()) for k, v in eng.runner.kv_caches]
-    eng.runner.cos, eng.runner.sin = eng.runner.cos.float(), eng.runner.sin.float()
+    eng.core.model, eng.core.runner.model = dense, dense
+    eng.core.runner.kv_caches = [(k.float(), v.float()) for k, v in eng.core.runner.kv_caches]
+    eng.core.runner.cos, eng.core.runner.sin = eng.core.runner.cos.float(), eng.core.runner.sin.float()
     assert eng.generate([ids], params)[0].output_token_ids == packed_tokens

@@ -64,8 +64,8 @@ def _spear_greedy(checkpoint: Path) -> dict:
     can survive a wrong shard."""
     from spear.models.loading import load_model
     from spear.serve.config import EngineConfig
-    from spear.serve.engine import LLMEngine
-    from spear.serve.sequence import SamplingParams
+    from spear.serve.frontend.llm_engine import LLMEngine
+    from spear.serve.core.messages import SamplingParams
 
     engine = LLMEngine.from_pretrained(str(checkpoint), config=EngineConfig(max_model_len=512, kv_memory=64 << 20),
                                        dtype=torch.float32, device="cpu")

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: request bodies, endpoints, errors, the hardened transport, metrics."""

@@ -1,0 +1,1 @@
+"""Between a user and the engine core: requests checked and tokenized, outputs turned into text."""

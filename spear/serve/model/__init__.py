@@ -1,0 +1,1 @@
+"""The engine's own Llama-family model, its layers, its weights and what runs a step of it."""
