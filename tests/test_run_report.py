@@ -45,6 +45,12 @@ def test_run_report_on_text_without_article_markers(sharp_tiny_llama_path, artic
     assert run["text_split"] == ("one_per_line.txt (file): split by window (no article markers): "
                                  "eval the last 1 x 16 tokens, calibration the first 1 x 16")
     assert run["tokens_scored"] == 15
+    # the step timing: every step the job ran, inside the total, which opens the header's line
+    steps = run["step_seconds"]
+    assert list(steps)[0] == "total"
+    assert {"load", "perplexity", "self-samples + teacher", "quantization", "KL calibration"} <= set(steps)
+    assert sum(s["wall"] for k, s in steps.items() if k != "total") <= steps["total"]["wall"]
+    assert run["time"].startswith(f"{steps['total']['wall']:.0f} s ({steps['total']['cpu']:.0f} s CPU): load ")
 
     # the start, independently: the same self-samples and teacher, RTN W4, QERA-approx rank 1 everywhere
     model, tok = load_model(sharp_tiny_llama_path)
