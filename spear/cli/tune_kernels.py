@@ -55,7 +55,8 @@ def register(sub) -> None:
     p = sub.add_parser("tune-kernels", help="measure the W4 kernel's launches on this GPU (a launch table)",
                        description="Time the W4 kernel over a grid of launch shapes on the layer shapes of --model "
                                    "(or --shapes), on this CUDA GPU, and write the fastest as a JSON launch table "
-                                   "for `spear serve --launch-table` (the built-in table was chosen on an H200). "
+                                   "for `spear serve --launch-table` (the built-in table was chosen on an H200 and, "
+                                   "for the Gluon GEMM, an H100). "
                                    "--layout mma (default): the tensor-core GEMM of the fragment layout, per token "
                                    "class from 1 to 4096 tokens, against cuBLAS FP16, and its CUDA-core loop at 1, 2 "
                                    "and 4 tokens (with class 16); --layout gluon: the warp-specialized Gluon GEMM "
