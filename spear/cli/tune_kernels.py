@@ -189,7 +189,9 @@ def _tune_gluon(args, shapes) -> int:
     if args.rows:
         _write_json(args.rows, {"device": torch.cuda.get_device_name(), "rows": rows})
     _print_rows(rows, shapes, "without_us", "gluon")
-    kept = ", ".join(table["gluon"]) or "none"
-    print(f"classes that take the Gluon GEMM: {kept}")
+    for key, which in (("gluon", f"fewer than {launch.GLUON_WIDE_N}"), ("gluon_wide", f"{launch.GLUON_WIDE_N} or more")):
+        if key in table:
+            print(f"classes that take the Gluon GEMM, layers of {which} output features: "
+                  f"{', '.join(table[key]) or 'none'}")
     print(f"wrote {args.out}: serve with `spear serve --model ... --launch-table {args.out}`")
     return 0
