@@ -362,6 +362,11 @@ def throughput_ratios(rows: list[dict]) -> str:
                          f"{1e3 * (h['ttft_p50_s'] - r['ttft_p50_s']):+.0f} ms (<= +15 ms), p99 "
                          f"{1e3 * (h['ttft_p99_s'] - r['ttft_p99_s']):+.0f} ms (<= +50 ms); output tok/s "
                          f"{h['output_tok_s'] / r['output_tok_s']:.2f}x (saturating: >= 0.95x)")
+            if "until_taken_p50_ms" in h:
+                lines.append(f"  HTTP TTFT by hop, p50 / p99: the client sending late {h['client_late_p50_ms']:.1f} / "
+                             f"{h['client_late_p99_ms']:.1f} ms, until the core took it {h['until_taken_p50_ms']:.1f} / "
+                             f"{h['until_taken_p99_ms']:.1f} ms, then to the first token {h['taken_to_first_p50_ms']:.1f} / "
+                             f"{h['taken_to_first_p99_ms']:.1f} ms")
     return ("\n\n" + "\n".join(lines)) if lines else ""
 
 

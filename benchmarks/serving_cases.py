@@ -51,6 +51,7 @@ class Trace:
     tokens: list[list[float]] = field(default_factory=list)
     steps: list[tuple[int, bool, float]] = field(default_factory=list)
     records: list = field(default_factory=list)   # the engine's StepRecords (in process)
+    hops: list = field(default_factory=list)      # HTTP: per request (sent, headers) times, or None
 
 
 def summarize(trace: Trace, target_ms: float | None = None) -> dict:
@@ -64,6 +65,12 @@ def summarize(trace: Trace, target_ms: float | None = None) -> dict:
                itl_p50_ms=1e3 * percentile(itl, 0.5), itl_p99_ms=1e3 * percentile(itl, 0.99),
                itl_max_ms=1e3 * max(itl, default=float("nan")),
                output_tok_s=n_tokens / span if span > 0 else float("nan"))
+    hops = [(a, h, t[0]) for a, h, t in zip(trace.arrivals, trace.hops, trace.tokens) if h is not None and t]
+    if hops:  # where the HTTP path's TTFT goes: the client sending late, until the core took it, then
+        # until the first token reached the client
+        for key, vals in (("client_late", [h[0] - a for a, h, _ in hops]), ("until_taken", [h[1] - h[0] for _, h, _ in hops]),
+                          ("taken_to_first", [f - h[1] for _, h, f in hops])):
+            out[f"{key}_p50_ms"], out[f"{key}_p99_ms"] = 1e3 * percentile(vals, 0.5), 1e3 * percentile(vals, 0.99)
     if target_ms is not None:  # SLO attainment: % of inter-token gaps within the target
         out["slo_attainment_pct"] = 100 * sum(g <= target_ms / 1e3 for g in itl) / len(itl) if itl else float("nan")
     if any(r.predicted_ms is not None for r in trace.records):

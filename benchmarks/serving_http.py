@@ -46,16 +46,21 @@ def write_folder(model, name: str, quantized: bool, folder: Path) -> Path:
 
 def _client(port: int, name: str, jobs: list[tuple[int, float, list[int], int]], ready, start, results) -> None:
     """One client process: its requests (index, arrival, prompt, output tokens), each sent at its
-    arrival after the shared ``start`` (time.monotonic()), streamed; (index, token times) back."""
+    arrival after the shared ``start`` (time.monotonic()), streamed; back: per index its token
+    times, and (sent, headers) times, when the request left the client and when the server's
+    answer began (after the engine core took it)."""
     import httpx
     import openai
 
     times: dict[int, list[float]] = {i: [] for i, *_ in jobs}
+    hops: dict[int, tuple[float, float]] = {}
 
     async def one(client, i, arrival, prompt, output, t0):
         await asyncio.sleep(max(0.0, arrival - (time.monotonic() - t0)))
+        sent = time.monotonic() - t0
         stream = await client.completions.create(model=name, prompt=prompt, max_tokens=output, temperature=0,
                                                  stream=True, extra_body={"ignore_eos": True})
+        hops[i] = (sent, time.monotonic() - t0)  # the server answers with headers once the core took it
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 times[i].append(time.monotonic() - t0)
@@ -72,7 +77,7 @@ def _client(port: int, name: str, jobs: list[tuple[int, float, list[int], int]],
             await client.close()
 
     asyncio.run(run_all())
-    results.put(times)
+    results.put((times, hops))
 
 
 def run_http(folder: Path, cfg: EngineConfig, dtype: torch.dtype, reqs: list[Request], name: str = "bench",
@@ -129,10 +134,13 @@ def run_http(folder: Path, cfg: EngineConfig, dtype: torch.dtype, reqs: list[Req
         start = time.monotonic() + 0.2
         for q in starts:
             q.put(start)
-        trace = Trace(arrivals=[r.arrival for r in reqs], tokens=[[] for _ in reqs])
+        trace = Trace(arrivals=[r.arrival for r in reqs], tokens=[[] for _ in reqs], hops=[None] * len(reqs))
         for _ in clients:
-            for i, times in results.get(timeout=7200).items():
-                trace.tokens[i] = times
+            times, hops = results.get(timeout=7200)
+            for i, t in times.items():
+                trace.tokens[i] = t
+            for i, h in hops.items():
+                trace.hops[i] = h
         return trace, ready_s
     finally:
         for c in clients:

@@ -55,7 +55,8 @@ def register(sub) -> None:
     p = sub.add_parser("tune-kernels", help="measure the W4 kernel's launches on this GPU (a launch table)",
                        description="Time the W4 kernel over a grid of launch shapes on the layer shapes of --model "
                                    "(or --shapes), on this CUDA GPU, and write the fastest as a JSON launch table "
-                                   "for `spear serve --launch-table` (the built-in table was chosen on an H200). "
+                                   "for `spear serve --launch-table` (the built-in table was chosen on an H200 and, "
+                                   "for the Gluon GEMM, an H100). "
                                    "--layout mma (default): the tensor-core GEMM of the fragment layout, per token "
                                    "class from 1 to 4096 tokens, against cuBLAS FP16, and its CUDA-core loop at 1, 2 "
                                    "and 4 tokens (with class 16); --layout gluon: the warp-specialized Gluon GEMM "
@@ -188,7 +189,9 @@ def _tune_gluon(args, shapes) -> int:
     if args.rows:
         _write_json(args.rows, {"device": torch.cuda.get_device_name(), "rows": rows})
     _print_rows(rows, shapes, "without_us", "gluon")
-    kept = ", ".join(table["gluon"]) or "none"
-    print(f"classes that take the Gluon GEMM: {kept}")
+    for key, which in (("gluon", f"fewer than {launch.GLUON_WIDE_N}"), ("gluon_wide", f"{launch.GLUON_WIDE_N} or more")):
+        if key in table:
+            print(f"classes that take the Gluon GEMM, layers of {which} output features: "
+                  f"{', '.join(table[key]) or 'none'}")
     print(f"wrote {args.out}: serve with `spear serve --model ... --launch-table {args.out}`")
     return 0

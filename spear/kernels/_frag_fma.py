@@ -264,19 +264,10 @@ def _x_sum(xa, xb, IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def _finish_fma(acc_lo, acc_hi, lo, hi, lo1, hi1, a0, b0, a1, b1, a2, b2, a3, b3, s_lo0, s_hi0, z_lo0, z_hi0,
-                s_lo1, s_hi1, z_lo1, z_hi1, GROUPED: tl.constexpr, SPLIT: tl.constexpr, IS_BF16: tl.constexpr):
-    """One token's step on the exact fp32 path from its sums of code · x (lo, hi; SPLIT: words 0, 1
-    and 2, 3 apart): the zero point times the sum of the activations off, the group scale on."""
-    sx0 = _x_sum(a0, b0, IS_BF16) + _x_sum(a1, b1, IS_BF16)
-    if SPLIT:  # groups of 32: words 2, 3 are the next group
-        sx1 = _x_sum(a2, b2, IS_BF16) + _x_sum(a3, b3, IS_BF16)
-        lo1 = lo1 - z_lo1 * sx1
-        hi1 = hi1 - z_hi1 * sx1
-    else:
-        sx0 += _x_sum(a2, b2, IS_BF16) + _x_sum(a3, b3, IS_BF16)
-    lo = lo - z_lo0 * sx0
-    hi = hi - z_hi0 * sx0
+def _scaled_add(acc_lo, acc_hi, lo, hi, lo1, hi1, s_lo0, s_hi0, s_lo1, s_hi1, GROUPED: tl.constexpr,
+                SPLIT: tl.constexpr):
+    """The accumulators plus one step's sums, times their group scales (per channel: scaled once
+    after the loop)."""
     if GROUPED:
         acc_lo += s_lo0 * lo
         acc_hi += s_hi0 * hi
@@ -290,22 +281,30 @@ def _finish_fma(acc_lo, acc_hi, lo, hi, lo1, hi1, a0, b0, a1, b1, a2, b2, a3, b3
 
 
 @triton.jit
+def _finish_fma(acc_lo, acc_hi, lo, hi, lo1, hi1, a0, b0, a1, b1, a2, b2, a3, b3, s_lo0, s_hi0, z_lo0, z_hi0,
+                s_lo1, s_hi1, z_lo1, z_hi1, GROUPED: tl.constexpr, SPLIT: tl.constexpr, IS_BF16: tl.constexpr):
+    """One token's step on the exact fp32 path from its sums of code · x (lo, hi; SPLIT: words 0, 1
+    and 2, 3 apart): the zero point times the sum of the activations off, the group scale on."""
+    sx0 = _x_sum(a0, b0, IS_BF16) + _x_sum(a1, b1, IS_BF16)
+    if SPLIT:  # groups of 32: words 2, 3 are the next group
+        sx1 = _x_sum(a2, b2, IS_BF16) + _x_sum(a3, b3, IS_BF16)
+        lo1 = lo1 - z_lo1 * sx1
+        hi1 = hi1 - z_hi1 * sx1
+    else:
+        sx0 += _x_sum(a2, b2, IS_BF16) + _x_sum(a3, b3, IS_BF16)
+    lo = lo - z_lo0 * sx0
+    hi = hi - z_hi0 * sx0
+    return _scaled_add(acc_lo, acc_hi, lo, hi, lo1, hi1, s_lo0, s_hi0, s_lo1, s_hi1, GROUPED, SPLIT)
+
+
+@triton.jit
 def _token_ptx(acc_lo, acc_hi, d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3,
                a0, b0, a1, b1, a2, b2, a3, b3, s_lo0, s_hi0, s_lo1, s_hi1, GROUPED: tl.constexpr, SPLIT: tl.constexpr):
     """One token's step on the fp16x2 path: d, e, f, h the pairs of words 0..3 (``_frag_dq``); the
     scales times 16 (the sums' unit)."""
     lo, hi, lo1, hi1 = _frag_dot(d0, d1, d2, d3, e0, e1, e2, e3, f0, f1, f2, f3, h0, h1, h2, h3,
                                  a0, b0, a1, b1, a2, b2, a3, b3, SPLIT)
-    if GROUPED:
-        acc_lo += s_lo0 * lo
-        acc_hi += s_hi0 * hi
-        if SPLIT:
-            acc_lo += s_lo1 * lo1
-            acc_hi += s_hi1 * hi1
-    else:
-        acc_lo += lo
-        acc_hi += hi
-    return acc_lo, acc_hi
+    return _scaled_add(acc_lo, acc_hi, lo, hi, lo1, hi1, s_lo0, s_hi0, s_lo1, s_hi1, GROUPED, SPLIT)
 
 
 @triton.jit

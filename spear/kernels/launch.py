@@ -119,13 +119,23 @@ MMA_CLASSES = ("16", "32", "64", "128", "256", "big")  # the "mma" entries' toke
 # consumer warpgroups of BN / 2), BM tokens a tile, BK inputs a stage, num_stages ring stages,
 # programs: the K split brings the tiles up to about this many units.
 GLUON_CLASSES = ("16", "32", "64", "128", "256", "512", "1024", "big")
+# Layers of at least GLUON_WIDE_N output features (Llama's gate/up) take the "gluon_wide" classes,
+# the others "gluon": the best tile differs between them (BM 256 against 128 at 129-256 tokens).
+# A table without "gluon_wide" sends every layer to its "gluon" classes.
+GLUON_WIDE_N = 16384
 # `spear tune-kernels --layout gluon` on Llama-3-8B's three shapes, H100, 2026-12-06 (BENCHMARKS.md,
-# "The warp-specialized Gluon GEMM"): the classes where one launch beat the Triton kernel over
-# the three shapes (geometric mean): 128 by 18%, 512 by 21%, 1024 by 14%; at 16-64 tokens it tied
-# (within 5-8%), at 129-256 no one launch won on all three shapes, and above 1024 it lost by 3%.
-_BUILTIN["gluon"] = {"128": dict(BN=128, BM=128, BK=128, num_stages=4),
+# "The warp-specialized Gluon GEMM", raw run21-h100-2026-12-06/tune/gluon_rows.json): per width, the
+# classes where one launch beat the path without it by 5% or more (geometric mean over the shapes
+# and token counts). q/o and down: 128 by 19%, 512 by 21%, 1024 by 14%; gate_up: 128 by 22%, 256
+# by 23%, 512 by 23%, 1024 by 14%. At 16-64 tokens the Triton GEMM stays within 3% either side,
+# above 1024 dequantize + cuBLAS wins by 2-3%.
+_BUILTIN["gluon"] = {"128": dict(BN=128, BM=64, BK=128, num_stages=6),
                      "512": dict(BN=128, BM=128, BK=128, num_stages=4),
                      "1024": dict(BN=128, BM=256, BK=128, num_stages=2)}
+_BUILTIN["gluon_wide"] = {"128": dict(BN=256, BM=128, BK=128, num_stages=3),
+                          "256": dict(BN=128, BM=256, BK=128, num_stages=2),
+                          "512": dict(BN=128, BM=128, BK=128, num_stages=4),
+                          "1024": dict(BN=128, BM=256, BK=64, num_stages=5)}
 
 
 def _frozen(v):
@@ -177,21 +187,21 @@ def check_table(table) -> dict:
                 _check_entry(f"mma.{cls}", e)
                 if e.get("BK", 64) not in (64, 128) or e.get("BN", 16) % 16:
                     raise ValueError(f"mma.{cls}: the fragment loop takes BK 64 or 128 and BN a multiple of 16")
-        elif key == "gluon":
+        elif key in ("gluon", "gluon_wide"):
             if not isinstance(v, (dict, MappingProxyType)) or set(v) - set(GLUON_CLASSES):
-                raise ValueError(f"gluon must map token classes among {', '.join(GLUON_CLASSES)} to launch entries, "
+                raise ValueError(f"{key} must map token classes among {', '.join(GLUON_CLASSES)} to launch entries, "
                                  f"got {v!r}")
             for cls, e in v.items():
-                _check_entry(f"gluon.{cls}", e)
+                _check_entry(f"{key}.{cls}", e)
                 missing = {"BN", "BM", "BK", "num_stages"} - set(e)
                 if missing:
-                    raise ValueError(f"gluon.{cls}: missing {sorted(missing)}")
+                    raise ValueError(f"{key}.{cls}: missing {sorted(missing)}")
                 try:
                     GluonConfig(e["BN"] // 2, e["BM"], e["BK"], e["num_stages"])
                 except ValueError as err:
-                    raise ValueError(f"gluon.{cls}: {err}") from None
+                    raise ValueError(f"{key}.{cls}: {err}") from None
                 if e["BN"] % 2:
-                    raise ValueError(f"gluon.{cls}: BN must be 128 or 256")
+                    raise ValueError(f"{key}.{cls}: BN must be 128 or 256")
         elif key.endswith("_by_mv"):
             if not isinstance(v, (dict, MappingProxyType)) or set(v) - {"2", "4"}:
                 raise ValueError(f"{key} must map token classes \"2\" and \"4\" to launch entries, got {v!r}")
@@ -231,7 +241,7 @@ def merged_table(table=None):
         return BUILTIN
     own = _thaw(read_table(table))
     merged = {**{k: _thaw(v) for k, v in BUILTIN.items()}, **own}
-    for key in ("mma", "gluon"):  # per token class: a table may tune some classes only
+    for key in ("mma", "gluon", "gluon_wide"):  # per token class: a table may tune some classes only
         if key in own:
             merged[key] = {**_thaw(BUILTIN[key]), **own[key]}
     return _frozen(merged)
@@ -318,10 +328,13 @@ def fit_gluon(cfg: GluonConfig, group_size: int, rank: int = 0) -> GluonConfig |
 
 
 def pick_gluon(m: int, n: int, k: int, table=BUILTIN, group_size: int = 128, rank: int = 0) -> GluonConfig | None:
-    """The Gluon launch of an (m, n, k) GEMM over the fragment layout under ``table``, with the
-    compensator of ``rank`` in its epilogue (0: none), or None when the table keeps ``m`` tokens
-    off the Gluon kernel or its tile leaves no room for two stages beside the compensator."""
-    e = (table.get("gluon") or {}).get(gluon_class(m))
+    """The Gluon launch of an (m, n, k) GEMM over the fragment layout under ``table`` (its
+    "gluon_wide" classes from GLUON_WIDE_N output features), with the compensator of ``rank`` in its
+    epilogue (0: none), or None when the table keeps ``m`` tokens of such a layer off the Gluon
+    kernel or its tile leaves no room for two stages beside the compensator."""
+    classes = table.get("gluon_wide") if n >= GLUON_WIDE_N and table.get("gluon_wide") is not None else \
+        table.get("gluon")
+    e = (classes or {}).get(gluon_class(m))
     if e is None:
         return None
     tiles = _cdiv(m, e["BM"]) * _cdiv(n, e["BN"])

@@ -16,6 +16,7 @@ Paths of a W4 layer (CUDA; everywhere else the fp32 torch reference of reference
   dequant_cublas  dequantize the weight, then cuBLAS                     no EC, M >= that threshold
   gluon           the warp-specialized Gluon GEMM (gluon_w4.py)          no EC, fragment layout on Hopper,
                                                                          M in a class of the table's "gluon"
+                                                                         ("gluon_wide" for N >= GLUON_WIDE_N)
   fused_ec        the GEMM with u = A x, the gate and alpha B v fused    EC, M <= fused_max_m
   semi_fused_ec   ec_gate beside the W4 part (one of the two above       EC, M > fused_max_m
                   by M), then ec_up adds alpha v Bᵀ
@@ -188,9 +189,9 @@ _SCALARS = ("fma_max_m", "fma_kmajor_max_m", "fma_mma_max_m")
 _ENTRIES = (("fma", "fma_kmajor", "fma_kmajor_by_mv.2", "fma_kmajor_by_mv.4", "fma_kmajor_narrow", "tc", "tc_wide",
              "prefill") + tuple(f"mma.{c}" for c in MMA_CLASSES)
             + ("fma_mma", "fma_mma_by_mv.2", "fma_mma_by_mv.4", "fma_mma_narrow")
-            + tuple(f"gluon.{c}" for c in GLUON_CLASSES))
+            + tuple(f"gluon.{c}" for c in GLUON_CLASSES) + tuple(f"gluon_wide.{c}" for c in GLUON_CLASSES))
 _FIELDS = ("BM", "BN", "BK", "num_warps", "num_stages", "programs", "max_n", "u_split", "prefetch")
-_VERSION = 4
+_VERSION = 5
 
 
 def _entry(table, key):
@@ -243,6 +244,7 @@ def _settings(args: tuple[int, ...]) -> _Settings:
     table["fma_mma_by_mv"] = {}
     table["mma"] = {}
     table["gluon"] = {}
+    table["gluon_wide"] = {}
     for key in _ENTRIES:
         present, values = rest[0], rest[1:1 + len(_FIELDS)]
         del rest[:1 + len(_FIELDS)]

@@ -395,9 +395,8 @@ def gluon_launch_key(e: dict) -> str:
 def tune_gluon(shapes, classes=None, budget_s: float = 900, progress: bool = True) -> tuple[dict, list]:
     """Sweep the Gluon GEMM's launches (``_gluon_grid``) on ``shapes`` [(label, n, k)] at each class's
     token counts (``GLUON_TOKENS``) against what the policy runs without it (the Triton fragment
-    kernel or dequantize + cuBLAS) and cuBLAS FP16: ({"gluon": {class: best entry}}, rows). A class
-    gets an entry only where its best launch (geometric mean over the class's shapes and token
-    counts) beats the policy's path without Gluon. Needs a Hopper GPU and a Triton with Gluon."""
+    kernel or dequantize + cuBLAS) and cuBLAS FP16: (the "gluon" and "gluon_wide" classes that
+    ``gluon_table`` keeps, rows). Needs a Hopper GPU and a Triton with Gluon."""
     from tqdm.auto import tqdm
 
     from spear.kernels import gluon_w4
@@ -445,19 +444,30 @@ def tune_gluon(shapes, classes=None, budget_s: float = 900, progress: bool = Tru
                     rows.append(row)
             del ws, fp16, w16
             torch.cuda.empty_cache()
-    return {"gluon": gluon_table(rows)}, rows
+    return gluon_table(rows), rows
+
+
+GLUON_MIN_GAIN = 0.05  # a class takes the Gluon GEMM where it is this much faster, beyond run-to-run noise
 
 
 def gluon_table(rows) -> dict:
-    """Per class: the launch with the best geometric mean over its rows, where it beats the path
-    without Gluon over the same rows."""
+    """Per width ("gluon": layers of fewer than GLUON_WIDE_N output features, "gluon_wide": the
+    others; a width without rows is left out) and class: the launch with the best geometric mean
+    over its rows, where it beats the path without Gluon over the same rows by GLUON_MIN_GAIN."""
+    from spear.kernels.launch import GLUON_WIDE_N
+
     out = {}
-    for cls in dict.fromkeys(r["class"] for r in rows):
-        rs = [r for r in rows if r["class"] == cls]
-        keys = set.intersection(*(set(kk for kk, v in r["sweep"].items() if "us" in v) for r in rs))
-        if not keys:
+    for key, wide in (("gluon", False), ("gluon_wide", True)):
+        some = [r for r in rows if (r["n"] >= GLUON_WIDE_N) == wide]
+        if not some:
             continue
-        best = min(keys, key=lambda kk: geomean(r["sweep"][kk]["us"] for r in rs))
-        if geomean(r["sweep"][best]["us"] for r in rs) < geomean(r["without_us"] for r in rs):
-            out[cls] = dict(rs[0]["sweep"][best]["launch"])
+        out[key] = {}
+        for cls in dict.fromkeys(r["class"] for r in some):
+            rs = [r for r in some if r["class"] == cls]
+            keys = set.intersection(*(set(kk for kk, v in r["sweep"].items() if "us" in v) for r in rs))
+            if not keys:
+                continue
+            best = min(keys, key=lambda kk: geomean(r["sweep"][kk]["us"] for r in rs))
+            if geomean(r["sweep"][best]["us"] for r in rs) < (1 - GLUON_MIN_GAIN) * geomean(r["without_us"] for r in rs):
+                out[key][cls] = dict(rs[0]["sweep"][best]["launch"])
     return out

@@ -202,7 +202,11 @@ def test_plan_takes_the_gluon_gemm_for_the_classes_its_table_holds():
         assert (s.path, s.config) == ("semi_fused_ec", p.config)
     big = plan(4096, N, K, GROUP, "mma", 0, pol, gluon=True)
     assert big.config == GluonConfig(64, 256, 64, 3, 1)  # 16 x 32 = 512 tiles: no split
-    assert plan(2048, 28672, K, GROUP, "mma", 0, pol, gluon=True).config.split_k == 1
+    # 28672 output features: the "gluon_wide" classes (here the built-in ones, which hold no "big")
+    assert plan(2048, 28672, K, GROUP, "mma", 0, pol, gluon=True).w4 == "cublas"
+    wide = pol.replace(launch_table={**GLUON_TABLE, "gluon_wide": {"big": GLUON_TABLE["gluon"]["big"]}})
+    assert plan(2048, 28672, K, GROUP, "mma", 0, wide, gluon=True).config.split_k == 1
+    assert plan(2048, launch.GLUON_WIDE_N - 16, K, GROUP, "mma", 0, wide, gluon=True).w4 == "gluon"
     for m in (1, 16, 64, 129, 256):  # classes without an entry here or in the built-in table
         assert plan(m, N, K, GROUP, "mma", 0, pol, gluon=True).w4 in ("triton", "cublas"), m
     builtin = BUILTIN["gluon"]["1024"]  # a table of one's own is merged over the built-in one
@@ -216,6 +220,44 @@ def test_plan_takes_the_gluon_gemm_for_the_classes_its_table_holds():
                   plan(256, N, K, GROUP, "mma", 0, KernelPolicy(), gluon=True)):
         assert other.w4 in ("triton", "cublas")
     assert KernelPolicy(launch_table=GLUON_TABLE).op_args != KernelPolicy().op_args
+
+
+def test_a_table_without_wide_classes_sends_every_layer_to_its_gluon_classes():
+    from spear.kernels.launch import pick_gluon
+
+    own = {"gluon": {"256": dict(BN=128, BM=128, BK=128, num_stages=4)}}
+    for n in (4096, 28672):
+        assert pick_gluon(256, n, K, own).BM == 128
+    both = {**own, "gluon_wide": {"256": dict(BN=128, BM=256, BK=128, num_stages=2)}}
+    assert pick_gluon(256, 4096, K, both).BM == 128 and pick_gluon(256, 28672, K, both).BM == 256
+    assert pick_gluon(256, 28672, K, {**own, "gluon_wide": {}}) is None  # wide layers: none
+
+
+def test_the_builtin_gluon_classes_are_what_the_tuner_makes_of_its_h100_sweep():
+    """launch.BUILTIN's "gluon" and "gluon_wide" = tune.gluon_table over the stored sweep (the raw
+    timings of `spear tune-kernels --layout gluon` on the H100, 2026-12-06)."""
+    from pathlib import Path
+
+    from spear.kernels import tune
+
+    rows = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "run21-h100-2026-12-06" / "tune"
+                       / "gluon_rows.json").read_text())["rows"]
+    assert tune.gluon_table(rows) == {k: launch._thaw(BUILTIN[k]) for k in ("gluon", "gluon_wide")}
+
+
+def test_gluon_table_keeps_a_class_only_beyond_the_margin_and_per_width():
+    from spear.kernels import tune
+
+    def row(n, cls, without, **sweep):
+        return {"n": n, "class": cls, "without_us": without,
+                "sweep": {k: {"launch": dict(BN=128, BM=int(k[2:]), BK=128, num_stages=4), "us": us}
+                          for k, us in sweep.items()}}
+
+    rows = [row(4096, "128", 10.0, BM64=9.0, BM128=9.6), row(4096, "256", 10.0, BM128=9.6),
+            row(28672, "256", 10.0, BM128=9.4, BM256=8.0)]
+    assert tune.gluon_table(rows) == {"gluon": {"128": dict(BN=128, BM=64, BK=128, num_stages=4)},
+                                      "gluon_wide": {"256": dict(BN=128, BM=256, BK=128, num_stages=4)}}
+    assert tune.gluon_table(rows[:2]) == {"gluon": {"128": dict(BN=128, BM=64, BK=128, num_stages=4)}}
 
 
 @pytest.mark.parametrize("entry", [dict(BN=512, BM=128, BK=64, num_stages=4), dict(BN=256, BM=256, BK=64, num_stages=4),

@@ -38,6 +38,19 @@ def test_metrics_of_a_synthetic_trace(bench):
     assert bench.percentile([], 0.5) != bench.percentile([], 0.5)  # NaN
 
 
+def test_http_ttft_by_hop(bench):
+    """Arrivals 0 and 1 s; sent 0.01 and 1.03 s; headers (the core took them) 0.05 and 1.13 s; first
+    tokens 0.5 and 1.25 s. A request without hops (None) is left out. Catches: a hop measured from
+    the wrong end, seconds reported as milliseconds."""
+    t = bench.Trace(arrivals=[0.0, 1.0, 2.0], tokens=[[0.5, 0.6], [1.25], [2.5]],
+                    hops=[(0.01, 0.05), (1.03, 1.13), None])
+    s = bench.summarize(t)
+    assert s["client_late_p50_ms"] == pytest.approx(20.0) and s["client_late_p99_ms"] == pytest.approx(29.8)
+    assert s["until_taken_p50_ms"] == pytest.approx(70.0) and s["until_taken_p99_ms"] == pytest.approx(99.4)
+    assert s["taken_to_first_p50_ms"] == pytest.approx(285.0) and s["taken_to_first_p99_ms"] == pytest.approx(446.7)
+    assert "until_taken_p50_ms" not in bench.summarize(bench.Trace(arrivals=[0.0], tokens=[[0.5]]))
+
+
 def test_workload_is_seeded(bench):
     a = bench.workload(5, 8.0, 10, 20, 4, 100, seed=3)
     b = bench.workload(5, 8.0, 10, 20, 4, 100, seed=3)
@@ -58,6 +71,9 @@ def test_tiny_run(bench, tmp_path, http):
         assert r["ttft_p50_s"] > 0 and r["itl_p50_ms"] > 0 and r["output_tok_s"] > 0
         assert r["itl_max_ms"] >= r["itl_p99_ms"] >= r["itl_p50_ms"] and r["ttft_p99_s"] >= r["ttft_p50_s"]
         assert ("mixed_step_p50_ms" in r) != http
+        if http:  # the TTFT's hops add up to it
+            assert 0 <= r["until_taken_p50_ms"] and 0 <= r["taken_to_first_p50_ms"]
+            assert r["until_taken_p50_ms"] + r["taken_to_first_p50_ms"] <= 1e3 * r["ttft_p99_s"]
 
 
 def test_tiny_run_under_a_latency_target(bench, tmp_path):
