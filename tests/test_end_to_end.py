@@ -86,17 +86,16 @@ def test_acceptance_numbers_full_protocol(tmp_path):
 
 @pytest.mark.slow
 def test_default_job_headline_claims():
-    """`spear run` with its defaults (selection at 1%, static LQER and QERA-approx at that
-    selection, the ungated EC KL-calibrated for 240 steps on 64 + 16 self-samples, seed 0) on the
-    full protocol (24 x 512-token evaluation windows) reproduces README "Results": SPEAR recovers
-    >= 1.75x the gap of each static row at the same memory (the README's rows at this selection:
-    64.5% against static QERA-approx's 34.7%, 1.86x; static LQER is not in the table, and at rank 1
-    and rank 2 everywhere it is within 0.4 points of QERA-approx), and lands within +-3 points of
-    the README's 64.5% (that row's seed spread is +-0.5; seed 0 on this CPU draws other
-    self-samples than on the H200 the README figure comes from).
+    """`spear run` with its defaults (self-samples first, selection at 1% on them, static LQER and
+    QERA-approx at that selection, the ungated EC KL-calibrated for 240 steps on 64 + 16
+    self-samples, seed 0) on the full protocol (24 x 512-token evaluation windows) reproduces the
+    default job's table at this build (README "Results"; 2-core CPU, 2026-12-06, raw
+    benchmarks/data/run20-cpu-2026-12-06/spear-run/): LQER 37.1%, QERA-approx 34.2%, SPEAR 64.0%
+    of the gap, each within +-3 points (the H200's seed spread of the SPEAR row: +-0.5), and SPEAR
+    >= 1.7x each static row's gap recovered at the same memory (measured 1.73x and 1.87x).
 
     Catches: calibrate() returning before its first optimiser step (the EC stays at its static
-    QERA-approx init: about 35% instead of 64.5%, a ratio of about 1x), or a selection that ignores
+    QERA-approx init: about 35% instead of 64%, a ratio of about 1x), or a selection that ignores
     the budget."""
     res = run_job("smollm2-135m", QuantConfig(), EvalConfig(), ["lqer", "qera-approx"], progress=False,
                   log=lambda *_: None, spear_variants=("nogate",), calib_cfg=CalibrationConfig(seed=0),
@@ -107,9 +106,9 @@ def test_default_job_headline_claims():
     for static in (lqer, qera):
         assert 0.9 < static.memory_pct <= ec.memory_pct <= 1.0
         assert ec.memory_pct - static.memory_pct < 0.01  # the same A, B; only alpha is extra
-        assert ec.gap_recovered >= 1.75 * static.gap_recovered, (ec, static)
-    assert abs(qera.gap_recovered - 34.7) < 3
-    assert abs(ec.gap_recovered - 64.5) <= 3, ec
+        assert ec.gap_recovered >= 1.7 * static.gap_recovered, (ec, static)
+    assert abs(lqer.gap_recovered - 37.1) < 3 and abs(qera.gap_recovered - 34.2) < 3
+    assert abs(ec.gap_recovered - 64.0) <= 3, ec
 
 
 def test_kl_calibrated_ecs_beat_static_lqer_at_equal_memory(sharp_tiny_llama_path, tmp_path, monkeypatch):
