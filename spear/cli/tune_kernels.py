@@ -178,12 +178,12 @@ def _tune_gluon(args, shapes) -> int:
     import torch
 
     from spear.errors import SpearError
-    from spear.kernels import gluon_w4, launch, tune
+    from spear.kernels import gluon_w4, launch, tune_gluon
 
     if not gluon_w4.available():
         raise SpearError("--layout gluon needs a Hopper GPU (sm_90) and a Triton with Gluon; this is "
                          f"{torch.cuda.get_device_name()}")
-    table, rows = tune.tune_gluon(shapes, classes=args.classes, budget_s=args.budget_s, progress=not args.quiet)
+    table, rows = tune_gluon.tune_gluon(shapes, classes=args.classes, budget_s=args.budget_s, progress=not args.quiet)
     out = {k: launch._thaw(v) for k, v in launch.merged_table(table).items()}
     _write_json(args.out, out)
     if args.rows:

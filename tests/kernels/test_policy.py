@@ -234,19 +234,19 @@ def test_a_table_without_wide_classes_sends_every_layer_to_its_gluon_classes():
 
 
 def test_the_builtin_gluon_classes_are_what_the_tuner_makes_of_its_h100_sweep():
-    """launch.BUILTIN's "gluon" and "gluon_wide" = tune.gluon_table over the stored sweep (the raw
+    """launch.BUILTIN's "gluon" and "gluon_wide" = tune_gluon.gluon_table over the stored sweep (the raw
     timings of `spear tune-kernels --layout gluon` on the H100, 2026-12-06)."""
     from pathlib import Path
 
-    from spear.kernels import tune
+    from spear.kernels import tune_gluon
 
     rows = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "run21-h100-2026-12-06" / "tune"
                        / "gluon_rows.json").read_text())["rows"]
-    assert tune.gluon_table(rows) == {k: launch._thaw(BUILTIN[k]) for k in ("gluon", "gluon_wide")}
+    assert tune_gluon.gluon_table(rows) == {k: launch._thaw(BUILTIN[k]) for k in ("gluon", "gluon_wide")}
 
 
 def test_gluon_table_keeps_a_class_only_beyond_the_margin_and_per_width():
-    from spear.kernels import tune
+    from spear.kernels import tune_gluon
 
     def row(n, cls, without, **sweep):
         return {"n": n, "class": cls, "without_us": without,
@@ -255,9 +255,9 @@ def test_gluon_table_keeps_a_class_only_beyond_the_margin_and_per_width():
 
     rows = [row(4096, "128", 10.0, BM64=9.0, BM128=9.6), row(4096, "256", 10.0, BM128=9.6),
             row(28672, "256", 10.0, BM128=9.4, BM256=8.0)]
-    assert tune.gluon_table(rows) == {"gluon": {"128": dict(BN=128, BM=64, BK=128, num_stages=4)},
+    assert tune_gluon.gluon_table(rows) == {"gluon": {"128": dict(BN=128, BM=64, BK=128, num_stages=4)},
                                       "gluon_wide": {"256": dict(BN=128, BM=256, BK=128, num_stages=4)}}
-    assert tune.gluon_table(rows[:2]) == {"gluon": {"128": dict(BN=128, BM=64, BK=128, num_stages=4)}}
+    assert tune_gluon.gluon_table(rows[:2]) == {"gluon": {"128": dict(BN=128, BM=64, BK=128, num_stages=4)}}
 
 
 @pytest.mark.parametrize("entry", [dict(BN=512, BM=128, BK=64, num_stages=4), dict(BN=256, BM=256, BK=64, num_stages=4),
