@@ -10,9 +10,7 @@ table, read-only; a deployment passes its own through ``KernelPolicy.launch``
 
 from __future__ import annotations
 
-import dataclasses
-
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -321,7 +319,7 @@ def fit_gluon(cfg: GluonConfig, group_size: int, rank: int = 0) -> GluonConfig |
     """``cfg`` with as many ring stages as fit beside a compensator of ``rank`` (at most its own),
     or None where not even two do."""
     for stages in range(cfg.stages, 1, -1):
-        fitted = dataclasses.replace(cfg, stages=stages)
+        fitted = replace(cfg, stages=stages)
         if gluon_smem(fitted, group_size, rank) <= GLUON_SMEM_LIMIT:
             return fitted
     return None
