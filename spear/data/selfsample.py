@@ -22,6 +22,8 @@ logits; the sequences are the same as without it.
 
 from __future__ import annotations
 
+import inspect
+
 import hashlib
 import json
 import os
@@ -105,6 +107,12 @@ def next_tokens(logits: torch.Tensor, u: torch.Tensor, temperature: float = 1.0,
     return out
 
 
+def _cache_keyword(model) -> str:
+    """The name transformers gives the key/value cache, in the forward's arguments and its output:
+    ``cache`` in the newest releases, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def _sample_batch(model, bos: int, eos: int | None, rows: range, cfg: SampleConfig,
                   on_logits: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
@@ -113,11 +121,12 @@ def _sample_batch(model, bos: int, eos: int | None, rows: range, cfg: SampleConf
     gens = [torch.Generator().manual_seed(cfg.seed * 1_000_003 + r) for r in rows]
     ids = torch.full((n, cfg.length), bos, dtype=torch.long)
     cur, past = ids[:, :1].to(device), None
+    cache_kw = _cache_keyword(model)
     # One more step yields the logits after the last kept token (for on_logits); it draws nothing.
     for t in range(cfg.length if on_logits is not None else cfg.length - 1):
-        out = model(input_ids=cur, cache=past, use_cache=True,
+        out = model(input_ids=cur, use_cache=True, **{cache_kw: past},
                     attention_mask=torch.ones(n, t + 1, dtype=torch.long, device=device))
-        past, logits = out.cache, out.logits[:, -1]
+        past, logits = getattr(out, cache_kw), out.logits[:, -1]
         if on_logits is not None:
             on_logits(logits)
         if t == cfg.length - 1:
