@@ -83,9 +83,10 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         k, _, v = item.partition("=")
         if k not in types:
             raise SystemExit(f"unknown calibration setting {k!r} in {spec!r}")
-        t = types[k]
-        over[k] = (v.lower() in ("1", "true", "yes")) if t in (bool, "bool") else \
-            int(v) if t in (int, "int") else float(v) if t in (float, "float") else v
+        t = str(types[k])  # annotations are strings here (``from __future__ import annotations``)
+        over[k] = (v.lower() in ("1", "true", "yes")) if t in ("bool", str(bool)) else \
+            (None if v.lower() == "none" else int(v)) if t in ("int", str(int), "int | None") else \
+            float(v) if t in ("float", str(float)) else v
     return spec, over
 
 
