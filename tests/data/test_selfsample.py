@@ -79,3 +79,33 @@ def test_sequences_do_not_depend_on_the_batching(tiny_llama, tmp_path, monkeypat
     three = sample_sequences(model, tok, SampleConfig(n=3, length=10, seed=4), cache=False, progress=False)
     assert torch.equal(three, runs[0][:3])
     assert len({tuple(r) for r in runs[0].tolist()}) == 5  # five different sequences
+
+
+class _OlderSignature(torch.nn.Module):
+    """The same model behind a forward of the older transformers signature: the key/value cache goes in
+    and comes out as ``past_key_values`` (no ``cache`` argument, no ``cache`` attribute)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True, attention_mask=None):
+        from types import SimpleNamespace
+
+        out = self.inner(input_ids=input_ids, use_cache=use_cache, attention_mask=attention_mask,
+                         **{selfsample._cache_keyword(self.inner): past_key_values})
+        return SimpleNamespace(logits=out.logits, past_key_values=getattr(out, selfsample._cache_keyword(self.inner)))
+
+
+def test_sampling_follows_the_cache_argument_of_the_model(tiny_llama):
+    """A model whose forward names the cache ``past_key_values`` samples the same sequences as the
+    model itself.
+
+    Catches: the sampler passing ``cache=`` and reading ``out.cache`` whatever the model's signature
+    (an AttributeError on transformers releases before the rename)."""
+    model, tok = tiny_llama
+    cfg = SampleConfig(n=3, length=9, seed=2)
+    want = sample_sequences(model, tok, cfg, cache=False, progress=False)
+    older = _OlderSignature(model)
+    assert selfsample._cache_keyword(older) == "past_key_values"
+    assert torch.equal(sample_sequences(older, tok, cfg, cache=False, progress=False), want)
