@@ -42,8 +42,8 @@ from spear.errors import SpearError
 from spear.quant.linear import QuantLinear
 
 
-# A full fp16 teacher up to this size (the default model's 80 x 128 self-samples over 49,152
-# tokens: 0.94 GiB); past it the top-AUTO_TOP_K form (25 KB a position). BENCHMARKS.md, "Calibration
+# A full fp16 teacher up to this size (80 x 128 self-samples of the default model's 49,152 tokens:
+# 0.94 GiB); past it the top-AUTO_TOP_K form (25 KB a position; the default 528 x 128: 1.66 GB). BENCHMARKS.md, "Calibration
 # on a large vocabulary": on Gemma-3-270M (262,144 tokens) the top 64 leave 21% of real text's next
 # tokens and 14% of the W4 model's KL outside the objective, the top 4096 4% and 1%.
 FULL_TEACHER_MAX_BYTES = 2**30
@@ -56,7 +56,9 @@ class CalibrationConfig(Sampling):
     """Self-sampling (``Sampling``'s temperature, top_p and seed), optimisation and EC-shape settings
     of one calibration run."""
 
-    n_samples: int = 64
+    # 512 training self-samples: 71.6 ± 0.2% of the default model's RTN W4 gap against 64's 64.4 ± 1.2%
+    # (BENCHMARKS.md, "More self-samples"); the teacher of that many follows the vocabulary (for_vocab).
+    n_samples: int = 512
     val_samples: int = 16
     sample_len: int = 128
     steps: int = 240

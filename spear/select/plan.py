@@ -163,7 +163,9 @@ def make_plan(spec: str, model: nn.Module, tokenizer, quant: QuantConfig, damage
     if placement.startswith("cka") and damage is None:
         from spear.compensate.calibrate import CalibrationConfig
 
-        ids = damage_ids(model, tokenizer, damage_samples, CalibrationConfig(), progress=progress)
+        # the first damage_samples of an 80-sequence draw (cached): a plan made alone need not draw the
+        # calibration's whole set
+        ids = damage_ids(model, tokenizer, damage_samples, CalibrationConfig(n_samples=64), progress=progress)
         damage = module_damage(model, quant, ids, progress=progress)
         if damage_cache is not None:
             damage_cache[key] = damage

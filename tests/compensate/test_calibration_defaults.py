@@ -20,14 +20,18 @@ def test_teacher_bytes_by_hand():
 def test_the_teacher_follows_the_vocabulary():
     d = CalibrationConfig()
     assert d.teacher_top_k is None
-    # the default model (49,152 tokens) keeps the full teacher: 0.94 GiB for 80 x 128 self-samples
-    assert d.for_vocab(49_152).teacher_top_k == 0
-    assert d.for_vocab(49_152).teacher_bytes(49_152) <= FULL_TEACHER_MAX_BYTES
-    # a 262k vocabulary would take 5.4 GB: the top-k form instead
-    assert d.for_vocab(262_144).teacher_top_k == AUTO_TOP_K
-    assert CalibrationConfig(teacher_top_k=0).for_vocab(262_144).teacher_bytes(262_144) > FULL_TEACHER_MAX_BYTES
-    # more self-samples of the default model cross the bound too
-    assert CalibrationConfig(n_samples=256).for_vocab(49_152).teacher_top_k == AUTO_TOP_K
+    assert (d.n_samples, d.val_samples, d.sample_len) == (512, 16, 128)
+    # the default 528 x 128 self-samples of the default model (49,152 tokens): the full teacher would take
+    # 6.6 GB, its top 4,096 take 1.66 GB
+    assert CalibrationConfig(teacher_top_k=0).teacher_bytes(49_152) == 528 * 128 * 49_152 * 2
+    assert d.for_vocab(49_152).teacher_top_k == AUTO_TOP_K == 4096
+    assert d.for_vocab(49_152).teacher_bytes(49_152) == 528 * 128 * (4096 * 6 + 4)
+    # 64 + 16 of them keep the full teacher: 0.94 GiB
+    assert CalibrationConfig(n_samples=64).for_vocab(49_152).teacher_top_k == 0
+    assert CalibrationConfig(n_samples=64).for_vocab(49_152).teacher_bytes(49_152) <= FULL_TEACHER_MAX_BYTES
+    # a 262k vocabulary crosses the bound at 64 + 16 already (5.4 GB)
+    assert CalibrationConfig(n_samples=64).for_vocab(262_144).teacher_top_k == AUTO_TOP_K
+    assert CalibrationConfig(n_samples=64, teacher_top_k=0).teacher_bytes(262_144) > FULL_TEACHER_MAX_BYTES
     # an explicit choice is kept whatever the vocabulary
     assert CalibrationConfig(teacher_top_k=0).for_vocab(262_144).teacher_top_k == 0
     assert CalibrationConfig(teacher_top_k=64).for_vocab(1000).teacher_top_k == 64
