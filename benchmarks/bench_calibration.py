@@ -77,16 +77,17 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     if name not in ("nogate", "gate", "bw-nogate", "bw-gate", "bwkl-nogate", "bwkl-gate"):
         raise SystemExit(f"variant must start with nogate, gate, bw-nogate, bw-gate, bwkl-nogate or bwkl-gate; "
                          f"got {spec!r}")
-    types = {f.name: f.type for f in fields(CalibrationConfig)} | {"layer_steps": int}
+    # the annotations as written (CalibrationConfig's module has ``from __future__ import annotations``)
+    types = {f.name: f.type for f in fields(CalibrationConfig)} | {"layer_steps": "int"}
     over = {"gated": name.endswith("-gate") or name == "gate"}
     for item in filter(None, rest.split(";")):
         k, _, v = item.partition("=")
         if k not in types:
             raise SystemExit(f"unknown calibration setting {k!r} in {spec!r}")
-        t = str(types[k])  # annotations are strings here (``from __future__ import annotations``)
-        over[k] = (v.lower() in ("1", "true", "yes")) if t in ("bool", str(bool)) else \
-            (None if v.lower() == "none" else int(v)) if t in ("int", str(int), "int | None") else \
-            float(v) if t in ("float", str(float)) else v
+        t = types[k]
+        over[k] = (v.lower() in ("1", "true", "yes")) if t == "bool" else \
+            (None if v.lower() == "none" else int(v)) if t in ("int", "int | None") else \
+            float(v) if t == "float" else v
     return spec, over
 
 

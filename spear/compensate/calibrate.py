@@ -43,8 +43,8 @@ from spear.quant.linear import QuantLinear
 
 
 # A full fp16 teacher up to this size (80 x 128 self-samples of the default model's 49,152 tokens:
-# 0.94 GiB); past it the top-AUTO_TOP_K form (25 KB a position; the default 528 x 128: 1.66 GB). BENCHMARKS.md, "Calibration
-# on a large vocabulary": on Gemma-3-270M (262,144 tokens) the top 64 leave 21% of real text's next
+# 0.94 GiB); past it the top-AUTO_TOP_K form (25 KB a position; the default 528 x 128: 1.66 GB).
+# BENCHMARKS.md, "Calibration on a large vocabulary": on Gemma-3-270M (262,144 tokens) the top 64 leave 21% of real text's next
 # tokens and 14% of the W4 model's KL outside the objective, the top 4096 4% and 1%.
 FULL_TEACHER_MAX_BYTES = 2**30
 AUTO_TOP_K = 4096

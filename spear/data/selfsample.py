@@ -22,9 +22,8 @@ logits; the sequences are the same as without it.
 
 from __future__ import annotations
 
-import inspect
-
 import hashlib
+import inspect
 import json
 import os
 import tempfile

@@ -92,9 +92,9 @@ class _OlderSignature(torch.nn.Module):
     def forward(self, input_ids, past_key_values=None, use_cache=True, attention_mask=None):
         from types import SimpleNamespace
 
-        out = self.inner(input_ids=input_ids, use_cache=use_cache, attention_mask=attention_mask,
-                         **{selfsample._cache_keyword(self.inner): past_key_values})
-        return SimpleNamespace(logits=out.logits, past_key_values=getattr(out, selfsample._cache_keyword(self.inner)))
+        kw = selfsample._cache_keyword(self.inner)
+        out = self.inner(input_ids=input_ids, use_cache=use_cache, attention_mask=attention_mask, **{kw: past_key_values})
+        return SimpleNamespace(logits=out.logits, past_key_values=getattr(out, kw))
 
 
 def test_sampling_follows_the_cache_argument_of_the_model(tiny_llama):
