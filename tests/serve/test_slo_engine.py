@@ -15,13 +15,16 @@ from spear.serve import EngineConfig, LLMEngine, SamplingParams
 from spear.serve.latency.table import LatencyTable
 from spear.serve.frontend.metrics import ServingMetrics
 
-TARGET, MARGIN = 20.0, 0.25
+# The synthetic table's times and the target are SCALE times a small formula's, so that the chunks it
+# allows do not depend on SCALE while any CPU's steps (3-20 ms for this model) stay well under its prices
+SCALE = 4
+TARGET, MARGIN = 20.0 * SCALE, 0.25
 
 
 def table_for(deployment):
-    # d decodes and c prefill tokens (a step of T = d + c tokens) take 4 + d/4 + c/8 + L/1024 ms: at
-    # 16 ms (20 / 1.25) one decode leaves room for ~94 tokens; linear from T = 9 on, so exact there
-    f = lambda d, t, L: 4 + d / 4 + (t - d if t else 0) / 8 + L / 1024  # noqa: E731
+    # d decodes and c prefill tokens (a step of T = d + c tokens) take SCALE (4 + d/4 + c/8 + L/1024) ms:
+    # at TARGET / 1.25 one decode leaves room for ~94 tokens; linear from T = 9 on, so exact there
+    f = lambda d, t, L: SCALE * (4 + d / 4 + (t - d if t else 0) / 8 + L / 1024)  # noqa: E731
     decodes, tokens, contexts = (1, 8), (0, 9, 64, 256), (1, 1024)
     return LatencyTable(decodes, tokens, contexts, [[[f(d, t, L) for L in contexts] for t in tokens]
                                                     for d in decodes], MARGIN, deployment)
@@ -31,11 +34,11 @@ def table_ms(rec) -> float:
     """The synthetic table's price of a step record: mixed steps below T = 9 tokens are held at 9
     (the table's first mixed size); decode-only steps are its T = 0 row."""
     chunk = rec.prefill_tokens and max(rec.prefill_tokens, 9 - rec.num_decodes)
-    return 4 + rec.num_decodes / 4 + chunk / 8 + rec.decode_context / 1024
+    return SCALE * (4 + rec.num_decodes / 4 + chunk / 8 + rec.decode_context / 1024)
 
 
 def allowed(d, ctx: Fraction, ceiling):
-    fit = math.floor(8 * (Fraction(TARGET) / Fraction(5, 4) - 4 - Fraction(d, 4) - ctx / 1024))
+    fit = math.floor(8 * (Fraction(TARGET) / Fraction(5, 4) / SCALE - 4 - Fraction(d, 4) - ctx / 1024))
     return min(ceiling - d, max(16, fit))
 
 
@@ -105,8 +108,8 @@ def test_the_correction_learns_the_measured_steps_and_moves_the_chunks(static_en
     its kind: 0 decode-only, 1 mixed on the CPU) over the steps before it, learned from the steps'
     intervals (the caller works 2 ms between steps), and each chunk budget is the table's under the
     target divided by the mixed kind's factor; replayed here from the step records with the
-    synthetic formula. The CPU steps take ~3 ms against the table's ~15: the residuals fall and the
-    chunks grow beyond the table's.
+    synthetic formula. The CPU steps take 3-20 ms against the table's ~60: the residuals fall and
+    the chunks grow beyond the table's.
     Catches: a correction not fed by the engine, applied to the wrong kind, learned from the
     corrected prediction instead of the table's, or from the step's wall time instead of its interval."""
     engine = LLMEngine.from_pretrained(str(tiny_llama_path), EngineConfig(
@@ -123,7 +126,7 @@ def test_the_correction_learns_the_measured_steps_and_moves_the_chunks(static_en
         kind = 0 if rec.prefill_tokens == 0 else 1
         price = table_ms(rec)
         assert rec.predicted_ms == pytest.approx(price * (1 + residual[kind]), rel=1e-9)
-        fit = math.floor(8 * (TARGET / (1.25 * (1 + residual[1])) - 4 - rec.num_decodes / 4
+        fit = math.floor(8 * (TARGET / (1.25 * (1 + residual[1])) / SCALE - 4 - rec.num_decodes / 4
                               - rec.decode_context / 1024))
         assert rec.chunk_budget == min(256 - rec.num_decodes, max(16, fit))
         r = min(max(rec.interval_ms / price - 1, -0.5), 1.0)
