@@ -273,16 +273,19 @@ def check_act(act: int, n: int) -> None:
 def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None, ec: PackedEC | None = None,
                  ec_mode: int | None = None, v: torch.Tensor | None = None, config: Config | None = None,
                  act: int = 0, pdl: int = 0, u_split_max: int = U_SPLIT_MAX,
-                 table=BUILTIN) -> torch.Tensor:
+                 table=BUILTIN, native: bool | None = None) -> torch.Tensor:
     """``out = x W_hatᵀ (+ bias) (+ EC)`` for 2-D ``x``; see the module docstring.
 
     ``ec_mode``: 0 no EC, 1 fused (needs ``ec``), 2 epilogue from ``v`` = gamma(u) ⊙ u (M, R)
     (needs ``ec`` for B). Defaults to 1 when ``ec`` is given. ``config``: the launch (default:
     ``pick_config`` from ``table``). ``act`` 1: the output features are interleaved (gate, up)
     pairs and the result is silu(gate) * up, (M, N / 2). ``pdl`` 1: launched with programmatic
-    dependent launch (CUDA, Hopper or newer).
+    dependent launch (CUDA, Hopper or newer). ``native``: the CUDA code (fp16 dot operands, the PTX
+    products and inline-asm loads); default: unless Triton's interpreter runs the kernel (its dots
+    then take fp32 operands and the inline assembly is left out).
     """
     _check(x, w, bias, ec)
+    native = not INTERPRET if native is None else native
     if ec_mode is None:
         ec_mode = 0 if ec is None else 1
     if ec_mode not in (0, 1, 2) or (ec_mode and ec is None) or (ec_mode == 2 and v is None):
@@ -345,11 +348,11 @@ def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
         m, n, k, x.stride(0), out.stride(0),
         GROUP=w.group_size, SYMMETRIC=w.symmetric, HAS_BIAS=bias is not None, IS_BF16=x.dtype == torch.bfloat16,
         EC_MODE=ec_mode, GATE=bool(e and e.gated), R=r, H=h,
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=INTERPRET,
-        PTX=bool(cfg.mv and cfg.ptx and (aligned or mma) and x.dtype == torch.float16 and not INTERPRET),
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=not native,
+        PTX=bool(cfg.mv and cfg.ptx and (aligned or mma) and x.dtype == torch.float16 and native),
         KMAJOR=w.kmajor, SPLIT_K=cfg.split_k, U_SPLIT=u_split,
         PREFETCH=bool(cfg.prefetch and (w.kmajor or mma) and cfg.mv), ACT=act,
-        MMA=mma, ASM=mma and not INTERPRET,
+        MMA=mma, ASM=mma and native,
         **_common.pdl_args(pdl),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -17,7 +17,6 @@ import torch
 
 from spear.kernels import _frag_fma, launch
 from spear.kernels import reference as ref
-from spear.kernels import w4a16
 from spear.kernels.policy import KernelPolicy, plan, settings
 from spear.kernels.w4a16 import Config, w4a16_matmul
 from tests.kernels import _ptx
@@ -98,12 +97,12 @@ def test_compensator_and_silu_mul(poisoned, m, ec_mode, r, h, act, dtype, split)
 # ---------------------------------------------------------------------------- the fp16x2 PTX path
 @pytest.fixture()
 def ptx_path(monkeypatch):
-    """The launcher as on CUDA (PTX products, inline-asm loads), its inline assembly run by the
-    PTX interpreter of tests/kernels/_ptx.py inside Triton's interpreter."""
+    """The inline assembly of the CUDA path (PTX products, inline-asm loads) run by the PTX
+    interpreter of tests/kernels/_ptx.py inside Triton's interpreter; the tests launch with
+    ``native=True``."""
     if not INTERPRET:
         pytest.skip("runs the CUDA path inside Triton's CPU interpreter")
     _ptx.install(monkeypatch)
-    monkeypatch.setattr(w4a16, "INTERPRET", False)
 
 
 def test_ptx_interpreter_runs_the_dequantization_exactly():
@@ -133,7 +132,7 @@ def test_ptx_path(poisoned, ptx_path, gs, sym):
     for m in (1, 2, 3, 4):
         x, w, b, _, expect = setup_case(m, K, N, gs, sym, torch.float16, seed=gs + m, bias=m == 2, layout="mma")
         cfg = _launch(gs + m, m)
-        assert_close(w4a16_matmul(x, w, b, config=cfg), expect, torch.float16, f"PTX M={m} g={gs} sym={sym} {cfg}")
+        assert_close(w4a16_matmul(x, w, b, config=cfg, native=True), expect, torch.float16, f"PTX M={m} g={gs} sym={sym} {cfg}")
 
 
 def test_ptx_path_is_the_one_taken(ptx_path, monkeypatch):
@@ -142,7 +141,7 @@ def test_ptx_path_is_the_one_taken(ptx_path, monkeypatch):
     broken = re.sub(r"fma\.rn\.f16x2 al0, (\$\d+), (\$\d+), al0;", r"mul.rn.f16x2 al0, \1, \2;", _frag_fma._PTX_DOT.value)
     assert broken != _frag_fma._PTX_DOT.value
     monkeypatch.setattr(_frag_fma, "_PTX_DOT", type(_frag_fma._PTX_DOT)(broken))
-    out = w4a16_matmul(x, w, b, config=Config(16, 32, 128, 1, 2, 1, mv=1, prefetch=True))
+    out = w4a16_matmul(x, w, b, config=Config(16, 32, 128, 1, 2, 1, mv=1, prefetch=True), native=True)
     assert sqnr_db(expect, out.float()) < 20
 
 
