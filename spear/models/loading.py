@@ -151,13 +151,13 @@ def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32, dev
     its architecture: a missing one is an error, never a random initialisation.
     """
     path = resolve_model_path(model)
-    from spear.models.checkpoint import (_hf_config, is_checkpoint, load_checkpoint, load_folder_tokenizer,
+    from spear.models.checkpoint import (is_checkpoint, load_checkpoint, load_folder_tokenizer, read_hf_config,
                                          read_generation_config)
 
     if is_checkpoint(path):
         return load_checkpoint(path, dtype=dtype, device=device, verify=verify)
     _check_plain_folder(path)
-    _hf_config(path)
+    read_hf_config(path)
     read_generation_config(path)  # transformers reads it too, and would drop a malformed one silently
     from transformers import AutoModelForCausalLM
 

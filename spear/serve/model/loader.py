@@ -70,10 +70,10 @@ def _safetensor_files(path: Path) -> list[Path]:
 
 def from_folder(path: Path, verify: bool = False) -> tuple[object, dict[str, MemberWeights], dict[str, torch.Tensor]]:
     """(config, quantized linears, other tensors) of a spear checkpoint or an HF folder."""
-    from spear.models.checkpoint import CONFIG_NAME, WEIGHTS_NAME, _hf_config, is_checkpoint, read_spear_config, \
+    from spear.models.checkpoint import CONFIG_NAME, WEIGHTS_NAME, is_checkpoint, read_hf_config, read_spear_config, \
         read_tensors
 
-    config = _hf_config(path)
+    config = read_hf_config(path)
     if not is_checkpoint(path):
         from spear.models.loading import _check_plain_folder
 

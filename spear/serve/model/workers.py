@@ -59,12 +59,12 @@ def spawn_ranks(path, config, device, dtype, verify: bool) -> tuple["WorkerPool"
     now, not one per rank later) and start ranks 1..N-1; (their pool, rank 0's device)."""
     import torch
 
-    from spear.models.checkpoint import _hf_config
+    from spear.models.checkpoint import read_hf_config
     from spear.parallel.shard import TPRank, check_splits
     from spear.serve.model.llama import check_supported
 
     n = config.tensor_parallel_size
-    model_config = _hf_config(path)
+    model_config = read_hf_config(path)
     check_supported(model_config)
     check_splits(model_config, TPRank(0, n))
     if device.type == "cuda":
