@@ -12,7 +12,7 @@ column tiles x split_k. Each W program streams BN rows of packed codes over its 
   * CUDA cores (MV = 1, 2, 4 tokens; _nmajor.py, _kmajor.py, _frag_fma.py): exact fp32 codes, one
     FMA per weight and token, no change of register layout; with fp16 activations on CUDA,
     16 products at a time run in fp16x2 PTX instead (``_common._word2_dot``; over the fragment
-    layout ``_frag_fma._frag_dot``).
+    layout ``_frag_fma_ptx._frag_dot``).
 Per-channel scales are applied once after the loop.
 
 Split-K (decode: N/BN tiles alone cannot fill 132 SMs). Every split writes its fp32

@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from spear.kernels import _frag_fma, launch
+from spear.kernels import _frag_fma_ptx, launch
 from spear.kernels import reference as ref
 from spear.kernels.policy import KernelPolicy, plan, settings
 from spear.kernels.w4a16 import Config, w4a16_matmul
@@ -116,7 +116,7 @@ def test_ptx_interpreter_runs_the_dequantization_exactly():
         h = torch.tensor(v, dtype=torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
         return (h | (h << 16)).numpy()
 
-    out = _ptx.run(_frag_fma._dq_ptx(), "=r,=r,=r,=r,r,r,r", [word, half2(-(1024.0 + z_lo) / 16),
+    out = _ptx.run(_frag_fma_ptx._dq_ptx(), "=r,=r,=r,=r,r,r,r", [word, half2(-(1024.0 + z_lo) / 16),
                                                                 half2(-(64.0 + z_hi) / 16)])
     for j in range(4):  # pair j: nibbles j (low half) and j + 4; rows g (j even) or g + 8 (j odd)
         z = torch.tensor(z_lo if j % 2 == 0 else z_hi, dtype=torch.float32)
@@ -138,9 +138,9 @@ def test_ptx_path(poisoned, ptx_path, gs, sym):
 def test_ptx_path_is_the_one_taken(ptx_path, monkeypatch):
     """The fixture does reach the PTX path: with the dot's products dropped the result is wrong."""
     x, w, b, _, expect = setup_case(1, K, N, 128, False, torch.float16, seed=3, layout="mma")
-    broken = re.sub(r"fma\.rn\.f16x2 al0, (\$\d+), (\$\d+), al0;", r"mul.rn.f16x2 al0, \1, \2;", _frag_fma._PTX_DOT.value)
-    assert broken != _frag_fma._PTX_DOT.value
-    monkeypatch.setattr(_frag_fma, "_PTX_DOT", type(_frag_fma._PTX_DOT)(broken))
+    broken = re.sub(r"fma\.rn\.f16x2 al0, (\$\d+), (\$\d+), al0;", r"mul.rn.f16x2 al0, \1, \2;", _frag_fma_ptx._PTX_DOT.value)
+    assert broken != _frag_fma_ptx._PTX_DOT.value
+    monkeypatch.setattr(_frag_fma_ptx, "_PTX_DOT", type(_frag_fma_ptx._PTX_DOT)(broken))
     out = w4a16_matmul(x, w, b, config=Config(16, 32, 128, 1, 2, 1, mv=1, prefetch=True), native=True)
     assert sqnr_db(expect, out.float()) < 20
 
