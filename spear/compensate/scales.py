@@ -4,7 +4,8 @@ While :func:`tunable_scales` is active, every :class:`QuantLinear` of the model 
 with ``dequantize(codes, scales · exp(t), zeros)``, where ``t`` (same shape as ``scales``,
 fp32, initialised at 0) is a trainable tensor held by the :class:`ScaleFactors` it yields;
 the codes and zero points stay fixed. The weight is recomputed from ``t`` on every call
-(the module's dequantized-weight cache is bypassed). On a normal exit the factors are
+(the module's dequantized-weight cache is bypassed); per-channel scales multiply the output of
+the integer weight instead. On a normal exit the factors are
 folded into the fp16 scale buffers, ``scales = (scales.float() · exp(t)).half()``; on an
 exception the scales are left untouched. Either way every trace of the tuning is removed
 and the weight caches are dropped, so the modules are plain QuantLinears again (same
@@ -60,10 +61,30 @@ class ScaleFactors:
 
 
 def _tuned_base_forward(mod: QuantLinear, t: torch.Tensor):
+    if mod.group_size == 0:
+        return _tuned_channel_forward(mod, t)
+
     def base_forward(x: torch.Tensor) -> torch.Tensor:
         scales = mod.scales.float() * t.exp()
         w = dequantize(mod.codes, scales, mod.zeros, mod.group_size, x.dtype)
         return F.linear(x, w.to(x.device), None if mod.bias is None else mod.bias.to(x.dtype))
+    return base_forward
+
+
+def _tuned_channel_forward(mod: QuantLinear, t: torch.Tensor):
+    """Per-channel scales: ``x (codes - zeros)ᵀ`` times each row's scale. The scales' gradient is then
+    elementwise, where the dequantized weight's form needs a weight-gradient matmul per step (a third
+    more of a training step's work); the integer weight is exact in any float dtype and cached."""
+    unit: dict[torch.dtype, torch.Tensor] = {}
+
+    def base_forward(x: torch.Tensor) -> torch.Tensor:
+        q = unit.get(x.dtype)
+        if q is None:
+            ones = torch.ones(mod.scales.shape, dtype=torch.float32, device=mod.scales.device)
+            q = unit[x.dtype] = dequantize(mod.codes, ones, mod.zeros, 0, x.dtype).to(x.device)
+        y = F.linear(x, q)
+        y = (y.float() * (mod.scales.float() * t.exp()).reshape(-1).to(y.device)).to(y.dtype)
+        return y if mod.bias is None else y + mod.bias.to(y.dtype)
     return base_forward
 
 

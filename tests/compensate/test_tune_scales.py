@@ -94,8 +94,12 @@ def test_folding_is_exact_and_leaves_a_plain_quantlinear(sharp_tiny_llama_path, 
         assert set(sf.factors) == set(mods)
         assert all(sf.factors[n].shape == m.scales.shape and sf.factors[n].dtype == torch.float32
                    for n, m in mods.items())
-        with torch.no_grad():
-            assert torch.equal(model(input_ids=ids).logits, base_logits)  # t = 0: the plain model
+        with torch.no_grad():  # t = 0: the plain model (per channel: scaled after the product, so up to rounding)
+            start = model(input_ids=ids).logits
+            if group_size:
+                assert torch.equal(start, base_logits)
+            else:
+                torch.testing.assert_close(start, base_logits, rtol=1e-5, atol=1e-5)
         # the weight is recomputed from t: a gradient reaches every factor
         model(input_ids=ids).logits.logsumexp(-1).mean().backward()
         assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in sf.factors.values())
@@ -171,3 +175,35 @@ def test_cli_tune_scales_writes_a_plain_checkpoint(sharp_tiny_llama_path, tmp_pa
     model, _ = load_model(out)
     assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
     cli_refuses_blockwise(sharp_tiny_llama_path, tmp_path / "bw", "--tune-scales", capsys)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_per_channel_scales_scale_the_output_as_the_dequantized_weight_would(sharp_tiny_llama_path, symmetric):
+    """Per-channel scales take the output-scaling form: the same outputs and the same scale
+    gradients as ``x · dequantize(codes, scales · exp(t), zeros)ᵀ`` (+ bias), in fp32 and bf16.
+    Catches: a scale applied to the wrong axis, the zero point dropped, the bias scaled, the
+    factor's gradient lost."""
+    model, _ = load_model(sharp_tiny_llama_path)
+    mods = quantize_model_rtn(model, QuantConfig(bits=4, group_size=0, symmetric=symmetric), progress=False)
+    name, mod = next((n, m) for n, m in mods.items() if m.out_features != m.in_features)
+    mod.bias = torch.nn.Parameter(torch.randn(mod.out_features, generator=torch.Generator().manual_seed(2)),
+                                  requires_grad=False)
+    x = torch.randn(3, 5, mod.in_features, generator=torch.Generator().manual_seed(0))
+    t0 = 0.1 * torch.randn(mod.scales.shape, generator=torch.Generator().manual_seed(1))
+    grad_out = torch.randn(3, 5, mod.out_features, generator=torch.Generator().manual_seed(3))
+    with tunable_scales(model) as tuner:
+        t = tuner.factors[name]
+        with torch.no_grad():
+            t.copy_(t0)
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            t.grad = None
+            got = mod.base_forward(x.to(dtype))
+            assert got.dtype == dtype
+            (got.float() * grad_out).sum().backward()
+            got_grad = t.grad.clone()
+            ref_t = t0.clone().requires_grad_(True)
+            w = dequantize(mod.codes, mod.scales.float() * ref_t.exp(), mod.zeros, 0, torch.float32)
+            want = torch.nn.functional.linear(x.to(dtype).float(), w.to(dtype).float(), mod.bias.to(dtype).float())
+            (want * grad_out).sum().backward()
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+            torch.testing.assert_close(got_grad, ref_t.grad, rtol=tol * 10, atol=tol * 10 * ref_t.grad.abs().max().item())
