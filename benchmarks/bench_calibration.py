@@ -173,7 +173,8 @@ def main() -> None:
     p.add_argument("--static", default="lqer,qera-approx", help="static rows per plan ('' for none)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--variants", default="nogate,gate")
-    p.add_argument("--steps", type=int, default=240)
+    p.add_argument("--steps", type=int, default=None,
+                   help="KL steps of every variant that sets none (default: by the device, as spear's own)")
     p.add_argument("--damage-samples", type=int, default=16, help="self-samples (x128 tokens) for CKA damage")
     p.add_argument("--damage-cache", type=Path,
                    help="file keeping the CKA damage scores between runs (keyed by model, device, bits, group, "

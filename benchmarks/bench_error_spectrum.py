@@ -45,7 +45,7 @@ def spectra(model_name: str, spec: str, plan_spec: str, damage_cache: dict, dama
     qcfg = parse_setting(spec)
     model, tok = load_model(model_name)
     targets = quantizable_linears(model, qcfg.include_lm_head)
-    cal = CalibrationConfig()
+    cal = CalibrationConfig().for_model(model)
     ids = sample_sequences(model, tok, cal.self_samples(cal.n_samples + cal.val_samples, cal.sample_len),
                            progress=False)[: cal.stats_samples]
     ref = Reference({n: lin.weight.detach().clone() for n, lin in targets.items()},

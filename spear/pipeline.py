@@ -112,7 +112,7 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
     if plan is None and rank is None:
         from spear.select.plan import select
 
-        cfg0 = calib_cfg or CalibrationConfig()
+        cfg0 = (calib_cfg or CalibrationConfig()).for_model(model)
         with clock("selection"):
             selection = select(model, tokenizer, quant, budget, placement, hidden=cfg0.hidden,
                                gated="gate" in spear_variants, per_rank=cfg0.gate_per_rank, tp=tp,

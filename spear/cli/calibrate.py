@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 
@@ -19,30 +20,39 @@ def add_calibration_args(p, with_gate_flag: bool = True) -> None:
     g.add_argument("--bound", type=float, default=d.bound, help="γ ∈ (1-bound, 1+bound) (default: %(default)s)")
     g.add_argument("--gate-per-module", action="store_true",
                    help="one γ per token for the whole module instead of one per rank component")
-    g.add_argument("--steps", type=positive_int, default=d.steps, help="optimizer steps (default: %(default)s)")
-    g.add_argument("--samples", type=positive_int, default=d.n_samples, help="training self-samples (default: %(default)s)")
+    from spear.compensate.calibrate import ACCELERATOR_SIZES, CPU_SIZES
+
+    why = "a GPU affords more self-sampled text and longer training, which recover more of the gap"
+    g.add_argument("--steps", type=positive_int, default=d.steps,
+                   help=f"optimizer steps (default: {CPU_SIZES[1]} on a CPU, {ACCELERATOR_SIZES[1]} on a GPU: {why})")
+    g.add_argument("--samples", type=positive_int, default=d.n_samples,
+                   help=f"training self-samples (default: {CPU_SIZES[0]} on a CPU, {ACCELERATOR_SIZES[0]} on a GPU)")
     g.add_argument("--val-samples", type=positive_int, default=d.val_samples, help="held-out self-samples (default: %(default)s)")
     g.add_argument("--sample-len", type=positive_int, default=d.sample_len, help="tokens per self-sample (default: %(default)s)")
     g.add_argument("--calib-batch", type=positive_int, default=d.batch_size, help="sequences per step (default: %(default)s)")
     g.add_argument("--lr", type=float, default=d.lr, help="learning rate of A, B (default: %(default)s)")
     g.add_argument("--gate-lr", type=float, default=d.gate_lr, help="learning rate of the gate (default: %(default)s)")
     g.add_argument("--seed", type=nonneg_int, default=d.seed, help="sampling, init and data-order seed (default: %(default)s)")
-    from spear.compensate.calibrate import AUTO_TOP_K, FULL_TEACHER_MAX_BYTES
+    from spear.compensate.calibrate import AUTO_TOP_K, FULL_TEACHER_MAX_BYTES, TOP_K_TEACHER_MAX_BYTES
 
     g.add_argument("--teacher-top-k", type=nonneg_int, default=d.teacher_top_k, metavar="K",
                    help="keep only the teacher's K most likely tokens per position (plus the rest's mass) "
                         "instead of the whole distribution (0): bounded memory for many samples or large "
                         f"vocabularies (default: the whole distribution while it takes at most "
-                        f"{FULL_TEACHER_MAX_BYTES / 2**30:g} GiB, else K = {AUTO_TOP_K})")
-    g.add_argument("--tune-scales", action="store_true",
+                        f"{FULL_TEACHER_MAX_BYTES / 2**30:g} GiB, else K = {AUTO_TOP_K}, halved while the top K would "
+                        f"take more than {TOP_K_TEACHER_MAX_BYTES / 2**30:g} GiB)")
+    # On by default in the CLI (the library's CalibrationConfig keeps them off, so the ECs' own effect stays
+    # measurable): on the default job they added 0.7, 1.1 and 0.8 points at seeds 0, 1, 2 (2-core CPU, 2026-12-06;
+    # BENCHMARKS.md, "More self-samples"), at no extra memory.
+    g.add_argument("--tune-scales", action=argparse.BooleanOptionalAction, default=None,
                    help="also KL-train the quantization scales of every quantized linear (a log-factor per "
                         "stored scale, folded into the fp16 scales afterwards: no extra memory); end-to-end "
-                        "KL only. Default: only the ECs train")
+                        "KL only (default: on; off with --blockwise)")
     g.add_argument("--scale-lr", type=float, default=d.scale_lr,
                    help="with --tune-scales: learning rate of the scales' log-factors (default: %(default)s)")
-    g.add_argument("--tune-norms", action="store_true",
+    g.add_argument("--tune-norms", action=argparse.BooleanOptionalAction, default=None,
                    help="also KL-train the RMSNorm/LayerNorm weights in place (norm tweaking; they are stored "
-                        "anyway: no extra memory); end-to-end KL only")
+                        "anyway: no extra memory); end-to-end KL only (default: on; off with --blockwise)")
     g.add_argument("--norm-lr", type=float, default=d.norm_lr,
                    help="with --tune-norms: learning rate of the norm weights (default: %(default)s)")
     g.add_argument("--init", choices=["identity", "lqer", "qera-approx", "qera-exact"], default=d.init,
@@ -55,14 +65,22 @@ def add_calibration_args(p, with_gate_flag: bool = True) -> None:
 
 
 def calibration_config_from(args):
+    """The CalibrationConfig of the parsed arguments. ``--tune-scales``/``--tune-norms`` left unset are on, except
+    with ``--blockwise`` (which trains the ECs only); asked for with it, they are an error."""
     from spear.compensate.calibrate import CalibrationConfig
+    from spear.errors import SpearError
 
+    blockwise = getattr(args, "blockwise", False)
+    if blockwise and (args.tune_scales or args.tune_norms):
+        raise SpearError("--tune-scales and --tune-norms need end-to-end KL calibration (not --blockwise)")
+    tune = {name: (not blockwise) if getattr(args, name) is None else getattr(args, name)
+            for name in ("tune_scales", "tune_norms")}
     return CalibrationConfig(n_samples=args.samples, val_samples=args.val_samples, sample_len=args.sample_len,
                              seed=args.seed, steps=args.steps, batch_size=args.calib_batch, lr=args.lr,
                              gate_lr=args.gate_lr, gated=getattr(args, "gate", False), hidden=args.hidden,
                              bound=args.bound, gate_per_rank=not args.gate_per_module, init=args.init,
-                             teacher_top_k=args.teacher_top_k, tune_scales=args.tune_scales,
-                             scale_lr=args.scale_lr, tune_norms=args.tune_norms, norm_lr=args.norm_lr,
+                             teacher_top_k=args.teacher_top_k, tune_scales=tune["tune_scales"],
+                             scale_lr=args.scale_lr, tune_norms=tune["tune_norms"], norm_lr=args.norm_lr,
                              train_dtype=args.train_dtype)
 
 
@@ -107,8 +125,6 @@ def main(args) -> int:
 
     quant = quant_config_from(args)
     cfg = calibration_config_from(args)
-    if args.blockwise and (cfg.tune_scales or cfg.tune_norms):
-        raise SpearError("--tune-scales and --tune-norms need end-to-end KL calibration (not --blockwise)")
     if is_checkpoint(resolve_model_path(args.model)):
         raise SpearError(f"{args.model} is already a spear checkpoint; calibrate from its source model")
     check_checkpoint_out(args.out, args.overwrite)

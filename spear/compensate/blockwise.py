@@ -85,6 +85,7 @@ def calibrate_blockwise(model: nn.Module, train_ids: torch.Tensor, val_ids: torc
         raise SpearError("tune_scales and tune_norms need end-to-end KL calibration; blockwise calibration "
                          "trains the ECs only")
     start = time.perf_counter()
+    cfg = cfg.for_device(next(model.parameters()).device)
     steps = steps_per_layer or max(1, cfg.steps // 2)
     prefix, layers = find_decoder_layers(model)
     for p in model.parameters():

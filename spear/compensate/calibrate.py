@@ -48,6 +48,18 @@ from spear.quant.linear import QuantLinear
 # tokens and 14% of the W4 model's KL outside the objective, the top 4096 4% and 1%.
 FULL_TEACHER_MAX_BYTES = 2**30
 AUTO_TOP_K = 4096
+# More training self-samples (and a teacher of as many) halve the automatic k, down to MIN_AUTO_TOP_K, to keep
+# the top-k teacher within this size: 1,040 x 128 positions get the top 2,048 (1.6 GB), 2,064 the top 1,024.
+# At 512 samples the top 256 recovered as much as the top 4,096 (BENCHMARKS.md, "More self-samples").
+TOP_K_TEACHER_MAX_BYTES = 2**31
+MIN_AUTO_TOP_K = 256
+# (training self-samples, steps) by where the calibration runs, when not given. More text trained on for
+# longer keeps paying (BENCHMARKS.md, "More self-samples", H100, 3 seeds each, the default model's RTN W4 gap
+# at the 1% selection with tuned scales and norms: 512 and 240 steps 72.2 ± 0.1%, 2,048 and 960 75.3 ± 0.4%),
+# but a CPU pays for both linearly (a step of the default model: ~3 s on 2 cores): its default keeps `spear run`
+# of the default model within half an hour, an accelerator's takes minutes.
+CPU_SIZES = (512, 240)
+ACCELERATOR_SIZES = (2048, 960)
 TRAIN_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -56,12 +68,13 @@ class CalibrationConfig(Sampling):
     """Self-sampling (``Sampling``'s temperature, top_p and seed), optimisation and EC-shape settings
     of one calibration run."""
 
-    # 512 training self-samples: 71.6 ± 0.2% of the default model's RTN W4 gap against 64's 64.4 ± 1.2%
-    # (BENCHMARKS.md, "More self-samples"); the teacher of that many follows the vocabulary (for_vocab).
-    n_samples: int = 512
+    # None: by the device (for_device; CPU_SIZES or ACCELERATOR_SIZES). 512 training self-samples: 71.6 ± 0.2%
+    # of the default model's RTN W4 gap against 64's 64.4 ± 1.2% (BENCHMARKS.md, "More self-samples"); the
+    # teacher of that many follows the vocabulary (for_vocab).
+    n_samples: int | None = None
     val_samples: int = 16
     sample_len: int = 128
-    steps: int = 240
+    steps: int | None = None
     batch_size: int = 4
     lr: float = 2e-3  # A, B
     gate_lr: float = 1e-2  # gate MLP
@@ -102,6 +115,8 @@ class CalibrationConfig(Sampling):
         positive = ("n_samples", "val_samples", "steps", "batch_size", "eval_every", "patience", "hidden",
                     "stats_samples")
         for name in positive:
+            if name in ("n_samples", "steps") and getattr(self, name) is None:
+                continue  # resolved by the device (for_device)
             if getattr(self, name) < 1:
                 raise SpearError(f"calibration {name} must be >= 1, got {getattr(self, name)}")
         if self.sample_len < 2:
@@ -127,23 +142,37 @@ class CalibrationConfig(Sampling):
 
     def teacher_bytes(self, vocab_size: int) -> int:
         """Bytes of the teacher for every self-sample: fp16 log-probabilities, or the top-k form."""
+        if self.n_samples is None:
+            raise SpearError("the number of self-samples follows the device: resolve it with for_device first")
         positions = (self.n_samples + self.val_samples) * self.sample_len
         k = self.teacher_top_k
         return positions * (2 * vocab_size if not k else 6 * min(k, vocab_size) + 4)
 
+    def for_device(self, device: torch.device | str) -> "CalibrationConfig":
+        """This config with ``n_samples`` and ``steps`` left None resolved for ``device``: CPU_SIZES on a
+        CPU, ACCELERATOR_SIZES elsewhere. Given values are kept."""
+        n, steps = CPU_SIZES if torch.device(device).type == "cpu" else ACCELERATOR_SIZES
+        return replace(self, n_samples=n if self.n_samples is None else self.n_samples,
+                       steps=steps if self.steps is None else self.steps)
+
     def for_vocab(self, vocab_size: int) -> "CalibrationConfig":
-        """This config with the settings that follow the model resolved: ``teacher_top_k=None`` becomes 0
-        (the full teacher) while that takes at most ``full_teacher_max_bytes``, else AUTO_TOP_K."""
+        """This config with the teacher's form resolved: ``teacher_top_k=None`` becomes 0 (the full teacher)
+        while that takes at most ``full_teacher_max_bytes``, else AUTO_TOP_K, halved (not below
+        MIN_AUTO_TOP_K) while the top-k teacher would take more than TOP_K_TEACHER_MAX_BYTES."""
         if self.teacher_top_k is not None:
             return self
         full = replace(self, teacher_top_k=0)
         if full.teacher_bytes(vocab_size) <= self.full_teacher_max_bytes:
             return full
-        return replace(self, teacher_top_k=min(AUTO_TOP_K, vocab_size))
+        top = replace(self, teacher_top_k=min(AUTO_TOP_K, vocab_size))
+        while top.teacher_top_k // 2 >= MIN_AUTO_TOP_K and top.teacher_bytes(vocab_size) > TOP_K_TEACHER_MAX_BYTES:
+            top = replace(top, teacher_top_k=top.teacher_top_k // 2)
+        return top
 
     def for_model(self, model: nn.Module) -> "CalibrationConfig":
-        """:meth:`for_vocab` with the width of ``model``'s logits."""
-        return self.for_vocab(model_vocab(model))
+        """:meth:`for_device` with the device of ``model``'s parameters, then :meth:`for_vocab` with the width
+        of its logits: every setting that follows the model resolved (idempotent)."""
+        return self.for_device(next(model.parameters()).device).for_vocab(model_vocab(model))
 
 
 def model_vocab(model: nn.Module) -> int:
@@ -265,6 +294,7 @@ def train_ecs(model: nn.Module, train_ids: torch.Tensor, train_teacher: torch.Te
               val_teacher: torch.Tensor, cfg: CalibrationConfig, progress: bool = True) -> CalibrationReport:
     """Minimise the KL to the teacher over EC parameters (and, with ``cfg.tune_scales``, the
     quantization scales; with ``cfg.tune_norms``, the norm weights); restores the best validation state."""
+    cfg = cfg.for_device(next(model.parameters()).device)
     ecs = ec_modules(model)
     if not ecs and not cfg.tune_scales and not cfg.tune_norms:
         raise SpearError("the model has no error compensators to calibrate")

@@ -16,6 +16,8 @@ def test_spear_calibrate_writes_checkpoint_and_gate_report(sharp_tiny_llama_path
     cfg = json.loads((out / "spear_config.json").read_text())
     assert cfg["meta"]["calibration"]["steps"] == 6 and len(cfg["meta"]["plan"]) == 14
     assert cfg["meta"]["calibration"]["train_dtype"] == "bfloat16"
+    # by default the scales and the norm weights train too
+    assert cfg["meta"]["calibration"]["tune_scales"] is True and cfg["meta"]["calibration"]["tune_norms"] is True
     model, _ = load_model(out)
     ec = model.model.layers[1].self_attn.o_proj.compensator
     assert isinstance(ec, GatedCompensator) and ec.rank == 2
@@ -44,6 +46,7 @@ def test_spear_calibrate_blockwise(sharp_tiny_llama_path, tmp_path, monkeypatch,
     assert "blockwise: mean layer output error" in capsys.readouterr().out
     meta = json.loads((out / "spear_config.json").read_text())["meta"]
     assert meta["calibration"]["mode"] == "blockwise" and len(meta["report"]["layers"]) == 2
+    assert meta["calibration"]["tune_scales"] is False and meta["calibration"]["tune_norms"] is False
     model, _ = load_model(out)
     assert model.model.layers[0].mlp.down_proj.compensator.rank == 2
 
@@ -84,3 +87,22 @@ def test_diverged_calibration_exits_2_with_one_line_and_writes_nothing(sharp_tin
     assert rc == 2 and len(lines) == 1, captured.err
     assert lines[0].startswith("spear calibrate: error: calibration diverged at step ") and "Traceback" not in lines[0]
     assert not out.exists() and list(out.parent.iterdir()) == []
+
+
+def test_scales_and_norms_train_unless_told_or_blockwise(capsys):
+    """Catches: the CLI's default of tuning scales and norms lost, --no-tune-* ignored, --blockwise asked to tune
+    them accepted (it trains the ECs only)."""
+    from spear.cli import build_parser
+    from spear.cli.calibrate import calibration_config_from
+
+    def cfg(*extra):
+        return calibration_config_from(build_parser().parse_args(["calibrate", "--model", "m", "--out", "o", *extra]))
+
+    assert (cfg().tune_scales, cfg().tune_norms) == (True, True)
+    assert (cfg("--no-tune-scales").tune_scales, cfg("--no-tune-scales").tune_norms) == (False, True)
+    assert (cfg("--no-tune-norms").tune_scales, cfg("--no-tune-norms").tune_norms) == (True, False)
+    assert (cfg("--blockwise").tune_scales, cfg("--blockwise").tune_norms) == (False, False)
+    run = calibration_config_from(build_parser().parse_args(["run"]))
+    assert (run.tune_scales, run.tune_norms) == (True, True)
+    assert main(["-q", "calibrate", "--model", "m", "--out", "o", "--blockwise", "--tune-norms"]) == 2
+    assert "need end-to-end KL calibration" in capsys.readouterr().err
