@@ -3,8 +3,8 @@
 Only EC parameters train (A, B, α and the gate); the quantized base, embeddings and
 norms stay frozen. The objective is KL(p_FP ‖ p_quantized+EC) over every position
 of sequences the FP model sampled itself. Teacher log-probabilities are computed
-once, before the model is quantized, and kept in fp16 (the default model's 64 x 128
-samples take ~0.8 GB), or, with ``teacher_top_k = k``, only the teacher's k most likely
+once, before the model is quantized, and kept in fp16 (64 x 128 samples of the default
+model take ~0.8 GB), or, with ``teacher_top_k = k``, only the teacher's k most likely
 tokens per position plus the probability left over (:class:`TopKTeacher`: 6k + 4 bytes
 per position instead of 2 x vocab), for many samples or large vocabularies. A held-out set
 of self-samples gives the validation KL used for early stopping. The starting state (the
@@ -15,7 +15,9 @@ model worse than it received (on the held-out self-samples). A non-finite loss s
 with an error naming the step and the first module whose parameters, gradients or outputs
 went non-finite, so no checkpoint is written from it.
 
-``tune_scales`` (off by default, so the ECs' own contribution stays measurable) also
+How much text and how many steps follow the device (``for_device``: a GPU affords four times the
+CPU's, which recovers more of the gap). ``tune_scales`` (off in this config, so the ECs' own
+contribution stays measurable; ``spear run`` and ``spear calibrate`` turn it on) also
 trains the quantization scales of every quantized linear under the same loss: a
 log-factor per stored scale, folded into the fp16 scales at the end
 (:mod:`spear.compensate.scales`; no extra memory). With it, a model without ECs can
