@@ -47,7 +47,7 @@ from spear.compensate.scales import NormWeights, norm_modules  # noqa: E402
 from spear.compensate.static import attach_static, remove_compensators  # noqa: E402
 from spear.compensate.stats import collect_activation_stats  # noqa: E402
 from spear.compensate.workflow import attach_ecs, calibrate, calibrate_layerwise, prepare_calibration  # noqa: E402
-from spear.config import GPTQConfig, QuantConfig, StaticCompensationConfig  # noqa: E402
+from spear.config import AWQConfig, GPTQConfig, QuantConfig, StaticCompensationConfig  # noqa: E402
 from spear.data import load_text, make_split  # noqa: E402
 from spear.eval.memory import compensator_bytes, quantized_model_bytes  # noqa: E402
 from spear.eval.error_spectrum import captured, top_share, weighted_spectrum  # noqa: E402
@@ -60,14 +60,18 @@ from spear.select.plan import make_plan  # noqa: E402
 
 
 def parse_setting(spec: str) -> QuantConfig:
-    m = re.fullmatch(r"(?:(rtn|gptq|gptqact|awq)-)?w(\d)(pc|g\d+)(\+head)?", spec)
+    m = re.fullmatch(r"(?:(rtn|gptq|gptqact|awq|awqgptq)-)?w(\d)(pc|g\d+)(\+head)?", spec)
     if not m:
-        raise SystemExit(f"setting must look like w4pc, w3g64, gptq-w4g64, gptqact-w4pc or w4g64+head; got {spec!r}")
+        raise SystemExit(f"setting must look like w4pc, w3g64, gptq-w4g64, gptqact-w4pc, awqgptq-w4g64 or w4g64+head; "
+                         f"got {spec!r}")
     group = 0 if m.group(3) == "pc" else int(m.group(3)[1:])
     method = m.group(1) or "rtn"
     head = m.group(4) is not None
     if method == "gptqact":
         return QuantConfig(bits=int(m.group(2)), group_size=group, method="gptq", gptq=GPTQConfig(act_order=True),
+                           include_lm_head=head)
+    if method == "awqgptq":  # AWQ's scaling and clipping, GPTQ's rounding
+        return QuantConfig(bits=int(m.group(2)), group_size=group, method="awq", awq=AWQConfig(rounding="gptq"),
                            include_lm_head=head)
     return QuantConfig(bits=int(m.group(2)), group_size=group, method=method, include_lm_head=head)
 

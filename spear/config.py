@@ -99,18 +99,24 @@ class GPTQConfig:
 @dataclass(frozen=True)
 class AWQConfig:
     """AWQ options: ``grid`` points of alpha in [0, 1] for the scale search s = mean|x|^alpha;
-    ``clip`` enables the clipping search over ``clip_grid`` ratios in [``clip_min``, 1]."""
+    ``clip`` enables the clipping search over ``clip_grid`` ratios in [``clip_min``, 1]; ``rounding``
+    turns the scaled weights into codes: ``"rtn"`` (AWQ's own, to the nearest level) or ``"gptq"``
+    (GPTQ's error feedback under the scaled inputs' Hessian, with ``QuantConfig.gptq``'s options and
+    the searched clipping ratios)."""
 
     grid: int = 20
     clip: bool = True
     clip_grid: int = 20
     clip_min: float = 0.5
+    rounding: str = "rtn"
 
     def __post_init__(self):
         if self.grid < 1 or self.clip_grid < 1:
             raise SpearError(f"AWQ grid sizes must be >= 1, got grid={self.grid}, clip_grid={self.clip_grid}")
         if not 0 < self.clip_min <= 1:
             raise SpearError(f"AWQ clip_min must be in (0, 1], got {self.clip_min}")
+        if self.rounding not in ("rtn", "gptq"):
+            raise SpearError(f"AWQ rounding must be rtn or gptq, got {self.rounding!r}")
 
 
 @dataclass(frozen=True)
@@ -159,7 +165,8 @@ class QuantConfig:
     def label(self) -> str:
         gran = "per-channel" if self.group_size == 0 else f"g{self.group_size}"
         head = f" + head W{self.head_bits}" if self.separate_head else " + head" if self.include_lm_head else ""
-        return f"{self.method.upper()} W{self.bits} {gran} {'sym' if self.symmetric else 'asym'}{head}"
+        method = "AWQ+GPTQ" if self.method == "awq" and self.awq.rounding == "gptq" else self.method.upper()
+        return f"{method} W{self.bits} {gran} {'sym' if self.symmetric else 'asym'}{head}"
 
     def to_dict(self) -> dict:
         return asdict(self)

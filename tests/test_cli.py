@@ -29,6 +29,7 @@ def test_help_lists_commands():
     (["eval", "--model", "/does/not/exist"], "neither 'smollm2-135m' nor an existing local folder"),
     (["run", "--baselines", "magic"], "unknown baseline(s) ['magic']"),
     (["nosuchcommand"], "invalid choice"),
+    (["quantize", "--out", "x", "--method", "awq", "--awq-rounding", "nearest"], "argument --awq-rounding: invalid choice"),
 ])
 def test_bad_arguments_give_one_line_errors(argv, message):
     res = _run(*argv)
@@ -36,6 +37,17 @@ def test_bad_arguments_give_one_line_errors(argv, message):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_awq_rounding_reaches_the_quant_config():
+    from spear.cli import build_parser
+    from spear.cli.common import quant_config_from
+
+    parse = build_parser().parse_args
+    assert quant_config_from(parse(["quantize", "--out", "x", "--method", "awq"])).awq.rounding == "rtn"
+    cfg = quant_config_from(parse(["quantize", "--out", "x", "--method", "awq", "--awq-rounding", "gptq",
+                                   "--gptq-damp", "0.05"]))
+    assert cfg.awq.rounding == "gptq" and cfg.gptq.damp == 0.05 and cfg.label.startswith("AWQ+GPTQ")
 
 
 def test_quantize_then_eval(tiny_llama_path, article_text, tmp_path, capsys):

@@ -89,6 +89,9 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--act-order", action="store_true",
                    help="GPTQ: quantize columns by decreasing Hessian diagonal (static groups)")
     c.add_argument("--awq-no-clip", action="store_true", help="AWQ: skip the clipping search")
+    c.add_argument("--awq-rounding", choices=["rtn", "gptq"], default="rtn",
+                   help="AWQ: how the scaled weights are rounded: to the nearest level, or with GPTQ's error "
+                        "feedback (uses --gptq-damp; default: %(default)s)")
 
 
 def quant_config_from(args) -> QuantConfig:
@@ -100,7 +103,7 @@ def quant_config_from(args) -> QuantConfig:
                        calib=CalibConfig(source=args.calib_source, n_samples=args.calib_samples,
                                          seq_len=args.calib_seq_len),
                        gptq=GPTQConfig(damp=args.gptq_damp, act_order=args.act_order),
-                       awq=AWQConfig(clip=not args.awq_no_clip))
+                       awq=AWQConfig(clip=not args.awq_no_clip, rounding=args.awq_rounding))
 
 
 def read_plan(path: str | None) -> dict[str, int] | None:

@@ -22,6 +22,11 @@ unscaled output and the fold reverted if they differ (e.g. a norm computing
 
 Clipping: per output row and group, the range is shrunk by the ratio in
 [clip_min, 1] that minimizes that group's output error ``Δ_g H_gg Δ_gᵀ``.
+
+Rounding (``AWQConfig.rounding``): to the nearest level (AWQ's own), or GPTQ's column sweep with
+error feedback under the scaled inputs' Hessian ``diag(s)⁻¹ H diag(s)⁻¹`` and the searched
+clipping ratios (``"gptq"``): AWQ decides which channels lose less, GPTQ spreads what each
+rounding loses onto the columns not yet rounded.
 """
 
 from __future__ import annotations
@@ -119,9 +124,14 @@ def awq_search_clip(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfi
 @torch.no_grad()
 def awq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Clipping search (when enabled) and rounding of an already-scaled weight: (codes, scales, zeros)."""
+    """Clipping search (when enabled) and rounding (``cfg.awq.rounding``) of an already-scaled weight, whose
+    input Hessian is ``hessian``: (codes, scales, zeros)."""
     w = weight.float()
     clip = awq_search_clip(w, hessian, cfg) if cfg.awq.clip else 1.0
+    if cfg.awq.rounding == "gptq":
+        from spear.quant.gptq import gptq_quantize_weight
+
+        return gptq_quantize_weight(w, hessian, cfg, clip)
     codes, scales, zeros = _rtn(w, cfg, clip)
     return codes, scales.to(torch.float16), zeros
 

@@ -33,8 +33,9 @@ from spear.models.modules import set_module
 log = logging.getLogger(__name__)
 
 
-def _qparams(w: torch.Tensor, cfg: QuantConfig, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    scales, zeros = compute_qparams(w, cfg.bits, group_size, cfg.symmetric)
+def _qparams(w: torch.Tensor, cfg: QuantConfig, group_size: int, clip: torch.Tensor | float = 1.0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    scales, zeros = compute_qparams(w, cfg.bits, group_size, cfg.symmetric, clip)
     # Quantize against the fp16 scales that are stored, so codes and storage agree.
     return scales.to(torch.float16).float(), zeros.float()
 
@@ -51,11 +52,12 @@ def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, cfg: QuantConfig,
+                         clip: torch.Tensor | float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ one weight (out, in) given its input Hessian (in, in).
 
-    Returns ``(codes uint8 (out, in), scales fp16 (out, G), zeros uint8 (out, G))``
+    ``clip`` (a ratio, or one per row and group, (out, G)) shrinks each group's range before its
+    scale is set, as AWQ's clipping search chooses it. Returns ``(codes uint8 (out, in), scales fp16 (out, G), zeros uint8 (out, G))``
     in the layout of :mod:`spear.quant.primitives`.
     """
     if weight.dim() != 2:
@@ -67,7 +69,9 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, cfg: Quant
     if not torch.isfinite(hessian).all() or not torch.isfinite(weight).all():
         raise ValueError("weight and Hessian must be finite")
     gs = cfg.group_size
-    n_groups(in_f, gs)  # raises if the group size does not divide in_features
+    g_count = n_groups(in_f, gs)  # raises if the group size does not divide in_features
+    if isinstance(clip, torch.Tensor) and tuple(clip.shape) != (out_f, g_count):
+        raise ValueError(f"clip must be a ratio or ({out_f}, {g_count}) ratios, got shape {tuple(clip.shape)}")
     opts = cfg.gptq
     qmax = 2 ** cfg.bits - 1
     w = weight.detach().float().clone()
@@ -81,7 +85,7 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, cfg: Quant
 
     static = gs == 0 or opts.act_order
     if static:  # per-channel, or act-order's static groups: parameters from the original weights
-        scales, zeros = _qparams(w, cfg, gs)
+        scales, zeros = _qparams(w, cfg, gs, clip)
     else:
         scales = torch.empty(out_f, in_f // gs, device=w.device)
         zeros = torch.empty(out_f, in_f // gs, device=w.device)
@@ -106,7 +110,8 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, cfg: Quant
                 # columns past the block still owe this block's pending updates.
                 ahead = w[:, i2:col + gs] - err[:, :i] @ u[i1:col, i2:col + gs]
                 g = col // gs
-                s, z = _qparams(torch.cat([w1[:, i:i + gs], ahead], dim=1), cfg, 0)
+                s, z = _qparams(torch.cat([w1[:, i:i + gs], ahead], dim=1), cfg, 0,
+                                clip[:, g:g + 1] if isinstance(clip, torch.Tensor) else clip)
                 scales[:, g], zeros[:, g] = s[:, 0], z[:, 0]
             g = group_of[col]
             s, z = scales[:, g], zeros[:, g]

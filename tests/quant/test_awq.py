@@ -109,6 +109,28 @@ def test_clip_search_lowers_each_groups_output_error():
     assert (clipped <= plain * (1 + 1e-5) + 1e-6).all() and clipped.sum() < plain.sum()
 
 
+@pytest.mark.parametrize("group_size", [0, 16])
+def test_gptq_rounding_lowers_the_output_error_of_the_scaled_weight(group_size):
+    """Catches: AWQ+GPTQ rounding that ignores the Hessian or the searched clipping. Against AWQ's own
+    rounding of the same scaled weight and ranges, error feedback must lower tr(Δ H Δᵀ)."""
+    x, _, _ = _stats(seed=6, tokens=1024)
+    x = x @ (torch.eye(64) + 0.3 * torch.randn(64, 64, generator=torch.Generator().manual_seed(7)))  # correlated
+    h = x.T @ x / x.shape[0]
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(8))
+    errors = {}
+    for rounding in ("rtn", "gptq"):
+        cfg = QuantConfig(method="awq", group_size=group_size, awq=AWQConfig(rounding=rounding))
+        codes, scales, zeros = awq_quantize_weight(w, h, cfg)
+        assert codes.dtype == torch.uint8 and scales.dtype == torch.float16 and codes.shape == w.shape
+        delta = w - dequantize(codes, scales, zeros, group_size)
+        errors[rounding] = float(((delta @ h) * delta).sum())
+    assert errors["gptq"] < 0.8 * errors["rtn"]
+    assert QuantConfig(method="awq", awq=AWQConfig(rounding="gptq")).label.startswith("AWQ+GPTQ W4")
+    cfg = QuantConfig(method="awq", awq=AWQConfig(rounding="gptq"))
+    assert QuantConfig.from_dict(cfg.to_dict()) == cfg
+    assert QuantConfig.from_dict({"method": "awq", "awq": {"grid": 20}}).awq.rounding == "rtn"  # older checkpoints
+
+
 def test_group_output_error_matches_the_definition():
     x, h, _ = _stats(seed=4, inp=32, tokens=64)
     delta = torch.randn(8, 32, generator=torch.Generator().manual_seed(5))
@@ -126,6 +148,8 @@ def test_bad_statistics_raise():
         awq_search_scale([torch.randn(8, 12)], torch.eye(16), torch.ones(16), QuantConfig(method="awq"))
     with pytest.raises(SpearError, match="clip_min"):
         AWQConfig(clip_min=0.0)
+    with pytest.raises(SpearError, match="rounding must be rtn or gptq"):
+        AWQConfig(rounding="nearest")
 
 
 def test_awq_model_and_reference_for_compensation(rand_ids):

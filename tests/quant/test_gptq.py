@@ -53,6 +53,24 @@ def test_act_order_static_groups_use_the_original_group_ranges():
     torch.testing.assert_close(scales.float(), expected.half().float())
 
 
+@pytest.mark.parametrize("group_size", [0, 16])
+def test_clip_ratios_shrink_the_ranges_gptq_sets(group_size):
+    """Catches: a clip that does not reach the group parameters, or reaches the wrong group. The identity
+    Hessian gives rounding without feedback, so every range is the weight's own, times its ratio."""
+    w, _, _ = _problem(seed=4)
+    groups = 1 if group_size == 0 else 64 // group_size
+    clip = 0.5 + 0.5 * torch.rand(48, groups, generator=torch.Generator().manual_seed(5))
+    cfg = QuantConfig(group_size=group_size, method="gptq", gptq=GPTQConfig(damp=0.0))
+    codes, scales, zeros = gptq_quantize_weight(w, torch.eye(64), cfg, clip)
+    expected = w.reshape(48, groups, -1).abs().amax(-1) * clip / 7
+    torch.testing.assert_close(scales.float(), expected.half().float())
+    want = torch.clamp(torch.round(w.reshape(48, groups, -1) / scales.float().unsqueeze(-1)), -8, 7)
+    torch.testing.assert_close(dequantize(codes, scales, zeros, group_size),
+                               (want * scales.float().unsqueeze(-1)).reshape(48, 64))
+    with pytest.raises(ValueError, match="clip must be"):
+        gptq_quantize_weight(w, torch.eye(64), cfg, clip[:, :1].repeat(1, groups + 1))
+
+
 def test_identity_hessian_gives_rtn():
     # With H = I there is no correlation to exploit: GPTQ reduces to rounding.
     w, _, _ = _problem(seed=1)
