@@ -79,15 +79,16 @@ class StepClock:
 def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_methods: list[str],
             rank: int | None = None, plan: dict[str, int] | None = None, progress: bool = True, log=print,
             spear_variants: tuple[str, ...] = (), calib_cfg: CalibrationConfig | None = None,
-            budget: str = "1%", placement: str = "cka", damage_samples: int = 8, tp: int = 1) -> JobResult:
+            budget: str = "1%", placement: str = "cka", damage_samples: int = 8, tp: int = 1,
+            device: str = "cpu") -> JobResult:
     """Evaluate FP, the quantized base, each static method and each SPEAR variant
     (``"nogate"``: the low-rank EC KL-calibrated with γ ≡ 1, SPEAR's default;
     ``"gate"``: the token-gated EC) with the same modules and ranks, so every row has
-    the same memory. Modules and ranks: ``plan`` if given, else ``rank`` on every
-    module, else the selection's placement within ``budget``."""
+    the same memory, with the model on ``device``. Modules and ranks: ``plan`` if given, else ``rank`` on
+    every module, else the selection's placement within ``budget``."""
     clock = StepClock()
     with clock("load"):
-        model, tokenizer = load_model(model_name)
+        model, tokenizer = load_model(model_name, device=device)
         split = load_split(tokenizer, eval_cfg)
     log(f"text: {split.describe()}")
 
@@ -185,7 +186,7 @@ def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_me
               "quant": quant.label, "seq_len": split.seq_len,
               "eval_windows": split.eval.shape[0], "tokens_scored": fp.tokens,
               "calib_windows": split.calib.shape[0], "quantized_model_bytes": total,
-              "modules": len(modules), "torch": torch.__version__}
+              "modules": len(modules), "device": str(device), "torch": torch.__version__}
     if spear_variants:
         teacher = f"top-{calib_cfg.teacher_top_k} teacher" if calib_cfg.teacher_top_k else "full teacher"
         header["calibration"] = (f"{calib_cfg.n_samples}+{calib_cfg.val_samples} self-samples x "

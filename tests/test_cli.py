@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from spear.cli import main
+from spear.errors import SpearError
 
 
 def _run(*argv):
@@ -29,6 +30,7 @@ def test_help_lists_commands():
     (["eval", "--model", "/does/not/exist"], "neither 'smollm2-135m' nor an existing local folder"),
     (["run", "--baselines", "magic"], "unknown baseline(s) ['magic']"),
     (["nosuchcommand"], "invalid choice"),
+    (["run", "--device", "tpu"], "--device 'tpu' is not a torch device"),
     (["quantize", "--out", "x", "--method", "awq", "--awq-rounding", "nearest"], "argument --awq-rounding: invalid choice"),
 ])
 def test_bad_arguments_give_one_line_errors(argv, message):
@@ -37,6 +39,32 @@ def test_bad_arguments_give_one_line_errors(argv, message):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "calibrate", "select"])
+def test_device_is_resolved_and_checked_before_the_model_loads(command, monkeypatch):
+    """``auto`` is cuda where torch sees a GPU, else cpu; a device that is not there, or no device at all,
+    is one line naming it."""
+    from spear.cli import build_parser
+    from spear.cli.common import device_from
+
+    parse = build_parser().parse_args
+    out = [] if command == "run" else ["--out", "x"]
+    assert parse([command, *out]).device == "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert device_from(parse([command, *out])) == "cpu"
+    assert device_from(parse([command, *out, "--device", "cpu"])) == "cpu"
+    with pytest.raises(SpearError, match="asked for, but torch sees 0 CUDA device"):
+        device_from(parse([command, *out, "--device", "cuda:1"]))
+    with pytest.raises(SpearError, match="is not a torch device"):
+        device_from(parse([command, *out, "--device", "gpu0"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert device_from(parse([command, *out])) == "cuda"
+    assert device_from(parse([command, *out, "--device", "cuda:1"])) == "cuda:1"
+    with pytest.raises(SpearError, match="torch sees 2 CUDA"):
+        device_from(parse([command, *out, "--device", "cuda:2"]))
 
 
 def test_awq_rounding_reaches_the_quant_config():

@@ -85,7 +85,7 @@ def calibration_config_from(args):
 
 
 def register(sub) -> None:
-    from spear.cli.common import add_model_arg, add_plan_args, add_quant_args, positive_int
+    from spear.cli.common import add_device_arg, add_model_arg, add_plan_args, add_quant_args, positive_int
 
     p = sub.add_parser("calibrate", help="quantize + attach SPEAR error compensators + KL-calibrate + save",
                        description="Quantize the model, attach low-rank error compensators to the modules the "
@@ -97,7 +97,7 @@ def register(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out if it is a spear checkpoint (a folder of anything else is never replaced)")
     add_plan_args(p, latency=True)
-    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    add_device_arg(p, "to calibrate")
     p.add_argument("--blockwise", action="store_true",
                    help="train one decoder layer at a time against the FP layer outputs (memory of one "
                         "layer's activations and no teacher distribution: for models too large for "
@@ -111,7 +111,7 @@ def register(sub) -> None:
 
 
 def main(args) -> int:
-    from spear.cli.common import plan_from_args, quant_config_from
+    from spear.cli.common import device_from, plan_from_args, quant_config_from
     from spear.compensate.gate_stats import gate_statistics, plot_gate_vs_error, summary_rows
     from spear.compensate.spec import check_plan_ranks
     from spear.compensate.workflow import attach_ecs, calibrate, calibrate_layerwise, prepare_calibration
@@ -128,10 +128,11 @@ def main(args) -> int:
     if is_checkpoint(resolve_model_path(args.model)):
         raise SpearError(f"{args.model} is already a spear checkpoint; calibrate from its source model")
     check_checkpoint_out(args.out, args.overwrite)
+    device = device_from(args)
     if args.gate_report:
         check_can_write_in(args.gate_report)
     progress = not args.quiet
-    model, tok = load_model(args.model, device=args.device)
+    model, tok = load_model(args.model, device=device)
     cfg = cfg.for_model(model)  # the teacher's form follows the vocabulary; the checkpoint records it
     given = args.plan is not None or args.rank is not None
     if given:

@@ -27,6 +27,31 @@ positive_int = _int_at_least(1)
 nonneg_int = _int_at_least(0)
 
 
+def add_device_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--device", default="auto",
+                   help=f"torch device {what} on: cpu, cuda or cuda:N; auto = cuda when available, else cpu "
+                        "(default: %(default)s)")
+
+
+def device_from(args) -> str:
+    """``--device`` resolved: ``auto`` is ``cuda`` where torch sees a GPU, else ``cpu``; a CUDA device that is
+    not there, or a name torch does not know, is a SpearError (before any model loads)."""
+    import torch
+
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        raise SpearError(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:N or auto)") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise SpearError(f"--device {args.device} asked for, but torch sees {torch.cuda.device_count()} CUDA "
+                         "device(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise SpearError(f"--device {args.device}: spear runs on cpu or cuda")
+    return str(dev)
+
+
 def positive_float(text: str) -> float:
     try:
         v = float(text)

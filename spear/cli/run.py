@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from spear.cli.common import (add_model_arg, add_plan_args, add_quant_args, add_text_args, eval_config_from,
-                              quant_config_from, read_plan)
+from spear.cli.common import (add_device_arg, add_model_arg, add_plan_args, add_quant_args, add_text_args,
+                              eval_config_from, quant_config_from, read_plan)
 from spear.config import STATIC_METHODS
 from spear.errors import SpearError
 
@@ -12,7 +12,7 @@ def register(sub) -> None:
     p = sub.add_parser("run", help="quantize, evaluate FP / W4 / static baselines / SPEAR ECs, print the table",
                        description="The whole default job: FP, the quantized base, static low-rank baselines "
                                    "and SPEAR's KL-calibrated ECs at the same modules and ranks (by default the "
-                                   "selection's placement within 1%% extra memory), evaluated on the same windows, "
+                                   "selection's placement within 1% extra memory), evaluated on the same windows, "
                                    "as one table (also saved as JSON and Markdown).")
     add_model_arg(p)
     add_quant_args(p)
@@ -28,6 +28,7 @@ def register(sub) -> None:
     from spear.cli.calibrate import add_calibration_args
 
     add_calibration_args(p, with_gate_flag=False)
+    add_device_arg(p, "to run the job")
     p.add_argument("--out", default="results/run", help="folder for run.json / run.md (default: %(default)s)")
     p.set_defaults(func=main)
 
@@ -49,6 +50,7 @@ def main(args) -> int:
     from spear.pipeline import run_job
 
     from spear.cli.calibrate import calibration_config_from
+    from spear.cli.common import device_from
     from spear.fileio import check_can_write_in
 
     methods = parse_methods(args.baselines)
@@ -59,7 +61,8 @@ def main(args) -> int:
     result = run_job(args.model, quant_config_from(args), eval_config_from(args), methods, rank=args.rank,
                      plan=read_plan(args.plan), progress=not args.quiet, spear_variants=variants,
                      calib_cfg=calibration_config_from(args) if variants else None, budget=args.budget,
-                     placement=args.placement, damage_samples=args.damage_samples, tp=args.tp)
+                     placement=args.placement, damage_samples=args.damage_samples, tp=args.tp,
+                     device=device_from(args))
     print()
     for k, v in result.header.items():
         print(f"{k}: {v}")

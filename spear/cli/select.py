@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
-    from spear.cli.common import add_model_arg, add_plan_args, add_quant_args
+    from spear.cli.common import add_device_arg, add_model_arg, add_plan_args, add_quant_args
 
     p = sub.add_parser("select", help="choose which modules get ECs, at which rank, within --budget",
                        description="Quantize one module at a time (the rest in full precision), score its "
@@ -15,7 +15,7 @@ def register(sub) -> None:
                                    "--plan OUT` use it.")
     add_model_arg(p)
     p.add_argument("--out", required=True, help="folder for plan.json and selection.png (a checkpoint folder is fine)")
-    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    add_device_arg(p, "to score the damage")
     p.add_argument("--gate", action="store_true", help="count the bytes of token-gated ECs (default: ungated)")
     p.add_argument("--hidden", type=int, default=8, help="gate width the byte count assumes (default: %(default)s)")
     add_quant_args(p)
@@ -26,7 +26,7 @@ def register(sub) -> None:
 def main(args) -> int:
     from types import SimpleNamespace
 
-    from spear.cli.common import plan_from_args, quant_config_from
+    from spear.cli.common import device_from, plan_from_args, quant_config_from
     from spear.errors import SpearError
     from spear.fileio import check_can_write_in
     from spear.models.checkpoint import is_checkpoint
@@ -38,7 +38,8 @@ def main(args) -> int:
         raise SpearError(f"{args.model} is already a spear checkpoint; select on its source model")
     quant = quant_config_from(args)
     check_can_write_in(args.out)  # plan.json and selection.png go there after the damage scoring
-    model, tok = load_model(args.model, device=args.device)
+    device = device_from(args)
+    model, tok = load_model(args.model, device=device)
     cfg = SimpleNamespace(hidden=args.hidden, gated=args.gate, gate_per_rank=True)
     plan, sel = plan_from_args(args, model, tok, quant, cfg, progress=not args.quiet)
     path = save_plan(sel, args.out)
