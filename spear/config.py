@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field, fields
 
 from spear.errors import SpearError
-
-if TYPE_CHECKING:
-    import torch
 
 
 def _from_dict(cls, data: dict):
@@ -43,33 +39,18 @@ class Sampling:
         return SampleConfig(n=n, length=length, **{f.name: getattr(self, f.name) for f in fields(Sampling)})
 
 
-# Sequences per forward pass of the self-sampling loop. On a CPU 64 take 1.5x less time per sequence than 16
-# (the weights are read once per step); on an accelerator a step of 64 is launch-bound, and more rows cost
-# next to nothing (BENCHMARKS.md, "More self-samples": benchmarks/bench_sampling.py).
-SAMPLE_BATCH_CPU = 64
-SAMPLE_BATCH_ACCELERATOR = 256
-
-
 @dataclass(frozen=True)
 class SampleConfig(Sampling):
     """``n`` self-sampled sequences of ``length`` tokens; ``batch_size`` sequences per forward pass."""
 
     n: int = 64
     length: int = 128
-    # None: by the device (for_device): SAMPLE_BATCH_CPU or SAMPLE_BATCH_ACCELERATOR
-    batch_size: int | None = None
+    batch_size: int = 64  # sequences per forward pass: 1.5x less CPU time per sequence than 16 (the weights are read once per step)
 
     def __post_init__(self):
         super().__post_init__()
-        if self.n < 1 or self.length < 2 or (self.batch_size is not None and self.batch_size < 1):
+        if self.n < 1 or self.length < 2 or self.batch_size < 1:
             raise SpearError(f"self-sampling needs n>=1, length>=2, batch_size>=1; got {self}")
-
-    def for_device(self, device: torch.device | str) -> "SampleConfig":
-        """This config with ``batch_size`` None resolved for ``device``; a given one is kept."""
-        if self.batch_size is not None:
-            return self
-        cpu = str(device).partition(":")[0] == "cpu"
-        return replace(self, batch_size=SAMPLE_BATCH_CPU if cpu else SAMPLE_BATCH_ACCELERATOR)
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,6 @@ def sample_sequences(model: nn.Module, tokenizer, cfg: SampleConfig = SampleConf
         bos = tokenizer.eos_token_id
     if bos is None:
         raise SpearError("self-sampling needs a BOS (or EOS) token in the tokenizer")
-    cfg = cfg.for_device(next(model.parameters()).device)
     was_training = model.training
     model.eval()
     chunks = []

@@ -81,21 +81,6 @@ def test_sequences_do_not_depend_on_the_batching(tiny_llama, tmp_path, monkeypat
     assert len({tuple(r) for r in runs[0].tolist()}) == 5  # five different sequences
 
 
-def test_the_sampling_batch_follows_the_device():
-    """A CPU samples 64 sequences a forward, an accelerator 256 (launch-bound at 64); a given batch is kept,
-    which changes no sequence (the test above)."""
-    from spear.config import SAMPLE_BATCH_ACCELERATOR, SAMPLE_BATCH_CPU
-    from spear.errors import SpearError
-
-    assert (SAMPLE_BATCH_CPU, SAMPLE_BATCH_ACCELERATOR) == (64, 256)
-    assert SampleConfig().batch_size is None
-    assert SampleConfig().for_device("cpu").batch_size == 64
-    assert SampleConfig().for_device(torch.device("cuda", 1)).batch_size == 256
-    assert SampleConfig(batch_size=8).for_device("cuda").batch_size == 8
-    with pytest.raises(SpearError, match="batch_size>=1"):
-        SampleConfig(batch_size=0)
-
-
 class _OlderSignature(torch.nn.Module):
     """The same model behind a forward of the older transformers signature: the key/value cache goes in
     and comes out as ``past_key_values`` (no ``cache`` argument, no ``cache`` attribute)."""
