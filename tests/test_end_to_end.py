@@ -63,6 +63,7 @@ def test_wikitext_file_with_seq_len_2048(article_text, tmp_path):
                  "--out", str(tmp_path / "run")]) == 0
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["text"].startswith("wikitext-2 wiki.test.raw") and run["seq_len"] == 2048
+    assert run["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # --device auto
     assert run["tokens_scored"] == 2 * 2047
     fp, w4, lqer = (r["ppl"] for r in run["rows"])
     assert 2.1 < run["rows"][2]["memory_pct"] < 2.3  # rank 4 on 210 linears ≈ 2.2% of the W4 model
