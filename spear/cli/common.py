@@ -116,7 +116,8 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--awq-no-clip", action="store_true", help="AWQ: skip the clipping search")
     c.add_argument("--awq-rounding", choices=["rtn", "gptq"], default="rtn",
                    help="AWQ: how the scaled weights are rounded: to the nearest level, or with GPTQ's error "
-                        "feedback (uses --gptq-damp; default: %(default)s)")
+                        "feedback (uses --gptq-damp; a lower base per channel, but a higher perplexity once "
+                        "compensators are calibrated on it, BENCHMARKS.md; default: %(default)s)")
 
 
 def quant_config_from(args) -> QuantConfig:
