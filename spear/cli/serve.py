@@ -94,16 +94,12 @@ def port(text: str) -> int:
 def engine_config_from_args(args, **changes):
     """(EngineConfig, dtype name or None, device or None) the arguments describe; ``changes``
     replace EngineConfig fields. Every check that needs no model runs here, before any loading."""
-    import torch
-
-    from spear.errors import SpearError
+    from spear.cli.common import device_from
     from spear.serve import EngineConfig
     from spear.serve.config import kernel_policy
     from spear.serve.latency.table import load_table
 
-    device = None if args.device == "auto" else args.device
-    if device and device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpearError(f"--device {device} asked for, but no CUDA device is available")
+    device = None if args.device == "auto" else device_from(args)  # auto: the engine core's process picks
     dtype = DTYPES[args.dtype]
     table = None if args.latency_table is None else load_table(args.latency_table)  # a bad file fails before loading
     fields = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -76,8 +76,8 @@ class CalibrationConfig(Sampling):
     # Also KL-train the norm layers' elementwise weights in place (zero extra memory).
     tune_norms: bool = False
     norm_lr: float = 1e-4
-    # The dtype the training steps' forward and backward compute in ("bfloat16": torch.autocast, about
-    # 1.6x faster on a CPU with AVX-512 BF16). The parameters, the optimizer, the teacher and the
+    # The dtype the training steps' forward and backward compute in ("bfloat16": torch.autocast, 1.1-1.3x
+    # faster on the 2-core CPU, BENCHMARKS.md). The parameters, the optimizer, the teacher and the
     # validation KL (early stopping, the state kept) stay in float32.
     train_dtype: str = "float32"
 
