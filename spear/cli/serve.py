@@ -162,9 +162,19 @@ def register(sub) -> None:
                         "process's open-file limit) (default: %(default)s)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                    help="server log level (default: %(default)s)")
+    s.add_argument("--min-upload-rate", type=positive_int, default=limits.min_upload_rate, metavar="BYTES",
+                   help="after its headers (and a grace of --header-timeout) a request's body must arrive at this "
+                        "many bytes a second or faster, else the connection is closed (default: %(default)s)")
+    s.add_argument("--request-timeout", type=positive_float, default=limits.request_timeout_s, metavar="SECONDS",
+                   help="a request's headers and body must all arrive within this (default: %(default)s)")
+    s.add_argument("--max-header-bytes", type=memory_size, default=limits.max_header_bytes, metavar="SIZE",
+                   help="largest request line and headers; larger ones get HTTP 431 (default: %(default)s bytes)")
     p.set_defaults(func=main)
 
 
+    s.add_argument("--max-connections-per-client", type=positive_int, default=limits.max_connections_per_client,
+                   metavar="N", help="open connections of one client address; beyond them its new ones are closed "
+                                     "at once (default: %(default)s)")
 def main(args) -> int:
     """The HTTP server in this process, the engine core in a process of its own (spear/serve/core/process.py)."""
     import logging
@@ -184,7 +194,9 @@ def main(args) -> int:
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                           max_stop_chars=args.max_stop_chars, shutdown_timeout_s=args.shutdown_timeout,
                           max_messages=args.max_messages, header_timeout_s=args.header_timeout,
-                          max_connections=args.max_connections)
+                          max_connections=args.max_connections, min_upload_rate=args.min_upload_rate,
+                          request_timeout_s=args.request_timeout, max_header_bytes=args.max_header_bytes,
+                          max_connections_per_client=args.max_connections_per_client)
     config, dtype, device = engine_config_from_args(args)  # a bad setting fails here, before any loading
     listener = listen(args.host, args.port)  # so does an address that is taken or does not resolve
     port = listener.getsockname()[1]

@@ -98,16 +98,25 @@ class ServerLimits:
     max_stop_strings: int = 4            # as OpenAI's API
     shutdown_timeout_s: float = 30.0     # drain time for in-flight requests on SIGTERM
     max_messages: int = 1024             # messages of one chat (each one costs the template's work)
-    header_timeout_s: float = 10.0       # a connection must send a request's headers within this
+    max_long_prompts_queued: int = 8     # long prompts tokenizing or waiting to (HTTP 429 beyond)
+    # what one connection may hold (api/transport.py): its request's headers within header_timeout_s;
+    # its body then at min_upload_rate bytes/s or faster after a grace of header_timeout_s; the whole
+    # request within request_timeout_s; request line and headers at most max_header_bytes (431)
+    header_timeout_s: float = 10.0
+    min_upload_rate: int = 16 * 1024
+    request_timeout_s: float = 60.0
+    max_header_bytes: int = 64 * 1024
     max_connections: int = 2048          # open connections kept (capped below the process's file limit)
+    max_connections_per_client: int = 512  # open connections of one peer address
 
     def __post_init__(self):
         for name in ("max_body_bytes", "max_prompt_chars", "max_stop_chars", "max_stop_strings", "max_messages",
-                     "max_connections"):
+                     "max_long_prompts_queued", "max_connections", "max_connections_per_client", "min_upload_rate",
+                     "max_header_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SpearError(f"{name} must be a whole number >= 1, got {v!r}")
-        for name in ("shutdown_timeout_s", "header_timeout_s"):
+        for name in ("shutdown_timeout_s", "header_timeout_s", "request_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
                 raise SpearError(f"{name} must be a finite number of seconds > 0, got {v!r}")

@@ -79,7 +79,8 @@ def running_server(model_path, model_name: str = "test-model", limits=None, targ
     limits = limits or ServerLimits()
     sock = listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(build_app(llm, model_name, limits), "warning", limits))
+    count = lambda reason: llm.metrics.connections_closed.labels(reason).inc()  # noqa: E731  (as run_server)
+    server = uvicorn.Server(uvicorn_config(build_app(llm, model_name, limits), "warning", limits, count))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

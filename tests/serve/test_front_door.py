@@ -1,6 +1,7 @@
 """The server's front door under abuse: chats of many messages, bodies parsed off the event loop,
-connections that never finish their headers, more connections than the server keeps, a chunked
-body over the limit, accept() failures logged once. The engine-core process (spear serve's two
+connections that never finish their headers or trickle their bodies, headers over the cap, more
+connections than the server keeps (in all and from one client), uploads abandoned midway, a chunked
+body over the limit, accept() failures and uvicorn's warnings logged once. The engine-core process (spear serve's two
 processes) is in test_engine_core.py."""
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ def _post(url, path, body, timeout=60):
 @pytest.fixture(scope="module")
 def guarded(tiny_llama_path):
     """The tiny model (its tokenizer, the default model's, has a chat template) behind tight guards."""
-    limits = ServerLimits(max_messages=8, header_timeout_s=0.5, max_connections=6, max_body_bytes=256 * 1024)
+    limits = ServerLimits(max_messages=8, header_timeout_s=0.5, max_connections=6, max_connections_per_client=4,
+                          max_body_bytes=256 * 1024, min_upload_rate=2000, request_timeout_s=4.0,
+                          max_header_bytes=8192)
     with running_server(tiny_llama_path, "tiny", limits) as (url, llm):
         wait_ready(llm)
         yield url, llm, limits
@@ -71,9 +74,38 @@ def test_large_bodies_are_parsed_off_the_event_loop(guarded, monkeypatch):
     assert seen[1].startswith("spear-parse"), seen
 
 
-def _raw(url: str) -> socket.socket:
+def _raw(url: str, source: str = "127.0.0.1") -> socket.socket:
+    """A plain TCP connection to the server from the loopback address ``source`` (a client of its own)."""
     host, port = url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=5)
+    return socket.create_connection((host, int(port)), timeout=5, source_address=(source, 0))
+
+
+def _closed_count(llm, reason: str) -> float:
+    return llm.metrics.registry.get_sample_value("spear_http_connections_closed_total", {"reason": reason}) or 0.0
+
+
+def _counted(llm, reason: str, above: float, within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while _closed_count(llm, reason) <= above:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _answer(sock: socket.socket, within: float = 10.0) -> bytes:
+    """Everything the server sends until it closes ``sock``."""
+    sock.settimeout(within)
+    data = b""
+    try:
+        while part := sock.recv(65536):
+            data += part
+    except (socket.timeout, ConnectionResetError):
+        pass
+    return data
+
+
+_POST_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
 
 
 def _closed(sock: socket.socket, within: float) -> bool:
@@ -109,10 +141,12 @@ def test_connections_beyond_the_cap_are_closed_and_the_slots_come_back(guarded):
     """Catches: no connection cap (1,100 idle connections under ulimit -n 1024 made /health time
     out for ~20 s). Beyond max_connections new ones are closed at once; once the idle ones are cut
     (the header deadline) the server answers again."""
-    url, _, limits = guarded
-    idle = [_raw(url) for _ in range(limits.max_connections)]
-    extra = _raw(url)
+    url, llm, limits = guarded
+    before = _closed_count(llm, "too_many_connections")
+    idle = [_raw(url, f"127.0.0.{2 + i % 3}") for i in range(limits.max_connections)]  # within each client's cap
+    extra = _raw(url, "127.0.0.5")
     assert _closed(extra, within=2), "a connection beyond the cap was kept"
+    assert _counted(llm, "too_many_connections", before)
     extra.close()
     time.sleep(limits.header_timeout_s * 3)
     for s in idle:
@@ -165,3 +199,244 @@ def test_accept_faults_are_logged_once_a_minute(caplog):
         assert len([r for r in caplog.records if "cannot accept" in r.getMessage()]) == 1
     finally:
         loop.close()
+
+
+def test_one_client_cannot_take_every_connection(guarded):
+    """Catches: one pool of connections for everyone (2,100 idle connections of one client refused
+    every other). Beyond max_connections_per_client that client's new connections are closed at
+    once; another client is still served meanwhile."""
+    url, llm, limits = guarded
+    before = _closed_count(llm, "too_many_from_client")
+    mine = [_raw(url, "127.0.0.7") for _ in range(limits.max_connections_per_client)]
+    extra = _raw(url, "127.0.0.7")
+    assert _closed(extra, within=2), "a connection beyond the client's cap was kept"
+    assert _counted(llm, "too_many_from_client", before)
+    other = _raw(url, "127.0.0.8")
+    other.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert _answer(other).startswith(b"HTTP/1.1 200"), "another client was refused"
+    for s in [extra, other, *mine]:
+        s.close()
+
+
+def test_a_body_trickled_below_the_minimum_rate_is_cut_with_408(guarded):
+    """Catches: nothing bounded the body once the headers were in (a byte every 20 s kept a
+    connection 168 s; 2,100 such connections answered nobody for 60 s). A body far below
+    min_upload_rate is cut after the grace (header_timeout_s) with a 408, counted once."""
+    url, llm, limits = guarded
+    before = _closed_count(llm, "slow_upload")
+    sock = _raw(url)
+    sock.sendall(_POST_HEAD % 100_000)  # under max_body_bytes: no 413
+    start, answer = time.monotonic(), None
+    while time.monotonic() - start < limits.request_timeout_s:
+        try:
+            sock.sendall(b" ")  # ~10 bytes a second
+        except OSError:
+            answer = b""
+            break
+        sock.settimeout(0.1)
+        try:
+            answer = sock.recv(4096)
+            break
+        except socket.timeout:
+            continue
+        except ConnectionResetError:
+            answer = b""
+            break
+    assert answer is not None, "a body at 10 bytes/s was kept for the whole request timeout"
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:100]
+    assert _counted(llm, "slow_upload", before)
+    sock.close()
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
+
+
+def test_a_body_that_never_finishes_meets_the_request_timeout(guarded):
+    """A body sent fast enough for the rate but never complete is cut at request_timeout_s (408)."""
+    url, llm, limits = guarded
+    before = _closed_count(llm, "request_timeout")
+    sock = _raw(url)
+    sock.sendall(_POST_HEAD % 100_000)  # under max_body_bytes: no 413
+    start, answer = time.monotonic(), b""
+    while time.monotonic() - start < limits.request_timeout_s * 3:
+        try:
+            sock.sendall(b" " * (2 * limits.min_upload_rate // 10))  # twice the rate
+        except OSError:
+            break
+        sock.settimeout(0.1)
+        try:
+            answer = sock.recv(4096)
+            break
+        except socket.timeout:
+            continue
+        except ConnectionResetError:
+            break
+    assert time.monotonic() - start < limits.request_timeout_s * 3, "the request timeout did not bite"
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:100]
+    assert _counted(llm, "request_timeout", before)
+    sock.close()
+
+
+def test_an_abandoned_upload_is_counted_without_a_traceback(guarded, capfd):
+    """Catches: each client that left mid-upload logged two tracebacks (starlette's
+    ClientDisconnect; 2.8 KB a disconnect). It is counted as client_left and logs nothing."""
+    url, llm, _ = guarded
+    capfd.readouterr()
+    before = _closed_count(llm, "client_left")
+    for _ in range(3):
+        sock = _raw(url)
+        sock.sendall(_POST_HEAD % 1000 + b'{"model": "ti')
+        time.sleep(0.1)
+        sock.close()
+    assert _counted(llm, "client_left", before + 2)
+    time.sleep(0.3)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ClientDisconnect" not in err, err[-2000:]
+
+
+def test_headers_over_the_cap_get_431(guarded):
+    """Catches: headers had no size limit (a 64 MB header was accepted; 8 of them added 300 MB). A
+    header over max_header_bytes gets the JSON 431, whole or still arriving."""
+    url, llm, limits = guarded
+    before = _closed_count(llm, "headers_too_large")
+    whole = _raw(url)
+    whole.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * limits.max_header_bytes + b"\r\n\r\n")
+    answer = _answer(whole)
+    assert answer.startswith(b"HTTP/1.1 431") and b"headers_too_large" in answer, answer[:200]
+    unfinished = _raw(url)
+    try:
+        unfinished.sendall(b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * (2 * limits.max_header_bytes))
+    except OSError:
+        pass
+    assert _answer(unfinished).startswith(b"HTTP/1.1 431")
+    assert _counted(llm, "headers_too_large", before + 1)
+    ok = _raw(url)
+    ok.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Fine: " + b"a" * 1000 + b"\r\nConnection: close\r\n\r\n")
+    assert _answer(ok).startswith(b"HTTP/1.1 200")
+    for s in (whole, unfinished, ok):
+        s.close()
+
+
+def test_a_kept_alive_connection_gets_deadlines_for_its_next_request(guarded):
+    """After a response, the same connection's next request has the header deadline again."""
+    url, _, limits = guarded
+    sock = _raw(url)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.settimeout(5)
+    first = sock.recv(65536)
+    assert first.startswith(b"HTTP/1.1 200")
+    sock.sendall(b"GET /health HTTP/1.1\r\n")  # never finished
+    assert _closed(sock, within=limits.header_timeout_s * 6)
+    sock.close()
+
+
+def test_uvicorns_warnings_are_rate_limited():
+    """Catches: uvicorn's own warnings logged once per connection (2,000 garbage connections wrote
+    482 KB): each distinct message once per interval, with the count held back."""
+    from spear.serve.api.transport import RateLimited
+
+    logger = logging.getLogger("test.ratelimited")
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    gate, keep = RateLimited(interval_s=60.0), Keep()
+    logger.addFilter(gate)
+    logger.addHandler(keep)
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    try:
+        for _ in range(500):
+            logger.warning("Invalid HTTP request received.")
+        logger.warning("another message")
+        logger.info("info passes")
+        logger.info("info passes")
+    finally:
+        logger.removeFilter(gate)
+        logger.removeHandler(keep)
+    assert records == ["Invalid HTTP request received.", "another message", "info passes", "info passes"]
+
+
+@pytest.fixture(scope="module")
+def queued(tiny_llama_path):
+    """The tiny model with a long-prompt queue of three."""
+    limits = ServerLimits(max_long_prompts_queued=3)
+    with running_server(tiny_llama_path, "tiny", limits) as (url, llm):
+        wait_ready(llm)
+        yield url, llm, limits
+
+
+def _rejected(llm, reason: str) -> float:
+    return llm.metrics.registry.get_sample_value("spear_requests_rejected_total", {"reason": reason}) or 0.0
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(queued, monkeypatch):
+    """Catches: 1M-character prompts tokenized (seconds each) only to be refused for their length.
+    A prompt whose characters need more tokens than the context holds, even at the tokenizer's
+    longest token, is refused at once; one that may fit is tokenized."""
+    from spear.serve.api import endpoints
+
+    url, llm, _ = queued
+    calls, real = [], endpoints.encode_text
+    monkeypatch.setattr(endpoints, "encode_text", lambda tok, p: calls.append(len(p)) or real(tok, p))
+    longest = endpoints.longest_token_chars(llm.tokenizer)
+    tok = llm.tokenizer
+    pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
+    assert longest >= max(len(p) for p in pieces if p)  # independent: the bound covers every piece
+    too_long = "a" * (longest * llm.max_model_len)
+    r = _post(url, "/v1/completions", {"model": "tiny", "prompt": too_long, "max_tokens": 1})
+    assert r.status_code == 400 and "at least" in r.json()["error"]["message"], r.text
+    assert calls == []
+    r = _post(url, "/v1/completions", {"model": "tiny", "prompt": "a" * 100, "max_tokens": 1})
+    assert r.status_code == 200 and calls == [100], r.text
+
+
+def test_the_long_prompt_queue_is_bounded_and_left_prompts_never_tokenize(queued, monkeypatch):
+    """Catches: an unbounded long-prompt queue, and prompts of clients that had left still tokenized
+    (20 dropped 1M-character prompts kept the tokenizer busy 58 s). With the long pool's two threads
+    held, one more long prompt waits, the next gets 429; the waiting one's client leaves: its prompt
+    is never tokenized and it is counted as client_left."""
+    from spear.serve.api import endpoints
+
+    url, llm, limits = queued
+    gate, calls, real = threading.Event(), [], endpoints.encode_text
+
+    def held(tok, prompt):
+        calls.append(len(prompt))
+        gate.wait(30)
+        return real(tok, prompt)
+
+    monkeypatch.setattr(endpoints, "encode_text", held)
+    long_prompt = "#" * 8800  # the long pool (over 8,192 characters), in ~110 tokens: within the context
+    results = []
+
+    def send(timeout):
+        try:
+            results.append(_post(url, "/v1/completions", {"model": "tiny", "prompt": long_prompt, "max_tokens": 1},
+                                 timeout=timeout).status_code)
+        except httpx.TimeoutException:
+            results.append("left")
+
+    left_before = _rejected(llm, "client_left")
+    running = [threading.Thread(target=send, args=(60,)) for _ in range(2)]
+    for t in running:
+        t.start()
+    deadline = time.monotonic() + 10
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(calls) == 2, "the two long-pool threads did not start"
+    leaver = threading.Thread(target=send, args=(1.0,))  # waits in the queue, then its client leaves
+    leaver.start()
+    time.sleep(0.3)
+    r = _post(url, "/v1/completions", {"model": "tiny", "prompt": long_prompt, "max_tokens": 1})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+    leaver.join(10)
+    deadline = time.monotonic() + 5
+    while _rejected(llm, "client_left") <= left_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _rejected(llm, "client_left") == left_before + 1
+    gate.set()
+    for t in running:
+        t.join(60)
+    assert sorted(map(str, results)) == ["200", "200", "left"]
+    assert len(calls) == 2, "the prompt of a client that had left was tokenized"

@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP server (FastAPI) over the serving frontend (frontend/async_llm.py).
 
     POST /v1/completions, /v1/chat/completions   streaming (SSE) or not
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /v1/models/{id}, /health, /metrics
 
 What each endpoint does with a request is endpoints.py's, the streaming response sse.py's, every
-error's JSON body errors.py's; the guards of the connections under the app (header deadline,
-connection cap) are transport.py's. Before it says ready the engine core loads the model and
-compiles every kernel a step can meet: ``/health`` answers 503 ``warming_up`` until then, and
+error's JSON body errors.py's; the guards of the connections under the app (deadlines for a
+request's headers and body, a header cap, connection caps in all and per client) are
+transport.py's. Before it says ready the engine core loads the model and compiles every kernel a
+step can meet: ``/health`` answers 503 ``warming_up`` until then, and
 requests sent meanwhile wait. ``/health`` also answers 503 while the engine cannot serve
 (``AsyncLLM.problem``: stopped, silent, stuck in a step, failing every request). A client that
 disconnects, streaming or not, has its request aborted and its KV blocks freed. On SIGTERM the
@@ -120,7 +121,8 @@ def run_server(llm: AsyncLLM, model_name: str, listener, log_level: str = "info"
                 self.loop.call_soon_threadsafe(self.loop.call_later, limits.shutdown_timeout_s, cut)
             super().handle_exit(sig, frame)
 
-    server = _Server(uvicorn_config(build_app(llm, model_name, limits), log_level, limits))
+    count = lambda reason: llm.metrics.connections_closed.labels(reason).inc()  # noqa: E731
+    server = _Server(uvicorn_config(build_app(llm, model_name, limits), log_level, limits, count))
     llm.client.on_fatal = lambda: setattr(server, "should_exit", True)  # an engine that cannot start stops it
     try:
         server.run(sockets=[listener])

@@ -5,6 +5,8 @@ body limit that refuses a body over ``ServerLimits.max_body_bytes`` before it is
     400 invalid_request_error   malformed JSON, a body that does not validate, a request that cannot run
     404                         an unknown model or path
     413                         a body over the limit (code body_too_large)
+    431                         request line and headers over the limit (transport.py, code headers_too_large)
+    499                         the client left before its body was in (not sent; counted in /metrics)
     429 rate_limit_error        the waiting queue is full (code queue_full)
     500 server_error            the model failed on this request (code request_failed), or a bug
     503 server_error            the engine stopped, the server is shutting down, the core does not answer
@@ -57,6 +59,17 @@ class NotFound(Exception):
     def __init__(self, message: str, param: str | None, code: str):
         super().__init__(message)
         self.message, self.param, self.code = message, param, code
+
+
+class ClientLeft(Exception):
+    """The client closed its connection before its request was admitted: mid-upload (``stage``
+    "upload"; or the transport closed it for sending too slowly), while its prompt was tokenized
+    ("tokenize") or before the engine took it ("admit"). Nobody reads an answer; counted, never
+    logged with a traceback."""
+
+    def __init__(self, stage: str = "upload"):
+        super().__init__(stage)
+        self.stage = stage
 
 
 class BodyTooLarge(StarletteHTTPException):
@@ -115,6 +128,10 @@ def _validation_error(exc: RequestValidationError | ValidationError) -> JSONResp
     return error_response(400, message, param=param, code=first["type"])
 
 
+def _metrics(request):
+    return request.app.state.server.llm.metrics
+
+
 def add_error_handlers(app: FastAPI) -> None:
     """Map every exception a request can raise on its way through ``app`` to its JSON error."""
 
@@ -148,7 +165,16 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDead)
     async def _dead(request, exc):
+        _metrics(request).rejected.labels(exc.code or "engine_dead").inc()
         return error_response(503, str(exc), "server_error", code=exc.code)
+
+    @app.exception_handler(ClientLeft)
+    async def _left(request, exc):
+        if exc.stage != "upload":
+            _metrics(request).rejected.labels("client_left").inc()
+        elif not request.scope.get("state", {}).get("closed_by_server"):  # else transport.py counted it
+            _metrics(request).connections_closed.labels("client_left").inc()
+        return error_response(499, "client closed the request", code="client_closed")  # not sent: it is gone
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc):

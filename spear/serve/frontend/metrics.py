@@ -23,6 +23,9 @@ class ServingMetrics:
                                 ["finish_reason"], registry=r)
         self.rejected = Counter("spear_requests_rejected", "Requests refused before running, by reason",
                                 ["reason"], registry=r)
+        self.connections_closed = Counter(
+            "spear_http_connections_closed", "HTTP connections the server closed, or clients left, before a request "
+            "was in, by reason (api/transport.py; client_left: the client left mid-upload)", ["reason"], registry=r)
         self.prompt_tokens = Counter("spear_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("spear_generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram("spear_time_to_first_token_seconds", "Arrival to first output token",
