@@ -82,28 +82,48 @@ def check_can_write_in(folder: str | os.PathLike, target: str | os.PathLike | No
     os.rmdir(probe)
 
 
+def check_can_write_file(path: str | os.PathLike) -> Path:
+    """Prove that :func:`write_text_atomic` can write ``path`` (before the work whose result goes
+    there): it is not a folder, and its folder is, or can be made, one to write in."""
+    path = Path(path).expanduser()
+    if os.path.isdir(path):
+        raise SpearError(f"cannot write {path}: it is a folder")
+    check_can_write_in(path.parent, path)
+    return path
+
+
 def _refuse_to_replace(target: Path, overwrite: bool, marker: str | None, owned=None) -> None:
     """Refuse to replace ``target`` when it holds files and this write may not replace them: only
-    with ``overwrite``, and only a folder holding ``marker``, the file every folder of this kind of
-    output holds (a spear checkpoint's spear_config.json), and, with ``owned``, for which
-    ``owned(target)`` (a SpearError saying why not, else nothing) accepts that file as this kind
-    of output's, so that a mistyped --out never deletes anything else. An empty folder is always fine."""
+    with ``overwrite``, only a folder holding ``marker``, the file every folder of this kind of
+    output holds (a spear checkpoint's spear_config.json), and only a folder holding nothing but
+    this kind of output's own files: ``owned(target)`` names them (a SpearError where ``marker``
+    is not this kind of output's; without ``owned``, ``marker`` alone is). A replace removes the
+    whole folder, so a user's file beside spear's (notes.txt in a checkpoint) is refused, never
+    deleted; a mistyped --out never deletes anything else. An empty folder is always fine."""
     if not os.path.isdir(target):
         return
     try:
-        if not any(target.iterdir()):
-            return
+        held = sorted(p.name for p in target.iterdir())
     except OSError as exc:
         raise SpearError(f"cannot read output folder {target}: {exc.strerror or exc}") from None
+    if not held:
+        return
     replaceable = marker is not None and (target / marker).is_file()
+    own = {marker}
     if replaceable and owned is not None:
         try:
-            owned(target)
+            own = set(owned(target))
         except SpearError as exc:
             raise SpearError(f"output folder {target} holds a {marker} that is not spear's ({exc}): spear replaces "
                              "only what it wrote (choose another folder, or remove it yourself if it should go)") \
                 from None
     if replaceable and overwrite:
+        foreign = [name for name in held if name not in own]
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+            raise SpearError(f"output folder {target} holds files spear did not write there ({shown}): --overwrite "
+                             "replaces the whole folder and never deletes them (move them out, or choose another "
+                             "folder)")
         return
     if replaceable:
         raise SpearError(f"output folder {target} exists and is not empty (pass --overwrite to replace it)")
@@ -116,8 +136,9 @@ def _refuse_to_replace(target: Path, overwrite: bool, marker: str | None, owned=
 def check_output_folder(target: str | os.PathLike, overwrite: bool, marker: str | None = None, owned=None) -> Path:
     """Refuse an output folder a write would refuse, before any work is spent on what goes in it:
     a file in its place; a folder holding files, unless ``overwrite`` and it holds ``marker`` that
-    ``owned`` accepts (so that --overwrite replaces what spear wrote, never a folder of anything
-    else); a place where no folder can be created. First remove the temporary folders a killed
+    ``owned`` accepts and nothing but the files ``owned`` names (so that --overwrite replaces what
+    spear wrote, never a folder of anything else nor a file beside spear's); a place where no
+    folder can be created. First remove the temporary folders a killed
     writer of ``target`` left, so that they go even when this run fails too."""
     target = Path(target).expanduser()
     clean_stale_temporaries(target)

@@ -166,3 +166,80 @@ def test_overwrite_refuses_a_folder_that_is_not_a_checkpoint(unloadable_model, t
     line = _one_line_error(capsys, command)
     assert "holds no spear_config.json" in line and "safetensors" not in line, line
     assert (out / "docs" / "thesis.tex").read_text() == "years of work"
+
+
+def test_overwrite_replaces_a_checkpoints_own_files_and_never_a_users(tiny_llama_path, unloadable_model, tmp_path,
+                                                                      capsys):
+    """--overwrite replaces a checkpoint holding only the files spear wrote; a checkpoint beside
+    notes.txt, or a copied spear_config.json beside mine.txt, is refused in one line before the
+    model loads, and every file stays. Catches: the replace deleting the user's files with the
+    folder (the check once read spear_config.json alone)."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    assert main(["-q", "quantize", "--model", str(tiny_llama_path), "--out", str(ckpt)]) == 0
+    files = json.loads((ckpt / "spear_config.json").read_text())["files"]
+    assert files == sorted(p.name for p in ckpt.iterdir()) and "model.safetensors" in files
+
+    def contents(folder):
+        return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    def refused(out, extra):
+        before = contents(out)
+        assert main(["-q", "quantize", "--model", str(unloadable_model), "--out", str(out), "--overwrite"]) == 2
+        line = _one_line_error(capsys, "quantize")
+        assert f"holds files spear did not write there ({extra}): --overwrite replaces the whole folder and never " \
+               "deletes them" in line and "safetensors" not in line, line
+        assert contents(out) == before
+
+    (ckpt / "notes.txt").write_text("keep me")
+    refused(ckpt, "notes.txt")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    shutil.copy(ckpt / "spear_config.json", mine)
+    (mine / "mine.txt").write_text("mine")
+    refused(mine, "mine.txt")
+
+    (ckpt / "notes.txt").unlink()
+    (ckpt / "plan.json").write_text("{}")  # spear calibrate writes its plan after the checkpoint
+    capsys.readouterr()
+    assert main(["-q", "quantize", "--model", str(tiny_llama_path), "--out", str(ckpt), "--overwrite",
+                 "--bits", "8"]) == 0
+    cfg = json.loads((ckpt / "spear_config.json").read_text())
+    assert cfg["quant"]["bits"] == 8 and sorted(p.name for p in ckpt.iterdir()) == cfg["files"]
+
+    # a checkpoint written before spear_config.json listed its files: the names a checkpoint may hold
+    del cfg["files"]
+    (ckpt / "spear_config.json").write_text(json.dumps(cfg))
+    (ckpt / "notes.txt").write_text("keep me")
+    refused(ckpt, "notes.txt")
+    (ckpt / "notes.txt").unlink()
+    assert main(["-q", "quantize", "--model", str(tiny_llama_path), "--out", str(ckpt), "--overwrite"]) == 0
+    assert json.loads((ckpt / "spear_config.json").read_text())["quant"]["bits"] == 4
+
+
+@pytest.mark.parametrize("where", ["under a file", "under /proc", "a folder"])
+def test_eval_json_that_cannot_be_written_fails_before_the_model_loads(unloadable_model, tmp_path, capsys, where):
+    """Catches: --json opened only after the whole evaluation, then a traceback (--out refused in
+    seconds). Now one line and exit 2 before loading, as --out's check."""
+    if where == "under a file":
+        (tmp_path / "file").write_text("x")
+        path, fragment = tmp_path / "file" / "r.json", f"{tmp_path / 'file'} is not a folder"
+    elif where == "a folder":
+        path, fragment = tmp_path, "it is a folder"
+    else:
+        if not Path("/proc").is_dir():
+            pytest.skip("no /proc here")
+        path, fragment = Path("/proc/x/r.json"), "no folder can be created in /proc"
+    assert main(["-q", "eval", "--model", str(unloadable_model), "--json", str(path)]) == 2
+    line = _one_line_error(capsys, "eval")
+    assert f"cannot write {path}" in line and fragment in line and "safetensors" not in line, line
+
+
+def test_eval_json_goes_into_a_new_folder(tiny_llama_path, article_text, tmp_path):
+    text = tmp_path / "wiki.test.raw"
+    text.write_text(article_text)
+    out = tmp_path / "new" / "r.json"
+    assert main(["-q", "eval", "--model", str(tiny_llama_path), "--json", str(out), "--text", str(text),
+                 "--seq-len", "64", "--eval-windows", "1", "--calib-windows", "0"]) == 0
+    assert json.loads(out.read_text())["windows"] == 1

@@ -107,3 +107,37 @@ def test_overwrite_replaces_only_a_folder_holding_the_marker(tmp_path):
     empty.mkdir()
     assert write_folder_atomic(empty, lambda tmp: (tmp / "MARK").write_text("new"), marker="MARK")
     assert [p.name for p in empty.iterdir()] == ["MARK"]
+
+
+def test_overwrite_refuses_a_folder_with_files_beside_the_outputs_own(tmp_path):
+    """--overwrite replaces a whole folder: one holding a user's file beside the output's own
+    (mine.txt beside a checkpoint's files) is refused naming it, and keeps every file.
+    Catches: the replace deleting the user's file with the folder."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    for name, text in (("MARK", "old"), ("data.bin", "old"), ("mine.txt", "precious")):
+        (folder / name).write_text(text)
+
+    def owned(target):
+        return {"MARK", "data.bin"}
+
+    def write(tmp):
+        (tmp / "MARK").write_text("new")
+        (tmp / "data.bin").write_text("new")
+
+    for check in (lambda: check_output_folder(folder, overwrite=True, marker="MARK", owned=owned),
+                  lambda: write_folder_atomic(folder, write, overwrite=True, marker="MARK", owned=owned)):
+        with pytest.raises(SpearError, match=re.escape(f"output folder {folder} holds files spear did not write "
+                                                       "there (mine.txt): --overwrite replaces the whole folder "
+                                                       "and never deletes them")):
+            check()
+    assert {p.name: p.read_text() for p in folder.iterdir()} == {"MARK": "old", "data.bin": "old",
+                                                                 "mine.txt": "precious"}
+    (folder / "mine.txt").unlink()
+    assert write_folder_atomic(folder, write, overwrite=True, marker="MARK", owned=owned)
+    assert {p.name: p.read_text() for p in folder.iterdir()} == {"MARK": "new", "data.bin": "new"}
+    # without ``owned``, the marker is the output's only file
+    (folder / "notes").mkdir()
+    with pytest.raises(SpearError, match=r"holds files spear did not write there \(data\.bin, notes\)"):
+        write_folder_atomic(folder, write, overwrite=True, marker="MARK")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary left

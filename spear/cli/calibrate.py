@@ -85,7 +85,8 @@ def calibration_config_from(args):
 
 
 def register(sub) -> None:
-    from spear.cli.common import add_device_arg, add_model_arg, add_plan_args, add_quant_args, positive_int
+    from spear.cli.common import OVERWRITE_HELP, add_device_arg, add_model_arg, add_plan_args, add_quant_args, \
+        positive_int
 
     p = sub.add_parser("calibrate", help="quantize + attach SPEAR error compensators + KL-calibrate + save",
                        description="Quantize the model, attach low-rank error compensators to the modules the "
@@ -94,8 +95,7 @@ def register(sub) -> None:
                                    "KL(p_FP || p_quantized) on self-sampled text, and write a checkpoint.")
     add_model_arg(p)
     p.add_argument("--out", required=True, help="checkpoint folder to write")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace --out if it is a spear checkpoint (a folder of anything else is never replaced)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     add_plan_args(p, latency=True)
     add_device_arg(p, "to calibrate")
     p.add_argument("--blockwise", action="store_true",

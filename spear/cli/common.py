@@ -26,6 +26,10 @@ def _int_at_least(minimum: int):
 positive_int = _int_at_least(1)
 nonneg_int = _int_at_least(0)
 
+OVERWRITE_HELP = ("replace --out if it is a spear checkpoint holding nothing but its own files; a folder of anything "
+                  "else, or one with other files beside the checkpoint's (notes.txt), is refused and nothing is "
+                  "deleted")
+
 
 def add_device_arg(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--device", default="auto",

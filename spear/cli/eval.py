@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 
 def register(sub) -> None:
@@ -13,7 +14,8 @@ def register(sub) -> None:
                                    "--eval-windows windows of --text, tokenizer-level.")
     add_model_arg(p, verify=True)
     add_text_args(p)
-    p.add_argument("--json", help="also write the result as JSON to this file")
+    p.add_argument("--json", metavar="PATH",
+                   help="also write the result as JSON to this file (checked before the model loads)")
     p.set_defaults(func=main)
 
 
@@ -21,11 +23,14 @@ def main(args) -> int:
     from spear.cli.common import eval_config_from
     from spear.eval.memory import compensator_bytes, quantized_model_bytes
     from spear.eval.perplexity import perplexity
+    from spear.fileio import check_can_write_file, write_text_atomic
     from spear.models.loading import load_model
     from spear.pipeline import load_split
     from spear.quant import quantized_modules
 
     cfg = eval_config_from(args)
+    if args.json:
+        check_can_write_file(args.json)  # as --out is: before the evaluation, not after it
     model, tokenizer = load_model(args.model, verify=args.verify)
     split = load_split(tokenizer, cfg)
     res = perplexity(model, split.eval, cfg.batch_size, progress=not args.quiet)
@@ -36,6 +41,5 @@ def main(args) -> int:
     print(f"{args.model} on {split.text_name}: ppl {res.ppl:.3f} over {res.tokens} tokens "
           f"({res.windows} windows x {res.seq_len})")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=2)
+        write_text_atomic(Path(args.json).expanduser(), json.dumps(out, indent=2))
     return 0

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 
 def register(sub) -> None:
+    from spear.cli.common import OVERWRITE_HELP
+
     p = sub.add_parser("import", help="convert a HF GPTQ/AWQ folder (qweight/qzeros/scales) to a spear checkpoint",
                        description="Read a local Hugging Face GPTQ (checkpoint_format gptq or gptq_v2) or AWQ "
                                    "(GEMM) folder, unpack its int32 codes into spear's quantized linears "
                                    "(bit-exact), and write a spear checkpoint that every spear command loads.")
     p.add_argument("--model", required=True, help="local folder of the quantized HF model")
     p.add_argument("--out", required=True, help="spear checkpoint folder to write")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace --out if it is a spear checkpoint (a folder of anything else is never replaced)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                    help="dtype of the non-quantized tensors and of compute (default: %(default)s)")
     p.set_defaults(func=main)

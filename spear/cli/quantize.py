@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spear.cli.common import add_model_arg, add_quant_args, add_text_args, eval_config_from, nonneg_int, quant_config_from, read_plan
+from spear.cli.common import OVERWRITE_HELP, add_model_arg, add_quant_args, add_text_args, eval_config_from, nonneg_int, quant_config_from, read_plan
 from spear.config import STATIC_METHODS
 
 
@@ -13,8 +13,7 @@ def register(sub) -> None:
                                    "safetensors. Calibration windows come from --text (see 'spear run').")
     add_model_arg(p)
     p.add_argument("--out", required=True, help="checkpoint folder to write")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace --out if it is a spear checkpoint (a folder of anything else is never replaced)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     add_quant_args(p)
     g = p.add_argument_group("static compensation")
     g.add_argument("--compensator", choices=["none", *STATIC_METHODS], default="none",

@@ -7,8 +7,11 @@ Layout::
 
     config.json, generation_config.json, tokenizer files   (from the source model)
     spear_config.json   format version, quantization config, every quantized module
-                        (shape, bits, group size, compensator kind and spec), and any
-                        calibration / plan metadata the writer adds under "meta"
+                        (shape, bits, group size, compensator kind and spec), any
+                        calibration / plan metadata the writer adds under "meta", and
+                        "files": the names of the checkpoint's files, which --overwrite
+                        replaces (a folder holding anything else is refused, not deleted)
+    plan.json           spear calibrate's selection (written after the rest)
     model.safetensors   <module>.qweight  uint8 (out, ceil(in*bits/8)) packed codes
                         <module>.scales   fp16 (out, n_groups)
                         <module>.zeros    uint8 (out, n_groups)      (asymmetric only)
@@ -28,13 +31,13 @@ removed by the next write to the same place (spear/fileio.py).
 """
 
 from spear.models.checkpoint.format import (CONFIG_NAME, DTYPES, FORMAT, GENERATION_CONFIG_NAME, VERSION,
-                                            WEIGHTS_NAME, is_checkpoint, non_persistent_buffers,
+                                            WEIGHTS_NAME, checkpoint_files, is_checkpoint, non_persistent_buffers,
                                             quantization_config, read_spear_config, tensor_sha256)
-from spear.models.checkpoint.load import (load_checkpoint, load_folder_tokenizer, read_generation_config, read_hf_config,
-                                          read_tensors)
+from spear.models.checkpoint.load import (check_folder_configs, load_checkpoint, load_folder_tokenizer,
+                                          read_generation_config, read_hf_config, read_tensors)
 from spear.models.checkpoint.save import check_checkpoint_out, save_checkpoint
 
 __all__ = ["CONFIG_NAME", "DTYPES", "FORMAT", "GENERATION_CONFIG_NAME", "VERSION", "WEIGHTS_NAME", "check_checkpoint_out",
-           "is_checkpoint", "load_checkpoint", "load_folder_tokenizer", "non_persistent_buffers", "quantization_config",
-           "read_generation_config", "read_hf_config", "read_spear_config", "read_tensors", "save_checkpoint",
-           "tensor_sha256"]
+           "check_folder_configs", "checkpoint_files", "is_checkpoint", "load_checkpoint", "load_folder_tokenizer", "non_persistent_buffers",
+           "quantization_config", "read_generation_config", "read_hf_config", "read_spear_config", "read_tensors",
+           "save_checkpoint", "tensor_sha256"]

@@ -20,6 +20,14 @@ CONFIG_NAME = "spear_config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 WEIGHTS_NAME = "model.safetensors"
 DTYPES = ("float32", "float16", "bfloat16")
+PLAN_NAME = "plan.json"  # spear calibrate's selection, written beside the checkpoint (spear.select.plan.PLAN_FILE)
+# What a checkpoint written before spear_config.json listed its files holds: spear's own files and
+# every file transformers' tokenizers save (the vocabulary files by their class's names).
+_OLDER_CHECKPOINT_FILES = frozenset({
+    CONFIG_NAME, WEIGHTS_NAME, GENERATION_CONFIG_NAME, PLAN_NAME, "config.json", "tokenizer.json",
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "additional_chat_templates", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
+    "spiece.model", "sentencepiece.bpe.model", "vocab.model"})
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
@@ -107,7 +115,21 @@ def read_spear_config(path: str | os.PathLike) -> dict:
     if not isinstance(hashes, dict) or not all(isinstance(k, str) and isinstance(v, str) and len(v) == 64
                                                for k, v in hashes.items()):
         _fail(path, "sha256 must map tensor names to 64-digit hex digests")
+    files = cfg.get("files", [])
+    if not isinstance(files, list) or not all(isinstance(f, str) and f and "/" not in f and f not in (".", "..")
+                                              for f in files):
+        _fail(path, f"files must list the names of the checkpoint's files, got {files!r:.80}")
     return cfg
+
+
+def checkpoint_files(path: str | os.PathLike) -> set[str]:
+    """The names of the files the spear checkpoint at ``path`` holds, as its spear_config.json
+    lists them (with calibrate's plan.json, written after it); a checkpoint written before the
+    list: every name a checkpoint may hold. A SpearError where spear_config.json is not spear's."""
+    cfg = read_spear_config(path)
+    if "files" not in cfg:
+        return set(_OLDER_CHECKPOINT_FILES)
+    return {*cfg["files"], CONFIG_NAME, PLAN_NAME}
 
 
 def non_persistent_buffers(model: nn.Module) -> set[str]:

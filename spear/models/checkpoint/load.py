@@ -14,8 +14,8 @@ from spear.compensate.registry import STORAGE_DTYPE as COMPENSATOR_DTYPE
 from spear.compensate.registry import build_compensator
 from spear.errors import SpearError
 from spear.fileio import read_json
-from spear.models.checkpoint.format import (CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME, non_persistent_buffers,
-                                            read_spear_config, tensor_sha256)
+from spear.models.checkpoint.format import (CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME, is_checkpoint,
+                                            non_persistent_buffers, read_spear_config, tensor_sha256)
 from spear.models.modules import linearize_conv1d, set_module
 from spear.quant.linear import QuantLinear
 from spear.quant.primitives import n_groups, unpack_codes
@@ -95,12 +95,31 @@ def _expected(model: nn.Module, modules: dict) -> dict[str, tuple[tuple[int, ...
 
 
 def read_hf_config(path: Path):
+    """The folder's config.json as a transformers config. Read as JSON first, so that a file
+    that is not (nested too deeply, truncated) is named as such here, not by whatever reads it
+    next (the tokenizer's loader reads it too)."""
     from transformers import AutoConfig
 
+    file = Path(path) / "config.json"
+    data = read_json(file, "model config")
+    if not isinstance(data, dict):
+        raise SpearError(f"model config {file}: expected a JSON object, got {type(data).__name__}")
     try:
         return AutoConfig.from_pretrained(path)
-    except Exception as exc:  # a missing, malformed or unknown config.json
-        raise SpearError(f"{path / 'config.json'} cannot be read as a transformers model config: {exc}") from None
+    except Exception as exc:  # values or a model type transformers does not take
+        raise SpearError(f"{file} cannot be read as a transformers model config: {exc}") from None
+
+
+def check_folder_configs(path: str | os.PathLike) -> None:
+    """Read every config file of a model folder or spear checkpoint as loading it will, weights
+    aside: config.json, spear_config.json (a checkpoint's), generation_config.json; a SpearError
+    naming the first damaged one. Cheap, so that a command says it before it starts anything
+    (spear serve: before its HTTP server and engine core)."""
+    path = Path(path)
+    read_hf_config(path)
+    if is_checkpoint(path):
+        read_spear_config(path)
+    read_generation_config(path)
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",

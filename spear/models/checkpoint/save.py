@@ -14,9 +14,9 @@ from spear.compensate.registry import STORAGE_DTYPE as COMPENSATOR_DTYPE
 from spear.compensate.registry import compensator_spec
 from spear.config import QuantConfig
 from spear.errors import SpearError
-from spear.fileio import check_output_folder, write_folder_atomic
-from spear.models.checkpoint.format import (CONFIG_NAME, FORMAT, VERSION, WEIGHTS_NAME, non_persistent_buffers,
-                                            quantization_config, read_spear_config, tensor_sha256)
+from spear.fileio import OWNER_FILE, check_output_folder, write_folder_atomic
+from spear.models.checkpoint.format import (CONFIG_NAME, FORMAT, VERSION, WEIGHTS_NAME, checkpoint_files,
+                                            non_persistent_buffers, quantization_config, tensor_sha256)
 from spear.quant.linear import QuantLinear
 from spear.quant.primitives import pack_codes
 
@@ -24,8 +24,9 @@ from spear.quant.primitives import pack_codes
 def check_checkpoint_out(out_dir: str | os.PathLike, overwrite: bool) -> Path:
     """Refuse ``out_dir`` as the folder of a new checkpoint before any work goes into one (see
     :func:`spear.fileio.check_output_folder`): ``overwrite`` replaces a spear checkpoint (its
-    spear_config.json read whole) or an empty folder, never a folder of anything else."""
-    return check_output_folder(out_dir, overwrite, marker=CONFIG_NAME, owned=read_spear_config)
+    spear_config.json read whole) that holds nothing but its own files, or an empty folder;
+    never a folder of anything else, nor one with a user's file beside the checkpoint's."""
+    return check_output_folder(out_dir, overwrite, marker=CONFIG_NAME, owned=checkpoint_files)
 
 
 def _module_entry(mod: QuantLinear) -> dict:
@@ -65,7 +66,8 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_checkpoint(model: nn.Module, tokenizer, out_dir: str | os.PathLike, quant: QuantConfig,
                     source_model: str, meta: dict | None = None, overwrite: bool = False) -> Path:
     """Write ``model`` (with its QuantLinears and compensators) as a spear checkpoint; ``overwrite``
-    replaces an existing spear checkpoint at ``out_dir`` (never a folder of anything else)."""
+    replaces an existing spear checkpoint at ``out_dir`` that holds nothing but its own files
+    (never a folder of anything else, nor a user's file beside the checkpoint's)."""
     from safetensors.torch import save_file
 
     modules = {n: _module_entry(m) for n, m in model.named_modules() if isinstance(m, QuantLinear)}
@@ -90,10 +92,12 @@ def save_checkpoint(model: nn.Module, tokenizer, out_dir: str | os.PathLike, qua
             gen.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "spear": str(VERSION)})
+        # what --overwrite may replace: the files of this checkpoint (the tokenizer's depend on its class)
+        spear_cfg["files"] = sorted({p.name for p in tmp.iterdir() if p.name != OWNER_FILE} | {CONFIG_NAME})
         (tmp / CONFIG_NAME).write_text(json.dumps(spear_cfg, indent=2))
 
     target = Path(out_dir)
-    write_folder_atomic(target, write, overwrite, marker=CONFIG_NAME, owned=read_spear_config)
+    write_folder_atomic(target, write, overwrite, marker=CONFIG_NAME, owned=checkpoint_files)
     return target
 
 
