@@ -91,6 +91,11 @@ def port(text: str) -> int:
     return value
 
 
+def http_url(host: str, port: int) -> str:
+    """The URL of ``host``:``port``; an IPv6 address in brackets (RFC 3986), its zone's % escaped."""
+    return f"http://[{host.replace('%', '%25')}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def engine_config_from_args(args, **changes):
     """(EngineConfig, dtype name or None, device or None) the arguments describe; ``changes``
     replace EngineConfig fields. Every check that needs no model runs here, before any loading."""
@@ -181,7 +186,7 @@ def main(args) -> int:
 
     import torch
 
-    from spear.models.checkpoint import load_folder_tokenizer
+    from spear.models.checkpoint import check_folder_configs, load_folder_tokenizer
     from spear.models.loading import resolve_model_path
     from spear.serve.api.app import run_server
     from spear.serve.api.transport import listen
@@ -202,8 +207,10 @@ def main(args) -> int:
     port = listener.getsockname()[1]
     torch.set_num_threads(1)  # this process computes nothing with torch: the engine core owns the threads
     path = resolve_model_path(args.model)  # the embedded default converted once, here, not in both processes
+    check_folder_configs(path)  # a damaged config is said here, not by the engine core after the server started
     tokenizer = load_folder_tokenizer(path)
     name = args.served_model_name or args.model
+    url = http_url(args.host, port)
 
     def loaded(facts) -> None:
         for layer, reason in facts.load_report:
@@ -214,7 +221,7 @@ def main(args) -> int:
                   f"{t.device}, margin {100 * t.margin:.1f}%, at least {facts.min_chunk_tokens} prefill tokens a step",
                   flush=True)
         tp = facts.tensor_parallel_size
-        print(f"serving {name} on http://{args.host}:{port} (max_model_len {facts.max_model_len}, "
+        print(f"serving {name} on {url} (max_model_len {facts.max_model_len}, "
               f"{facts.num_blocks} KV blocks of {facts.block_size} tokens"
               + (f", tensor parallel over {tp} ranks" if tp > 1 else "")
               + f"; engine core on {facts.torch_threads} torch thread{'s' if facts.torch_threads > 1 else ''}"
@@ -223,8 +230,7 @@ def main(args) -> int:
     client = ZmqClient(str(path), config, dtype=dtype, device=device, verify=args.verify,
                        eos_token_ids=tokenizer_eos(tokenizer), log_level=args.log_level, on_loaded=loaded)
     llm = AsyncLLM(client, tokenizer, step_timeout_s=args.step_timeout)
-    print(f"loading {name} in the engine core; http://{args.host}:{port}/health answers 503 until it is "
-          "ready", flush=True)
+    print(f"loading {name} in the engine core; {url}/health answers 503 until it is ready", flush=True)
     run_server(llm, name, listener, args.log_level, limits)
     if client.error is not None and not client.loaded.is_set():
         from spear.errors import SpearError

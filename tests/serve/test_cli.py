@@ -197,3 +197,50 @@ def test_sigterm_drains_then_a_second_signal_or_the_timeout_ends_it(tiny_llama_p
         assert events[-1] == "data: [DONE]" and "shutting down" in events[-2] and '"error"' in events[-2], events[-3:]
     else:  # the second signal cuts at once
         assert events[-1] != "data: [DONE]"
+
+
+@pytest.mark.parametrize("file,text,message", [
+    ("generation_config.json", "{not json", "generation_config.json is not valid JSON"),
+    ("generation_config.json", '{"max_new_tokens": -4}', "is not a generation config transformers accepts"),
+    ("spear_config.json", '{"format": "spear-checkpoint", "version": 1}', "spear_config.json: lacks the field"),
+    ("config.json", "[" * 100_000 + "]" * 100_000, "config.json is not valid JSON: nested too deeply to parse"),
+    ("config.json", '{"model_type": ', "config.json is not valid JSON"),
+])
+def test_serve_names_a_damaged_config_before_the_server_starts(tiny_llama_path, tmp_path, file, text, message):
+    """Catches: a damaged generation_config.json or spear_config.json found by the engine core
+    after the HTTP server had started (and said it was loading), and a config.json too deeply
+    nested reported as "cannot load the tokenizer". Now one line, exit 2, nothing started."""
+    import shutil
+
+    folder = shutil.copytree(tiny_llama_path, tmp_path / "model")
+    (folder / file).write_text(text)
+    res = subprocess.run([sys.executable, "-m", "spear", "serve", "--model", str(folder), "--port", "0"],
+                         capture_output=True, text=True, timeout=120)
+    err = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(err) == 1, (res.returncode, res.stderr[-2000:])
+    assert err[0].startswith("spear serve: error: ") and message in err[0] and str(folder / file) in err[0], err
+    assert "tokenizer" not in err[0] and "loading" not in res.stdout, (err, res.stdout)
+
+
+def test_serve_on_ipv6_prints_a_url_that_works(tiny_llama_path):
+    """Catches: --host ::1 printed as http://::1:PORT, which no client parses."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    proc = subprocess.Popen([sys.executable, "-m", "spear", "serve", "--model", str(tiny_llama_path), "--host", "::1",
+                             "--port", "0", "--num-blocks", "64", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("loading ") and "; http://[::1]:" in first, first
+        url = first.split("; ")[1].split("/health")[0]
+        wait_healthy(url, 120, proc, "spear serve")
+        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == str(tiny_llama_path)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert f"on {url} (" in out, out
