@@ -153,7 +153,8 @@ BAD = [
     (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}), "max_tokens", "greater than or equal to 1"),
     (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": -3}), "max_tokens", None),
     (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 300}), "max_tokens", "exceeds the context"),
-    (json.dumps({"model": MODEL, "prompt": "x", "top_p": 0}), "top_p", None),
+    (json.dumps({"model": MODEL, "prompt": "x", "top_p": -0.5}), "top_p", None),  # 0 is greedy, as OpenAI's
+    (json.dumps({"model": MODEL, "prompt": "x", "top_p": 1.5}), "top_p", None),
     (json.dumps({"model": MODEL, "prompt": "x", "n": 2}), "n", "n=1"),
     (json.dumps({"model": MODEL, "prompt": ["a", "b"]}), "prompt", "one prompt"),
     (json.dumps({"model": MODEL, "prompt": "x", "stop": ["a", ""]}), "stop", None),
@@ -164,7 +165,7 @@ BAD_CHAT = [
     (json.dumps({"model": MODEL, "messages": [{"role": "user"}]}), "messages.0.content", "required"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}), "max_tokens",
      None),
-    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi " * 300}]}), "prompt", "context"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi " * 300}]}), "messages", "context"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}), "logprobs",
      None),
 ]

@@ -27,7 +27,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from spear.serve.api.endpoints import Server
-from spear.serve.api.errors import BodyLimit, add_error_handlers, error_response
+from spear.serve.api.errors import BodyLimit, NotFound, add_error_handlers, error_response
 from spear.serve.api.protocol import ChatCompletionRequest, CompletionRequest
 from spear.serve.api.transport import quiet_accept_faults, uvicorn_config
 from spear.serve.config import ServerLimits
@@ -68,11 +68,22 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
             return error_response(503, message, "server_error", code=code)
         return {"status": "ok"}
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": server.created, "owned_by": "spear",
+                "max_model_len": llm.max_model_len}
+
     @app.get("/v1/models")
     async def models():
         await llm.wait_loaded()
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
-                                            "owned_by": "spear", "max_model_len": llm.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path: a served name may hold a slash ("org/model")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise NotFound(f"the model '{model_id}' does not exist; this server serves '{model_name}'", "model",
+                           "model_not_found")
+        await llm.wait_loaded()
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():

@@ -137,8 +137,7 @@ class Server:
             raise InvalidRequest(f"the chat has {len(body.messages)} messages; this server takes at most "
                                  f"{self.limits.max_messages}", "messages")
         messages = body.chat()
-        # every field a message holds counts, so that a chat of empty messages is not free
-        chars = sum(len(m["content"]) + len(m["role"]) + 1 for m in messages)
+        chars = body.chars()
         self._check_chars(chars, "messages")
         await self.llm.wait_loaded()
         try:
@@ -177,15 +176,21 @@ class Server:
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": [choice], "usage": usage(out)}
 
+    async def _submit(self, body, ids, params, **kw) -> RequestStream:
+        try:
+            return await self.llm.submit(ids, params, **kw)
+        except InvalidRequest as exc:  # the processor names SamplingParams' fields, not always the body's
+            raise body.as_sent(exc) from None
+
     async def respond(self, request: Request, body, chat: bool):
         ids, params = await (self.chat_inputs(body) if chat else self.completion_inputs(body))
         serial = uuid.uuid4().hex
         rid = ("chatcmpl-" if chat else "cmpl-") + serial
         if body.stream:
             encoder = SSEEncoder(rid, self.model_name, chat, body.include_usage)
-            stream = await self.llm.submit(ids, params, request_id=serial, encode=encoder)
+            stream = await self._submit(body, ids, params, request_id=serial, encode=encoder)
             return EventStream(stream, encoder.role() if chat else b"")
-        out = await self.collect(await self.llm.submit(ids, params, request_id=serial), request)
+        out = await self.collect(await self._submit(body, ids, params, request_id=serial), request)
         if out is None or not out.finished:  # the client left; nobody reads this
             return error_response(499, "client closed the request", code="client_closed")
         if out.error is not None:
