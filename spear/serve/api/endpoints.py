@@ -8,7 +8,11 @@ tokenizer copy each (the tokenizers library releases the GIL while it encodes), 
 ``_SHORT_PROMPT_CHARS`` on a pool of their own, so a long prompt never holds up a short one,
 ``/health`` or other clients' streams. A chat may hold at most ``ServerLimits.max_messages``
 messages. Whether the request can run (its prompt within the context and the vocabulary, every
-sampling field in range) is the input processor's to say, once.
+sampling field in range) is the input processor's to say, once. No work is done for a client that
+has left: a prompt that could not fit the context even at the tokenizer's longest token is refused
+before tokenizing, at most ``ServerLimits.max_long_prompts_queued`` long prompts wait for the long
+pool (429 beyond), a queued tokenization whose client leaves never runs, and a request whose client
+left while it was tokenized is not admitted.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
 from spear.errors import SpearError
-from spear.serve.api.errors import NotFound, error_response
+from spear.serve.api.errors import ClientLeft, NotFound, error_response
+from spear.serve.core.scheduler import QueueFull
 from spear.serve.api.protocol import ChatCompletionRequest, CompletionRequest
 from spear.serve.api.sse import EventStream, SSEEncoder, usage
 from spear.serve.config import ServerLimits
@@ -45,10 +51,12 @@ _TOKENIZE_THREADS = 2               # threads of each tokenization pool (short p
 
 class _Tokenizers:
     """A pool of threads that each hold their own copy of the tokenizer (a tokenizer object's
-    Python side is not reentrant; copies encode side by side, the Rust part without the GIL)."""
+    Python side is not reentrant; copies encode side by side, the Rust part without the GIL), with
+    at most ``max_jobs`` jobs queued or running (None: unbounded); a job whose client leaves while it
+    waits never runs."""
 
-    def __init__(self, tokenizer, threads: int, name: str):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, threads: int, name: str, max_jobs: int | None = None):
+        self.tokenizer, self.max_jobs, self.jobs = tokenizer, max_jobs, 0
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
 
@@ -58,12 +66,43 @@ class _Tokenizers:
             tok = self._local.tokenizer = copy.deepcopy(self.tokenizer)
         return tok
 
-    async def run(self, fn, *args):
-        """``fn(tokenizer, *args)`` on a pool thread, with that thread's tokenizer."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(self._mine(), *args))
+    async def run(self, fn, *args, request: Request | None = None):
+        """``fn(tokenizer, *args)`` on a pool thread, with that thread's tokenizer; QueueFull past
+        ``max_jobs``; ClientLeft (the job cancelled, or its result dropped) once ``request``'s
+        client has disconnected."""
+        if self.max_jobs is not None and self.jobs >= self.max_jobs:
+            raise QueueFull(f"{self.jobs} long prompts are being tokenized, the most this server queues")
+        loop = asyncio.get_running_loop()
+        self.jobs += 1
+        job = self._pool.submit(lambda: fn(self._mine(), *args))
+        # counted until the thread is free, not until this coroutine stops waiting
+        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done))
+        waiting = asyncio.wrap_future(job)
+        if request is None:
+            return await waiting
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return waiting.result()
+            if await request.is_disconnected():
+                job.cancel()  # a job not started never runs; a running one finishes unread
+                raise ClientLeft("tokenize")
+
+    def _done(self) -> None:
+        self.jobs -= 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def longest_token_chars(tokenizer) -> int:
+    """An upper bound on the characters one token of ``tokenizer`` stands for: its vocabulary's
+    longest piece (a byte-level piece has a character per byte, so it bounds the text's characters
+    too), doubled where a normalizer may first contract the text (NFC joins characters)."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    longest = max((len(p) for p in pieces if p), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return longest * (2 if backend is None or backend.normalizer is not None else 1)
 
 
 def _parse(raw: bytes, model):
@@ -86,7 +125,8 @@ class Server:
         self.created = int(time.time())
         tok = llm.tokenizer
         self._short = _Tokenizers(tok, _TOKENIZE_THREADS, "spear-tokenize-short")
-        self._long = _Tokenizers(tok, _TOKENIZE_THREADS, "spear-tokenize-long")
+        self._long = _Tokenizers(tok, _TOKENIZE_THREADS, "spear-tokenize-long", self.limits.max_long_prompts_queued)
+        self._chars_per_token = longest_token_chars(tok)
         self._parse_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spear-parse")
 
     def _tokenizers(self, chars: int) -> _Tokenizers:
@@ -96,7 +136,10 @@ class Server:
         """The body as ``model`` (a pydantic request class): read here (the body limit applies),
         parsed and validated on a worker thread when large, so /health and other clients' streams
         do not wait for it."""
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # it left mid-upload, or the transport closed it (too slow)
+            raise ClientLeft from None
         if len(raw) < _PARSE_OFF_LOOP_BYTES:
             return _parse(raw, model)
         return await asyncio.get_running_loop().run_in_executor(self._parse_pool, _parse, raw, model)
@@ -113,21 +156,28 @@ class Server:
                            "model", "model_not_found")
 
     def _check_chars(self, n: int, param: str) -> None:
+        """A prompt of ``n`` characters within the server's limit and, before any tokenizing, one that
+        could fit the context: no token holds more than ``_chars_per_token`` characters."""
         if n > self.limits.max_prompt_chars:
             raise InvalidRequest(f"the prompt has {n} characters; this server takes at most "
                                  f"{self.limits.max_prompt_chars}", param)
+        fewest = -(-n // self._chars_per_token)
+        if fewest >= self.llm.max_model_len:
+            raise InvalidRequest(f"the prompt has {n} characters, so at least {fewest} tokens (no token of this "
+                                 f"model holds more than {self._chars_per_token} characters); the context holds "
+                                 f"{self.llm.max_model_len} tokens, prompt and output together", param)
 
-    async def completion_inputs(self, body: CompletionRequest):
+    async def completion_inputs(self, body: CompletionRequest, request: Request | None = None):
         self._check_model(body.model)
         prompt = body.single_prompt()
         params = body.sampling_params(body.max_tokens, self.limits)
         await self.llm.wait_loaded()
         if isinstance(prompt, str):
             self._check_chars(len(prompt), "prompt")
-            return await self._tokenizers(len(prompt)).run(encode_text, prompt), params
+            return await self._tokenizers(len(prompt)).run(encode_text, prompt, request=request), params
         return prompt, params
 
-    async def chat_inputs(self, body: ChatCompletionRequest):
+    async def chat_inputs(self, body: ChatCompletionRequest, request: Request | None = None):
         self._check_model(body.model)
         params = body.sampling_params(body.max_tokens_requested(), self.limits)
         if not has_chat_template(self.llm.tokenizer):
@@ -141,7 +191,7 @@ class Server:
         self._check_chars(chars, "messages")
         await self.llm.wait_loaded()
         try:
-            ids = await self._tokenizers(chars).run(chat_prompt_ids, messages)
+            ids = await self._tokenizers(chars).run(chat_prompt_ids, messages, request=request)
         except SpearError as exc:  # the template refused the messages
             raise InvalidRequest(str(exc), "messages") from None
         return ids, params
@@ -183,7 +233,9 @@ class Server:
             raise body.as_sent(exc) from None
 
     async def respond(self, request: Request, body, chat: bool):
-        ids, params = await (self.chat_inputs(body) if chat else self.completion_inputs(body))
+        ids, params = await (self.chat_inputs(body, request) if chat else self.completion_inputs(body, request))
+        if await request.is_disconnected():  # it left while its prompt was tokenized: admit nothing
+            raise ClientLeft("admit")
         serial = uuid.uuid4().hex
         rid = ("chatcmpl-" if chat else "cmpl-") + serial
         if body.stream:
