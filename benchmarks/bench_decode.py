@@ -82,7 +82,6 @@ POLICY_OPTIONS = (
     ("fused_max_m", "fused_max_m"),
     ("pdl", "pdl"),
     ("table", "launch_table"),
-    ("w4_layout", "w4_layout"),
 )
 
 
@@ -242,8 +241,6 @@ def main(argv=None) -> int:
                    help="also print and store the GPU time per kernel of a decode step (torch.profiler) at these "
                         "comma-separated batch sizes (default with no value: 1)")
     p.add_argument("--table", help="launch_table.json (spear tune-kernels / bench_kernels.py --tune) for the W4 kernel")
-    p.add_argument("--w4-layout", choices=["mma", "kmajor", "nmajor"],
-                   help="packed layout of the W4 layers (KernelPolicy.w4_layout; default: mma)")
     args = p.parse_args(argv)
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -278,8 +275,7 @@ def main(argv=None) -> int:
               + (f", ec_gate programs <= {args.gate_programs}" if args.gate_programs is not None else "")
               + (f", programmatic dependent launch ({args.policy.pdl})" if args.policy.pdl != "off" and device == "cuda"
                  else "")
-              + (f", launch table {args.table}" if args.table else "")
-              + f", W4 layout {args.policy.w4_layout}")
+              + (f", launch table {args.table}" if args.table else ""))
     print(header, flush=True)
     max_len = args.prompt_len + args.warmup + args.gen + 1
     if args.max_model_len is not None and args.max_model_len < max_len:

@@ -51,10 +51,10 @@ def main(argv=None) -> int:
     w = pack(codes, scales.half(), zeros, 32, True)
     x = torch.randn(1, 64)
     policy = KernelPolicy()
-    args = (x, w.qweight, w.scales, w.zeros, w.locks, w.group_size, w.symmetric, w.kmajor, None, None, None, None,
+    args = (x, w.qweight, w.scales, w.zeros, w.locks, w.group_size, w.symmetric, w.layout_id, None, None, None, None,
             None, None, None, 0.0, 0.0, 0, list(policy.op_args), 0)
     registered = median_us(lambda: torch.ops.spear.w4a16_ec(*args))
-    direct = median_us(lambda: ops.w4a16_ec_impl(x, w, None, None, 0, policy.settings, 0))
+    direct = median_us(lambda: ops.w4a16_ec_impl(x, w, None, None, 0, policy, 0))
 
     runner = ModelRunner.__new__(ModelRunner)  # only what mixed_inputs reads
     runner.block_size, runner.device, runner.cos, runner.sin = 16, torch.device("cpu"), None, None

@@ -3,8 +3,8 @@
     python benchmarks/bench_kernels.py --out results/kernels            # full sweep (H200: ~8 min)
     python benchmarks/bench_kernels.py --out results/kernels --quick    # 7B/8B shapes, fewer M and ranks
     python benchmarks/bench_kernels.py --out results/kernels --models Llama-2-7B,Llama-3-8B  # every M and rank
-    python benchmarks/bench_kernels.py --out results/kernels --tune     # launch-shape sweep for w4a16.py
-    ... --layout nmajor     # the N-major packed layout instead of the K-major one the engine serves
+    python benchmarks/bench_kernels.py --out results/kernels --tune     # the N-major family's launch sweep
+    ... --layout nmajor     # the N-major fallback layout instead of the fragment layout the engine serves
     ... --gate-programs 128 --table t.json   # kernel options build the KernelPolicy the variants run under
 
 Protocol (SPEAR.md §4): random non-zero weights quantized with RTN (4 bit, group 128, asym),
@@ -16,15 +16,18 @@ exceed twice the L2 cache, so each call streams its weights from HBM as in a rea
 (shape, M) are timed in the same run, so the ratios compare like with like.
 
 Variants: fp16 (cuBLAS on the dequantized weight), int4mm (torch._weight_int4pack_mm, bf16),
-w4 (spear::w4a16_ec without EC, as dispatched), w4_no_gluon (the same policy with the Gluon GEMM
-off, on Hopper), w4_triton / w4_dqmm (the Triton GEMM and dequantize + cuBLAS), and per rank r (gate hidden h = 32): fused, semi (side stream),
-serial (v-epilogue), ec (the op as dispatched) and naive (w4 then torch ops for the EC).
+w4 (spear::w4a16_ec without EC, as planned), w4_no_gluon (the same policy with the Gluon GEMM
+off, on Hopper), w4_triton / w4_dqmm (the Triton GEMM and dequantize + cuBLAS), and per rank r
+(gate hidden h = 32): fused, semi (side stream), serial (v-epilogue), ec (the op as planned) and
+naive (w4 then torch ops for the EC). The fused and semi-fused variants run the planner's launches
+for those forms (spear/kernels/planner.py).
 Writes results.json and table.md under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -42,8 +45,11 @@ from kernel_timing import ceilings, profile_calls, time_calls  # noqa: E402
 
 from spear.kernels import ops  # noqa: E402
 from spear.kernels.dequant import dequantize  # noqa: E402
+from spear.kernels.ec import gate_splits  # noqa: E402
+from spear.kernels.layout import Layout  # noqa: E402
 from spear.kernels.ops import w4a16_linear  # noqa: E402
-from spear.kernels.policy import KernelPolicy, plan  # noqa: E402
+from spear.kernels.planner import EC, plan, target  # noqa: E402
+from spear.kernels.policy import KernelPolicy  # noqa: E402
 from spear.kernels.w4a16 import w4a16_matmul  # noqa: E402
 
 M_ALL = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
@@ -66,9 +72,13 @@ def variants(layer, m, ranks, ecs, policy: KernelPolicy):
     x = torch.randn(m, layer.k, device=DEVICE).half()
     xb = x.bfloat16()
     table = policy.launch_table
-    # the W4 part of the semi-fused path as the policy plans it (the Triton GEMM, or cuBLAS from its
-    # layout's threshold on)
-    w4_cfg = plan(m, layer.n, layer.k, GROUP, layer.layout, 0, policy).config
+    fmt = layer.w4[0].format
+    # the semi-fused path with the W4 part the policy plans without the Gluon GEMM (the Triton GEMM, or
+    # cuBLAS from the layout's threshold on; "ec" is the op as planned), and the fused launch the
+    # planner gives each rank up to 64 tokens
+    w4_plan = plan(m, layer.n, layer.k, 0, fmt, x.device, policy.replace(gluon=False))
+    semi = dataclasses.replace(w4_plan, ec=EC.SEMI, gate_splits=gate_splits(m, layer.k, policy.gate_programs))
+    fusing = policy.replace(fused_max_m=FUSED_MAX_M_TIMED)
     # default arguments bind each copy (and each rank's EC) at definition time
     v = {
         "fp16": [lambda w=w: torch.nn.functional.linear(x, w) for w in layer.fp16],
@@ -76,10 +86,10 @@ def variants(layer, m, ranks, ecs, policy: KernelPolicy):
     }
     if layer.int4 and (m < 1024 or layer.n == layer.k):  # slow at large M: q/o only there
         v["int4mm"] = [lambda w=w: torch._weight_int4pack_mm(xb, w[0], GROUP, w[1]) for w in layer.int4]
-    if layer.layout == "mma" and ops.gluon_available(x.device):  # the policy's path with the Gluon GEMM off
+    if layer.layout is Layout.FRAGMENT and target(x.device).gluon:  # the policy's path with the Gluon GEMM off
         no_gluon = policy.replace(gluon=False)
         v["w4_no_gluon"] = [lambda w=w: w4a16_linear(x, w, policy=no_gluon) for w in layer.w4]
-    if m >= 128 or layer.layout == "mma":
+    if m >= 128 or layer.layout is Layout.FRAGMENT:
         v["w4_triton"] = [lambda w=w: w4a16_matmul(x, w, table=table) for w in layer.w4]
         v["w4_dqmm"] = [lambda w=w: torch.nn.functional.linear(x, dequantize(w, x.dtype)) for w in layer.w4]
     for r in ranks:
@@ -87,14 +97,12 @@ def variants(layer, m, ranks, ecs, policy: KernelPolicy):
         v[f"ec r{r}"] = [lambda w=w, e=e: w4a16_linear(x, w, None, e, policy=policy) for w in layer.w4]
         v[f"naive r{r}"] = [lambda w=w, e=e: naive_ec(w4a16_linear(x, w, policy=policy), x, e) for w in layer.w4]
         if m <= FUSED_MAX_M_TIMED:
-            v[f"fused r{r}"] = [lambda w=w, e=e: w4a16_matmul(x, w, None, e, ec_mode=1, table=table,
-                                                               u_split_max=policy.u_split_max) for w in layer.w4]
+            fused = plan(m, layer.n, layer.k, e.kernel_rank, fmt, x.device, fusing).config
+            v[f"fused r{r}"] = [lambda w=w, e=e, c=fused: w4a16_matmul(x, w, None, e, config=c) for w in layer.w4]
         if m >= SEMI_MIN_M_TIMED:
-            v[f"semi r{r}"] = [lambda w=w, e=e: ops._semi_fused(x, w, None, e, w4_cfg, True, policy.gate_programs, 0)
-                               for w in layer.w4]
+            v[f"semi r{r}"] = [lambda w=w, e=e: ops.run(semi, x, w, None, e, 0, 0, overlap=True) for w in layer.w4]
         if m >= SERIAL_MIN_M_TIMED:
-            v[f"serial r{r}"] = [lambda w=w, e=e: ops._semi_fused(x, w, None, e, w4_cfg, False, policy.gate_programs,
-                                                                  0) for w in layer.w4]
+            v[f"serial r{r}"] = [lambda w=w, e=e: ops.run(semi, x, w, None, e, 0, 0, overlap=False) for w in layer.w4]
     return x, v
 
 
@@ -123,7 +131,7 @@ def floor_us(n, k, m, bw, peak):
 
 def _warm_one(m, ranks, n, k, policy, layout):
     """Compile every kernel variant that the sweep will launch at this M (into Triton's disk cache)."""
-    layer = Layer(n, k, 0, with_int4=False, layout=layout)
+    layer = Layer(n, k, 0, with_int4=False, layout=Layout(layout))
     ecs = {r: make_ec(n, k, r) for r in ranks}
     _, v = variants(layer, m, ranks, ecs, policy)
     for fns in v.values():
@@ -167,7 +175,7 @@ def sweep(args, out_dir, policy):
     for model, proj, n, k in layer_shapes(models):
         if time.time() - t_start > args.budget_s:
             break
-        layer = Layer(n, k, l2, with_int4=has_int4, layout=args.layout)
+        layer = Layer(n, k, l2, with_int4=has_int4, layout=Layout(args.layout))
         ecs = {r: make_ec(n, k, r) for r in ranks}
         for m in (1, 512):
             check(layer, m, ranks, ecs, checks, policy)
@@ -198,7 +206,8 @@ def sweep(args, out_dir, policy):
         torch.cuda.empty_cache()
     meta = dict(device=props.name, l2_bytes=l2, copy_bw=bw, fp16_peak=peak, torch=torch.__version__,
                 group_size=GROUP, gate_hidden=HIDDEN, fused_max_m=policy.fused_max_m,
-                dequant_mm_min_m=policy.dequant_mm_min_m, gate_programs=policy.gate_programs, quick=args.quick,
+                fragment_cublas_min_m=policy.fragment_cublas_min_m, nmajor_cublas_min_m=policy.nmajor_cublas_min_m,
+                gate_programs=policy.gate_programs, quick=args.quick,
                 layout=args.layout,
                 date=time.strftime("%Y-%m-%d"))
     (out_dir / "results.json").write_text(json.dumps(dict(meta=meta, results=results, checks=checks), indent=1))
@@ -214,7 +223,7 @@ def _median(vals):
 def report(meta, results, checks, ranks):
     lines = [f"device {meta['device']}, {meta['date']}; copy {meta['copy_bw'] / 1e12:.2f} TB/s, "
              f"fp16 mm {meta['fp16_peak'] / 1e12:.0f} TFLOP/s; g{meta['group_size']} asym, h={meta['gate_hidden']}, "
-             f"{meta.get('layout', 'nmajor')} weights; "
+             f"{meta.get('layout', 'fragment')} weights; "
              f"checks: {sum(c['ok'] for c in checks)}/{len(checks)} pass (int4mm excluded from the gate)", ""]
     base = ["fp16", "int4mm", "w4", "w4_no_gluon", "w4_triton", "w4_dqmm"]
     per_rank = ["fused", "semi", "serial", "ec", "naive"]
@@ -258,9 +267,9 @@ def main():
     p.add_argument("--out", type=Path, required=True, help="folder for results.json and table.md")
     p.add_argument("--quick", action="store_true", help="7B/8B shapes, M in {1,4,16,64,512,2048}, ranks 16/32")
     p.add_argument("--tune", action="store_true", help="sweep launch shapes of the W4 kernel instead")
-    p.add_argument("--tune-kinds", default="fma,tc,tc_wide",
-                   help="with --tune: comma-separated launch entries to sweep (fma: 1-4 tokens, tc: 4-16, "
-                        "tc_wide: 17-64; default all, which also times 128-256 tokens and the fused EC)")
+    p.add_argument("--tune-kinds", default="1,16,32,64",
+                   help="with --tune: comma-separated N-major classes to sweep (1: the one-token loop, 16: 2-16 "
+                        "tokens, 32, 64; default all, which also times 128-256 tokens and the fused EC)")
     p.add_argument("--models", help=f"comma-separated subset of {', '.join(MODELS)} (default: all; --quick: 7B, 8B)")
     p.add_argument("--ms", help="comma-separated token counts (default: all; --quick: 1,4,16,64,512,2048)")
     p.add_argument("--ranks", help="comma-separated EC ranks (default: 8,16,32,64; --quick: 16,32)")
@@ -272,9 +281,9 @@ def main():
                         "(KernelPolicy.gate_programs)")
     p.add_argument("--profile", help="comma-separated variants (e.g. 'w4,ec r32') whose GPU time per call is also "
                                      "split by kernel (torch.profiler over graph replays) and printed per row")
-    p.add_argument("--layout", choices=["mma", "kmajor", "nmajor"], default="mma",
+    p.add_argument("--layout", choices=[x.value for x in Layout], default=Layout.FRAGMENT.value,
                    help="packed weight layout of the W4 variants (default: the fragment layout the engine serves; "
-                        "--tune packs K-major)")
+                        "nmajor: the fallback of the shapes it refuses; --tune times the N-major family)")
     args = p.parse_args()
     try:
         policy = KernelPolicy(**({} if args.gate_programs is None else {"gate_programs": args.gate_programs}),

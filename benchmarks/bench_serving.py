@@ -265,8 +265,6 @@ def main(argv=None) -> int:
                    help="comma-separated: default (--requests, --rate, --prompt-min/max, --output, --max-num-seqs), "
                         "saturating (arrivals beyond FP16's capacity with varied lengths: module docstring) "
                         "(default: %(default)s)")
-    p.add_argument("--w4-layout", choices=["mma", "kmajor", "nmajor"], default="mma",
-                   help="packed layout of the W4 layers (KernelPolicy.w4_layout; default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--ec-budget", type=float, default=0.01, help="EC bytes / W4 model bytes (default: 1%%)")
     p.add_argument("--passes", type=int, default=1, help="runs of the workload per engine; the last is reported")
@@ -318,10 +316,10 @@ def main(argv=None) -> int:
     if args.shape not in SHAPES:
         p.error(f"unknown shape {args.shape}; known: {sorted(SHAPES)}")
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
-    policy = KernelPolicy(w4_layout=args.w4_layout)
+    policy = KernelPolicy()
     loads = loads_of(args)
     header = (f"Serving, {datetime.date.today().isoformat()}, {dev_name}, {args.shape}"
-              + (f" ({args.layers} layers)" if args.layers else "") + f", {dtype}, W4 layout {args.w4_layout}"
+              + (f" ({args.layers} layers)" if args.layers else "") + f", {dtype}"
               + ("" if "http" not in args.paths else f", HTTP client in {args.client_procs} processes") + "; "
               + "; ".join(load.describe() for load in loads))
     print(header, flush=True)

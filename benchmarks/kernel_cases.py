@@ -8,7 +8,7 @@ import torch
 
 from kernel_timing import copies_for
 from spear.kernels import reference
-from spear.kernels.layout import pack, pack_ec
+from spear.kernels.layout import Layout, pack, pack_ec
 from spear.kernels.dequant import dequantize
 from spear.quant.primitives import rtn
 
@@ -36,7 +36,7 @@ def layer_shapes(models):
 class Layer:
     """One quantized random layer and the copies each variant rotates through."""
 
-    def __init__(self, n, k, l2, with_int4, seed=0, layout="kmajor"):
+    def __init__(self, n, k, l2, with_int4, seed=0, layout=Layout.FRAGMENT):
         g = torch.Generator(device=DEVICE).manual_seed(seed)
         w = torch.randn(n, k, device=DEVICE, generator=g) * 0.02
         self.codes, self.scales, self.zeros = rtn(w, 4, GROUP, symmetric=False)

@@ -8,7 +8,7 @@
 Runs the launch three times (the third is the one ``-s 2 -c 1`` profiles) on an RTN W4 g128 random
 layer after checking it against the fp32 reference, and prints its SQNR and CUDA-graph time beside
 cuBLAS FP16 (one weight copy each: L2-resident for the smaller shapes, unlike bench_kernels.py).
-``--launch`` is BM,BN,BK,split_k,num_warps,num_stages (spear.kernels.launch.Config); ``--gluon``
+``--launch`` is BM,BN,BK,split_k,num_warps,num_stages (spear.kernels.launch.TritonConfig); ``--gluon``
 is BNC,BM,BK,stages,split_k (spear.kernels.launch.GluonConfig).
 """
 
@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spear.kernels import reference  # noqa: E402
-from spear.kernels.launch import Config, GluonConfig  # noqa: E402
-from spear.kernels.layout import pack  # noqa: E402
+from spear.kernels.launch import GluonConfig, TritonConfig  # noqa: E402
+from spear.kernels.layout import Layout, pack  # noqa: E402
 from spear.kernels.timing import time_calls  # noqa: E402
 from spear.kernels.tune import GROUP, random_layer, sqnr  # noqa: E402
 from spear.kernels.w4a16 import w4a16_matmul  # noqa: E402
@@ -54,14 +54,14 @@ def main(argv=None) -> int:
             return gluon_w4a16(x, w, None, gcfg)
     else:
         try:
-            cfg = Config(*(int(v) for v in args.launch.split(",")))
+            cfg = TritonConfig(*(int(v) for v in args.launch.split(",")))
         except (TypeError, ValueError):
             p.error(f"--launch: six integers BM,BN,BK,split_k,num_warps,num_stages; got {args.launch!r}")
 
         def run(x, w):
             return w4a16_matmul(x, w, config=cfg)
     codes, scales, zeros = random_layer(args.n, args.k)
-    w = pack(codes, scales, zeros, GROUP, layout="mma")
+    w = pack(codes, scales, zeros, GROUP, layout=Layout.FRAGMENT)
     x = torch.randn(args.m, args.k, device="cuda", dtype=torch.float16)
     s = sqnr(reference.w4a16_ec(x, codes, scales, zeros, GROUP), run(x, w))
     for _ in range(3):

@@ -7,19 +7,6 @@ import json
 from spear.fileio import write_text_atomic
 
 
-def _tokens(text: str) -> tuple[int, ...]:
-    import argparse
-
-    try:
-        tokens = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token counts such as 1,2,4; got {text!r}") from None
-    if not tokens or any(t not in (1, 2, 4) for t in tokens) or 1 not in tokens:
-        raise argparse.ArgumentTypeError(f"token counts are 1, 2 and 4 (the one-token loop's classes), 1 among them; "
-                                         f"got {text!r}")
-    return tokens
-
-
 def _shapes(text: str) -> list[tuple[str, int, int]]:
     import argparse
 
@@ -40,10 +27,10 @@ def _shapes(text: str) -> list[tuple[str, int, int]]:
 def _classes(text: str) -> list[str]:
     import argparse
 
-    from spear.kernels.launch import GLUON_CLASSES, MMA_CLASSES
+    from spear.kernels.launch import FRAGMENT_CLASSES, GLUON_CLASSES
 
     out = [c.strip() for c in text.split(",") if c.strip()]
-    known = dict.fromkeys(MMA_CLASSES + GLUON_CLASSES)
+    known = dict.fromkeys(FRAGMENT_CLASSES + GLUON_CLASSES)
     if not out or set(out) - set(known):
         raise argparse.ArgumentTypeError(f"token classes among {','.join(known)}; got {text!r}")
     return out
@@ -57,27 +44,23 @@ def register(sub) -> None:
                                    "(or --shapes), on this CUDA GPU, and write the fastest as a JSON launch table "
                                    "for `spear serve --launch-table` (the built-in table was chosen on an H200 and, "
                                    "for the Gluon GEMM, an H100). "
-                                   "--layout mma (default): the tensor-core GEMM of the fragment layout, per token "
-                                   "class from 1 to 4096 tokens, against cuBLAS FP16, and its CUDA-core loop at 1, 2 "
-                                   "and 4 tokens (with class 16); --layout gluon: the warp-specialized Gluon GEMM "
-                                   "of the fragment layout (Hopper), per token class from 16 tokens on, kept for a "
-                                   "class only where it beats the path without it; --layout kmajor: the K-major "
-                                   "layout's one-token loops (1, 2 and 4 tokens). Needs a CUDA GPU; minutes.")
+                                   "--kernel triton (default): the Triton GEMM of the fragment layout, per token "
+                                   "class from 1 to 4096 tokens, against cuBLAS FP16; --kernel gluon: the "
+                                   "warp-specialized Gluon GEMM of the fragment layout (Hopper), per token class "
+                                   "from 16 tokens on, kept for a class only where it beats the path without it. "
+                                   "Needs a CUDA GPU; minutes.")
     add_model_arg(p)
     p.add_argument("--shapes", type=_shapes, default=None,
                    help="tune on these layer shapes instead of --model's, e.g. 4096x4096,28672x4096,4096x14336 "
                         "(out x in features)")
-    p.add_argument("--layout", choices=["mma", "gluon", "kmajor"], default="mma",
-                   help="the launches to tune: the fragment layout's Triton GEMM (mma), its Gluon GEMM (gluon), "
-                        "or the K-major layout's one-token loops (default: %(default)s)")
+    p.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
+                   help="the launches to tune: the fragment layout's Triton GEMM or its Gluon GEMM "
+                        "(default: %(default)s)")
     p.add_argument("--classes", type=_classes, default=None,
-                   help="--layout mma: the token classes to tune, among 16,32,64,128,256,big (class 16 includes "
-                        "the CUDA-core loop at 1-4 tokens); --layout gluon: among 16,32,64,128,256,512,1024,big "
-                        "(default: all); the others keep the built-in launches")
+                   help="--kernel triton: the token classes to tune, among 16,32,64,128,256,big; --kernel gluon: "
+                        "among 16,32,64,128,256,512,1024,big (default: all); the others keep the built-in launches")
     p.add_argument("--out", required=True, help="the launch table to write (JSON)")
     p.add_argument("--rows", default=None, help="also write every timing (JSON), with cuBLAS FP16 beside each")
-    p.add_argument("--tokens", type=_tokens, default=(1, 2, 4),
-                   help="token counts of the CUDA-core loop to tune, from 1, 2, 4 (default: 1,2,4)")
     p.add_argument("--budget-s", type=float, default=600,
                    help="stop starting new launches after this many seconds (default: %(default)s)")
     p.set_defaults(func=main)
@@ -96,7 +79,7 @@ def main(args) -> int:
         raise SpearError("tune-kernels times the W4 kernel on a CUDA GPU; none is available here")
     from transformers import AutoConfig
 
-    from spear.kernels import launch, tune
+    from spear.kernels import tune
     from spear.models.loading import resolve_model_path
 
     if args.shapes:
@@ -107,52 +90,24 @@ def main(args) -> int:
             shapes = tune.model_shapes(config)
         except AttributeError as exc:
             raise SpearError(f"--model {args.model}: not a Llama-family config ({exc})") from None
-    if args.layout == "mma":
-        return _tune_mma(args, shapes)
-    if args.layout == "gluon":
+    if args.kernel == "gluon":
         return _tune_gluon(args, shapes)
-    table, rows = tune.tune(shapes, tokens=args.tokens, budget_s=args.budget_s, progress=not args.quiet)
-    if not table:
-        raise SpearError("no launch was timed on every shape within --budget-s; give it more time")
-    out = {k: launch._thaw(v) for k, v in launch.merged_table(table).items()}
-    _write_json(args.out, out)
-    if args.rows:
-        _write_json(args.rows, {"rows": rows})
-    print(f"{torch.cuda.get_device_name()}: {len(rows)} shape x token rows on {', '.join(s[0] for s in shapes)}")
-    for m in args.tokens:
-        rs = [r for r in rows if r["m"] == m]
-        best, us, _ = tune._best(rows, "kmajor", m)
-        if best is not None:
-            tc = tune.geomean(r["kmajor"]["tc_us"] for r in rs)
-            print(f"  {m} token(s): {best} {us:.1f} us geomean (tensor-core tiles {tc:.1f} us)")
-    print(f"wrote {args.out}: serve with `spear serve --model ... --launch-table {args.out}`")
-    return 0
+    return _tune_fragment(args, shapes)
 
 
-def _tune_mma(args, shapes) -> int:
+def _tune_fragment(args, shapes) -> int:
     import torch
 
     from spear.errors import SpearError
     from spear.kernels import launch, tune
 
-    table, rows = tune.tune_mma(shapes, classes=args.classes, budget_s=args.budget_s, progress=not args.quiet)
-    if not table["mma"]:
+    table, rows = tune.tune_fragment(shapes, classes=args.classes, budget_s=args.budget_s, progress=not args.quiet)
+    if not table["fragment"]:
         raise SpearError("no launch was timed on every shape within --budget-s; give it more time")
-    fma_rows = []
-    if args.classes is None or "16" in args.classes:  # 1-4 tokens: the CUDA-core loop against the tiles
-        fma_table, fma_rows = tune.tune(shapes, tokens=args.tokens, layout="mma", budget_s=args.budget_s,
-                                        progress=not args.quiet)
-        table.update(fma_table)
-    out = {k: launch._thaw(v) for k, v in launch.merged_table(table).items()}
-    _write_json(args.out, out)
+    _write_json(args.out, launch.to_json(launch.merged_table(table)))
     if args.rows:
-        _write_json(args.rows, {"device": torch.cuda.get_device_name(), "rows": rows, "one_token_rows": fma_rows})
-    for m in args.tokens if fma_rows else ():
-        best, us, rs = tune._best(fma_rows, "mma", m)
-        if best is not None:
-            print(f"  {m} token(s), CUDA-core loop: {best} {us:.1f} us geomean (tensor-core tiles "
-                  f"{tune.geomean(r['mma']['tc_us'] for r in rs):.1f} us)")
-    _print_rows(rows, shapes, "kmajor_us", "mma")
+        _write_json(args.rows, {"device": torch.cuda.get_device_name(), "rows": rows})
+    _print_rows(rows, shapes, "default_us", "triton")
     print(f"wrote {args.out}: serve with `spear serve --model ... --launch-table {args.out}`")
     return 0
 
@@ -178,14 +133,14 @@ def _tune_gluon(args, shapes) -> int:
     import torch
 
     from spear.errors import SpearError
-    from spear.kernels import gluon_w4, launch, tune_gluon
+    from spear.kernels import launch, tune_gluon
+    from spear.kernels.planner import target
 
-    if not gluon_w4.available():
-        raise SpearError("--layout gluon needs a Hopper GPU (sm_90) and a Triton with Gluon; this is "
+    if not target(torch.device("cuda")).gluon:
+        raise SpearError("--kernel gluon needs a Hopper GPU (sm_90) and a Triton with Gluon; this is "
                          f"{torch.cuda.get_device_name()}")
     table, rows = tune_gluon.tune_gluon(shapes, classes=args.classes, budget_s=args.budget_s, progress=not args.quiet)
-    out = {k: launch._thaw(v) for k, v in launch.merged_table(table).items()}
-    _write_json(args.out, out)
+    _write_json(args.out, launch.to_json(launch.merged_table(table)))
     if args.rows:
         _write_json(args.rows, {"device": torch.cuda.get_device_name(), "rows": rows})
     _print_rows(rows, shapes, "without_us", "gluon")

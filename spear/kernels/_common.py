@@ -67,16 +67,15 @@ def _halves(m, IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def _unpack_w4(p, BN: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr, KMAJOR: tl.constexpr = False):
-    """[BN, BK/8] int32 words -> [BN, BK] floats equal to BASE + code, exactly.
+def _unpack_w4(p, BN: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr):
+    """N-major [BN, BK/8] int32 words -> [BN, BK] floats equal to BASE + code, exactly.
 
     Each code is OR-ed into the mantissa of a float whose exponent makes one mantissa
     step equal 1 (fp16 0x6400 = 1024, bf16 0x4300 = 128), so no int->float conversion
     is needed. The mask 0x000F000F takes two codes per 32-bit operation (nibbles i and
-    i+4); the join tree then puts nibble i at its k-offset: NIBBLE_K[i] for the N-major
-    words, KMAJOR_NIBBLE_K[i] (= 2i, and 2i+1 for nibble i+4) for the K-major ones
-    (layout.py). ``tl.join`` adds the new axis innermost and the reshape reads the last
-    axes in row-major order, so the order of the joins decides the k order.
+    i+4); the join tree then puts nibble i at its k-offset NIBBLE_K[i] (layout.py).
+    ``tl.join`` adds the new axis innermost and the reshape reads the last axes in row-major
+    order, so the order of the joins decides the k order.
     """
     if IS_BF16:
         magic = 0x43004300
@@ -86,15 +85,7 @@ def _unpack_w4(p, BN: tl.constexpr, BK: tl.constexpr, IS_BF16: tl.constexpr, KMA
     t1 = _halves(((p >> 4) & 0x000F000F) | magic, IS_BF16)
     t2 = _halves(((p >> 8) & 0x000F000F) | magic, IS_BF16)
     t3 = _halves(((p >> 12) & 0x000F000F) | magic, IS_BF16)
-    if KMAJOR:
-        # tree over [i // 2, i % 2, lo/hi]: position 4 (i // 2) + 2 (i % 2) + h = 2i + h
-        l0, h0 = tl.split(t0)
-        l1, h1 = tl.split(t1)
-        l2, h2 = tl.split(t2)
-        l3, h3 = tl.split(t3)
-        w = tl.join(tl.join(tl.join(l0, l2), tl.join(l1, l3)), tl.join(tl.join(h0, h2), tl.join(h1, h3)))
-    else:
-        w = tl.join(tl.join(t0, t1), tl.join(t2, t3))
+    w = tl.join(tl.join(t0, t1), tl.join(t2, t3))
     return tl.reshape(w, (BN, BK))
 
 
@@ -242,17 +233,6 @@ add.f32 $0, flo, fhi;
 
 
 @triton.jit
-def _ld_v4(ptr, NC: tl.constexpr = True):
-    """Four int32 words at each 16-byte-aligned address of ``ptr`` (int32 pointers), one
-    vector load each: Triton splits loads of 1-D tensors broadcast across a tile into words.
-    ``NC``: through the non-coherent read-only cache, valid only for data no other kernel writes
-    during this kernel's lifetime."""
-    OP: tl.constexpr = "ld.global.nc.v4.b32" if NC else "ld.global.v4.b32"
-    return tl.inline_asm_elementwise(OP + " {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
-                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-
-
-@triton.jit
 def _signal(ptr):
     """Add 1 to the int32 at ``ptr`` from the program's first thread without waiting for the
     result (a ``red``, not an ``atom``): ``tl.atomic_add`` hands its result to every thread
@@ -287,20 +267,6 @@ def _wait_above(ptr, level, PORTABLE: tl.constexpr):
 
 
 @triton.jit
-def _step_sums(a0, a1, a2, a3, GROUPED: tl.constexpr):
-    """The sums one K step adds to: fresh zeros when the step has its own group scale (applied
-    by _add_scaled after the step), else the running accumulators themselves."""
-    if GROUPED:
-        s0 = tl.zeros(a0.shape, tl.float32)
-        s1 = tl.zeros(a0.shape, tl.float32)
-        s2 = tl.zeros(a0.shape, tl.float32)
-        s3 = tl.zeros(a0.shape, tl.float32)
-    else:
-        s0, s1, s2, s3 = a0, a1, a2, a3
-    return s0, s1, s2, s3
-
-
-@triton.jit
 def _half_pair(v):
     """int32 words holding fp16(v) in both halves."""
     h = v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
@@ -314,22 +280,9 @@ def _neg_zero_pairs(z):
 
 
 @triton.jit
-def _add_scaled(a0, a1, a2, a3, s0, s1, s2, s3, s):
-    """The four token accumulators plus one group's partial sums times that group's scales."""
-    return a0 + s * s0, a1 + s * s1, a2 + s * s2, a3 + s * s3
-
-
-@triton.jit
-def _tokens_to_accT(a0, a1, a2, a3, BM: tl.constexpr, MV: tl.constexpr, AXIS: tl.constexpr):
-    """accT [BN, BM]: column t is token t's accumulator summed over its K axis (columns >= MV zero)."""
-    cols = tl.arange(0, BM)[None, :]
-    accT = tl.where(cols == 0, tl.sum(a0, axis=AXIS)[:, None], 0.0)
-    if MV > 1:
-        accT += tl.where(cols == 1, tl.sum(a1, axis=AXIS)[:, None], 0.0)
-    if MV > 2:
-        accT += tl.where(cols == 2, tl.sum(a2, axis=AXIS)[:, None], 0.0)
-        accT += tl.where(cols == 3, tl.sum(a3, axis=AXIS)[:, None], 0.0)
-    return accT
+def _column0(acc, BM: tl.constexpr):
+    """accT [BN, BM] of one token: column 0 holds acc's row sums, the others zeros."""
+    return tl.where(tl.arange(0, BM)[None, :] == 0, tl.sum(acc, axis=1)[:, None], 0.0)
 
 
 @triton.jit

@@ -11,51 +11,29 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from spear.kernels._common import (_dot, _gate_apply, _gate_params, _pdl_wait, _signal, _sum_partials,
-                                   _tokens_to_accT, _wait_above)
+from spear.kernels._common import (_column0, _dot, _gate_apply, _gate_params, _pdl_wait, _signal, _sum_partials,
+                                   _wait_above)
 from spear.kernels._epilogue import _b_times_v
 
 
 @triton.jit
-def _u_x(x_ptr, stride_xm, k, offs_u, M, MV: tl.constexpr):
-    """Tokens 0 .. MV - 1 of x at k .. k + UK as fp32 (tokens >= M read as zeros; token 0 stands
-    in for the absent ones)."""
-    x0 = tl.load(x_ptr + k + offs_u).to(tl.float32)
-    x1 = x0
-    x2 = x0
-    x3 = x0
-    if MV > 1:
-        x1 = tl.load(x_ptr + stride_xm + k + offs_u, mask=offs_u * 0 + 1 < M, other=0.0).to(tl.float32)
-    if MV > 2:
-        x2 = tl.load(x_ptr + 2 * stride_xm + k + offs_u, mask=offs_u * 0 + 2 < M, other=0.0).to(tl.float32)
-        x3 = tl.load(x_ptr + 3 * stride_xm + k + offs_u, mask=offs_u * 0 + 3 < M, other=0.0).to(tl.float32)
-    return x0, x1, x2, x3
-
-
-@triton.jit
-def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, bound, u_lock, offs_m, m_mask,
-               k_lo, k_hi, split, M, K, stride_xm, n_wt, U_SPLIT: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr,
-               H: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
-               PDL: tl.constexpr):
-    """Partial u for one K range: uT [R, BM] = A[R, BK] . xT[BK, BM], then signal. The last u program
+def _u_program(x_ptr, ec, upart_ptr, v_ptr, bound, u_lock, offs_m, m_mask, k_lo, k_hi, split, M, K, stride_xm,
+               n_wt, U_SPLIT: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
+               BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    """Partial u for one K range: uT [R, BM] = A[R, BK] . xT[BK, BM], then signal. ``ec``: the
+    compensator's pointers (w4a16.Comp; a gated one's hidden width is R too, layout.py). The last u program
     of the m-tile to finish sums the partials, writes v = gamma(u) ⊙ u and signals once more; on
     CUDA it then waits until each of the n_wt W tiles has signalled that it is past its wait, and
     re-arms both counters for the next call (``_fused_ec``)."""
     offs_r = tl.arange(0, R)
     if MV > 0:
-        # decode's few tokens: fp32 FMAs on [R, BK] tiles, one accumulator per token (a tensor-core
-        # dot here would set the register count of the whole kernel, W programs included); UK
-        # keeps each tile at 2048 elements (16 fp32 registers per thread at 4 warps) for any rank,
-        # 1024 for 2-4 tokens: with 2048 their accumulators took the fused kernel from the plain
-        # kernel's 126-128 registers to 154-164 (ptxas, sm_90, the engine's launches at 2 and 4
-        # tokens), which cuts the programs resident per SM below what the launch needs
-        UK: tl.constexpr = min(BK, (2048 if MV == 1 else 1024) // R)
+        # one token: fp32 FMAs on [R, UK] tiles (a tensor-core dot here would set the register
+        # count of the whole kernel, W programs included); UK keeps each tile at 2048 elements (16
+        # fp32 registers per thread at 4 warps) for any rank
+        UK: tl.constexpr = min(BK, 2048 // R)
         offs_u = tl.arange(0, UK)
-        a_base = a_ptr + offs_r[:, None] * K + offs_u[None, :]
-        c0 = tl.zeros((R, UK), tl.float32)
-        c1 = tl.zeros((R, UK), tl.float32)
-        c2 = tl.zeros((R, UK), tl.float32)
-        c3 = tl.zeros((R, UK), tl.float32)
+        a_base = ec.a + offs_r[:, None] * K + offs_u[None, :]
+        c = tl.zeros((R, UK), tl.float32)
         # register prefetch: tile k + UK is loaded before tile k's FMAs, so a u program has two
         # tiles in flight instead of one round trip per tile; clamped to the range's last tile
         # (in bounds even for an empty range: k_hi >= BK >= UK)
@@ -63,20 +41,14 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
         kk = tl.minimum(k_lo, k_last)
         a = tl.load(a_base + kk)
         _pdl_wait(PDL)
-        x0, x1, x2, x3 = _u_x(x_ptr, stride_xm, kk, offs_u, M, MV)
+        x0 = tl.load(x_ptr + kk + offs_u).to(tl.float32)
         for k in range(k_lo, k_hi, UK):
             kn = tl.minimum(k + UK, k_last)
             a_next = tl.load(a_base + kn)
-            y0, y1, y2, y3 = _u_x(x_ptr, stride_xm, kn, offs_u, M, MV)
-            af = a.to(tl.float32)
-            c0 += af * x0[None, :]
-            if MV > 1:
-                c1 += af * x1[None, :]
-            if MV > 2:
-                c2 += af * x2[None, :]
-                c3 += af * x3[None, :]
-            a, x0, x1, x2, x3 = a_next, y0, y1, y2, y3
-        uT = _tokens_to_accT(c0, c1, c2, c3, BM, MV, 1)
+            y0 = tl.load(x_ptr + kn + offs_u).to(tl.float32)
+            c += a.to(tl.float32) * x0[None, :]
+            a, x0 = a_next, y0
+        uT = _column0(c, BM)
     else:
         # tensor cores over K tiles of at most 1024 / R (the dot's operand tiles set the register
         # count of the whole kernel, W programs included)
@@ -86,14 +58,14 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
         x_base = x_ptr + offs_m[None, :] * stride_xm + offs_dk[:, None]
         uT = tl.zeros((R, BM), tl.float32)
         for k in range(k_lo, k_hi, DK):
-            a = tl.load(a_ptr + offs_r[:, None] * K + (k + offs_dk)[None, :])
+            a = tl.load(ec.a + offs_r[:, None] * K + (k + offs_dk)[None, :])
             xt = tl.load(x_base + k, mask=m_mask[None, :], other=0.0)
             uT = _dot(a, xt, uT, DOT_F32)
     u_offs = offs_m[None, :] * R + offs_r[:, None]
     if GATE:
         # the gate's weights before the arrival: whichever program arrives last has them in
         # registers instead of a dependent round trip after its acquire (they are parameters)
-        w1t, b1, w2t, b2 = _gate_params(w1_ptr, b1_ptr, w2_ptr, b2_ptr, R, H)
+        w1t, b1, w2t, b2 = _gate_params(ec.w1, ec.b1, ec.w2, ec.b2, R, R)
     tl.store(upart_ptr + split * M * R + u_offs, uT, mask=m_mask[None, :])
     # every thread's stores must precede the (single-thread) release
     tl.debug_barrier()
@@ -104,7 +76,7 @@ def _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, b
         uT = _sum_partials(upart_ptr + u_offs, M * R, m_mask[None, :], tl.zeros((R, BM), tl.float32), U_SPLIT,
                            UCHUNK)
         if GATE:
-            vT = _gate_apply(uT, w1t, b1, w2t, b2, bound, H, BM, R, DOT_F32)
+            vT = _gate_apply(uT, w1t, b1, w2t, b2, bound, R, BM, R, DOT_F32)
         else:
             vT = uT
         tl.store(v_ptr + u_offs, vT.to(v_ptr.dtype.element_ty), mask=m_mask[None, :])

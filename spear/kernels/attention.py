@@ -3,7 +3,7 @@
     out[b, h] = softmax(scale · q[b, h] · K_bᵀ) V_b,   K_b, V_b = the first context_lens[b]
                                                       tokens of sequence b in the paged cache
 
-Layout (serve/layers.py): q (B, n_heads, head_dim); a layer's caches
+Layout (spear/serve/model/layers/attention.py): q (B, n_heads, head_dim); a layer's caches
 (num_blocks, block_size, n_kv_heads, head_dim); token ``t`` of sequence ``b`` sits in block
 ``block_tables[b, t // block_size]`` at offset ``t % block_size``. Query head ``h`` reads kv
 head ``h // (n_heads // n_kv_heads)`` (grouped-query attention). Output (B, n_heads · head_dim)
@@ -332,7 +332,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            target_programs: int = TARGET_PROGRAMS) -> torch.Tensor:
     """Attention of one query per sequence over its paged keys; (B, n_heads · head_dim) in q's dtype.
 
-    Same contract as ``decode_attention_reference``: block table entries past a
+    Same contract as ``reference.decode_attention``: block table entries past a
     sequence's last block are never read, context lengths past the table's width are clamped
     to it. Fixed grid and no host synchronization: safe inside a CUDA graph. ``block_n`` (keys per
     tile, a power of two >= 16) and ``splits`` (context splits, a power of two) override the

@@ -38,12 +38,17 @@ GATE_MIN_STEPS = 4
 UP_BM, UP_BN = 64, 128
 
 
-def gate_splits(m: int, k: int, bk: int, programs: int = GATE_PROGRAMS) -> int:
+def gate_bk(k: int) -> int:
+    """ec_gate's K step: 128 inputs where K allows it."""
+    return 128 if k % 128 == 0 else (64 if k % 64 == 0 else 32)
+
+
+def gate_splits(m: int, k: int, programs: int = GATE_PROGRAMS) -> int:
     """K splits of ec_gate at M tokens: enough programs to keep the memory system busy. A power of
     two: the split count is a constexpr of the kernels (one compilation per value), so the token
     counts a server meets compile a handful of variants at warm-up, not one per count."""
-    tiles = triton.cdiv(m, GATE_BM)
-    want = max(1, min(programs // tiles, (k // bk) // GATE_MIN_STEPS))
+    tiles = -(-m // GATE_BM)
+    want = max(1, min(programs // tiles, (k // gate_bk(k)) // GATE_MIN_STEPS))
     return 1 << (want.bit_length() - 1)
 
 
@@ -163,9 +168,9 @@ def ec_gate(x: torch.Tensor, ec: PackedEC, out: torch.Tensor | None = None, *,
     if v.shape != (m, r) or v.dtype != x.dtype or v.stride(1) != 1:
         raise ValueError(f"v must be ({m}, {r}) {x.dtype} with rows of unit stride; got {tuple(v.shape)} {v.dtype}, "
                          f"strides {v.stride()}")
-    bk = 128 if k % 128 == 0 else (64 if k % 64 == 0 else 32)
+    bk = gate_bk(k)
     steps = k // bk
-    splits = gate_splits(m, k, bk, programs) if splits is None else max(1, min(int(splits), steps))
+    splits = gate_splits(m, k, programs) if splits is None else max(1, min(int(splits), steps))
     per = triton.cdiv(steps, splits)
     splits = triton.cdiv(steps, per)  # no empty split
     gate, consts = _gate_args(ec)

@@ -1,5 +1,5 @@
 """A persistent, warp-specialized W4A16 GEMM for Hopper (sm_90), written in Gluon, over the
-fragment layout (``pack(..., layout="mma")``).
+fragment layout (``Layout.FRAGMENT``).
 
     out (M, N) = x (M, K) · W_hatᵀ (+ bias) (+ alpha · v Bᵀ), optionally silu(gate) * up over
     (gate, up) pairs
@@ -17,7 +17,7 @@ Partitions of each program (one program per SM, ``persistent``):
   * NCONS = 2 consumer warpgroups, BNC rows each, share the stage (the activations are read once
     per NCONS · BNC outputs). Each loads its words from shared memory (a lane's 16 bytes are
     exactly its fragments), turns codes into fp16/bf16 in registers (one LOP3 per pair:
-    ``_mma._frag_ptx``), issues async register-A wgmmas against the activations in shared
+    ``_fragment._convert_ptx``), issues async register-A wgmmas against the activations in shared
     memory and, once they are done, frees the stage. The two warpgroups run out of phase, so one
     converts while the other's MMAs run.
 
@@ -26,9 +26,9 @@ each unit stores its fp32 partial and bumps the tile's counter in ``locks``; the
 arrives last sums the partials, runs the epilogue (per-channel scales, bias, the compensator's
 alpha · v Bᵀ as one more wgmma, SiLU·mul, the cast)
 and sets the counter back to zero, so ``locks`` stays zero between calls and CUDA-graph replays.
-Gluon does not run under Triton's interpreter: ``available()`` says where this kernel may run,
+Gluon does not run under Triton's interpreter: ``planner.target`` says where this kernel may run,
 and the Triton kernels (w4a16.py) are the path everywhere else. The conversion of fragment words,
-the block's scales and the compensator's wgmma are in gluon_frag.py.
+the block's scales and the compensator's wgmma are in gluon_fragment.py.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 
 from spear.kernels.launch import (GLUON_SMEM_LIMIT, GluonConfig, fit_gluon, gluon_smem,  # noqa: F401
                                   pick_split)  # (the launch shapes live there)
-from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
+from spear.kernels.layout import LOCK_SLOTS, Layout, PackedEC, PackedW4
 
 try:  # Gluon ships inside Triton 3.5+; absent or partial elsewhere
     import triton
@@ -57,13 +57,6 @@ NCONS = 2                 # consumer warpgroups per program
 CONSUMER_REGS = 232       # registers per thread of a consumer warpgroup (setmaxnreg)
 PRODUCER_REGS = 40        # of the producer warp's warpgroup
 MAX_REGS = 168            # the kernel's register cap: 3 warpgroups x 128 threads x 168 = 64,512
-
-
-def available(device: torch.device | None = None) -> bool:
-    """Gluon is importable and ``device`` (default: the current CUDA device) is a Hopper GPU."""
-    if not HAVE_GLUON or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) == (9, 0)
 
 
 # ----------------------------------------------------------------------------- the schedule
@@ -94,7 +87,7 @@ def unit_of(u: int, m_tiles: int, split_k: int) -> tuple[int, int, int]:
 
 
 if HAVE_GLUON:
-    from spear.kernels.gluon_frag import _a_tile, _barrier, _block_params, _ec_epilogue, _pair16, _plain
+    from spear.kernels.gluon_fragment import _a_tile, _barrier, _block_params, _ec_epilogue, _pair16, _plain
 
     # the TMA load ``async_load`` (``async_copy_global_to_shared`` before)
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -140,8 +133,9 @@ if HAVE_GLUON:
     def _consumer(x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr,
                   locks_ptr, b_ptr, v_ptr, alpha, M, N, stride_om, m_tiles, n_units, steps, split_k,
                   CID: gl.constexpr, BNC: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                  GROUP: gl.constexpr, SYMMETRIC: gl.constexpr, IS_BF16: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  ACT: gl.constexpr, R: gl.constexpr):
+                  GROUP: gl.constexpr, SYMMETRIC: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr,
+                  R: gl.constexpr):
+        IS_BF16: gl.constexpr = x_bufs.dtype == gl.bfloat16
         KB: gl.constexpr = BK // 64
         T: gl.constexpr = BNC // 16
         BN: gl.constexpr = 2 * BNC
@@ -276,8 +270,8 @@ if HAVE_GLUON:
     def _w4_gluon_kernel(x_desc, w_desc, s_desc, z_desc, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr,
                          locks_ptr, b_ptr, v_ptr, alpha, M, N, stride_om, m_tiles, n_units, steps, split_k,
                          BNC: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                         GROUP: gl.constexpr, SYMMETRIC: gl.constexpr, IS_BF16: gl.constexpr,
-                         HAS_BIAS: gl.constexpr, ACT: gl.constexpr, R: gl.constexpr):
+                         GROUP: gl.constexpr, SYMMETRIC: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr,
+                         R: gl.constexpr):
         KB: gl.constexpr = BK // 64
         BN: gl.constexpr = 2 * BNC
         GS: gl.constexpr = (BK + GROUP - 1) // GROUP if GROUP > 0 else 1
@@ -297,10 +291,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
                          part_ptr, locks_ptr, b_ptr, v_ptr, alpha, M, N, stride_om, m_tiles, n_units, steps, split_k,
-                         C0, BNC, BM, BK, STAGES, GROUP, SYMMETRIC, IS_BF16, HAS_BIAS, ACT, R)),
+                         C0, BNC, BM, BK, STAGES, GROUP, SYMMETRIC, HAS_BIAS, ACT, R)),
             (_consumer, (x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
                          part_ptr, locks_ptr, b_ptr, v_ptr, alpha, M, N, stride_om, m_tiles, n_units, steps, split_k,
-                         C1, BNC, BM, BK, STAGES, GROUP, SYMMETRIC, IS_BF16, HAS_BIAS, ACT, R)),
+                         C1, BNC, BM, BK, STAGES, GROUP, SYMMETRIC, HAS_BIAS, ACT, R)),
             (_producer, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, m_tiles,
                          n_units, steps, split_k, BM, BN, BK, STAGES, GROUP, SYMMETRIC)),
         ], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
@@ -314,8 +308,8 @@ def _sm_count(device_index: int) -> int:
 
 def check(x: torch.Tensor, w: PackedW4, cfg: GluonConfig, rank: int = 0) -> None:
     """Raise ValueError where the Gluon kernel cannot take (x, w) under ``cfg``."""
-    if w.layout != "mma":
-        raise ValueError(f"the Gluon GEMM takes the fragment layout; got {w.layout!r}")
+    if w.layout is not Layout.FRAGMENT:
+        raise ValueError(f"the Gluon GEMM takes the fragment layout; got {w.layout.value}")
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (tokens, in_features); got shape {tuple(x.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16):
@@ -381,7 +375,7 @@ def gluon_w4a16(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, cfg: Gl
         w.locks, ec.b if ec is not None else w.scales, v if v is not None else w.scales,
         float(ec.alpha) if ec is not None else 0.0, m, n, out.stride(0), m_tiles, n_units, steps, cfg.split_k,
         BNC=cfg.BNC, BM=cfg.BM, BK=cfg.BK, STAGES=cfg.stages, GROUP=w.group_size, SYMMETRIC=w.symmetric,
-        IS_BF16=x.dtype == torch.bfloat16, HAS_BIAS=bias is not None, ACT=act,
+        HAS_BIAS=bias is not None, ACT=act,
         R=ec.b.shape[1] if ec is not None else 0,
         num_warps=4, maxnreg=MAX_REGS,
     )

@@ -1,6 +1,12 @@
 """Packed layouts the kernels consume, produced once at load by :func:`pack` and :func:`pack_ec`.
 
-W4 weight (from spear's ``(codes, scales, zeros)`` layout, see :mod:`spear.quant.primitives`):
+One W4 layout serves every token count: the fragment layout (``Layout.FRAGMENT``, below), for
+out_features a multiple of 16 and in_features of 64, which every Llama-family layer meets. The
+N-major layout (``Layout.NMAJOR``) is the fallback for the shapes it refuses (e.g. 40 output
+features, or 96 inputs: a tensor-parallel share of a small model); ``layout_for`` says which a shape
+takes. Checkpoints store codes, not a layout, so a model is packed anew at every load.
+
+N-major W4 weight (from spear's ``(codes, scales, zeros)`` layout, see :mod:`spear.quant.primitives`):
 
   qweight (N, K/8) int32   row n holds the 4-bit codes of output n along K. Word j covers
                            k = 8j .. 8j+7; nibble i (bits 4i .. 4i+3) holds k = 8j + NIBBLE_K[i].
@@ -18,29 +24,18 @@ W4 weight (from spear's ``(codes, scales, zeros)`` layout, see :mod:`spear.quant
 
   G = 1 for per-channel (group_size 0), else K / group_size.
 
-K-major variant (``pack(..., layout="kmajor")``, K a multiple of 128):
-
-  qweight (K/8, N) int32   word (j, n) holds the codes of column n at k = 8j .. 8j+7;
-                           nibble i holds k-offset KMAJOR_NIBBLE_K[i], so the mask 0x000F000F
-                           on the word shifted by 4i takes k-offsets (2i, 2i+1): a pair of
-                           neighbouring activations, one 32-bit fp16x2 register. Output
-                           features are contiguous: a thread's 16-byte load holds 4 columns
-                           that share their activations (faster at decode than N-major words
-                           on the H200, bench_kernels.py). Scales, zeros, locks as above.
-                           Its tensor-core tiles unpack the same [BN, BK] operand as the
-                           N-major ones (only the join order of the nibbles differs).
   Storage at group 128: 4 + 16/128 + 8/128 = 4.19 bits per weight (the locks are per layer,
   not per weight). Per-channel: 4 + 24/K bits.
 
-Fragment variant (``pack(..., layout="mma")``, N a multiple of 16, K of 64): the tensor-core
-GEMM's own layout (_mma.py), pre-shuffled once here so that each lane's 16-byte load holds
+Fragment layout (``Layout.FRAGMENT``, N a multiple of 16, K of 64): the tensor-core GEMM's own
+layout (_fragment.py, gluon_w4.py), pre-shuffled once here so that each lane's 16-byte load holds
 exactly the codes of its MMA fragments and nothing changes place on chip.
 
   qweight (N/16, 2K) int32 row t holds output features 16t .. 16t + 15; per 64 inputs (kb),
                            128 words: lane l = 4g + q (g = 0..7, q = 0..3) has words
                            4l .. 4l + 3, one per k16 chunk c. Nibbles (j, j + 4) of a word are
                            the pair j: feature 16t + g + 8 (j % 2), inputs
-                           64 kb + 16 c + 8 (j // 2) + 2q + (0, 1) (FRAG_* below).
+                           64 kb + 16 c + 8 (j // 2) + 2q + (0, 1) (_FRAGMENT_NIBBLE below).
   Scales, zeros, locks as above (the kernel loads the scales of rows g and g + 8).
 
 Error compensator (EC) y += alpha * B (gamma(u) * u), u = A x, gamma = 1 + bound * tanh(W2 silu(W1 u + b1) + b2):
@@ -59,19 +54,49 @@ Error compensator (EC) y += alpha * B (gamma(u) * u), u = A x, gamma = 1 + bound
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 
-# nibble i of a word holds k-offset NIBBLE_K[i]; the inverse of the order _unpack_w4 produces.
+# nibble i of an N-major word holds k-offset NIBBLE_K[i]; the inverse of the order _unpack_w4 produces.
 NIBBLE_K = (0, 2, 1, 3, 4, 6, 5, 7)
-# nibble i of a K-major word holds k-offset KMAJOR_NIBBLE_K[i]
-KMAJOR_NIBBLE_K = (0, 2, 4, 6, 1, 3, 5, 7)
-KMAJOR_K_MULTIPLE = 128  # the K-major decode loop takes 128 rows of K (16 words) per step
-LAYOUTS = ("nmajor", "kmajor", "mma")  # the packed weight layouts; the op takes the index
-MMA_N_MULTIPLE, MMA_K_MULTIPLE = 16, 64  # the fragment layout's tile of 16 features x 64 inputs
+FRAGMENT_N, FRAGMENT_K = 16, 64  # the fragment layout's tile: 16 output features x 64 inputs
 LOCK_SLOTS = 4096
 MAX_RANK = 128
+
+
+class Layout(enum.Enum):
+    """A packed W4 weight's layout (module docstring); the registered op takes its ``id``."""
+
+    FRAGMENT = "fragment"
+    NMAJOR = "nmajor"
+
+    @property
+    def id(self) -> int:
+        return _LAYOUT_IDS.index(self)
+
+    @staticmethod
+    def of_id(i: int) -> "Layout":
+        if not 0 <= i < len(_LAYOUT_IDS):
+            raise ValueError(f"a layout id is 0..{len(_LAYOUT_IDS) - 1}; got {i}")
+        return _LAYOUT_IDS[i]
+
+
+_LAYOUT_IDS = tuple(Layout)
+
+
+def layout_for(n: int, k: int) -> Layout:
+    """The fragment layout where (out_features, in_features) = (n, k) allows it, else N-major."""
+    return Layout.FRAGMENT if n % FRAGMENT_N == 0 and k % FRAGMENT_K == 0 else Layout.NMAJOR
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """What the kernel planner reads of a packed weight (``PackedW4.format``)."""
+
+    layout: Layout
+    group_size: int
 
 
 def _next_pow2(n: int) -> int:
@@ -85,33 +110,29 @@ def padded_dim(n: int) -> int:
 
 @dataclass
 class PackedW4:
-    qweight: torch.Tensor  # (N, K/8) int32, (K/8, N) K-major, (N/16, 2K) fragment layout
+    qweight: torch.Tensor  # (N, K/8) int32 N-major, (N/16, 2K) fragment layout
     scales: torch.Tensor   # (G, N) fp16
     zeros: torch.Tensor    # (G, N) uint8
     locks: torch.Tensor    # (LOCK_SLOTS,) int32 zeros
     group_size: int
     symmetric: bool
-    layout: str = "nmajor"  # one of LAYOUTS
-
-    @property
-    def kmajor(self) -> bool:
-        return self.layout == "kmajor"
+    layout: Layout
 
     @property
     def layout_id(self) -> int:
-        return LAYOUTS.index(self.layout)
+        return self.layout.id
+
+    @property
+    def format(self) -> WeightFormat:
+        return WeightFormat(self.layout, self.group_size)
 
     @property
     def out_features(self) -> int:
-        if self.layout == "mma":
-            return self.qweight.shape[0] * 16
-        return self.qweight.shape[1] if self.kmajor else self.qweight.shape[0]
+        return self.qweight.shape[0] * (FRAGMENT_N if self.layout is Layout.FRAGMENT else 1)
 
     @property
     def in_features(self) -> int:
-        if self.layout == "mma":
-            return self.qweight.shape[1] // 2
-        return (self.qweight.shape[0] if self.kmajor else self.qweight.shape[1]) * 8
+        return self.qweight.shape[1] // 2 if self.layout is Layout.FRAGMENT else self.qweight.shape[1] * 8
 
 
 @dataclass
@@ -129,6 +150,11 @@ class PackedEC:
     @property
     def gated(self) -> bool:
         return self.w1 is not None
+
+    @property
+    def kernel_rank(self) -> int:
+        """The rank the kernels see: A's rows, padded (``padded_dim``)."""
+        return self.a.shape[0]
 
 
 def check_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -154,54 +180,35 @@ def check_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     return n, k
 
 
-def layout_for(n: int, k: int, preferred: str = "mma") -> str:
-    """``preferred`` where the shape allows it, else the K-major layout where K allows it, else
-    N-major."""
-    if preferred not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {preferred!r}")
-    if preferred == "mma" and n % MMA_N_MULTIPLE == 0 and k % MMA_K_MULTIPLE == 0:
-        return "mma"
-    if preferred in ("mma", "kmajor") and k % KMAJOR_K_MULTIPLE == 0:
-        return "kmajor"
-    return "nmajor"
-
-
-def _frag_view(t: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def _fragment_view(t: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """(N, K) -> the fragment order's axes (t, kb, g, q, c, j1, j0, h) as a view's permutation."""
     return t.reshape(n // 16, 2, 8, k // 64, 4, 2, 4, 2).permute(0, 3, 2, 6, 4, 5, 1, 7)
 
 
 # nibble of (j1, j0, h) in a fragment word: pair j = 2 j1 + j0 takes nibbles j (h = 0) and j + 4
-_FRAG_NIBBLE = [(j1, j0, h, 2 * j1 + j0 + 4 * h) for j1 in (0, 1) for j0 in (0, 1) for h in (0, 1)]
+_FRAGMENT_NIBBLE = [(j1, j0, h, 2 * j1 + j0 + 4 * h) for j1 in (0, 1) for j0 in (0, 1) for h in (0, 1)]
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-         symmetric: bool = False, layout: str = "nmajor") -> PackedW4:
-    """Re-pack spear's (codes, scales, zeros) into a kernel layout (module docstring).
+         symmetric: bool = False, layout: Layout | None = None) -> PackedW4:
+    """Re-pack spear's (codes, scales, zeros) into a kernel layout (module docstring): ``layout``,
+    by default the one the shape takes (``layout_for``).
 
     ``symmetric`` lets the kernels skip the zero-point loads; it requires every zero to be 8.
-    ``layout``: "nmajor", "kmajor" (in_features a multiple of 128) or "mma" (out_features a
-    multiple of 16, in_features of 64); ``layout_for`` picks one a shape allows.
     """
     n, k = check_codes(codes, scales, zeros, group_size, symmetric)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
-    if layout == "kmajor" and k % KMAJOR_K_MULTIPLE:
-        raise ValueError(f"the K-major layout needs in_features to be a multiple of {KMAJOR_K_MULTIPLE}; got {k}")
-    if layout == "mma" and (n % MMA_N_MULTIPLE or k % MMA_K_MULTIPLE):
-        raise ValueError(f"the fragment layout needs out_features a multiple of {MMA_N_MULTIPLE} and in_features "
-                         f"of {MMA_K_MULTIPLE}; got ({n}, {k})")
-    if layout == "mma":
-        c = _frag_view(codes, n, k).to(torch.int64)
+    layout = layout_for(n, k) if layout is None else layout
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout must be a Layout ({', '.join(x.name for x in Layout)}); got {layout!r}")
+    if layout is Layout.FRAGMENT and layout_for(n, k) is not Layout.FRAGMENT:
+        raise ValueError(f"the fragment layout needs out_features a multiple of {FRAGMENT_N} and in_features "
+                         f"of {FRAGMENT_K}; got ({n}, {k})")
+    if layout is Layout.FRAGMENT:
+        c = _fragment_view(codes, n, k).to(torch.int64)
         word = torch.zeros(c.shape[:5], dtype=torch.int64, device=codes.device)
-        for j1, j0, h, nib in _FRAG_NIBBLE:
+        for j1, j0, h, nib in _FRAGMENT_NIBBLE:
             word |= c[..., j1, j0, h] << (4 * nib)
         word = word.reshape(n // 16, 2 * k)
-    elif layout == "kmajor":
-        c = codes.t().reshape(k // 8, 8, n).to(torch.int64)
-        word = torch.zeros(k // 8, n, dtype=torch.int64, device=codes.device)
-        for nib, koff in enumerate(KMAJOR_NIBBLE_K):
-            word |= c[:, koff, :] << (4 * nib)
     else:
         c = codes.reshape(n, k // 8, 8).to(torch.int64)
         word = torch.zeros(n, k // 8, dtype=torch.int64, device=codes.device)
@@ -218,21 +225,14 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_s
 def unpack(packed: PackedW4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack`: ``(codes (N, K) uint8, scales (N, G) fp16, zeros (N, G) uint8)``."""
     scales, zeros = packed.scales.t().contiguous(), packed.zeros.t().contiguous()
-    if packed.layout == "mma":
+    if packed.layout is Layout.FRAGMENT:
         n, k = packed.out_features, packed.in_features
         qw = (packed.qweight.to(torch.int64) & 0xFFFFFFFF).reshape(n // 16, k // 64, 8, 4, 4)
         codes = torch.empty(n, k, dtype=torch.uint8, device=qw.device)
-        view = _frag_view(codes, n, k)
-        for j1, j0, h, nib in _FRAG_NIBBLE:
+        view = _fragment_view(codes, n, k)
+        for j1, j0, h, nib in _FRAGMENT_NIBBLE:
             view[..., j1, j0, h] = ((qw >> (4 * nib)) & 0xF).to(torch.uint8)
         return codes, scales, zeros
-    if packed.kmajor:
-        qt = packed.qweight.to(torch.int64) & 0xFFFFFFFF
-        kw, n = qt.shape
-        codes = torch.empty(kw, 8, n, dtype=torch.uint8, device=qt.device)
-        for nib, koff in enumerate(KMAJOR_NIBBLE_K):
-            codes[:, koff, :] = ((qt >> (4 * nib)) & 0xF).to(torch.uint8)
-        return codes.reshape(kw * 8, n).t().contiguous(), scales, zeros
     qw = packed.qweight.to(torch.int64) & 0xFFFFFFFF
     n, kw = qw.shape
     codes = torch.empty(n, kw, 8, dtype=torch.uint8, device=qw.device)

@@ -1,24 +1,23 @@
-"""The registered op ``spear::w4a16_ec`` and its dispatch by the kernel policy.
+"""The registered op ``spear::w4a16_ec``: it runs what the planner names.
 
     torch.ops.spear.w4a16_ec(x, qweight, scales, zeros, locks, group_size, symmetric, layout, bias,
                              ec_a, ec_b, gate_w1, gate_b1, gate_w2, gate_b2, alpha, bound, act,
                              policy, pdl) -> Tensor
 
-x (..., K) fp16/bf16; the weight and EC tensors in the layouts of layout.py (``layout`` the index
-of the weight's in layout.LAYOUTS); ec_a None means
-no compensator, gate_w1 None means gamma = 1 (static low-rank term). act 1: the output
-features are interleaved (gate, up) pairs and the op returns silu(gate) * up (N / 2
-features), in the GEMM's epilogue wherever the Triton GEMM writes the output. ``policy`` is
+x (..., K) fp16/bf16; the weight and EC tensors in the layouts of layout.py (``layout`` the weight's
+``Layout.id``); ec_a None means no compensator, gate_w1 None means gamma = 1 (static low-rank term).
+act 1: the output features are interleaved (gate, up) pairs and the op returns silu(gate) * up
+(N / 2 features), in the GEMM's epilogue wherever the W4 kernel writes the output. ``policy`` is
 ``KernelPolicy.op_args`` (the thresholds and launch table, as integers), ``pdl`` the
-programmatic-dependent-launch level of this call (0 or 1). Use :func:`w4a16_linear` rather
-than spelling the arguments out.
+programmatic-dependent-launch level of this call (0 or 1). Use :func:`w4a16_linear` rather than
+spelling the arguments out.
 
-The path by M = number of tokens is ``policy.plan`` (see spear/kernels/policy.py): the Triton
-GEMM, the Gluon GEMM (Hopper), dequantize + cuBLAS, the fused EC, or the semi-fused EC (ec_gate on a side stream,
-overlapped with the W4 part, then ec_up adds alpha · v Bᵀ; inside CUDA-graph capture the fork
-and join are captured as graph edges; while torch.compile traces the op, which has no streams,
-the serial variant runs: ec_gate, then the GEMM with the v-epilogue). On any other device
-the op runs the fp32 torch reference (reference.py) and casts.
+Each call asks ``planner.plan`` (the token count, the weight, the device, the policy) and calls the
+kernel the plan names (``_KERNELS``) with its launch. A semi-fused compensator runs ec_gate on a
+side stream beside the W4 part, then ec_up adds alpha · v Bᵀ (inside CUDA-graph capture the fork
+and join are captured as graph edges); while torch.compile traces the op, which has no streams, the
+serial variant runs: ec_gate, then the W4 kernel with alpha · v Bᵀ in its epilogue. Off CUDA the
+plan is the fp32 torch reference (reference.py), cast.
 
 Registered with ``torch.library.custom_op``: one opaque node for torch.compile, whose fake
 implementation gives the output's shape and dtype without planning, so it traces with a
@@ -36,12 +35,11 @@ import torch
 from torch.library import custom_op
 
 from spear.kernels import ec as ec_kernels
-from spear.kernels import fused
-from spear.kernels import reference
+from spear.kernels import fused, reference
 from spear.kernels.dequant import dequantize
-from spear.kernels.launch import Config, GluonConfig
-from spear.kernels.layout import LAYOUTS, PackedEC, PackedW4
-from spear.kernels.policy import KernelPolicy, _plan, settings
+from spear.kernels.layout import Layout, PackedEC, PackedW4
+from spear.kernels.planner import EC, Kernel, Plan, plan
+from spear.kernels.policy import KernelPolicy
 from spear.kernels.w4a16 import check_act, w4a16_matmul
 
 DEFAULT_POLICY = KernelPolicy()
@@ -56,30 +54,33 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[idx]
 
 
-_gluon_devices: dict[int, bool] = {}  # whether each device runs the Gluon GEMM, asked once
+# ---------------------------------------------------------------------------- the kernels a plan names
+# Each takes (x 2-D, weight, bias, launch, act, ec, v, pdl): the W4 product, plus alpha · v Bᵀ where
+# ``v`` is given (the semi-fused compensator), or the whole compensator where only ``ec`` is (the
+# Triton GEMM's fused form; the reference).
+def _triton(x, w, bias, config, act, ec, v, pdl):
+    return w4a16_matmul(x, w, bias, ec, v=v, config=config, act=act, pdl=pdl)
 
 
-def gluon_available(device: torch.device) -> bool:
-    """The device is a Hopper GPU and this Triton has Gluon (gluon_w4.available), asked once per device."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _gluon_devices:
-        from spear.kernels import gluon_w4
+def _gluon(x, w, bias, config, act, ec, v, pdl):
+    from spear.kernels.gluon_w4 import gluon_w4a16
 
-        _gluon_devices[idx] = gluon_w4.available(torch.device("cuda", idx))
-    return _gluon_devices[idx]
+    return gluon_w4a16(x, w, bias, config, act=act, ec=ec, v=v)
 
 
-def _w4_part(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], config, pdl: int, act: int = 0):
-    """The W4 product alone: the Triton GEMM with a ``Config``, the Gluon GEMM with a
-    ``GluonConfig``, or dequantize + cuBLAS (None)."""
-    if isinstance(config, GluonConfig):
-        from spear.kernels.gluon_w4 import gluon_w4a16
+def _cublas(x, w, bias, config, act, ec, v, pdl):
+    y = torch.nn.functional.linear(x, dequantize(w, x.dtype), bias)
+    if v is not None:
+        y = ec_kernels.ec_up(y, v, ec)
+    return fused.silu_mul_pairs(y) if act else y
 
-        return gluon_w4a16(x, w, bias, config, act=act)
-    if config is None:
-        y = torch.nn.functional.linear(x, dequantize(w, x.dtype), bias)
-        return fused.silu_mul_pairs(y) if act else y
-    return w4a16_matmul(x, w, bias, config=config, act=act, pdl=pdl)
+
+def _reference(x, w, bias, config, act, ec, v, pdl):
+    y = reference.w4a16_ec_packed(x, w, bias, ec)
+    return (reference.silu_mul_pairs(y) if act else y).to(x.dtype)
+
+
+_KERNELS = {Kernel.TRITON: _triton, Kernel.GLUON: _gluon, Kernel.CUBLAS: _cublas, Kernel.REFERENCE: _reference}
 
 
 def _beside(device: torch.device, work):
@@ -95,33 +96,31 @@ def _beside(device: torch.device, work):
     return lambda: main.wait_stream(side)
 
 
-def _semi_fused(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: PackedEC, config, overlap: bool,
-                gate_programs: int, pdl: int, act: int = 0) -> torch.Tensor:
-    v = torch.empty((x.shape[0], e.a.shape[0]), dtype=x.dtype, device=x.device)
+def run(p: Plan, x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: Optional[PackedEC], act: int,
+        pdl: int, overlap: bool) -> torch.Tensor:
+    """The planned call on 2-D ``x``; ``overlap``: a semi-fused compensator's ec_gate may run on a
+    side stream (eager CUDA calls only)."""
+    kernel = _KERNELS[p.kernel]
+    if p.ec is not EC.SEMI:
+        return kernel(x, w, bias, p.config, act, e, None, pdl)
+    v = torch.empty((x.shape[0], e.kernel_rank), dtype=x.dtype, device=x.device)
 
     def gate():
-        ec_kernels.ec_gate(x, e, out=v, programs=gate_programs)
+        ec_kernels.ec_gate(x, e, out=v, splits=p.gate_splits)
 
     if not overlap:
         gate()
-        if isinstance(config, Config):  # the Triton GEMM's epilogue adds alpha · v Bᵀ
-            return w4a16_matmul(x, w, bias, e, ec_mode=2, v=v, config=config, act=act, pdl=pdl)
-        if isinstance(config, GluonConfig):  # so does the Gluon GEMM's
-            from spear.kernels.gluon_w4 import gluon_w4a16
-
-            return gluon_w4a16(x, w, bias, config, act=act, ec=e, v=v)
-        y = ec_kernels.ec_up(_w4_part(x, w, bias, config, pdl), v, e)
-        return fused.silu_mul_pairs(y) if act else y
+        return kernel(x, w, bias, p.config, act, e, v, pdl)
     join = _beside(x.device, gate)
-    out = _w4_part(x, w, bias, config, pdl)
+    y = kernel(x, w, bias, p.config, 0, None, None, pdl)
     join()  # before v is read
-    y = ec_kernels.ec_up(out, v, e)
+    y = ec_kernels.ec_up(y, v, e)
     return fused.silu_mul_pairs(y) if act else y
 
 
 def w4a16_ec_impl(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e: Optional[PackedEC], act: int,
-                  s, pdl: int) -> torch.Tensor:
-    """The op's body: ``s`` the decoded policy (``policy.settings``)."""
+                  policy: KernelPolicy, pdl: int) -> torch.Tensor:
+    """The op's body."""
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the packed weight expects in_features={k}")
@@ -134,27 +133,14 @@ def w4a16_ec_impl(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e:
     m = x2.shape[0]
     if m == 0:
         return x.new_empty((*lead, n_out))
-    if x.device.type != "cuda":
-        y = reference.w4a16_ec_packed(x2, w, bias, e)
-        return (reference.silu_mul_pairs(y) if act else y).to(x.dtype).reshape(*lead, n_out)
-    p = _plan(m, n, k, w.group_size, w.layout, 0 if e is None else e.a.shape[0], s, cuda=True,
-              gluon=w.layout == "mma" and gluon_available(x.device))
-    if p.path in ("gemm", "dequant_cublas", "gluon"):
-        y = _w4_part(x2, w, bias, p.config, pdl, act)
-    elif p.path == "fused_ec":
-        y = w4a16_matmul(x2, w, bias, e, ec_mode=1, config=p.config, act=act, pdl=pdl,
-                         u_split_max=s.u_split_max)
-    else:
-        eager = type(x) is torch.Tensor and not torch.compiler.is_compiling()
-        y = _semi_fused(x2, w, bias, e, p.config, s.semi_fused_overlap and eager, s.gate_programs, pdl, act)
-    return y.reshape(*lead, n_out)
+    p = plan(m, n, k, 0 if e is None else e.kernel_rank, w.format, x.device, policy)
+    overlap = policy.semi_fused_overlap and x.is_cuda and type(x) is torch.Tensor and not torch.compiler.is_compiling()
+    return run(p, x2, w, bias, e, act, pdl, overlap).reshape(*lead, n_out)
 
 
 def _weight(qweight, scales, zeros, locks, group_size: int, symmetric: bool, layout: int) -> PackedW4:
-    """The op's weight arguments as a PackedW4 (``layout``: an index into layout.LAYOUTS)."""
-    if not 0 <= layout < len(LAYOUTS):
-        raise ValueError(f"layout must index {LAYOUTS}; got {layout}")
-    return PackedW4(qweight, scales, zeros, locks, group_size, symmetric, LAYOUTS[layout])
+    """The op's weight arguments as a PackedW4 (``layout``: a ``Layout.id``)."""
+    return PackedW4(qweight, scales, zeros, locks, group_size, symmetric, Layout.of_id(layout))
 
 
 @custom_op("spear::w4a16_ec", mutates_args=())
@@ -169,7 +155,7 @@ def w4a16_ec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         if ec_b is None:
             raise ValueError("ec_a given without ec_b: the compensator needs both A and B")
         e = PackedEC(ec_a, ec_b, gate_w1, gate_b1, gate_w2, gate_b2, alpha, bound, ec_a.shape[0])
-    return w4a16_ec_impl(x, w, bias, e, act, settings(policy), pdl)
+    return w4a16_ec_impl(x, w, bias, e, act, KernelPolicy.of_op_args(policy), pdl)
 
 
 @w4a16_ec.register_fake
@@ -210,4 +196,4 @@ def w4a16_linear(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None,
             ec.w1 if g else None, ec.b1 if g else None, ec.w2 if g else None, ec.b2 if g else None,
             float(ec.alpha) if ec is not None else 0.0, float(ec.bound) if ec is not None else 0.0, act,
             list(policy.op_args), pdl)
-    return w4a16_ec_impl(x, w, bias, ec, act, policy.settings, pdl)
+    return w4a16_ec_impl(x, w, bias, ec, act, policy, pdl)

@@ -3,17 +3,18 @@ over its cached keys, causal within the chunk, in one launch.
 
     out[t, h] = softmax(scale · q[t, h] · K_bᵀ, keys 0 .. pos(t)) V_b    for the rows t of sequence b
 
-Layout (serve/layers.py): q (T, n_heads, head_dim), the flat batch of every scheduled token, any
-strides with unit stride along head_dim (a column slice of the fused qkv output). Sequence ``b``'s
-queries are rows ``query_start_loc[b] : query_start_loc[b + 1]`` (cumulative counts, B + 1 entries
-from 0); rows from ``query_start_loc[B]`` to T are padding and come out as zeros. A layer's caches
-(num_blocks, block_size, n_kv_heads, head_dim); token ``t`` of sequence ``b`` sits in block
-``block_tables[b, t // block_size]`` at offset ``t % block_size``, and the chunk's own keys and
-values are already there. Sequence ``b`` has ``seq_lens[b]`` keys; its chunk of ``n_b`` queries
-holds its last ``n_b`` tokens, so query ``i`` sits at position ``seq_lens[b] - n_b + i`` and sees
-keys 0 .. that position. The three index tensors may be int32 or int64, with any strides. Query
-head ``h`` reads kv head ``h // (n_heads // n_kv_heads)`` (grouped-query attention). Output
-(T, n_heads · head_dim) in q's dtype, contiguous, as the o_proj input.
+Layout (spear/serve/model/layers/attention.py): q (T, n_heads, head_dim), the flat batch of every
+scheduled token, any strides with unit stride along head_dim (a column slice of the fused qkv
+output). Sequence ``b``'s queries are rows ``query_start_loc[b] : query_start_loc[b + 1]``
+(cumulative counts, B + 1 entries from 0); rows from ``query_start_loc[B]`` to T are padding and
+come out as zeros. A layer's caches (num_blocks, block_size, n_kv_heads, head_dim); token ``t`` of
+sequence ``b`` sits in block ``block_tables[b, t // block_size]`` at offset ``t % block_size``, and
+the chunk's own keys and values are already there. Sequence ``b`` has ``seq_lens[b]`` keys; its
+chunk of ``n_b`` queries holds its last ``n_b`` tokens, so query ``i`` sits at position
+``seq_lens[b] - n_b + i`` and sees keys 0 .. that position. The three index tensors may be int32 or
+int64, with any strides. Query head ``h`` reads kv head ``h // (n_heads // n_kv_heads)``
+(grouped-query attention). Output (T, n_heads · head_dim) in q's dtype, contiguous, as the o_proj
+input.
 
 Algorithm (the "unified attention" scheme of vLLM's Triton backend): a program computes a tile of
 BLOCK_Q consecutive queries of one sequence for the GROUP query heads of one kv head, packed into

@@ -3,7 +3,7 @@
 ``tune_gluon`` sweeps each token class's launches (``_gluon_grid``) on a model's layer shapes
 against what the policy runs without the Gluon GEMM (the Triton fragment kernel or dequantize +
 cuBLAS) and cuBLAS FP16; ``gluon_table`` keeps, per layer width ("gluon", "gluon_wide") and class,
-the best launch where it wins by GLUON_MIN_GAIN. ``spear tune-kernels --layout gluon`` writes the
+the best launch where it wins by GLUON_MIN_GAIN. ``spear tune-kernels --kernel gluon`` writes the
 table. The protocol is tune.py's.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from spear.kernels import reference
 from spear.kernels.launch import GLUON_EPILOGUE_SCRATCH, GluonConfig, gluon_smem
-from spear.kernels.layout import pack
+from spear.kernels.layout import Layout, pack
 from spear.kernels.timing import copies_for, time_calls
 from spear.kernels.tune import GROUP, fp16_copies, geomean, random_layer, sqnr
 
@@ -55,11 +55,12 @@ def tune_gluon(shapes, classes=None, budget_s: float = 900, progress: bool = Tru
 
     from spear.kernels import gluon_w4
     from spear.kernels.dequant import dequantize
-    from spear.kernels.launch import GLUON_CLASSES, pick_gluon
+    from spear.kernels.launch import GLUON_CLASSES, check_table, pick_gluon
     from spear.kernels.ops import w4a16_linear
+    from spear.kernels.planner import target
     from spear.kernels.policy import KernelPolicy
 
-    if not gluon_w4.available():
+    if not target(torch.device("cuda")).gluon:
         raise RuntimeError("the Gluon GEMM needs a Hopper GPU (sm_90) and a Triton with Gluon")
     classes = [c for c in GLUON_CLASSES if c in (classes or GLUON_TOKENS)]
     without = KernelPolicy(gluon=False)
@@ -70,7 +71,7 @@ def tune_gluon(shapes, classes=None, budget_s: float = 900, progress: bool = Tru
     with tqdm(total=len(todo) * len(shapes), desc="tune-kernels gluon", unit="launch", disable=not progress) as bar:
         for label, n, k in shapes:
             codes, scales, zeros = random_layer(n, k)
-            ws = [pack(codes, scales, zeros, GROUP, layout="mma") for _ in range(copies_for(n * k // 2, l2))]
+            ws = [pack(codes, scales, zeros, GROUP, layout=Layout.FRAGMENT) for _ in range(copies_for(n * k // 2, l2))]
             w16 = dequantize(ws[0], torch.float16)
             fp16 = fp16_copies(w16, l2)
             for cls in classes:
@@ -85,7 +86,7 @@ def tune_gluon(shapes, classes=None, budget_s: float = 900, progress: bool = Tru
                             break
                         key = gluon_launch_key(e)
                         try:
-                            cfg = pick_gluon(m, n, k, {"gluon": {cls: e}})
+                            cfg = pick_gluon(m, n, k, check_table({"gluon": {cls: e}}))
                             s_ = sqnr(ref, gluon_w4.gluon_w4a16(x, ws[0], None, cfg))
                             if s_ < 40:
                                 row["sweep"][key] = dict(launch=e, error=f"SQNR {s_:.1f} dB")

@@ -3,17 +3,14 @@
     out (M, N) = x (M, K) · W_hatᵀ (+ bias) (+ alpha · B (gamma(A x) ⊙ A x))
 
 Algorithm. Programs form a 1-D grid: per m-tile, first the u programs (fused EC only), then
-column tiles x split_k. Each W program streams BN rows of packed codes over its K range
-(BK/2 bytes per row per step, 16-byte loads) with one of two main loops:
-  * tensor cores (MV = 0): codes become floats with the exponent trick (``_unpack_w4``),
-    the zero point (and per group the scale) is applied in the activation dtype, and
-    accT [BN, BM] += W[BN, BK] · xT[BK, BM] accumulates in fp32. Tiles are transposed
-    (weights on the left) so that decode's few tokens sit on the small MMA dimension.
-  * CUDA cores (MV = 1, 2, 4 tokens; _nmajor.py, _kmajor.py, _frag_fma.py): exact fp32 codes, one
-    FMA per weight and token, no change of register layout; with fp16 activations on CUDA,
-    16 products at a time run in fp16x2 PTX instead (``_common._word2_dot``; over the fragment
-    layout ``_frag_fma_ptx._frag_dot``).
-Per-channel scales are applied once after the loop.
+column tiles x split_k. Each W program streams BN rows of packed codes over its K range with the
+main loop of the weight's layout (layout.py), accT [BN, BM] += W[BN, BK] · xT[BK, BM] in fp32,
+tiles transposed (weights on the left) so that decode's few tokens sit on the small MMA dimension:
+  * the fragment layout (FRAGMENT, _fragment.py): each lane's 16-byte load holds the codes of its
+    MMA fragments, turned into 16-bit floats in registers and fed to the tensor cores as loaded;
+  * the N-major fallback (_nmajor.py): the tile unpacked on chip for the tensor cores, or at one
+    token (MV = 1) exact fp32 codes on CUDA cores, in fp16x2 PTX with fp16 activations on CUDA
+    (``_common._word2_dot``).
 
 Split-K (decode: N/BN tiles alone cannot fill 132 SMs). Every split writes its fp32
 partial to a workspace and bumps the tile's counter in ``locks``; the split that arrives
@@ -48,67 +45,99 @@ BENCHMARKS.md, "Tried, measured, dropped".
 EC_MODE 2 (prefill, serial variant): v = gamma(u) ⊙ u was computed by ``ec.ec_gate``;
 the epilogue only adds alpha · B_tile v.
 
-ACT 1 (gate/up as one layer with interleaved features, spear/serve/layers/linear.py): after bias
+Arguments come grouped: the weight's and the compensator's pointers as ``Weight`` and ``Comp``
+tuples, what one compilation computes as the constexpr tuples ``Form`` (the weight) and ``Tile``
+(the launch).
+
+ACT 1 (gate/up as one layer with interleaved features, spear/serve/model/layers/linear.py): after bias
 and EC the epilogue stores silu(gate) * up for each pair of rows, N / 2 output features.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from spear.kernels import _common
-from spear.kernels._common import INTERPRET, _dequant, _dot, _pdl_wait, _unpack_w4
+from spear.kernels._common import INTERPRET, _pdl_wait, pdl_args
 from spear.kernels._ec_programs import _fused_ec, _u_program
 from spear.kernels._epilogue import _epilogue, _finish_tile
-from spear.kernels._frag_fma import _frag_fma_mainloop
-from spear.kernels._kmajor import _kmajor_mainloop
-from spear.kernels._mma import _mma_mainloop
-from spear.kernels._nmajor import _fma_mainloop
-from spear.kernels.layout import LOCK_SLOTS, PackedEC, PackedW4
-from spear.kernels.launch import BUILTIN, Config, pick_config
+from spear.kernels._fragment import _fragment_mainloop
+from spear.kernels._nmajor import _nmajor_mainloop
+from spear.kernels.launch import BUILTIN, TritonConfig, pick_triton
+from spear.kernels.layout import LOCK_SLOTS, Layout, PackedEC, PackedW4
 
 U_SPLIT_MAX = 32  # fused EC: u = A x programs per m-tile at most (KernelPolicy.u_split_max; 32 timed best of 8-32)
 
 
+class Weight(NamedTuple):
+    """The packed weight's tensors (layout.py), as the kernel's pointers."""
+    codes: object
+    scales: object
+    zeros: object
+
+
+class Comp(NamedTuple):
+    """The padded compensator's tensors (layout.py), as the kernel's pointers; placeholders where a
+    launch reads none of them."""
+    a: object
+    b: object
+    w1: object
+    b1: object
+    w2: object
+    b2: object
+
+
+class Form(NamedTuple):
+    """Constexpr: the weight (its layout, group size, zero points) and the activations' dtype."""
+    FRAGMENT: bool
+    GROUP: int
+    SYMMETRIC: bool
+    IS_BF16: bool
+
+
+class Tile(NamedTuple):
+    """Constexpr: the launch (BM tokens by BN outputs, BK inputs a step; MV 1 the one-token loop;
+    SPLIT_K ranges of K, constexpr so that the reduction over their partials unrolls)."""
+    BM: int
+    BN: int
+    BK: int
+    MV: int
+    SPLIT_K: int
+
+
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(
-    # tensors
-    x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
+    x_ptr, out_ptr, bias_ptr,
+    w,             # Weight
+    ec,            # Comp
     part_ptr,      # fp32 (split_k, M, N) partial sums
     locks_ptr,     # int32 counters, zero on entry and on exit
-    a_ptr, b_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr,  # padded EC (layout.py)
     upart_ptr,     # fp32 (u_split, M, R) partial A x
-    v_ptr,         # (M, R) gamma(u) ⊙ u for EC_MODE 2
-    # scalars
+    v_ptr,         # (M, R) gamma(u) ⊙ u (EC_MODE 2: given; 1: written by the u programs)
     alpha, bound,
-    # sizes and strides (x and out have unit stride along features)
-    M, N, K, stride_xm, stride_om,
-    # weight layout
-    GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, IS_BF16: tl.constexpr,
-    # compensator: 0 none, 1 fused, 2 epilogue from v
-    EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, H: tl.constexpr,
-    # tiling
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
-    PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr,
-    # split-K and the fused EC's u programs: constexpr so that the reductions over their partials
-    # unroll (all loads in flight at once instead of one round trip per partial)
-    SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr,
+    M, N, K, stride_xm, stride_om,  # x and out have unit stride along features
+    FORM: tl.constexpr, TILE: tl.constexpr,
+    # compensator: 0 none, 1 fused, 2 epilogue from v; its (padded) rank, gate, u programs per m-tile
+    EC_MODE: tl.constexpr, GATE: tl.constexpr, R: tl.constexpr, U_SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     # 1: the output features are (gate, up) pairs, features 2i and 2i + 1; store silu(gate) * up
     ACT: tl.constexpr = 0,
     # programmatic dependent launch (KernelPolicy.pdl): start loading weights before the kernel
     # before this one has finished; everything that reads x or writes waits for it
     PDL: tl.constexpr = False,
-    # the fragment layout (layout.py, "mma"): the tensor-core loop of _mma.py (MV 0; ASM its PTX
-    # conversion) or the CUDA-core loop of _frag_fma.py (MV > 0; PTX its fp16x2 products)
-    MMA: tl.constexpr = False, ASM: tl.constexpr = False,
+    # the interpreter's dots (fp32 operands, no inline assembly); PTX: the one-token loop's fp16x2 products
+    DOT_F32: tl.constexpr = False, PTX: tl.constexpr = False,
 ):
     # torch.compile passes Python floats as fp64 scalars; fp32 keeps the accumulators fp32
     alpha = tl.cast(alpha, tl.float32)
     bound = tl.cast(bound, tl.float32)
+    BM: tl.constexpr = TILE.BM
+    SPLIT_K: tl.constexpr = TILE.SPLIT_K
     pid = tl.program_id(0)
-    n_wt = tl.cdiv(N, BN)
+    n_wt = tl.cdiv(N, TILE.BN)
     if EC_MODE == 1:
         n_u = U_SPLIT
     else:
@@ -123,54 +152,47 @@ def _w4a16_kernel(
     if EC_MODE == 1:
         # the u programs of an m-tile have its lowest ids, so they are dispatched first
         if local < n_u:
-            iters = tl.cdiv(K // BK, U_SPLIT)
-            k_lo = local * iters * BK
-            k_hi = tl.minimum(k_lo + iters * BK, K)
-            _u_program(x_ptr, a_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, upart_ptr, v_ptr, bound,
-                       locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi, local, M, K, stride_xm, n_wt,
-                       U_SPLIT, GATE, R, H, BM, BK, MV, DOT_F32, PDL)
+            iters = tl.cdiv(K // TILE.BK, U_SPLIT)
+            k_lo = local * iters * TILE.BK
+            k_hi = tl.minimum(k_lo + iters * TILE.BK, K)
+            _u_program(x_ptr, ec, upart_ptr, v_ptr, bound, locks_ptr + lock_base + n_wt, offs_m, m_mask, k_lo, k_hi,
+                       local, M, K, stride_xm, n_wt, U_SPLIT, GATE, R, BM, TILE.BK, TILE.MV, DOT_F32, PDL)
         else:
             w_local = local - n_u
-            _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr,
-                       v_ptr, alpha, SPLIT_K, U_SPLIT, w_local // SPLIT_K, n_wt, lock_base, offs_m, m_mask,
-                       w_local % SPLIT_K, M, N, K, stride_xm, stride_om,
-                       GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR,
-                       PREFETCH, ACT, PDL, MMA, ASM)
+            _w_program(x_ptr, out_ptr, bias_ptr, w, ec.b, part_ptr, locks_ptr, v_ptr, alpha, w_local // SPLIT_K,
+                       n_wt, lock_base, offs_m, m_mask, w_local % SPLIT_K, M, N, K, stride_xm, stride_om, FORM, TILE,
+                       EC_MODE, R, U_SPLIT, HAS_BIAS, ACT, PDL, DOT_F32, PTX)
     else:
-        _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr,
-                   alpha, SPLIT_K, U_SPLIT, local // SPLIT_K, n_wt, lock_base, offs_m, m_mask, local % SPLIT_K,
-                   M, N, K, stride_xm, stride_om,
-                   GROUP, SYMMETRIC, HAS_BIAS, IS_BF16, EC_MODE, R, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH,
-                   ACT, PDL, MMA, ASM)
+        _w_program(x_ptr, out_ptr, bias_ptr, w, ec.b, part_ptr, locks_ptr, v_ptr, alpha, local // SPLIT_K, n_wt,
+                   lock_base, offs_m, m_mask, local % SPLIT_K, M, N, K, stride_xm, stride_om, FORM, TILE, EC_MODE,
+                   R, U_SPLIT, HAS_BIAS, ACT, PDL, DOT_F32, PTX)
 
 
 @triton.jit
-def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr, locks_ptr, b_ptr, v_ptr, alpha,
-               SPLIT_K: tl.constexpr, U_SPLIT: tl.constexpr, wt, n_wt, lock_base, offs_m, m_mask, split, M, N, K,
-               stride_xm, stride_om,
-               GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, HAS_BIAS: tl.constexpr, IS_BF16: tl.constexpr,
-               EC_MODE: tl.constexpr, R: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr,
-               PTX: tl.constexpr, KMAJOR: tl.constexpr, PREFETCH: tl.constexpr, ACT: tl.constexpr,
-               PDL: tl.constexpr, MMA: tl.constexpr = False, ASM: tl.constexpr = False):
+def _w_program(x_ptr, out_ptr, bias_ptr, w, b_ptr, part_ptr, locks_ptr, v_ptr, alpha, wt, n_wt, lock_base, offs_m,
+               m_mask, split, M, N, K, stride_xm, stride_om, FORM: tl.constexpr, TILE: tl.constexpr,
+               EC_MODE: tl.constexpr, R: tl.constexpr, U_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+               ACT: tl.constexpr, PDL: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr):
     """accT [BN, BM] for column tile ``wt`` over one K range, then split-K reduction and epilogue."""
-    if not ((KMAJOR and MV > 0 and PTX and PREFETCH) or (MMA and MV > 0 and PREFETCH)):
-        _pdl_wait(PDL)  # the prefetching decode loops wait after loading their first weights
+    BM: tl.constexpr = TILE.BM
+    BN: tl.constexpr = TILE.BN
+    BK: tl.constexpr = TILE.BK
+    MV: tl.constexpr = TILE.MV
+    SPLIT_K: tl.constexpr = TILE.SPLIT_K
+    _pdl_wait(PDL)
     iters = tl.cdiv(K // BK, SPLIT_K)
     k_lo = split * iters * BK
     k_hi = tl.minimum(k_lo + iters * BK, K)
     offs_n = wt * BN + tl.arange(0, BN)
     n_mask = offs_n < N
     n_ld = offs_n % N  # in-bounds rows: unmasked, vectorized loads
-    if MMA and MV > 0:  # scales applied inside
-        accT = _frag_fma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt * BN, k_lo, k_hi, M, N, K, stride_xm,
-                                  GROUP, SYMMETRIC, IS_BF16, BN, BK, BM, MV, PTX, PREFETCH, ASM, PDL)
-    elif MMA:  # scales applied inside
-        accT = _mma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt * BN, k_lo, k_hi, offs_m, m_mask, N, K,
-                             stride_xm, GROUP, SYMMETRIC, IS_BF16, BN, BK, BM, DOT_F32, ASM)
+    if FORM.FRAGMENT:  # scales applied inside
+        accT = _fragment_mainloop(x_ptr, w.codes, w.scales, w.zeros, wt * BN, k_lo, k_hi, offs_m, m_mask, N, K,
+                                  stride_xm, FORM.GROUP, FORM.SYMMETRIC, FORM.IS_BF16, BN, BK, BM, DOT_F32,
+                                  not DOT_F32)
     else:
-        accT = _w_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt, k_lo, k_hi, offs_m, m_mask, offs_n, n_mask, n_ld, M,
-                       N, K, stride_xm, GROUP, SYMMETRIC, IS_BF16, BM, BN, BK, MV, DOT_F32, PTX, KMAJOR, PREFETCH, PDL)
+        accT = _nmajor_mainloop(x_ptr, w.codes, w.scales, w.zeros, k_lo, k_hi, offs_m, m_mask, offs_n, n_ld, N, K,
+                                stride_xm, FORM.GROUP, FORM.SYMMETRIC, FORM.IS_BF16, BM, BN, BK, MV, DOT_F32, PTX)
     if EC_MODE == 1:
         # the fused EC rides on the tile's last split (the shortest K range, so the first to
         # finish) before its partial is stored, off the split-K reduction's tail
@@ -192,58 +214,6 @@ def _w_program(x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr, part_ptr
                   HAS_BIAS, EC_MODE, R, DOT_F32, MV, ACT, wt, N)
 
 
-@triton.jit
-def _w_loop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt, k_lo, k_hi, offs_m, m_mask, offs_n, n_mask, n_ld, M, N, K,
-            stride_xm, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr, BM: tl.constexpr,
-            BN: tl.constexpr, BK: tl.constexpr, MV: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr,
-            KMAJOR: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    """accT [BN, BM] of the N- and K-major layouts over one K range, scales applied: the CUDA-core
-    loops (MV > 0) or the tensor-core tiles with the tile unpacked on chip."""
-    offs_k = tl.arange(0, BK)
-    offs_kw = tl.arange(0, BK // 8)
-    x_base = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]
-    w_base = qw_ptr + n_ld[:, None] * (K // 8) + offs_kw[None, :]
-    if IS_BF16:
-        zbase = 128.0
-    else:
-        zbase = 1024.0
-    s = tl.load(scales_ptr + n_ld).to(tl.float32)
-    if SYMMETRIC:
-        zc = tl.full((BN,), zbase + 8.0, tl.float32)
-    else:
-        zc = zbase + tl.load(zeros_ptr + n_ld).to(tl.float32)
-    if KMAJOR and MV > 0:  # scales applied inside
-        accT = _kmajor_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, wt * BN, k_lo, k_hi, M, N, stride_xm,
-                                GROUP, SYMMETRIC, BN, BK, BM, MV, PTX, PREFETCH, PDL)
-    elif MV > 0:
-        accT = _fma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n_ld, k_lo, k_hi, M, N, K, stride_xm,
-                             GROUP, SYMMETRIC, BN, BK, BM, MV, PTX)
-    else:
-        if KMAJOR:
-            # (K/8, N) words: load the [BN, BK/8] tile directly (N is the contiguous axis; the
-            # hints keep 16-byte loads, which the modulo of n_ld would hide; past N is masked)
-            offs_nc = tl.max_contiguous(tl.multiple_of(wt * BN + tl.arange(0, BN), BN), BN)
-            w_base = qw_ptr + offs_kw[None, :] * N + offs_nc[:, None]
-            w_mask = n_mask[:, None] & (offs_kw[None, :] >= 0)
-        accT = tl.zeros((BN, BM), tl.float32)
-        for k in range(k_lo, k_hi, BK):
-            if KMAJOR:
-                p = tl.load(w_base + (k // 8) * N, mask=w_mask, other=0)
-            else:
-                p = tl.load(w_base + k // 8)
-            if GROUP > 0:
-                g = k // GROUP
-                s = tl.load(scales_ptr + g * N + n_ld).to(tl.float32)
-                if not SYMMETRIC:
-                    zc = zbase + tl.load(zeros_ptr + g * N + n_ld).to(tl.float32)
-            w = _dequant(_unpack_w4(p, BN, BK, IS_BF16, KMAJOR), zc, s, GROUP > 0, IS_BF16)
-            xt = tl.load(x_base + k, mask=m_mask[None, :], other=0.0)
-            accT = _dot(w, xt, accT, DOT_F32)
-    if GROUP == 0 and not (KMAJOR and MV > 0):
-        accT = accT * s[:, None]
-    return accT
-
-
 def _check(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, ec: PackedEC | None) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (tokens, in_features); got shape {tuple(x.shape)}")
@@ -261,6 +231,22 @@ def _check(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None, ec: PackedEC
             raise ValueError(f"EC shapes A {tuple(ec.a.shape)}, B {tuple(ec.b.shape)} do not fit the layer ({n}, {k})")
         if ec.a.dtype != x.dtype:
             raise ValueError(f"EC parameters must be in the activation dtype {x.dtype}; got {ec.a.dtype}")
+        if ec.gated and ec.w1.shape != (ec.a.shape[0],) * 2:
+            raise ValueError(f"a gated EC's rank and gate width are padded alike (layout.pack_ec); got A "
+                             f"{tuple(ec.a.shape)}, W1 {tuple(ec.w1.shape)}")
+
+
+def _check_launch(cfg: TritonConfig, w: PackedW4, m: int, k: int) -> None:
+    if w.layout is Layout.FRAGMENT:  # any group within a step, 64-input blocks
+        if (cfg.mv or cfg.BK not in (64, 128) or k % cfg.BK or (cfg.BK == 128 and 0 < w.group_size < 128)
+                or cfg.BN % 16 or cfg.BM < 16):
+            raise ValueError(f"the fragment layout takes tensor-core launches with BK 64 or 128 dividing "
+                             f"in_features={k} (128 only with groups of 128 or more), BN a multiple of 16 "
+                             f"and BM >= 16; got {cfg}")
+    elif k % cfg.BK or (w.group_size and w.group_size % cfg.BK):  # one scale per K step
+        raise ValueError(f"BK={cfg.BK} must divide in_features={k} and the group size {w.group_size}")
+    if cfg.mv and m > 1:
+        raise ValueError(f"the one-token loop (mv=1) takes one token; got M={m}")
 
 
 def check_act(act: int, n: int) -> None:
@@ -271,89 +257,63 @@ def check_act(act: int, n: int) -> None:
 
 
 def w4a16_matmul(x: torch.Tensor, w: PackedW4, bias: torch.Tensor | None = None, ec: PackedEC | None = None,
-                 ec_mode: int | None = None, v: torch.Tensor | None = None, config: Config | None = None,
-                 act: int = 0, pdl: int = 0, u_split_max: int = U_SPLIT_MAX,
+                 v: torch.Tensor | None = None, config: TritonConfig | None = None, act: int = 0, pdl: int = 0,
                  table=BUILTIN, native: bool | None = None) -> torch.Tensor:
     """``out = x W_hatᵀ (+ bias) (+ EC)`` for 2-D ``x``; see the module docstring.
 
-    ``ec_mode``: 0 no EC, 1 fused (needs ``ec``), 2 epilogue from ``v`` = gamma(u) ⊙ u (M, R)
-    (needs ``ec`` for B). Defaults to 1 when ``ec`` is given. ``config``: the launch (default:
-    ``pick_config`` from ``table``). ``act`` 1: the output features are interleaved (gate, up)
+    ``ec`` alone: the compensator fused into the launch (EC_MODE 1); with ``v`` = gamma(u) ⊙ u
+    (M, R): only alpha · v Bᵀ in the epilogue (EC_MODE 2). ``config``: the launch (default:
+    ``pick_triton`` from ``table``). ``act`` 1: the output features are interleaved (gate, up)
     pairs and the result is silu(gate) * up, (M, N / 2). ``pdl`` 1: launched with programmatic
     dependent launch (CUDA, Hopper or newer). ``native``: the CUDA code (fp16 dot operands, the PTX
-    products and inline-asm loads); default: unless Triton's interpreter runs the kernel (its dots
+    products and inline assembly); default: unless Triton's interpreter runs the kernel (its dots
     then take fp32 operands and the inline assembly is left out).
     """
     _check(x, w, bias, ec)
     native = not INTERPRET if native is None else native
-    if ec_mode is None:
-        ec_mode = 0 if ec is None else 1
-    if ec_mode not in (0, 1, 2) or (ec_mode and ec is None) or (ec_mode == 2 and v is None):
-        raise ValueError(f"ec_mode must be 0, 1 (with ec) or 2 (with ec and v); got {ec_mode}")
+    if v is not None and ec is None:
+        raise ValueError("v (the semi-fused compensator's gamma(u) ⊙ u) needs ec for B and alpha")
+    ec_mode = 0 if ec is None else (2 if v is not None else 1)
     m, k = x.shape
     n = w.out_features
     check_act(act, n)
-    cfg = config or pick_config(m, n, k, w.group_size, w.layout, table)
-    mma = w.layout == "mma"
-    if mma and cfg.mv:  # the fragment layout's CUDA-core loop: any group, 64-input blocks
-        if cfg.BK < 64 or cfg.BK & (cfg.BK - 1) or k % cfg.BK or cfg.BN < 16 or cfg.BN & (cfg.BN - 1):
-            raise ValueError(f"the fragment layout's CUDA-core loop takes BK a power of two >= 64 dividing "
-                             f"in_features={k} and BN a power of two >= 16; got {cfg}")
-        if x.storage_offset() % 2 or (m > 1 and x.stride(0) % 2):
-            x = x.clone()  # the loop reads x as 32-bit pairs: rows must start at even elements
-    elif mma:  # the fragment loop: any group within a step, 64-input blocks
-        if (cfg.BK not in (64, 128) or k % cfg.BK or (cfg.BK == 128 and 0 < w.group_size < 128)
-                or cfg.BN % 16 or cfg.BM < 16):
-            raise ValueError(f"the fragment layout takes tensor-core launches with BK 64 or 128 dividing "
-                             f"in_features={k} (128 only with groups of 128 or more), BN a multiple of 16 "
-                             f"and BM >= 16; got {cfg}")
-    elif k % cfg.BK or (w.group_size and w.group_size % cfg.BK):  # one scale per K step
-        raise ValueError(f"BK={cfg.BK} must divide in_features={k} and the group size {w.group_size}")
+    fragment = w.layout is Layout.FRAGMENT
+    cfg = config or pick_triton(m, n, k, fragment, w.group_size, table)
+    _check_launch(cfg, w, m, k)
     m_tiles, n_wt = triton.cdiv(m, cfg.BM), triton.cdiv(n, cfg.BN)
-    if cfg.mv and (m > cfg.mv or cfg.mv not in (1, 2, 4) or cfg.mv > cfg.BM):
-        raise ValueError(f"the CUDA-core main loop takes M <= mv, mv in (1, 2, 4), mv <= BM; got M={m}, "
-                         f"mv={cfg.mv}, BM={cfg.BM}")
     r = ec.a.shape[0] if ec is not None else 16
     u_split = 0
     if ec_mode == 1:
-        # as many u programs as K steps allow, up to u_split_max: each is a single program walking
-        # its K range step by step, so u (and then v) is on the W tiles' critical path unless the
-        # u programs' ranges are much shorter than the W programs' (which many programs per SM
-        # and the register prefetch keep streaming); the last u program sums all partials in one
-        # round trip
-        u_split = min(cfg.u_split, k // cfg.BK) if cfg.u_split else min(k // cfg.BK, u_split_max)
+        # as many u programs as K steps allow, up to u_split: each is a single program walking its
+        # K range step by step, so u (and then v) is on the W tiles' critical path unless the u
+        # programs' ranges are much shorter than the W programs' (which many programs per SM keep
+        # streaming); the last u program sums all partials in one round trip
+        u_split = min(cfg.u_split or U_SPLIT_MAX, k // cfg.BK)
     needs_locks = cfg.split_k > 1 or ec_mode == 1
     if needs_locks and m_tiles * (n_wt + 2) > w.locks.numel():
         raise ValueError(f"split-K/fused EC needs {m_tiles * (n_wt + 2)} lock slots for M={m}, N={n}; "
                          f"the layer has {w.locks.numel()} (LOCK_SLOTS={LOCK_SLOTS}); use a smaller M per call")
     out = torch.empty((m, n // 2 if act else n), dtype=x.dtype, device=x.device)
     part = torch.empty((cfg.split_k, m, n) if cfg.split_k > 1 else (1,), dtype=torch.float32, device=x.device)
-    h = ec.w1.shape[0] if ec is not None and ec.gated else 16
     upart = torch.empty((u_split, m, r) if ec_mode == 1 else (1,), dtype=torch.float32, device=x.device)
     if ec_mode == 1:  # v = gamma(u) ⊙ u, written by the last u program of each m-tile
         v = torch.empty((m, r), dtype=x.dtype, device=x.device)
     dummy = w.scales  # never read when its feature flag is off
-    e = ec
-    # the PTX loop reads each row's 8 activations as one 16-byte vector (storage offset and row
-    # stride in fp16 elements; the allocator aligns the storage itself)
-    aligned = x.storage_offset() % 8 == 0 and (m == 1 or x.stride(0) % 8 == 0)
+    gated = ec is not None and ec.gated
+    comp = Comp(ec.a if ec else dummy, ec.b if ec else dummy,
+                *((ec.w1, ec.b1, ec.w2, ec.b2) if gated else (dummy,) * 4))
+    # the one-token loop reads its 8 activations a word as one 16-byte vector (storage offset in
+    # fp16 elements; the allocator aligns the storage itself)
+    aligned = x.storage_offset() % 8 == 0
     grid = (m_tiles * (u_split + n_wt * cfg.split_k),)
     _w4a16_kernel[grid](
-        x, w.qweight, w.scales, w.zeros, bias if bias is not None else dummy, out, part, w.locks,
-        e.a if e else dummy, e.b if e else dummy,
-        e.w1 if e and e.gated else dummy, e.b1 if e and e.gated else dummy,
-        e.w2 if e and e.gated else dummy, e.b2 if e and e.gated else dummy,
-        upart, v if v is not None else dummy,
-        float(e.alpha) if e else 0.0, float(e.bound) if e else 0.0,
+        x, out, bias if bias is not None else dummy, Weight(w.qweight, w.scales, w.zeros), comp, part, w.locks, upart,
+        v if v is not None else dummy, float(ec.alpha) if ec else 0.0, float(ec.bound) if ec else 0.0,
         m, n, k, x.stride(0), out.stride(0),
-        GROUP=w.group_size, SYMMETRIC=w.symmetric, HAS_BIAS=bias is not None, IS_BF16=x.dtype == torch.bfloat16,
-        EC_MODE=ec_mode, GATE=bool(e and e.gated), R=r, H=h,
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, MV=cfg.mv, DOT_F32=not native,
-        PTX=bool(cfg.mv and cfg.ptx and (aligned or mma) and x.dtype == torch.float16 and native),
-        KMAJOR=w.kmajor, SPLIT_K=cfg.split_k, U_SPLIT=u_split,
-        PREFETCH=bool(cfg.prefetch and (w.kmajor or mma) and cfg.mv), ACT=act,
-        MMA=mma, ASM=mma and native,
-        **_common.pdl_args(pdl),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FORM=Form(fragment, w.group_size, w.symmetric, x.dtype == torch.bfloat16),
+        TILE=Tile(cfg.BM, cfg.BN, cfg.BK, cfg.mv, cfg.split_k),
+        EC_MODE=ec_mode, GATE=gated, R=r, U_SPLIT=u_split, HAS_BIAS=bias is not None, ACT=act,
+        DOT_F32=not native, PTX=bool(cfg.mv and aligned and x.dtype == torch.float16 and native),
+        **pdl_args(pdl), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -50,7 +50,12 @@ class RowPost:
     n: int
     bias: torch.Tensor | None = None
     packed: object | None = None   # spear.kernels.layout.PackedEC
-    dense: object | None = None    # spear.serve.model.layers.linear._DenseEC
+    dense: object | None = None    # spear.serve.model.layers.quant_method.DenseEC
+
+    @property
+    def ec(self):
+        """The compensator whose second half follows the sum (its A gives each rank's partial u)."""
+        return self.packed if self.packed is not None else self.dense
 
     def __call__(self, staging: list[torch.Tensor]) -> torch.Tensor:
         s0 = staging[0]

@@ -4,8 +4,10 @@ vLLM builds each linear layer (merged q/k/v and gate/up included) with the share
 tensor-parallel rank and asks the method for its parameters (:meth:`create_weights`); the
 checkpoint's per-module tensors then load through each parameter's ``weight_loader`` into that
 share (the slicing is :mod:`spear.vllm_plugin.sharding`'s); :meth:`process_weights_after_loading`
-packs once for the kernels and drops the loaded tensors; :meth:`apply` is one call of the kernel
-adapter, plus the all-reduce of u for a gated compensator on a row-parallel layer.
+builds spear's own quant-method object once (the kernel adapter: the members' compensators merged
+by spear's one merge, the weight packed for the kernels) and drops the loaded tensors;
+:meth:`apply` is one call of it, plus the all-reduce of u for a gated compensator on a
+row-parallel layer.
 """
 
 from __future__ import annotations
@@ -104,13 +106,13 @@ class SpearLinearMethod(LinearMethodBase):
                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         names = list(p.param_shapes())
         merged = sharding.merged_layer(p, {n: getattr(layer, n).data for n in names})
-        layer.spear = kernel_adapter.prepare(**merged, dtype=layer.params_dtype)
+        layer.spear = kernel_adapter.prepare(**merged, dtype=layer.params_dtype, reduces_u=p.reduces_u)
         for n in names:  # the kernel layouts replace the checkpoint's
             delattr(layer, n)
         del layer.spear_loaded
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         p: sharding.Partition = layer.spear_partition
-        return kernel_adapter.spear_linear(layer.spear, x, bias,
-                                           reduce_u=tensor_model_parallel_all_reduce if p.reduces_u else None,
-                                           add_ec=p.adds_ec)
+        return kernel_adapter.forward(layer.spear, x, bias,
+                                      reduce_u=tensor_model_parallel_all_reduce if p.reduces_u else None,
+                                      add_ec=p.adds_ec)

@@ -19,18 +19,21 @@ rank holds a slice of the merged layer:
       (one extra collective of tokens × rank values per layer, :attr:`Partition.reduces_u`),
       and only rank 0 adds α·B·(γ(u) ⊙ u) (:attr:`Partition.adds_ec`).
 
-Merged ECs are block-diagonal, as in ``spear.serve.fusion.merge_packed_ec``: A stacks the
-members' ranks; member i's B block sits at (its output rows, its ranks); the gate MLPs sit side
-by side, member i's ranks seeing only its hidden units. A member without an EC leaves zero
-blocks (its rows get nothing), and an ungated member's ranks get γ = 1 + bound·tanh(0) = 1.
+The members' compensator tensors load side by side, each into its own segment of one flat
+parameter per name (``Partition.ec_shape``); ``merged_layer`` reads each member's back as its
+runtime factors and merges them with spear's one merge (``merge_factors``,
+spear/serve/model/layers/quant_method.py): A stacks the members' ranks, B and the gate MLPs are
+block-diagonal, a member without an EC leaves zero blocks and an ungated member's ranks get γ = 1.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from spear.compensate.spec import ECFactors
 from spear.errors import SpearError
 from spear.quant.primitives import unpack_codes
 
@@ -160,14 +163,6 @@ class Partition:
         return _offsets(self.rows)
 
     @property
-    def rank_offsets(self) -> tuple[int, ...]:
-        return _offsets([m.rank for m in self.members])
-
-    @property
-    def hidden_offsets(self) -> tuple[int, ...]:
-        return _offsets([m.hidden for m in self.members])
-
-    @property
     def rank(self) -> int:
         return sum(m.rank for m in self.members)
 
@@ -184,10 +179,6 @@ class Partition:
         return self.hidden > 0
 
     @property
-    def bound(self) -> float:
-        return next((m.bound for m in self.members if m.gated), 1.0)
-
-    @property
     def reduces_u(self) -> bool:
         """u = A·x must be all-reduced before γ: a gated EC on a split input."""
         return self.gated and self.row_parallel and self.tp_size > 1
@@ -197,18 +188,32 @@ class Partition:
         """Whether this rank adds the EC term (with u all-reduced, rank 0 alone does)."""
         return self.has_ec and (not self.reduces_u or self.tp_rank == 0)
 
-    def param_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype, float]]:
-        """Name -> (shape, dtype, initial value) of every parameter of this rank's layer.
+    def ec_shape(self, param: str, member: int) -> tuple[int, ...]:
+        """This rank's share of member ``member``'s compensator tensor ``param``: the checkpoint's
+        shape, with A's input columns and B's output rows those of the share."""
+        m = self.members[member]
+        if param not in m.params():
+            return (0,)
+        shape = m.checkpoint_shape(param)
+        if param == "ec_A":
+            return (shape[0], self.cols)
+        if param == "ec_B":
+            return (self.rows[member], shape[1])
+        return shape
 
-        EC blocks start at zero and the per-rank scalars at one, so what no member loads
-        contributes nothing (module docstring); a parameter exists only if a member loads it."""
-        n, r, h = self.out_features, self.rank, self.hidden
+    def ec_offsets(self, param: str) -> tuple[int, ...]:
+        """Where each member's share of compensator tensor ``param`` starts in its flat parameter."""
+        return _offsets([math.prod(self.ec_shape(param, i)) for i in range(len(self.members))] + [0])
+
+    def param_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype, float]]:
+        """Name -> (shape, dtype, initial value) of every parameter of this rank's layer: the merged
+        weight's, and one flat parameter per compensator tensor holding the members' shares side by
+        side; a parameter exists only if a member loads it."""
+        n = self.out_features
         f16 = torch.float16  # the checkpoint's storage dtype of scales and compensators
         shapes = {"qweight": ((n, self.cols * BITS // 8), torch.uint8, 0.0), "scales": ((n, self.n_groups), f16, 0.0),
-                  "zeros": ((n, self.n_groups), torch.uint8, 0.0), "ec_A": ((r, self.cols), f16, 0.0),
-                  "ec_B": ((n, r), f16, 0.0), "ec_alpha": ((r,), f16, 1.0), "ec_w1": ((h, r), f16, 0.0),
-                  "ec_b1": ((h,), f16, 0.0), "ec_w2": ((r, h), f16, 0.0), "ec_b2": ((r,), f16, 0.0),
-                  "ec_u_scale": ((r,), f16, 1.0)}
+                  "zeros": ((n, self.n_groups), torch.uint8, 0.0)}
+        shapes.update({name: ((self.ec_offsets(name)[-1],), f16, 0.0) for name in SUFFIXES if name.startswith("ec_")})
         used = {p for m in self.members for p in m.params()}
         return {k: v for k, v in shapes.items() if k in used}
 
@@ -255,8 +260,6 @@ def load(p: Partition, param: str, dst: torch.Tensor, member: int, src: torch.Te
                          f"spear_config.json implies {want}")
     r0, nr = p.row_offsets[member], p.rows[member]
     rs = slice(p.row_starts[member], p.row_starts[member] + nr)      # this rank's checkpoint rows
-    ro, ri = p.rank_offsets[member], m.rank
-    ho, hi = p.hidden_offsets[member], m.hidden
     cs = slice(p.col_start, p.col_start + p.cols)
     if param == "qweight":
         bs = slice(p.col_start * BITS // 8, (p.col_start + p.cols) * BITS // 8)
@@ -265,37 +268,43 @@ def load(p: Partition, param: str, dst: torch.Tensor, member: int, src: torch.Te
         gs = slice(None) if p.group_size == 0 else slice(p.col_start // p.group_size,
                                                           (p.col_start + p.cols) // p.group_size)
         dst[r0:r0 + nr].copy_(src[rs, gs])
-    elif param == "ec_A":
-        dst[ro:ro + ri].copy_(src[:, cs])
-    elif param == "ec_B":
-        dst[r0:r0 + nr, ro:ro + ri].copy_(src[rs])
-    elif param in ("ec_alpha", "ec_u_scale", "ec_b2"):
-        dst[ro:ro + ri].copy_(src.expand(ri))   # alpha, and b2 of a per-module gate, broadcast
-    elif param == "ec_w1":
-        dst[ho:ho + hi, ro:ro + ri].copy_(src)
-    elif param == "ec_b1":
-        dst[ho:ho + hi].copy_(src)
-    elif param == "ec_w2":
-        dst[ro:ro + ri, ho:ho + hi].copy_(src.expand(ri, hi))
+    elif param in SUFFIXES:  # a compensator tensor: the member's share, in its segment
+        share = src[:, cs] if param == "ec_A" else (src[rs] if param == "ec_B" else src)
+        start = p.ec_offsets(param)[member]
+        dst[start:start + share.numel()].copy_(share.reshape(-1))
     else:
         raise SpearError(f"unknown spear parameter {param!r}")
 
 
+def _member_factors(p: Partition, member: int, params: dict[str, torch.Tensor]) -> ECFactors | None:
+    """Member ``member``'s compensator share as runtime factors (``spear.compensate.spec``): alpha
+    folded into B, the gate's input scale into W1, a whole-module gate repeated per rank."""
+    m = p.members[member]
+    if m.kind is None:
+        return None
+
+    def share(name):
+        start = p.ec_offsets(name)[member]
+        shape = p.ec_shape(name, member)
+        return params[name][start:start + math.prod(shape)].view(shape).float()
+
+    alpha = float(share("ec_alpha")) if "ec_alpha" in m.params() else 1.0
+    if not m.gated:
+        return ECFactors(share("ec_A"), share("ec_B"), alpha)
+    r, h = m.rank, m.hidden
+    return ECFactors(share("ec_A"), share("ec_B"), alpha, share("ec_w1") * share("ec_u_scale")[None, :],
+                     share("ec_b1"), share("ec_w2").expand(r, h), share("ec_b2").expand(r), bound=m.bound)
+
+
 def merged_layer(p: Partition, params: dict[str, torch.Tensor]) -> dict:
     """The loaded parameters as the kernel adapter's ``prepare`` takes them: unpacked codes, zeros
-    (8 everywhere when symmetric), and the EC with α folded into B's columns and the gate's input
-    scale into W1's (as ``GatedCompensator.export_gate`` and ``merge_packed_ec`` do)."""
+    (8 everywhere when symmetric), and the members' compensators merged into one (``merge_factors``)."""
+    from spear.serve.model.layers.quant_method import merge_factors
+
     codes = unpack_codes(params["qweight"], BITS, p.cols)
     zeros = params.get("zeros")
     if zeros is None:
         zeros = torch.full(params["scales"].shape, 2 ** (BITS - 1), dtype=torch.uint8, device=codes.device)
-    out = dict(codes=codes, scales=params["scales"], zeros=zeros, group_size=p.group_size, symmetric=p.symmetric,
-               ec=None)
-    if p.has_ec:
-        alpha = params["ec_alpha"].float() if "ec_alpha" in params else 1.0
-        ec = dict(a=params["ec_A"].float(), b=params["ec_B"].float() * alpha, bound=p.bound)
-        if p.gated:
-            ec.update(w1=params["ec_w1"].float() * params["ec_u_scale"].float()[None, :], b1=params["ec_b1"].float(),
-                      w2=params["ec_w2"].float(), b2=params["ec_b2"].float())
-        out["ec"] = ec
-    return out
+    ec = merge_factors([_member_factors(p, i, params) for i in range(len(p.members))], list(p.rows), p.cols)
+    return dict(codes=codes, scales=params["scales"], zeros=zeros, group_size=p.group_size, symmetric=p.symmetric,
+                ec=ec)

@@ -27,8 +27,7 @@ def compile_variant(BNC=128, BM=128, BK=64, STAGES=4, GROUP=128, SYM=False, BF16
                s_desc=f"tensordesc<fp16[{gs}, {bn}],{plain[16]!r}>", z_desc=f"tensordesc<u8[{gs}, {bn}],{plain[8]!r}>",
                scales_ptr="*fp16", zeros_ptr="*u8", bias_ptr="*" + dt, out_ptr="*" + dt, part_ptr="*fp32",
                locks_ptr="*i32", b_ptr="*" + dt, v_ptr="*" + dt, alpha="fp32")
-    consts = dict(BNC=BNC, BM=BM, BK=BK, STAGES=STAGES, GROUP=GROUP, SYMMETRIC=SYM, IS_BF16=BF16, HAS_BIAS=BIAS,
-                  ACT=ACT, R=R)
+    consts = dict(BNC=BNC, BM=BM, BK=BK, STAGES=STAGES, GROUP=GROUP, SYMMETRIC=SYM, HAS_BIAS=BIAS, ACT=ACT, R=R)
     sig = {name: sig.get(name) or ("constexpr" if name in consts else "i32") for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name.endswith("_ptr") or name in ("N", "stride_om")}

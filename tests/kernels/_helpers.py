@@ -8,7 +8,7 @@ import os
 import torch
 
 from spear.kernels import reference as ref
-from spear.kernels.layout import pack, pack_ec
+from spear.kernels.layout import Layout, pack, pack_ec
 from spear.quant.primitives import rtn
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -74,10 +74,10 @@ def make_ec(n: int, k: int, r: int, h: int | None, dtype: torch.dtype, seed: int
 N_SMALL, K_SMALL = 96, 256  # N not a multiple of the 64-wide tile: exercises the column mask
 
 
-def setup_case(m, k, n, gs, sym, dtype, seed, bias=True, ec=None, kmajor=False, layout=None):
+def setup_case(m, k, n, gs, sym, dtype, seed, bias=True, ec=None, layout=None):
     """A packed random layer, activations, bias, packed EC (``make_ec``'s dict) and the fp32 reference output."""
     codes, scales, zeros = make_layer(n, k, gs, sym, seed)
-    w = pack(codes, scales, zeros, gs, sym, layout=layout or ("kmajor" if kmajor else "nmajor"))
+    w = pack(codes, scales, zeros, gs, sym, layout=layout or Layout.NMAJOR)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
     b = (torch.randn(n, generator=g) * 0.1).to(dtype).to(DEVICE) if bias else None

@@ -1,6 +1,6 @@
 """The compensator inside the W4A16 kernel against the fp32 reference: fused (on each tile's
 last split, or in EC programs of their own), semi-fused (ec_gate, ec_up, the v-epilogue),
-both layouts, gated and not. Outputs and workspaces start as NaN.
+gated and not, over the N-major layout's loops (the fragment layout's: test_fragment.py). Outputs and workspaces start as NaN.
 
 On the CPU these run through TRITON_INTERPRET=1 at small shapes (conftest.py); the tests
 marked ``gpu`` repeat them at real Llama shapes.
@@ -14,21 +14,9 @@ import torch
 from spear.kernels.layout import pack_ec, padded_dim
 from spear.kernels import reference as ref
 from spear.kernels.ec import ec_gate, ec_up
-from spear.kernels.w4a16 import Config, w4a16_matmul
+from spear.kernels.launch import TritonConfig as Config
+from spear.kernels.w4a16 import w4a16_matmul
 from tests.kernels._helpers import DEVICE, K_SMALL, N_SMALL, allocations, assert_close, make_ec, setup_case
-
-
-@pytest.mark.parametrize("m,gs,dtype,r,h,split,mv,prefetch", [(1, 64, torch.float16, 8, 12, 2, 1, False),
-                                                               (2, 32, torch.float16, 8, None, 3, 2, True),
-                                                               (5, 128, torch.bfloat16, 16, None, 2, 0, False)])
-def test_fused_ec_kmajor(poisoned, m, gs, dtype, r, h, split, mv, prefetch):
-    ec = make_ec(N_SMALL, K_SMALL, r, h, dtype, seed=r)
-    x, w, b, e, expect = setup_case(m, K_SMALL, N_SMALL, gs, False, dtype, seed=m + r, ec=ec, kmajor=True)
-    cfg = Config(16, 64, min(128, gs), split, 4, 2, mv=mv, prefetch=prefetch)
-    for _ in range(2):
-        out = w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg)
-        assert_close(out, expect, dtype, f"K-major fused EC M={m} g={gs} r={r} h={h}")
-        assert int(w.locks.abs().sum()) == 0
 
 
 # (M, group, symmetric, dtype, rank, gate hidden or None, split_k, mv, u_split)
@@ -38,9 +26,9 @@ FUSED_CASES = [
     (17, 128, False, torch.float16, 16, None, 2, 0, 0),
     (1, 32, True, torch.bfloat16, 8, None, 4, 1, 3),
     (33, 0, False, torch.float16, 32, 32, 2, 0, 0),
-    (2, 64, False, torch.float16, 16, 8, 2, 2, 0),
+    (1, 64, False, torch.float16, 16, 8, 2, 1, 0),
     (1, 64, True, torch.float16, 16, 16, 2, 1, 0),
-    (3, 0, False, torch.bfloat16, 8, 8, 2, 4, 3),
+    (1, 0, False, torch.bfloat16, 8, 8, 2, 1, 3),
 ]
 
 
@@ -51,14 +39,14 @@ def test_fused_ec(poisoned, m, gs, sym, dtype, r, h, split, mv, u_split):
     bk = min(64, gs or 64)
     cfg = Config(16, 64, bk, split, 4, 2, mv=mv, u_split=u_split)
     for _ in range(2):  # the second call checks that the counters were re-armed
-        out = w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg)
+        out = w4a16_matmul(x, w, b, e, config=cfg)
         assert_close(out, expect, dtype, f"fused EC M={m} g={gs} r={r} h={h} split={split}")
         assert int(w.locks.abs().sum()) == 0, "fused-EC counters not re-armed"
 
 
 # rank and gate width 64 and more: a 64-wide gate made a Hopper wgmma (N = 16 tokens) that read
 # shared memory out of bounds (Triton 3.6); 48 pads to 64 (a merged q/k/v of three rank-16 ECs)
-WIDE_GATES = [(1, 48, 48, 1), (3, 64, 64, 4), (16, 64, 64, 0), (33, 128, 128, 0), (2, 64, 16, 2), (40, 64, 16, 0),
+WIDE_GATES = [(1, 48, 48, 1), (3, 64, 64, 0), (16, 64, 64, 0), (33, 128, 128, 0), (1, 64, 16, 1), (40, 64, 16, 0),
               (40, 16, 64, 0)]
 
 
@@ -72,12 +60,12 @@ def test_wide_gates(poisoned, m, r, h, mv):
     products, the only shapes seen clean under compute-sanitizer)."""
     n, k = (N_SMALL, K_SMALL) if DEVICE == "cpu" else (6144, 4096)
     ec = make_ec(n, k, r, h, torch.float16, seed=r + h)
-    x, w, b, e, expect = setup_case(m, k, n, 128, False, torch.float16, seed=m + r, ec=ec, kmajor=True)
+    x, w, b, e, expect = setup_case(m, k, n, 128, False, torch.float16, seed=m + r, ec=ec)
     side = padded_dim(max(r, h))  # rank and gate width padded alike: square gate products
     assert e.a.shape[0] == e.w1.shape[0] == e.w1.shape[1] == e.w2.shape[0] == side and e.rank == r
     cfg = Config(64 if m > 32 else 16, 64, 128, 2, 4, 2, mv=mv)
     for _ in range(2):
-        out = w4a16_matmul(x, w, b, e, ec_mode=1, config=cfg)
+        out = w4a16_matmul(x, w, b, e, config=cfg)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         assert_close(out, expect, torch.float16, f"fused EC M={m} r={r} h={h}")
@@ -102,9 +90,9 @@ def test_ec_gate_split_over_k(poisoned, m, k, splits, dtype, h):
     assert_close(ec_gate(x, e, splits=splits), expect, dtype, f"ec_gate M={m} K={k} splits={splits}")
     # the split count the launcher picks: more programs at few token tiles, each with >= GATE_MIN_STEPS,
     # rounded down to a power of two (a constexpr: few compiled variants)
-    assert ec_mod.gate_splits(512, 11008, 128) == 8 and ec_mod.gate_splits(4096, 4096, 128) == 1
-    assert ec_mod.gate_splits(64, 14336, 128) == 16  # min(264 // 4, 112 // 4) = 28 -> 16
-    assert ec_mod.gate_splits(64, 14336, 128, programs=40) == 8  # 40 // 4 = 10 -> 8
+    assert ec_mod.gate_splits(512, 11008) == 8 and ec_mod.gate_splits(4096, 4096) == 1
+    assert ec_mod.gate_splits(64, 14336) == 16  # min(264 // 4, 112 // 4) = 28 -> 16
+    assert ec_mod.gate_splits(64, 14336, programs=40) == 8  # 40 // 4 = 10 -> 8
 
 
 @pytest.mark.parametrize("m,dtype,h", [(17, torch.float16, 12), (33, torch.bfloat16, None)])
@@ -117,7 +105,7 @@ def test_semi_fused_ec(poisoned, m, dtype, h):
     cfg = Config(32, 64, 64, 1, 4, 2)
     out = ec_up(w4a16_matmul(x, w, b, config=cfg), v, e)
     assert_close(out, expect, dtype, "W4 then ec_up")
-    out = w4a16_matmul(x, w, b, e, ec_mode=2, v=v, config=cfg)
+    out = w4a16_matmul(x, w, b, e, v=v, config=cfg)
     assert_close(out, expect, dtype, "W4 with v epilogue")
 
 
@@ -126,8 +114,8 @@ def test_ec_gate_programs_set_the_k_splits(poisoned):
     holds that many shares, and v is the same either way."""
     from spear.kernels import ec as ec_mod
 
-    assert ec_mod.gate_splits(512, 11008, 128, programs=132) == 4 and ec_mod.gate_splits(512, 11008, 128) == 8
-    assert ec_mod.gate_splits(64, 14336, 128, programs=64) == 16
+    assert ec_mod.gate_splits(512, 11008, programs=132) == 4 and ec_mod.gate_splits(512, 11008) == 8
+    assert ec_mod.gate_splits(64, 14336, programs=64) == 16
     dtype = torch.float16
     e = pack_ec(**make_ec(N_SMALL, 1024, 8, 8, dtype, seed=5))
     x = torch.randn(17, 1024, generator=torch.Generator().manual_seed(11)).to(dtype).to(DEVICE)

@@ -16,12 +16,14 @@ import types
 import pytest
 import torch
 
+from spear.kernels import ec as ec_kernels
 from spear.kernels import gluon_w4 as G
 from spear.kernels import reference as ref
-from spear.kernels import ec as ec_kernels
+from spear.kernels.layout import Layout
+from spear.kernels.planner import target
 from tests.kernels._helpers import DEVICE, assert_close, make_ec, setup_case
 
-ON_HOPPER = DEVICE == "cuda" and G.available()
+ON_HOPPER = DEVICE == "cuda" and target(torch.device("cuda")).gluon
 
 
 # ---------------------------------------------------------------------------- the schedule (CPU)
@@ -88,7 +90,7 @@ def test_compiles_for_hopper():
 
 # ---------------------------------------------------------------------------- GPU
 def _run(m, n, k, gs, sym, dtype, cfg, bias=True, act=0, seed=0, ec=None):
-    x, w, b, e, expect = setup_case(m, k, n, gs, sym, dtype, seed, bias=bias, layout="mma", ec=ec)
+    x, w, b, e, expect = setup_case(m, k, n, gs, sym, dtype, seed, bias=bias, layout=Layout.FRAGMENT, ec=ec)
     v = None if e is None else ec_kernels.ec_gate(x, e)
     out = G.gluon_w4a16(x, w, b, cfg, act=act, ec=e, v=v)
     if act:
@@ -120,14 +122,10 @@ def test_shared_memory_estimate_bounds_the_compiled_kernel(rank):
     assert G.gluon_smem(fitted, 128, rank) <= G.GLUON_SMEM_LIMIT < est
 
 
-def test_a_compensator_takes_ring_stages_and_the_plan_says_so():
-    from spear.kernels.policy import KernelPolicy, plan
-
-    pol = KernelPolicy(launch_table={"gluon": {"1024": dict(BN=128, BM=256, BK=128, num_stages=3)}})
-    assert plan(1024, 4096, 4096, 128, "mma", 0, pol, gluon=True).config.stages == 3
-    assert plan(1024, 4096, 4096, 128, "mma", 16, pol, gluon=True).config.stages == 2
+def test_a_compensator_takes_ring_stages():
+    """(The plan's side of it: tests/kernels/test_policy.py.)"""
     assert G.fit_gluon(G.GluonConfig(64, 256, 128, 2), 128, 256) is None  # v tiles of 256 KB
-    w = types.SimpleNamespace(layout="mma", group_size=128)
+    w = types.SimpleNamespace(layout=Layout.FRAGMENT, group_size=128)
     with pytest.raises(ValueError, match="2 stages fit"):
         G.check(torch.zeros(1, 64, dtype=torch.float16), w, G.GluonConfig(64, 256, 128, 3), rank=16)
 
@@ -184,7 +182,7 @@ def test_gpu_graph_replays_leave_counters_zero(poisoned):
     """Replays of a captured call with a K split give the same output each time."""
     from tests.kernels._helpers import capture
 
-    x, w, b, _, expect = setup_case(64, 4096, 4096, 128, False, torch.float16, 3, layout="mma")
+    x, w, b, _, expect = setup_case(64, 4096, 4096, 128, False, torch.float16, 3, layout=Layout.FRAGMENT)
     cfg = G.GluonConfig(128, 64, 64, 4, 8)
     graph, out = capture(lambda: G.gluon_w4a16(x, w, b, cfg))
     for _ in range(3):

@@ -1,4 +1,4 @@
-"""The registered op ``spear::w4a16_ec``: CPU fallback, dispatch by the kernel policy, CUDA graphs,
+"""The registered op ``spear::w4a16_ec``: CPU fallback, the kernels the planner names, CUDA graphs,
 torch.compile, programmatic dependent launch."""
 
 from __future__ import annotations
@@ -8,15 +8,16 @@ import torch
 
 from spear.kernels import ops
 from spear.kernels import reference as ref
-from spear.kernels.layout import pack, pack_ec
+from spear.kernels.layout import Layout, pack, pack_ec
 from spear.kernels.ops import w4a16_linear
-from spear.kernels.policy import KernelPolicy, plan
+from spear.kernels.planner import EC, plan
+from spear.kernels.policy import KernelPolicy
 from tests.kernels._helpers import DEVICE, assert_close, capture, make_ec, make_layer
 
 
-def _layer(n, k, gs, dtype, device, r=16, h=16, seed=0):
+def _layer(n, k, gs, dtype, device, r=16, h=16, seed=0, layout=None):
     codes, scales, zeros = make_layer(n, k, gs, False, seed, device)
-    w = pack(codes, scales, zeros, gs)
+    w = pack(codes, scales, zeros, gs, layout=layout)
     e = pack_ec(**make_ec(n, k, r, h, dtype, seed, device)) if r else None
     return codes, scales, zeros, w, e
 
@@ -73,7 +74,7 @@ def test_cpu_fallback_against_a_hand_dequantized_fp64_layer(gated, dtype):
     Catches: ``NIBBLE_K = (0, 1, 2, 3, 4, 5, 6, 7)`` in spear/kernels/layout.py: pack and unpack
     still agree, so the old test (fallback against the same unpacking reference, atol 0) passed."""
     codes, scales, zeros = make_layer(64, 128, 32, False, 0, "cpu")
-    w = pack(codes, scales, zeros, 32)
+    w = pack(codes, scales, zeros, 32, layout=Layout.NMAJOR)
     params = make_ec(64, 128, 16, 16 if gated else None, dtype, 0, "cpu")
     e = pack_ec(**params)
     g = torch.Generator().manual_seed(1)
@@ -107,8 +108,9 @@ def test_cpu_fallback_under_any_policy():
     x = torch.randn(7, 128, generator=torch.Generator().manual_seed(2)).half()
     expect = w4a16_linear(x, w, None, e)
     assert_close(expect, _expect(x, codes, scales, zeros, 32, None, e), torch.float16, "default policy")
-    for policy in (KernelPolicy(fused_max_m=0, dequant_mm_min_m=1, semi_fused_overlap=False),
-                   KernelPolicy(launch_table={"tc": dict(BN=32, BK=32, num_warps=4, num_stages=2, programs=64)})):
+    for policy in (KernelPolicy(fused_max_m=0, nmajor_cublas_min_m=1, fragment_cublas_min_m=1, semi_fused_overlap=False),
+                   KernelPolicy(launch_table={"fragment": {"16": dict(BM=16, BN=32, BK=64, num_warps=4, num_stages=2,
+                                                                      programs=64)}})):
         assert torch.equal(w4a16_linear(x, w, None, e, policy=policy), expect)
     assert torch.equal(w4a16_linear(x, w, None, e, pdl=1), expect)
 
@@ -125,15 +127,16 @@ SERIAL = KernelPolicy(semi_fused_overlap=False, fused_max_m=0)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 5, DEFAULT.fused_max_m, DEFAULT.fused_max_m + 1, DEFAULT.dequant_mm_min_m - 1,
-                               DEFAULT.dequant_mm_min_m, 300, 2048])
+@pytest.mark.parametrize("m", [1, 5, DEFAULT.fused_max_m, DEFAULT.fused_max_m + 1, DEFAULT.fragment_cublas_min_m - 1,
+                               DEFAULT.fragment_cublas_min_m, 300, 2048])
 @pytest.mark.parametrize("policy", [DEFAULT, SERIAL], ids=["default", "serial"])
-def test_gpu_dispatch(poisoned, m, policy):
+@pytest.mark.parametrize("layout", list(Layout))
+def test_gpu_dispatch(poisoned, m, policy, layout):
     _need_cuda()
     dtype = torch.float16
-    codes, scales, zeros, w, e = _layer(4096, 4096, 128, dtype, "cuda", r=32, h=32)
+    codes, scales, zeros, w, e = _layer(4096, 4096, 128, dtype, "cuda", r=32, h=32, layout=layout)
     if policy is SERIAL:
-        assert plan(m, 4096, 4096, 128, "nmajor", 32, policy).path == "semi_fused_ec"
+        assert plan(m, 4096, 4096, e.kernel_rank, w.format, torch.device("cuda"), policy).ec is EC.SEMI
     torch.manual_seed(m)
     x = torch.randn(m, 4096, device="cuda").to(dtype)
     bias = torch.randn(4096, device="cuda").to(dtype)
@@ -154,7 +157,9 @@ def test_gpu_two_policies_in_one_process_take_their_own_paths(poisoned, monkeypa
 
     def spy(name, fn, bn=False):
         def wrapped(*args, **kw):
-            calls.append((name, kw.get("ec_mode") or 0, kw["config"].BN) if bn else (name,))
+            ec = args[3] if len(args) > 3 else kw.get("ec")
+            mode = 0 if ec is None else (2 if kw.get("v") is not None else 1)
+            calls.append((name, mode, kw["config"].BN) if bn else (name,))
             return fn(*args, **kw)
         return wrapped
 
@@ -163,10 +168,10 @@ def test_gpu_two_policies_in_one_process_take_their_own_paths(poisoned, monkeypa
     monkeypatch.setattr(ops.ec_kernels, "ec_gate", spy("ec_gate", real["gate"]))
     monkeypatch.setattr(ops.ec_kernels, "ec_up", spy("ec_up", real["up"]))
     a = KernelPolicy()
-    b = KernelPolicy(fused_max_m=8, dequant_mm_min_m=32, semi_fused_overlap=False,
-                     launch_table={"tc": dict(BN=32, BK=128, num_warps=4, num_stages=3, programs=512)})
+    b = KernelPolicy(fused_max_m=8, nmajor_cublas_min_m=32, semi_fused_overlap=False,
+                     launch_table={"nmajor": {"16": dict(BM=16, BN=32, BK=128, num_warps=4, num_stages=3, programs=512)}})
     dtype = torch.float16
-    codes, scales, zeros, w, e = _layer(1024, 1024, 128, dtype, "cuda", r=16, h=16)
+    codes, scales, zeros, w, e = _layer(1024, 1024, 128, dtype, "cuda", r=16, h=16, layout=Layout.NMAJOR)
     side = [("ec_gate",), ("dequant",), ("ec_up",)]
     expect = {(a, 16, True): [("gemm", 1, 64)], (b, 16, True): [("ec_gate",), ("gemm", 2, 32)],
               (a, 48, True): [("gemm", 1, 64)], (b, 48, True): side,
@@ -209,7 +214,7 @@ def _fake_like(t):
     return torch.empty(t.shape, dtype=t.dtype, device="cuda")
 
 
-@pytest.mark.parametrize("layout", ["nmajor", "kmajor", "mma"])
+@pytest.mark.parametrize("layout", list(Layout))
 def test_op_traces_with_a_symbolic_token_count(layout):
     """vLLM compiles with a dynamic token dimension: under FakeTensorMode with an unbacked SymInt
     token count and fake CUDA tensors (what torch.compile(dynamic=True) hands the op), the W4 and
@@ -246,7 +251,7 @@ def test_op_under_torch_compile_with_dynamic_shapes():
     path at run time; a backend that runs dynamo's graph as traced, so no C++ toolchain is
     needed): one graph for every token count, the results those of eager calls."""
     codes, scales, zeros = make_layer(64, 256, 64, False, 3, "cpu")
-    w = pack(codes, scales, zeros, 64, layout="mma")
+    w = pack(codes, scales, zeros, 64, layout=Layout.FRAGMENT)
     e = pack_ec(**make_ec(64, 256, 8, 8, torch.float16, 3, "cpu"))
     torch._dynamo.reset()
     frames = []

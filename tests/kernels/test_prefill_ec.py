@@ -1,16 +1,19 @@
 """The EC above the fused kernel's token counts (the semi-fused "side" path of ops.py: ec_gate,
-the W4 part, then ec_up or the GEMM's v-epilogue) and SiLU·mul of interleaved pairs in one pass,
-each against the fp32 reference."""
+the W4 part, then ec_up or the W4 kernel's v-epilogue) and SiLU·mul of interleaved pairs in one
+pass, each against the fp32 reference."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-from spear.kernels import fused, ops
+from spear.kernels import fused, ops, planner
 from spear.kernels import reference as ref
-from spear.kernels.layout import pack_ec
-from spear.kernels.policy import KernelPolicy, plan
+from spear.kernels.layout import Layout, pack_ec
+from spear.kernels.planner import EC, Kernel, plan
+from spear.kernels.policy import KernelPolicy
 from tests.kernels._helpers import DEVICE, K_SMALL, N_SMALL, assert_close, capture, make_ec, setup_case
 
 DEFAULT = KernelPolicy()
@@ -33,24 +36,29 @@ def test_silu_mul_pairs(poisoned, m, n, dtype):
         fused.silu_mul_pairs(y[:, :1])
 
 
-# (tokens, K-major, act): from the cuBLAS threshold on (dequantize + cuBLAS, then ec_up), and below
-# it (the GEMM with the v-epilogue), under the default policy's planned launch
-@pytest.mark.parametrize("m,kmajor,act", [(DEFAULT.dequant_mm_min_m + 3, False, 0), (DEFAULT.dequant_mm_min_m + 3, True, 1),
-                                          (DEFAULT.fused_max_m + 3, True, 0), (DEFAULT.fused_max_m + 3, False, 1)])
-def test_semi_fused_side_path(poisoned, m, kmajor, act):
+# (tokens, layout, act): from the layout's cuBLAS threshold on (dequantize + cuBLAS, then ec_up), and
+# below it (the Triton GEMM's v-epilogue), under the default policy's plan for a GPU
+@pytest.mark.parametrize("m,layout,act", [(DEFAULT.nmajor_cublas_min_m + 3, Layout.NMAJOR, 0),
+                                          (DEFAULT.fragment_cublas_min_m + 3, Layout.FRAGMENT, 1),
+                                          (DEFAULT.fused_max_m + 3, Layout.FRAGMENT, 0),
+                                          (DEFAULT.fused_max_m + 3, Layout.NMAJOR, 1)])
+def test_semi_fused_side_path(poisoned, monkeypatch, m, layout, act):
     """The op's semi-fused path in its serial form (as torch.compile traces it; the overlap on a
-    side stream needs CUDA): ec_gate writes v, then dequantize + cuBLAS and ec_up add alpha v Bᵀ, or
-    the GEMM's epilogue does, and SiLU·mul of the pairs where the GEMM does not."""
+    side stream needs CUDA), as planned for a GPU (its capability faked): ec_gate writes v, then
+    dequantize + cuBLAS and ec_up add alpha v Bᵀ, or the GEMM's epilogue does, and SiLU·mul of the
+    pairs where the GEMM does not."""
+    monkeypatch.setattr(planner, "capability", lambda device: (8, 0))
     dtype = torch.float16
     ec = make_ec(N_SMALL, K_SMALL, 16, 16, dtype, seed=9)
-    x, w, b, e, expect = setup_case(m, K_SMALL, N_SMALL, 64, False, dtype, seed=9 + m, ec=ec, kmajor=kmajor)
-    p = plan(m, N_SMALL, K_SMALL, 64, "kmajor" if kmajor else "nmajor", e.a.shape[0], DEFAULT)
-    assert p.path == "semi_fused_ec" and (p.config is None) == (m >= DEFAULT.dequant_mm_min_m)
-    out = ops._semi_fused(x, w, b, e, p.config, False, DEFAULT.gate_programs, 0, act)
-    what = f"side M={m} kmajor={kmajor} act={act} {'cuBLAS' if p.config is None else 'v-epilogue'}"
+    x, w, b, e, expect = setup_case(m, K_SMALL, N_SMALL, 64, False, dtype, seed=9 + m, ec=ec, layout=layout)
+    p = plan(m, N_SMALL, K_SMALL, e.kernel_rank, w.format, x.device, DEFAULT)
+    cublas = m >= (DEFAULT.nmajor_cublas_min_m if layout is Layout.NMAJOR else DEFAULT.fragment_cublas_min_m)
+    assert p.ec is EC.SEMI and p.kernel is (Kernel.CUBLAS if cublas else Kernel.TRITON)
+    out = ops.run(p, x, w, b, e, act, 0, overlap=False)
+    what = f"side M={m} {layout} act={act} {p}"
     assert_close(out, ref.silu_mul_pairs(expect) if act else expect, dtype, what)
     # without the EC term the result is measurably further from the reference (the EC is applied)
-    plain = ops._w4_part(x, w, b, p.config, 0, act)
+    plain = ops.run(dataclasses.replace(p, ec=EC.NONE), x, w, b, None, act, 0, overlap=False)
     target = ref.silu_mul_pairs(expect) if act else expect
     assert (plain.float() - target).abs().max() > 4 * (out.float() - target).abs().max()
     assert int(w.locks.abs().sum()) == 0
@@ -76,7 +84,7 @@ def test_ec_gate_writes_strided_v(poisoned):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("m", [DEFAULT.dequant_mm_min_m, 300, 2048])
+@pytest.mark.parametrize("m", [DEFAULT.nmajor_cublas_min_m, 300, 2048])
 @pytest.mark.parametrize("act", [0, 1])
 def test_gpu_side_path_dispatch(poisoned, overlap, m, act):
     """The registered op's semi-fused EC at prefill token counts and a real shape, ec_gate beside
@@ -88,8 +96,8 @@ def test_gpu_side_path_dispatch(poisoned, overlap, m, act):
     policy = DEFAULT.replace(semi_fused_overlap=overlap)
     dtype = torch.float16
     ec = make_ec(4096, 4096, 32, 32, dtype, seed=2)
-    x, w, b, e, expect = setup_case(m, 4096, 4096, 128, False, dtype, seed=2, ec=ec, kmajor=True)
-    assert plan(m, 4096, 4096, 128, "kmajor", e.a.shape[0], policy).path == "semi_fused_ec"
+    x, w, b, e, expect = setup_case(m, 4096, 4096, 128, False, dtype, seed=2, ec=ec, layout=Layout.FRAGMENT)
+    assert plan(m, 4096, 4096, e.kernel_rank, w.format, x.device, policy).ec is EC.SEMI
     expect = ref.silu_mul_pairs(expect) if act else expect
     what = f"side overlap={overlap} M={m} act={act}"
     assert_close(w4a16_linear(x, w, b, e, act=act, policy=policy), expect, dtype, what)

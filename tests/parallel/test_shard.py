@@ -18,7 +18,8 @@ from spear.parallel import split_of
 from spear.parallel.comm import RowPost
 from spear.parallel.shard import TPRank, column_share, row_share
 from spear.quant.primitives import rtn
-from spear.serve.model.layers.linear import Linear, MemberWeights, QuantTensors
+from spear.serve.model.layers.linear import Linear, MemberWeights, QuantTensors, parallel_linear
+from spear.serve.model.layers.quant_method import W4Method
 
 
 def _gen(seed):
@@ -43,9 +44,10 @@ def _member(name, n, k, g, ec="gated", quant=True, group=0, bias=False, rank=3, 
 
 
 def _layer(members, k, split, tp, dtype=torch.float64, kernels=None, interleave=False) -> Linear:
-    lin = Linear(k, [m.quant.codes.shape[0] if m.quant is not None else m.weight.shape[0] for m in members],
-                 [m.name for m in members], bias=any(m.bias is not None for m in members), interleave=interleave,
-                 split=split, tp=tp)
+    lin = parallel_linear(split, tp, k, [m.quant.codes.shape[0] if m.quant is not None else m.weight.shape[0]
+                                         for m in members],
+                          [m.name for m in members], bias=any(m.bias is not None for m in members),
+                          **({"interleave": True} if interleave else {}))
     for i, m in enumerate(members):
         lin.load(i, m)
     lin.finalize(torch.device("cpu"), dtype, 128, kernels)
@@ -90,8 +92,7 @@ def _row_partials(members, k, size, dtype, kernels, x):
         share = TPRank(r, size).share(k)
         xr = x[:, share].contiguous()
         y = lin._local(xr, _ctx())
-        e = lin.post.packed if lin.post.packed is not None else lin.post.dense
-        u = None if e is None else torch.nn.functional.linear(xr, e.a)
+        u = None if lin.post.ec is None else torch.nn.functional.linear(xr, lin.post.ec.a)
         out.append((y, u, lin.post))
     return out
 
@@ -128,7 +129,7 @@ def test_row_shares_on_the_packed_kernel_form(ec):
     members = [_member("down_proj", n, k, g, ec, group=32, bias=True)]
     x = torch.randn(4, k, generator=g).half()
     whole = _layer(members, k, "row", TPRank(), torch.float16, True)
-    assert whole.kind == "w4"
+    assert isinstance(whole.method, W4Method)
     want = whole.forward(x, _ctx()).float()
     parts = _row_partials(members, k, 2, torch.float16, True, x)
     staging = [y if u is None else torch.cat([y, u], -1) for y, u, _ in parts]
@@ -156,7 +157,7 @@ def test_the_reduction_kernel_equals_the_post_reference_on_a_layer():
 def test_shares_refuse_uneven_splits_and_cut_groups():
     g = _gen(4)
     with pytest.raises(SpearError, match="does not split evenly across 3"):
-        Linear(64, [32], ["x.q_proj"], split="column", tp=TPRank(0, 3))
+        parallel_linear("column", TPRank(0, 3), 64, [32], ["x.q_proj"])
     m = _member("mlp.down_proj", 16, 96, g, None, group=32)
     with pytest.raises(SpearError, match="cut through its quantization groups of 32"):
         row_share(m, TPRank(0, 2).share(96))  # 48 columns: half a group

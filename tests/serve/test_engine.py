@@ -153,8 +153,8 @@ def test_bad_engine_settings_are_refused(default_model):
         assert eng.core.config.kernels.pdl == "auto" and not eng.core.runner.pdl_ok and eng.core.runner.eager_ctx.pdl == 0
     with pytest.raises(SpearError, match="cannot read the launch table"):
         kernel_policy(launch_table="/nonexistent/launch_table.json")
-    with pytest.raises(SpearError, match="fma.BN must be a power of two"):
-        kernel_policy(launch_table={"fma": {"BN": 48}})
+    with pytest.raises(SpearError, match="nmajor.16.BN must be a power of two"):
+        kernel_policy(launch_table={"nmajor": {"16": {"BN": 48}}})
 
 
 # ---------------------------------------------------------------------- quantized models
@@ -215,7 +215,8 @@ def test_spear_checkpoint_loads_and_equals_hf(tiny_llama_path, tmp_path, head_bi
     eng = LLMEngine.from_pretrained(str(tmp_path / "ckpt"), EngineConfig(num_blocks=64), device="cpu")
     hf, _ = load_model(tmp_path / "ckpt")  # transformers' model of the same checkpoint: the reference
     assert isinstance(hf.lm_head, QuantLinear) == bool(head_bits)
-    assert torch.equal(eng.core.model.lm_head.weight, hf.lm_head.dequantized_weight() if head_bits else hf.lm_head.weight)
+    assert torch.equal(eng.core.model.lm_head.method.weight,
+                       hf.lm_head.dequantized_weight() if head_bits else hf.lm_head.weight)
     ids = list(range(10, 30))
     assert eng.generate([ids], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].output_token_ids \
         == hf_greedy(hf, tok, ids, 16)

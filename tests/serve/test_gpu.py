@@ -10,6 +10,7 @@ from spear.compensate.ec import GatedCompensator
 from spear.config import QuantConfig
 from spear.quant import quantize_model_rtn
 from spear.serve import EngineConfig, LLMEngine, SamplingParams
+from spear.serve.model.layers.quant_method import W4Method, W8Method
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -96,7 +97,8 @@ def test_prefill_paths_equal_the_reference_math():
     _w4_engine_equals_the_reference_math(True, "auto", budget=256)
 
 
-def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None, head_bits=0, budget=64, **policy):
+def _w4_model(with_ec, head_bits=0):
+    """The random model, RTN W4 g128 (and its head at ``head_bits``), gated ECs on every other linear."""
     model = _model(1)
     modules = quantize_model_rtn(model, QuantConfig(bits=4, group_size=128), progress=False)
     if head_bits:  # only the head is left unquantized
@@ -110,20 +112,25 @@ def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None, head_b
             with torch.no_grad():
                 ec.w2.copy_(torch.randn(ec.w2.shape, generator=g) * 0.5)
             q.compensator = ec
+    return model, modules
+
+
+def _w4_engine_equals_the_reference_math(with_ec, pdl, launch_table=None, head_bits=0, budget=64, **policy):
+    model, modules = _w4_model(with_ec, head_bits)
     ref_model = model.cuda()  # fp32; the engine reads its weights into its own fp16 model
     refs = [_hf_greedy(ref_model, p, 24) for p in PROMPTS]
     eng = _engine(ref_model, pdl=pdl, launch_table=launch_table, dtype=torch.float16, budget=budget, **policy)
     eng.warmup()
     if pdl == "auto":  # at most 8 sequences here: every graph with PDL on, eager steps without
         assert set(eng.core.runner.graph_pdl.values()) == {1} and eng.core.runner.eager_ctx.pdl == 0
-    assert (eng.core.model.lm_head.kind == "w8") == bool(head_bits)
+    assert isinstance(eng.core.model.lm_head.method, W8Method) == bool(head_bits)
     assert eng.core.load_report == []
     # q/k/v and gate/up are one packed layer each: 4 W4 layers per decoder layer
     layers = [lin for layer in eng.core.model.layers for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
                                                            layer.down_proj)]
-    assert all(lin.kind == "w4" for lin in layers)
+    assert all(isinstance(lin.method, W4Method) for lin in layers)
     assert sum(len(lin.names) for lin in layers) == len(modules)  # the W8 head is quantized on its own
-    with_ecs = sum(lin.packed_ec is not None for lin in layers)
+    with_ecs = sum(lin.method.ec is not None for lin in layers)
     assert (with_ecs > 0) == with_ec
     outs = eng.generate(PROMPTS, GREEDY)
     got = [o.output_token_ids for o in outs]
@@ -144,8 +151,9 @@ def test_gluon_gemm_through_the_engine_equals_the_reference_math(monkeypatch):
     same tokens as the fp32 reference; the kernel ran."""
     from spear.kernels import gluon_w4
     from spear.kernels.launch import GLUON_CLASSES
+    from spear.kernels.planner import target
 
-    if not gluon_w4.available():
+    if not target(torch.device("cuda")).gluon:
         pytest.skip("needs a Hopper GPU and a Triton with Gluon")
     calls = []
     run = gluon_w4.gluon_w4a16
@@ -154,3 +162,38 @@ def test_gluon_gemm_through_the_engine_equals_the_reference_math(monkeypatch):
                        for c in GLUON_CLASSES}}
     _w4_engine_equals_the_reference_math(True, "off", launch_table=table, budget=256, fused_max_m=0)
     assert calls and {c.BM for c in calls} >= {16, 128}, calls
+
+
+@pytest.mark.parametrize("with_ec", [True, False])
+def test_nothing_compiles_after_warmup(monkeypatch, with_ec):
+    """After ``warmup()``, a mixed workload (prefill chunks of several sizes, a prompt longer than
+    the token budget, decodes of batch sizes 1-8 and new prompts arriving between them, layers with
+    and without compensators) launches only kernels the engine has compiled: no Triton or Gluon JIT
+    compiles (``triton.knobs.runtime.jit_cache_hook`` sees every in-process cache miss, a disk-cache
+    hit included). Catches: a warm-up that plans other kernels than the op runs (the Gluon GEMM on
+    Hopper once), or a token count whose launch the warm-up never met."""
+    import triton
+
+    model, _ = _w4_model(with_ec)
+    eng = _engine(model.cuda(), dtype=torch.float16, budget=256, pdl="auto")
+    eng.warmup()
+    compiled = []
+
+    def record(**kw):
+        compiled.append(kw["repr"].split("[")[0])  # the kernel's name; None: go on and compile
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", record)
+    lengths = (5, 37, 70, 128, 300, 16, 1, 200)
+    first = [eng.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=4 + 3 * i, temperature=0,
+                                                                      ignore_eos=True))
+             for i, n in enumerate(lengths[:4])]
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        if steps == 3:  # new prompts beside running decodes: mixed steps, then decodes of 1-8 sequences
+            for i, n in enumerate(lengths[4:]):
+                eng.add_request(list(range(7, 7 + n)), SamplingParams(max_tokens=2 + 5 * i, temperature=0,
+                                                                      ignore_eos=True))
+    assert first and steps > 10
+    assert compiled == [], f"compiled after warmup(): {compiled}"

@@ -1,9 +1,9 @@
 """The engine's linear layer (spear/serve/model/layers/linear.py) against the modules it stands for.
 
 Members are real QuantLinears with their compensators (the quality pipeline's modules, the
-independent reference). The packed form ("w4": merged codes, merged block-diagonal EC,
-interleaved gate/up) is built on the CPU too, where the registered op runs its torch reference
-on the packed tensors; the dense form is what the CPU runs.
+independent reference). The W4 method (merged codes, merged block-diagonal EC, interleaved gate/up)
+is built on the CPU too, where the registered op runs its torch reference on the packed tensors;
+the dense method is what the CPU runs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from spear.config import QuantConfig
 from spear.errors import SpearError
 from spear.kernels.policy import KernelPolicy
 from spear.quant.rtn import rtn_quantize_linear
-from spear.serve.model.layers.linear import Context, Linear, MemberWeights, QuantTensors, merge_factors
+from spear.kernels.layout import Layout
+from spear.serve.model.layers.linear import Context, Linear, MemberWeights, QuantTensors
+from spear.serve.model.layers.quant_method import DenseMethod, W4Method, merge_factors
 from tests.conftest import sqnr_db
 
 K = 128
@@ -70,7 +72,7 @@ def test_merged_qkv_equals_its_members(kernels, dtype, comps, bias):
     """Catches: a member's block of B or of the gate MLPs misplaced, alpha dropped, bias order."""
     mods = [member(n, c, bias, seed=i) for i, (n, c) in enumerate(zip((64, 32, 32), comps))]
     lin = layer_of(mods, kernels, dtype)
-    assert lin.kind == ("w4" if kernels else "dense")
+    assert isinstance(lin.method, W4Method if kernels else DenseMethod)
     x = torch.randn(9, K, generator=torch.Generator().manual_seed(5))
     ref = torch.cat([m(x) for m in mods], dim=-1)  # each QuantLinear with its compensator, fp32
     out = lin(x.to(dtype), CTX).float()
@@ -113,16 +115,17 @@ def test_merge_factors_computes_each_members_compensator():
 
 def test_off_kernel_reasons_and_shapes():
     w3 = layer_of([member(64, bits=3)], True, torch.float16)
-    assert w3.kind == "dense" and "3-bit" in w3.reason
+    assert isinstance(w3.method, DenseMethod) and "3-bit" in w3.reason
     odd = layer_of([member(64, group_size=0, k=96)], True, torch.float16)
-    assert odd.kind == "w4" and not odd.packed.kmajor  # K % 128 != 0: the N-major layout
+    assert isinstance(odd.method, W4Method) and odd.method.packed.layout is Layout.NMAJOR  # K % 64 != 0: the fallback
+    assert layer_of([member(64)], True, torch.float16).method.packed.layout is Layout.FRAGMENT
     big = member(64, "lowrank")
     lin = Linear(K, [64], ["big"])
     w = weights_of(big, "big")
     w.ec = ECFactors(torch.zeros(200, K), torch.zeros(64, 200))
     lin.load(0, w)
     lin.finalize(torch.device("cpu"), torch.float16, 128, kernels=True)
-    assert lin.kind == "dense" and "beyond the kernels' 128" in lin.reason
+    assert isinstance(lin.method, DenseMethod) and "beyond the kernels' 128" in lin.reason
     with pytest.raises(SpearError, match=r"weight of shape \(64, 128\), the model's config expects \(32, 128\)"):
         Linear(K, [32], ["x"]).load(0, weights_of(member(64), "x"))
     with pytest.raises(SpearError, match="different bounds"):

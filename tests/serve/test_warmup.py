@@ -11,6 +11,7 @@ from spear.config import QuantConfig
 from spear.kernels.policy import KernelPolicy
 from spear.quant import quantize_model_rtn
 from spear.serve import EngineConfig, LLMEngine, SamplingParams
+from spear.serve.model.layers.quant_method import W4Method
 
 
 def _kernel_engine(tiny_llama_path, policy):
@@ -37,14 +38,14 @@ def _kernel_engine(tiny_llama_path, policy):
 def test_warmup_counts_cover_every_signature_once(tiny_llama_path):
     """Catches: a threshold of the policy (fused EC, dequant + cuBLAS, a launch class) or an ec_gate
     split that the warm-up never runs, which a request would then compile."""
-    for policy in (KernelPolicy(), KernelPolicy(fused_max_m=16, dequant_mm_min_m=100, gate_programs=64)):
+    for policy in (KernelPolicy(), KernelPolicy(fused_max_m=16, fragment_cublas_min_m=100, gate_programs=64)):
         runner = _kernel_engine(tiny_llama_path, policy).core.runner
-        assert runner._w4_shapes, "no layer on the kernel path"
+        assert any(isinstance(lin.method, W4Method) for lin in runner.linears()), "no layer on the kernel path"
         counts = runner.warmup_token_counts(256)
         every = {runner.kernel_signature(t) for t in range(1, 257)}
         chosen = [runner.kernel_signature(t) for t in counts]
         assert set(chosen) == every and len(set(chosen[:-1])) == len(chosen) - 1, counts
-        for t in (1, 2, 3, 5, policy.fused_max_m, policy.fused_max_m + 1, policy.dequant_mm_min_m):
+        for t in (1, 2, 3, 5, policy.fused_max_m, policy.fused_max_m + 1, policy.fragment_cublas_min_m):
             assert runner.kernel_signature(t) in chosen
 
 
@@ -69,7 +70,7 @@ def test_the_packed_model_computes_the_dense_one(tiny_llama_path):
     from spear.serve.model import loader
     from spear.serve.model.llama import build_model
 
-    assert all(lin.kind == "w4" for layer in eng.core.model.layers
+    assert all(isinstance(lin.method, W4Method) for layer in eng.core.model.layers
                for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
     assert eng.core.model.layers[0].gate_up_proj.interleaved
     model, _ = load_model(tiny_llama_path)
@@ -88,3 +89,53 @@ def test_the_packed_model_computes_the_dense_one(tiny_llama_path):
     eng.core.runner.kv_caches = [(k.float(), v.float()) for k, v in eng.core.runner.kv_caches]
     eng.core.runner.cos, eng.core.runner.sin = eng.core.runner.cos.float(), eng.core.runner.sin.float()
     assert eng.generate([ids], params)[0].output_token_ids == packed_tokens
+
+
+def test_the_warmup_the_op_and_the_log_plan_alike_on_a_hopper(tiny_llama_path, monkeypatch):
+    """On a Hopper GPU (the planner's capability query faked, so plans take the Gluon GEMM where its
+    table says), the warm-up's kernel signature, the op's plan at run time and the engine's log ask
+    the same planner and get the same plan for every W4 layer class at every warm-up token count.
+
+    Catches: a caller that plans for another device than the one the op runs on (the warm-up once
+    planned without Gluon on Hopper, so a request paid a Gluon compile mid-run)."""
+    from spear.kernels import ops, planner
+
+    monkeypatch.setattr(planner, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(planner, "_have_gluon", lambda: True)
+    runner = _kernel_engine(tiny_llama_path, KernelPolicy()).core.runner
+    counts = runner.warmup_token_counts(256)
+    calls: list[tuple[str, int, tuple, object]] = []
+    phase = ["warm-up"]
+
+    def recording(real):
+        def plan(tokens, n, k, rank, weight, device, policy):
+            p = real(tokens, n, k, rank, weight, device, policy)
+            calls.append((phase[0], tokens, (n, k, rank, weight), p))
+            return p
+        return plan
+
+    monkeypatch.setattr(planner, "plan", recording(planner.plan))
+    monkeypatch.setattr(ops, "plan", recording(ops.plan))
+    # the planned kernels cannot run on the CPU: the op runs the reference whatever its plan says
+    monkeypatch.setattr(ops, "run", lambda p, x, w, bias, e, act, pdl, overlap:
+                        ops._reference(x, w, bias, None, act, e, None, pdl))
+    warm = {t: {key: p for key, p in runner.kernel_signature(t)} for t in counts}
+    phase[0] = "op"
+    runner.warmup(counts)
+    phase[0] = "log"
+    report = runner.kernel_report(tokens=tuple(counts))
+    assert len(report) == len({key for t in counts for key in warm[t]}) and all("W4" in line for line in report)
+
+    def plans(name):
+        out: dict = {}
+        for ph, t, key, p in calls:
+            if ph == name:
+                assert out.setdefault((t, key), p) == p, (name, t, key)
+        return out
+
+    expect = {(t, key): p for t, by_key in warm.items() for key, p in by_key.items()}
+    assert plans("warm-up") == expect
+    assert plans("op") == expect, "the op ran a plan the warm-up did not compile"
+    assert plans("log") == expect
+    kernels = {p.kernel for p in expect.values()}
+    assert planner.Kernel.GLUON in kernels and planner.Kernel.TRITON in kernels, kernels

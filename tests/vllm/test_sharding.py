@@ -1,6 +1,6 @@
 """The plugin's weight placement and forward, without vLLM: simulated tensor-parallel ranks load
-a spear module's checkpoint tensors through ``sharding.load``, run ``kernel_adapter.spear_linear``
-(the torch reference path), and the ranks' outputs, concatenated (column-parallel) or summed
+a spear module's checkpoint tensors through ``sharding.load``, run ``kernel_adapter.forward``
+(spear's dense method in fp32 on the CPU), and the ranks' outputs, concatenated (column-parallel) or summed
 (row-parallel, as vLLM's all-reduce does), must equal spear's own QuantLinear with its
 compensator on the whole weight."""
 
@@ -69,7 +69,7 @@ def _member(name: str, q: QuantLinear) -> tuple[sharding.Member, dict[str, torch
     return sharding.Member.from_entry(name, entry), tensors
 
 
-def _load(p: sharding.Partition, ckpt: list[dict[str, torch.Tensor]]) -> kernel_adapter.SpearLinearWeights:
+def _load(p: sharding.Partition, ckpt: list[dict[str, torch.Tensor]]) -> kernel_adapter.SpearLayer:
     shapes = p.param_shapes()
     params = {n: torch.full(s, fill, dtype=dt) for n, (s, dt, fill) in shapes.items()}
     loaded = set()
@@ -78,7 +78,7 @@ def _load(p: sharding.Partition, ckpt: list[dict[str, torch.Tensor]]) -> kernel_
             sharding.load(p, name, params[name], i, t)
             loaded.add((name, i))
     assert loaded == p.expected_loads()
-    return kernel_adapter.prepare(**sharding.merged_layer(p, params), dtype=torch.float32)
+    return kernel_adapter.prepare(**sharding.merged_layer(p, params), dtype=torch.float32, reduces_u=p.reduces_u)
 
 
 def _run_ranks(fn, n: int) -> list[torch.Tensor]:
@@ -138,7 +138,7 @@ def test_merged_qkv_column_parallel(tp, group, symmetric):
     for t in range(tp):
         p = sharding.column_partition(members, rows, [t, t // replicas, t // replicas], t, tp)
         assert not p.reduces_u and p.adds_ec  # u = A x is whole on every rank
-        y = kernel_adapter.spear_linear(_load(p, list(ckpt)), x)
+        y = kernel_adapter.forward(_load(p, list(ckpt)), x)
         for i, part in enumerate(y.split(rows, dim=-1)):
             got[i][t] = part
     for i, q in enumerate(mods):
@@ -166,8 +166,8 @@ def test_row_parallel_sums_to_the_whole_layer(tp, comp, per_rank):
     xs = x.split(k // tp, dim=-1)
 
     def rank(t, reduce):
-        return kernel_adapter.spear_linear(weights[t], xs[t], reduce_u=reduce if parts[t].reduces_u else None,
-                                           add_ec=parts[t].adds_ec)
+        return kernel_adapter.forward(weights[t], xs[t], reduce_u=reduce if parts[t].reduces_u else None,
+                                      add_ec=parts[t].adds_ec)
 
     got = torch.stack(_run_ranks(rank, tp)).sum(0)  # vLLM's all-reduce of the output
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
@@ -183,8 +183,7 @@ def test_merged_gate_up_with_bias():
     with torch.no_grad():
         want = torch.cat([q(x) for q in mods], dim=-1) + bias
     p = sharding.column_partition(members, [48, 48], [0, 0], 0, 1)
-    torch.testing.assert_close(kernel_adapter.spear_linear(_load(p, list(ckpt)), x, bias), want,
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(kernel_adapter.forward(_load(p, list(ckpt)), x, bias), want, rtol=1e-4, atol=1e-5)
 
 
 def test_rejected_layouts():

@@ -147,8 +147,9 @@ class EngineCore:
         self.max_model_len, num_blocks = rank.max_model_len, rank.num_blocks
         for layer, reason in self.load_report:
             log.warning("%s runs off the kernel path: %s", layer, reason)
-        if device.type == "cuda":
-            _log_w4_kernels(self.model, config.kernels, device)
+        if device.type == "cuda":  # which kernel each W4 layer class takes by token count (the planner's)
+            for line in self.runner.kernel_report():
+                log.info("%s", line)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         # a mixed step replayed as a graph costs its padded size: the chunks fill one
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
@@ -365,23 +366,3 @@ class EngineCore:
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
-
-
-def _log_w4_kernels(model, policy, device) -> None:
-    """One line per W4 layer shape: which kernel each run of token counts takes (policy.describe)."""
-    from spear.kernels.ops import gluon_available
-    from spear.kernels.policy import describe
-    from spear.serve.model.layers.linear import Linear
-
-    seen = set()
-    for name, m in model.named_modules():
-        if isinstance(m, Linear) and m.kind == "w4":
-            w = m.packed
-            key = (w.out_features, w.in_features, w.group_size, w.layout, m.packed_ec is not None)
-            if key in seen:
-                continue
-            seen.add(key)
-            rank = 0 if m.packed_ec is None else m.packed_ec.rank
-            log.info("W4 %dx%d (%s%s): %s", w.out_features, w.in_features, w.layout, ", with EC" if rank else "",
-                     describe(policy, w.out_features, w.in_features, w.group_size, w.layout, rank,
-                              gluon=w.layout == "mma" and gluon_available(device)))

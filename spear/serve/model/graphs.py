@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 def mixed_graph_sizes(max_tokens: int) -> list[int]:
     """Padded token counts of the mixed-step graphs: 16, 32, 64, 128, 192, every 128 from 256, and the
     budget itself. A latency target picks among them; 192 lies between the 128 and 256 that tight
-    targets choose between. No size between 64 and 128: below ``dequant_mm_min_m`` (128) the W4
-    layers run the fused kernel, and 96 tokens cost more than 128 (H200, Llama-3-8B W4, ECs on every
-    linear, 32 decodes at 1k context: 17.1 ms against 14.1; BENCHMARKS.md "Latency targets")."""
+    targets choose between. No size between 64 and 128: 96 tokens cost more than 128 (H200,
+    Llama-3-8B W4, ECs on every linear, 32 decodes at 1k context: 17.1 ms against 14.1;
+    BENCHMARKS.md "Latency targets")."""
     sizes = [16, 32, 64, 128, 192] + list(range(256, max_tokens, 128))
     return [t for t in sizes if t < max_tokens] + [max_tokens]
 

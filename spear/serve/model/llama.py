@@ -1,7 +1,7 @@
 """The engine's model of the Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2.
 
 Built from the transformers config alone (no transformers module runs in the engine); its
-weights come from a checkpoint through ``load_weights`` (spear/serve/model/loader.py reads them):
+weights come from a checkpoint through ``build_model`` (spear/serve/model/loader.py reads them):
 
     embed_tokens -> [ RMSNorm -> qkv_proj -> PagedAttention (rotary, cache) -> o_proj
                       -> (+ residual) RMSNorm -> gate_up_proj -> SiLU·mul -> down_proj ] x L
@@ -28,7 +28,7 @@ from spear.errors import SpearError
 from spear.parallel import split_of
 from spear.parallel.shard import TPRank, check_splits
 from spear.serve.model.layers.attention import AttentionMetadata, PagedAttention
-from spear.serve.model.layers.linear import Context, Linear, MemberWeights
+from spear.serve.model.layers.linear import Context, Linear, MemberWeights, parallel_linear
 from spear.serve.model.layers.norm import RMSNorm
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(d, config.rms_norm_eps)
 
         def linear(k, outs, names, **kw):
-            return Linear(k, outs, [f"{prefix}.{n}" for n in names], split=split_of(names[0]), tp=tp, **kw)
+            return parallel_linear(split_of(names[0]), tp, k, outs, [f"{prefix}.{n}" for n in names], **kw)
 
         self.qkv_proj = linear(d, [nh * hd, nkv * hd, nkv * hd], [f"self_attn.{n}_proj" for n in "qkv"],
                                bias=qkv_bias)
@@ -106,8 +106,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # the vocabulary split across ranks and gathered, where it splits evenly; else every rank holds it
         vocab_split = config.vocab_size % tp.size == 0
-        self.lm_head = Linear(config.hidden_size, [config.vocab_size], ["lm_head"],
-                              split="column" if vocab_split else None, tp=tp, gather=vocab_split)
+        self.lm_head = parallel_linear("column", tp if vocab_split else TPRank(), config.hidden_size,
+                                       [config.vocab_size], ["lm_head"], gather=True)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.comm = None
 
@@ -115,8 +115,7 @@ class LlamaForCausalLM(nn.Module):
         """Hand the rank's collectives (spear.parallel.comm) to every layer that splits."""
         self.comm = comm
         for lin, _ in self.linears().values():
-            if lin.split is not None:
-                lin.comm = comm
+            lin.set_comm(comm)
 
     def linears(self) -> dict[str, tuple[Linear, int]]:
         """Checkpoint module name -> (the layer holding it, its member index)."""
@@ -152,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 def build_model(config, quantized: dict[str, MemberWeights], tensors: dict[str, torch.Tensor], device, dtype,
-                max_rank: int, kernels: bool | None = None, tp: TPRank = TPRank(), layout: str = "mma",
+                max_rank: int, kernels: bool | None = None, tp: TPRank = TPRank(),
                 ) -> tuple[LlamaForCausalLM, list[tuple[str, str]]]:
     """The model with every weight in place on ``device``. ``quantized``: the checkpoint's quantized
     linears by module name (with their compensators); ``tensors``: every other tensor by name (dense
@@ -160,8 +159,7 @@ def build_model(config, quantized: dict[str, MemberWeights], tensors: dict[str, 
     dense) for each quantized layer off the kernel path on CUDA). Every tensor the model needs must
     be given and every one given must be used, else a SpearError names it. ``kernels``: see
     ``Linear.finalize`` (True packs for the kernels off CUDA too, where the ops run their references).
-    ``tp``: build this tensor-parallel rank's share (each linear cuts its tensors as it loads them).
-    ``layout``: the packed W4 layout the linears prefer (``KernelPolicy.w4_layout``)."""
+    ``tp``: build this tensor-parallel rank's share (each linear cuts its tensors as it loads them)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
     model.to_empty(device="cpu")
@@ -206,7 +204,7 @@ def build_model(config, quantized: dict[str, MemberWeights], tensors: dict[str, 
         if id(lin) in seen:
             continue
         seen.add(id(lin))
-        lin.finalize(torch.device(device), dtype, max_rank, kernels, layout)
+        lin.finalize(torch.device(device), dtype, max_rank, kernels)
         if lin.reason is not None:
             report.append((", ".join(lin.names), lin.reason))
     return model.eval(), report

@@ -266,42 +266,22 @@ class ModelRunner:
         return self.model(ids, self.kv_caches, meta, ctx)
 
     # ------------------------------------------------------------------ warm-up
-    def kernel_signature(self, tokens: int) -> tuple:
-        """Everything that decides which kernel variants a step of ``tokens`` tokens compiles: each
-        distinct W4 layer's path and launch (and the compensator's ec_gate split) and the W8
-        head's launch. Token counts with the same signature run the same compiled kernels."""
-        from spear.kernels.policy import plan
+    def kernel_signature(self, tokens: int) -> frozenset:
+        """Everything that decides which kernel variants a step of ``tokens`` tokens compiles: what
+        each distinct linear's method runs at that count (a W4 layer's plan, which the op at run time
+        asks the same planner for on the same device; the W8 head's launch). Token counts with the
+        same signature run the same compiled kernels."""
+        return frozenset(k for lin in self.linears() for k in lin.method.kernels(tokens, self.device, self.policy))
 
-        sig = []
-        for shape in self._w4_shapes:
-            p = plan(tokens, *shape, self.policy)
-            split = None
-            if p.path == "semi_fused_ec":
-                from spear.kernels.ec import gate_splits
+    def linears(self) -> list:
+        """The model's linear layers, each once."""
+        return list({id(lin): lin for lin, _ in self.model.linears().values()}.values())
 
-                k = shape[1]
-                split = gate_splits(tokens, k, 128 if k % 128 == 0 else (64 if k % 64 == 0 else 32),
-                                    self.policy.gate_programs)
-            sig.append((p.path, p.config, split))
-        if self._w8:
-            from spear.kernels.w8a16 import pick_config as w8_config
-
-            sig.append(tuple(sorted(w8_config(tokens).items())))
-        return tuple(sig)
-
-    @property
-    def _w4_shapes(self) -> list[tuple]:
-        shapes = set()
-        for layer in self.model.layers:
-            for lin in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                if lin.kind == "w4":
-                    w, e = lin.packed, lin.packed_ec
-                    shapes.add((w.out_features, w.in_features, w.group_size, w.layout, 0 if e is None else e.a.shape[0]))
-        return sorted(shapes)
-
-    @property
-    def _w8(self) -> bool:
-        return self.model.lm_head.kind == "w8"
+    def kernel_report(self, tokens=None) -> list[str]:
+        """One line per distinct W4 layer class: the kernel each run of token counts takes (the
+        planner's ``describe`` over ``tokens``, by default its own token counts), for the engine's log."""
+        lines = (lin.method.describe(self.device, self.policy, tokens) for lin in self.linears())
+        return list(dict.fromkeys(line for line in lines if line is not None))
 
     def warmup_token_counts(self, max_tokens: int) -> list[int]:
         """The smallest token count of each kernel signature up to ``max_tokens`` (and ``max_tokens``)."""

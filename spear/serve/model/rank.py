@@ -73,8 +73,7 @@ def build_rank(model_config, quantized, tensors, config: EngineConfig, tp: TPRan
     from spear.serve.model.llama import build_model
     from spear.serve.model.model_runner import ModelRunner, local_blocks
 
-    model, report = build_model(model_config, quantized, tensors, device, dtype, MAX_RANK, tp=tp,
-                                layout=config.kernels.w4_layout)
+    model, report = build_model(model_config, quantized, tensors, device, dtype, MAX_RANK, tp=tp)
     if device.type == "cuda":  # an attention kernel that cannot take the model's shapes is said once, here
         from spear.serve.model.layers.attention import PagedAttention
 

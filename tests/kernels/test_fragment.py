@@ -1,4 +1,4 @@
-"""The fragment layout (``layout="mma"``) and its tensor-core GEMM against the fp32 reference:
+"""The fragment layout (``Layout.FRAGMENT``) and its tensor-core GEMM against the fp32 reference:
 every packed layout spear makes (symmetric / asymmetric, groups 32 / 64 / 128 and per-channel,
 fp16 and bf16), odd token counts, split-K, bias, the compensator fused and as a v-epilogue,
 SiLU·mul. Outputs and workspaces start as NaN. Interpreter at small shapes in CI; the tests
@@ -14,10 +14,10 @@ import torch
 from spear.kernels import launch
 from spear.kernels import reference as ref
 from spear.kernels.dequant import dequantize
-from spear.kernels.layout import LAYOUTS, layout_for, pack, unpack
+from spear.kernels.launch import TritonConfig
+from spear.kernels.layout import Layout, layout_for, pack, unpack
 from spear.kernels.ops import w4a16_linear
-from spear.kernels.policy import KernelPolicy, plan
-from spear.kernels.w4a16 import Config, w4a16_matmul
+from spear.kernels.w4a16 import w4a16_matmul
 from tests.kernels._helpers import DEVICE, assert_close, make_ec, make_layer, setup_case
 
 N, K = 48, 256  # three 16-row tiles (a 32-wide tile leaves half of one masked), four 64-input blocks
@@ -27,8 +27,8 @@ LAYOUT_CASES = list(itertools.product((torch.float16, torch.bfloat16), (True, Fa
 @pytest.mark.parametrize("n,k", [(16, 64), (48, 192), (32, 512)])
 def test_pack_roundtrip(n, k):
     codes, scales, zeros = make_layer(n, k, 32, False, 0, "cpu")
-    w = pack(codes, scales, zeros, 32, layout="mma")
-    assert w.layout == "mma" and (w.out_features, w.in_features) == (n, k) and w.qweight.shape == (n // 16, 2 * k)
+    w = pack(codes, scales, zeros, 32, layout=Layout.FRAGMENT)
+    assert w.layout is Layout.FRAGMENT and (w.out_features, w.in_features) == (n, k) and w.qweight.shape == (n // 16, 2 * k)
     c, s, z = unpack(w)
     assert torch.equal(c, codes) and torch.equal(s, scales) and torch.equal(z, zeros)
 
@@ -41,7 +41,7 @@ def test_pack_places_each_code_in_its_lane_word():
         codes = torch.zeros(n, k, dtype=torch.uint8)
         codes[16 * t + 8 * j0 + g, 64 * kb + 16 * c + 8 * j1 + 2 * q + h] = 11
         w = pack(codes, torch.ones(n, 1, dtype=torch.float16), torch.full((n, 1), 8, dtype=torch.uint8), 0, True,
-                 layout="mma")
+                 layout=Layout.FRAGMENT)
         words = w.qweight.to(torch.int64) & 0xFFFFFFFF
         nz = words.nonzero().tolist()
         assert nz == [[t, 128 * kb + 4 * (4 * g + q) + c]]
@@ -51,17 +51,20 @@ def test_pack_places_each_code_in_its_lane_word():
 def test_pack_refuses_shapes_the_layout_cannot_take():
     codes, scales, zeros = make_layer(40, 128, 32, False, 0, "cpu")
     with pytest.raises(ValueError, match="multiple of 16"):
-        pack(codes, scales, zeros, 32, layout="mma")
-    with pytest.raises(ValueError, match="layout must be one of"):
-        pack(codes, scales, zeros, 32, layout="tiles")
-    assert layout_for(40, 128) == "kmajor" and layout_for(48, 96) == "nmajor" and layout_for(48, 192) == "mma"
-    assert layout_for(48, 256, "nmajor") == "nmajor" and LAYOUTS.index("mma") == 2
+        pack(codes, scales, zeros, 32, layout=Layout.FRAGMENT)
+    with pytest.raises(ValueError, match="layout must be a Layout"):
+        pack(codes, scales, zeros, 32, layout="fragment")
+    # every other shape the kernels take packs N-major (the fallback), which pack picks by itself
+    assert pack(codes, scales, zeros, 32).layout is Layout.NMAJOR
+    assert [layout_for(n, k) for n, k in ((40, 128), (48, 96), (48, 192), (16, 64))] == \
+        [Layout.NMAJOR, Layout.NMAJOR, Layout.FRAGMENT, Layout.FRAGMENT]
+    assert [Layout.of_id(x.id) for x in Layout] == list(Layout)
 
 
 @pytest.mark.parametrize("dtype,sym,gs", LAYOUT_CASES)
 def test_dequantize(poisoned, dtype, sym, gs):
     codes, scales, zeros = make_layer(N, K, gs, sym, gs + 1)
-    w_hat = dequantize(pack(codes, scales, zeros, gs, sym, layout="mma"), dtype)
+    w_hat = dequantize(pack(codes, scales, zeros, gs, sym, layout=Layout.FRAGMENT), dtype)
     expect = ref.dequantize(codes, scales, zeros, gs).to(dtype)  # rounded once, as the kernel rounds it
     assert torch.equal(w_hat.cpu(), expect.cpu()), f"g={gs} sym={sym} {dtype}"
 
@@ -74,17 +77,17 @@ M_CYCLE = (1, 3, 17, 65, 129, 257)
 def _launch(m, gs, i):
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     bk = 128 if gs in (0, 128) and i % 2 else 64
-    return Config(bm, 32 if i % 3 == 0 else 16, bk, 1 + i % 3, 4, 2)
+    return TritonConfig(bm, 32 if i % 3 == 0 else 16, bk, 1 + i % 3, 4, 2)
 
 
 @pytest.mark.parametrize("case", range(len(LAYOUT_CASES)))
 def test_gemm_every_layout(poisoned, case):
     dtype, sym, gs = LAYOUT_CASES[case]
     m = M_CYCLE[case % len(M_CYCLE)]
-    x, w, b, _, expect = setup_case(m, K, N, gs, sym, dtype, seed=case, bias=case % 2 == 0, layout="mma")
+    x, w, b, _, expect = setup_case(m, K, N, gs, sym, dtype, seed=case, bias=case % 2 == 0, layout=Layout.FRAGMENT)
     cfg = _launch(m, gs, case)
     out = w4a16_matmul(x, w, b, config=cfg)
-    assert_close(out, expect, dtype, f"mma M={m} g={gs} sym={sym} {dtype} {cfg}")
+    assert_close(out, expect, dtype, f"fragment M={m} g={gs} sym={sym} {dtype} {cfg}")
     assert int(w.locks.abs().sum()) == 0, "split-K counters not re-armed"
 
 
@@ -97,60 +100,46 @@ EC_CASES = [(1, 1, 16, 16, 0, torch.float16), (3, 1, 8, None, 1, torch.bfloat16)
 @pytest.mark.parametrize("m,ec_mode,r,h,act,dtype", EC_CASES)
 def test_compensator_on_the_fragment_loop(poisoned, m, ec_mode, r, h, act, dtype):
     ec = make_ec(N, K, r, h, dtype, seed=m)
-    x, w, b, e, expect = setup_case(m, K, N, 128, False, dtype, seed=m, ec=ec, layout="mma")
+    x, w, b, e, expect = setup_case(m, K, N, 128, False, dtype, seed=m, ec=ec, layout=Layout.FRAGMENT)
     v = None
     if ec_mode == 2:
         v = ref.ec_gate(x.float() @ e.a.float().t(), e.w1, e.b1, e.w2, e.b2, e.bound).to(dtype)
-    cfg = Config(16 if m <= 16 else (32 if m <= 32 else 64), 16, 64, 2, 4, 2)
-    out = w4a16_matmul(x, w, b, e, ec_mode=ec_mode, v=v, config=cfg, act=act)
+    cfg = TritonConfig(16 if m <= 16 else (32 if m <= 32 else 64), 16, 64, 2, 4, 2)
+    out = w4a16_matmul(x, w, b, e, v=v, config=cfg, act=act)
     if act:
         expect = ref.silu_mul_pairs(expect)
-    assert_close(out, expect, dtype, f"mma EC mode {ec_mode} M={m} r={r} h={h} act={act}")
+    assert_close(out, expect, dtype, f"fragment EC mode {ec_mode} M={m} r={r} h={h} act={act}")
     assert int(w.locks.abs().sum()) == 0, "counters not re-armed"
 
 
-def test_launch_classes_and_plan():
-    """pick_config takes the fragment layout's launch by token class; BK 128 only where no group
-    ends inside a step; the plan keeps the Triton GEMM at every M unless mma_cublas_min_m says."""
-    assert [launch.mma_class(m) for m in (1, 16, 17, 64, 65, 128, 200, 256, 257, 4096)] == \
+def test_launch_classes():
+    """pick_triton takes the fragment family's launch by token class, with split-K from its
+    programs; BK 128 only where no group ends inside a step."""
+    classes = launch.FRAGMENT_CLASSES
+    assert [launch.token_class(m, classes) for m in (1, 16, 17, 64, 65, 128, 200, 256, 257, 4096)] == \
         ["16", "16", "32", "64", "128", "128", "256", "256", "big", "big"]
-    for m in (5, 16, 33, 100, 200, 3000):  # 1-4 tokens: the CUDA-core loop (test_frag_fma.py)
-        cfg = launch.pick_config(m, 4096, 4096, 128, "mma")
-        e = launch.BUILTIN["mma"][launch.mma_class(m)]
-        assert (cfg.BM, cfg.BN, cfg.num_warps, cfg.mv) == (e["BM"], e["BN"], e["num_warps"], 0)
-        if "programs" not in e:
+    for m in (1, 5, 16, 33, 100, 200, 3000):
+        cfg = launch.pick_triton(m, 4096, 4096, True, 128)
+        e = launch.BUILTIN["fragment"][launch.token_class(m, classes)]
+        assert (cfg.BM, cfg.BN, cfg.num_warps, cfg.mv) == (e.BM, e.BN, e.num_warps, 0)
+        if not e.programs:
             assert cfg.split_k == 1
-    assert launch.pick_config(16, 4096, 4096, 32, "mma").BK == 64  # groups of 32: 64-input steps
-    tuned = launch.merged_table({"mma": {"32": dict(BM=32, BN=128, BK=64, num_warps=8, num_stages=3)}})
-    assert tuned["mma"]["16"] == launch.BUILTIN["mma"]["16"], "a class the table leaves out keeps the built-in one"
-    assert launch.pick_config(20, 4096, 4096, 128, "mma", tuned).num_warps == 8
+    # 16 tokens: 64 column tiles x split 8 >= the entry's 264 programs
+    assert launch.pick_triton(16, 4096, 4096, True, 128).split_k == 8
+    assert launch.pick_triton(16, 4096, 4096, True, 32).BK == 64  # groups of 32: 64-input steps
+    tuned = launch.merged_table({"fragment": {"32": dict(BM=32, BN=128, BK=64, num_warps=8, num_stages=3)}})
+    assert tuned["fragment"]["16"] == launch.BUILTIN["fragment"]["16"], "a class the table leaves out stays built in"
+    assert launch.pick_triton(20, 4096, 4096, True, 128, tuned).num_warps == 8
     with pytest.raises(ValueError, match="token classes"):
-        launch.merged_table({"mma": {"8": dict(BM=16)}})
+        launch.merged_table({"fragment": {"8": dict(BM=16)}})
     with pytest.raises(ValueError, match="BK 64 or 128"):
-        launch.merged_table({"mma": {"16": dict(BM=16, BN=64, BK=32, num_warps=4, num_stages=2)}})
-    policy = KernelPolicy()
-    for m in (1, 5, 64, 65, 256):
-        p = plan(m, 4096, 4096, 128, "mma", 0, policy)
-        assert p.path == "gemm" and p.config == launch.pick_config(m, 4096, 4096, 128, "mma")
-    assert plan(policy.mma_cublas_min_m, 4096, 4096, 128, "mma", 0, policy) == ops_plan("dequant_cublas")
-    assert plan(64, 4096, 4096, 128, "mma", 16, policy).path == "fused_ec"
-    assert plan(65, 4096, 4096, 128, "mma", 16, policy).path == "semi_fused_ec"
-    every = policy.replace(mma_cublas_min_m=0)  # 0: the GEMM at every token count
-    assert plan(4096, 4096, 4096, 128, "mma", 0, every).config == launch.pick_config(4096, 4096, 4096, 128, "mma")
-    assert plan(128, 4096, 4096, 128, "kmajor", 0, policy).path == "dequant_cublas"
-    with pytest.raises(ValueError, match="w4_layout"):
-        KernelPolicy(w4_layout="tiles")
-
-
-def ops_plan(path):
-    from spear.kernels.policy import Plan
-
-    return Plan(path, None)
+        launch.merged_table({"fragment": {"16": dict(BM=16, BN=64, BK=32, num_warps=4, num_stages=2)}})
 
 
 def test_gemm_rejects_launches_the_loop_cannot_take():
-    x, w, _, _, _ = setup_case(2, K, N, 32, False, torch.float16, seed=0, bias=False, layout="mma")
-    for bad in (Config(16, 16, 128, 1, 4, 2), Config(16, 24, 64, 1, 4, 2), Config(16, 16, 32, 1, 4, 2, mv=2)):
+    x, w, _, _, _ = setup_case(2, K, N, 32, False, torch.float16, seed=0, bias=False, layout=Layout.FRAGMENT)
+    for bad in (TritonConfig(16, 16, 128, 1, 4, 2), TritonConfig(16, 24, 64, 1, 4, 2),
+                TritonConfig(16, 16, 32, 1, 4, 2), TritonConfig(16, 16, 64, 1, 4, 2, mv=1)):
         with pytest.raises(ValueError, match="fragment layout"):
             w4a16_matmul(x, w, config=bad)
 
@@ -166,8 +155,8 @@ SHAPES_8B = [(4096, 4096), (28672, 4096), (4096, 14336)]
 def test_gpu_real_shapes(poisoned, n, k, m):
     """The op as the engine dispatches it (the policy's launch for each M) at Llama-3-8B's shapes."""
     for dtype, sym, gs in ((torch.float16, False, 128), (torch.bfloat16, True, 128), (torch.float16, True, 0)):
-        x, w, b, _, expect = setup_case(m, k, n, gs, sym, dtype, seed=m, layout="mma")
-        assert_close(w4a16_linear(x, w, b), expect, dtype, f"mma {n}x{k} M={m} g={gs} {dtype}")
+        x, w, b, _, expect = setup_case(m, k, n, gs, sym, dtype, seed=m, layout=Layout.FRAGMENT)
+        assert_close(w4a16_linear(x, w, b), expect, dtype, f"fragment {n}x{k} M={m} g={gs} {dtype}")
 
 
 @pytest.mark.gpu
@@ -178,5 +167,5 @@ def test_gpu_compensated(poisoned, m, dtype):
     """Fused (M <= 64) and semi-fused compensators on the fragment layout, as dispatched."""
     n, k = 4096, 4096
     ec = make_ec(n, k, 16, 16, dtype, seed=m)
-    x, w, b, e, expect = setup_case(m, k, n, 128, False, dtype, seed=m, ec=ec, layout="mma")
-    assert_close(w4a16_linear(x, w, b, e), expect, dtype, f"mma EC M={m} {dtype}")
+    x, w, b, e, expect = setup_case(m, k, n, 128, False, dtype, seed=m, ec=ec, layout=Layout.FRAGMENT)
+    assert_close(w4a16_linear(x, w, b, e), expect, dtype, f"fragment EC M={m} {dtype}")

@@ -1,4 +1,5 @@
-"""Tensor-core main loop of the W4A16 GEMM over the fragment layout (``pack(..., layout="mma")``).
+"""Tensor-core main loop of the W4A16 GEMM over the fragment layout (``Layout.FRAGMENT``), and the
+layout's dequantize kernel (the dequantize + cuBLAS path above ``fragment_cublas_min_m`` tokens).
 
 The weight is the left operand of the MMA (accT [BN, BM] += W[BN, BK] · xT[BK, BM]): on Hopper
 the left operand of a wgmma comes from registers, so the dequantized weights go from the load
@@ -35,8 +36,8 @@ def _pair16(v, IS_BF16: tl.constexpr):
     return h | (h << 16)
 
 
-def _frag_ptx(bf16: bool, grouped: bool) -> str:
-    """The PTX of ``_frag_asm`` for one dtype and scale form: $8 the word, $9 / $10 BASE + zero of
+def _convert_ptx(bf16: bool, grouped: bool) -> str:
+    """The PTX of ``_convert_asm`` for one dtype and scale form: $8 the word, $9 / $10 BASE + zero of
     rows g / g + 8 in both halves, $11 / $12 their scales (fp16: in both halves; bf16: fp32)."""
     magic, kind = ("0x43004300", "bf16x2") if bf16 else ("0x64006400", "f16x2")
     lines = ["{", ".reg .b32 t<4>" + (", u, a, b, r;" if bf16 and grouped else ";"), ".reg .b32 s<3>;",
@@ -58,19 +59,19 @@ def _frag_ptx(bf16: bool, grouped: bool) -> str:
 
 
 # one literal per variant, built once (the kernels take a constexpr string)
-_PTX_F16 = tl.constexpr(_frag_ptx(False, False))
-_PTX_F16_GROUPED = tl.constexpr(_frag_ptx(False, True))
-_PTX_BF16 = tl.constexpr(_frag_ptx(True, False))
-_PTX_BF16_GROUPED = tl.constexpr(_frag_ptx(True, True))
+_PTX_F16 = tl.constexpr(_convert_ptx(False, False))
+_PTX_F16_GROUPED = tl.constexpr(_convert_ptx(False, True))
+_PTX_BF16 = tl.constexpr(_convert_ptx(True, False))
+_PTX_BF16_GROUPED = tl.constexpr(_convert_ptx(True, True))
 
 
 @triton.jit
-def _frag_asm(p, zlo, zhi, slo, shi, IS_BF16: tl.constexpr, GROUPED: tl.constexpr):
+def _convert_asm(p, zlo, zhi, slo, shi, IS_BF16: tl.constexpr, GROUPED: tl.constexpr):
     """The eight weights of each word p as 16-bit floats, (pair 0 lo, hi, pair 1 lo, hi, ...).
 
     zlo / zhi: (BASE + zero) in both halves of a word, for rows g / g + 8. slo / shi: the scales
     (fp16: in both halves of a word; bf16: fp32). GROUPED False: (c - z) only (the per-channel
-    scale is applied to the accumulator). PTX: ``_frag_ptx``."""
+    scale is applied to the accumulator). PTX: ``_convert_ptx``."""
     if IS_BF16:
         if GROUPED:
             return tl.inline_asm_elementwise(_PTX_BF16_GROUPED, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,f,f",
@@ -101,8 +102,8 @@ def _wgmma_drain(k):
 
 
 @triton.jit
-def _frag_portable(p, zclo, zchi, slo, shi, IS_BF16: tl.constexpr, GROUPED: tl.constexpr):
-    """``_frag_asm`` in plain Triton (the interpreter, which runs no PTX): same values."""
+def _convert_portable(p, zclo, zchi, slo, shi, IS_BF16: tl.constexpr, GROUPED: tl.constexpr):
+    """``_convert_asm`` in plain Triton (the interpreter, which runs no PTX): same values."""
     magic, _ = _magic(IS_BF16)
     a0, b0 = tl.split(_halves((p & 0x000F000F) | magic, IS_BF16))
     a1, b1 = tl.split(_halves(((p >> 4) & 0x000F000F) | magic, IS_BF16))
@@ -130,7 +131,7 @@ def _assemble(v0, v1, v2, v3, v4, v5, v6, v7, BN: tl.constexpr, BK: tl.constexpr
 
 
 @triton.jit
-def _frag_rows(n0, N, BN: tl.constexpr):
+def _tile_rows(n0, N, BN: tl.constexpr):
     """Rows g and g + 8 of each 16-row tile of features n0 .. n0 + BN, shaped to broadcast over the
     words [1, T, G, Q, C], and whether each tile is inside the layer; the tiles' indices."""
     T: tl.constexpr = BN // 16
@@ -172,7 +173,7 @@ def _group_params(scales_ptr, zeros_ptr, k, kofs, row_lo, row_hi, row_ok, N, bas
 
 
 @triton.jit
-def _frag_tile(p, s_lo, s_hi, zc_lo, zc_hi, IS_BF16: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
+def _weight_tile(p, s_lo, s_hi, zc_lo, zc_hi, IS_BF16: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
                BN: tl.constexpr):
     """The [BN, 64] weight tile of fragment words p [BN / 16, 128] (one 64-input block):
     (c - z) · s (GROUPED) or (c - z), rounded once to the activation dtype; scales and zero points
@@ -180,13 +181,13 @@ def _frag_tile(p, s_lo, s_hi, zc_lo, zc_hi, IS_BF16: tl.constexpr, GROUPED: tl.c
     p5 = tl.reshape(p, (1, BN // 16, 8, 4, 4))
     if ASM:
         if IS_BF16:
-            v0, v1, v2, v3, v4, v5, v6, v7 = _frag_asm(p5, _pair16(zc_lo, True), _pair16(zc_hi, True), s_lo, s_hi,
+            v0, v1, v2, v3, v4, v5, v6, v7 = _convert_asm(p5, _pair16(zc_lo, True), _pair16(zc_hi, True), s_lo, s_hi,
                                                        True, GROUPED)
         else:
-            v0, v1, v2, v3, v4, v5, v6, v7 = _frag_asm(p5, _pair16(zc_lo, False), _pair16(zc_hi, False),
+            v0, v1, v2, v3, v4, v5, v6, v7 = _convert_asm(p5, _pair16(zc_lo, False), _pair16(zc_hi, False),
                                                        _pair16(s_lo, False), _pair16(s_hi, False), False, GROUPED)
     else:
-        v0, v1, v2, v3, v4, v5, v6, v7 = _frag_portable(p5, zc_lo, zc_hi, s_lo, s_hi, IS_BF16, GROUPED)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _convert_portable(p5, zc_lo, zc_hi, s_lo, s_hi, IS_BF16, GROUPED)
     return _assemble(v0, v1, v2, v3, v4, v5, v6, v7, BN, 64)
 
 
@@ -202,9 +203,9 @@ def _kofs(GROUP: tl.constexpr):
 
 
 @triton.jit
-def _mma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n0, k_lo, k_hi, offs_m, m_mask, N, K, stride_xm,
-                  GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, BM: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr):
+def _fragment_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n0, k_lo, k_hi, offs_m, m_mask, N, K, stride_xm,
+                       GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, BM: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr):
     """accT [BN, BM] for output features n0 .. n0 + BN over K range [k_lo, k_hi), scales applied
     (module docstring). n0 and BN are multiples of 16, k_lo and k_hi of BK (64, or 128 when a group
     spans a whole step); an empty range (k_lo >= k_hi: the last splits of a K that split-K does not
@@ -213,7 +214,7 @@ def _mma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n0, k_lo, k_hi, offs_m, 
     KB: tl.constexpr = BK // 64
     tl.static_assert(KB == 1 or not GROUPED or GROUP >= BK, "BK 128 needs groups of at least 128 inputs")
     _, base = _magic(IS_BF16)  # the 16-bit float whose mantissa step is 1
-    offs_t, t_ok, row_lo, row_hi, row_ok = _frag_rows(n0, N, BN)
+    offs_t, t_ok, row_lo, row_hi, row_ok = _tile_rows(n0, N, BN)
     # one [T, 128] load per 64-input block: a lane's four words contiguous, the rows of 16-row
     # tiles split over the warps as the MMA splits them (a wider row lets the compiler put warps
     # along k, and the tile then takes a trip through shared memory)
@@ -246,7 +247,7 @@ def _mma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n0, k_lo, k_hi, offs_m, 
                                                          row_lo, row_hi, row_ok, N, base, GROUP, SYMMETRIC)
         for kb in tl.static_range(KB):
             p = tl.load(w_ptrs + 2 * k + 128 * kb, mask=w_mask, other=0)
-            w = _frag_tile(p, s_lo, s_hi, zc_lo, zc_hi, IS_BF16, GROUPED, ASM, BN)
+            w = _weight_tile(p, s_lo, s_hi, zc_lo, zc_hi, IS_BF16, GROUPED, ASM, BN)
             xt = tl.load(x_ptrs + k + 64 * kb, mask=m_mask[None, :], other=0.0)
             accT = _dot(w, xt, accT, DOT_F32)
         if ASM:
@@ -260,9 +261,9 @@ def _mma_mainloop(x_ptr, qw_ptr, scales_ptr, zeros_ptr, n0, k_lo, k_hi, offs_m, 
 
 
 @triton.jit
-def _dequant_mma_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, K, stride_wn,
-                        GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr, BN: tl.constexpr,
-                        ASM: tl.constexpr):
+def _dequant_fragment_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, K, stride_wn,
+                             GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, IS_BF16: tl.constexpr, BN: tl.constexpr,
+                             ASM: tl.constexpr):
     """W_hat (N, K) of the fragment layout, one [BN, 64] tile a program (the dequantize + cuBLAS
     path)."""
     pid = tl.program_id(0)
@@ -270,11 +271,11 @@ def _dequant_mma_kernel(qw_ptr, scales_ptr, zeros_ptr, w_ptr, N, K, stride_wn,
     n0 = (pid // k_tiles) * BN
     k = (pid % k_tiles) * 64
     _, base = _magic(IS_BF16)  # the 16-bit float whose mantissa step is 1
-    offs_t, t_ok, row_lo, row_hi, row_ok = _frag_rows(n0, N, BN)
+    offs_t, t_ok, row_lo, row_hi, row_ok = _tile_rows(n0, N, BN)
     offs_w = tl.arange(0, 128)
     p = tl.load(qw_ptr + offs_t[:, None] * (2 * K) + 2 * k + offs_w[None, :], mask=t_ok[:, None], other=0)
     s_lo, s_hi, zc_lo, zc_hi = _group_params(scales_ptr, zeros_ptr, k, _kofs(GROUP), row_lo, row_hi, row_ok, N,
                                              base, GROUP, SYMMETRIC)
-    w = _frag_tile(p, s_lo, s_hi, zc_lo, zc_hi, IS_BF16, True, ASM, BN)
+    w = _weight_tile(p, s_lo, s_hi, zc_lo, zc_hi, IS_BF16, True, ASM, BN)
     offs_n = n0 + tl.arange(0, BN)
     tl.store(w_ptr + offs_n[:, None] * stride_wn + k + tl.arange(0, 64)[None, :], w, mask=(offs_n < N)[:, None])

@@ -1,12 +1,12 @@
 """Gluon pieces of the warp-specialized W4A16 GEMM (gluon_w4.py) that work on the fragment
 layout's values: the codes of a fragment word turned into the wgmma's 16-bit register operand
-(``_mma._frag_asm``'s PTX), the scales and zero points of a block read from the stage ring's
+(``_fragment._convert_asm``'s PTX), the scales and zero points of a block read from the stage ring's
 shared memory, and the compensator's epilogue wgmma. Hopper (sm_90) only; nothing here runs under
 Triton's interpreter."""
 
 from __future__ import annotations
 
-from spear.kernels._mma import _frag_ptx
+from spear.kernels._fragment import _convert_ptx
 
 try:  # Gluon ships inside Triton 3.5+; absent or partial elsewhere
     from triton.experimental import gluon
@@ -21,14 +21,14 @@ if HAVE_GLUON:
     _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
     # the partition barrier ``barrier`` (``thread_barrier`` before)
     _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
-    _PTX = {(bf16, grouped): gl.constexpr(_frag_ptx(bf16, grouped)) for bf16 in (False, True)
+    _PTX = {(bf16, grouped): gl.constexpr(_convert_ptx(bf16, grouped)) for bf16 in (False, True)
             for grouped in (False, True)}
     _PTX_F16, _PTX_F16_G = _PTX[(False, False)], _PTX[(False, True)]
     _PTX_BF16, _PTX_BF16_G = _PTX[(True, False)], _PTX[(True, True)]
 
     @gluon.jit
     def _pair16(v, IS_BF16: gl.constexpr):
-        """int32 words holding the 16-bit float v (fp32 in) in both halves (``_mma._pair16``: a Gluon
+        """int32 words holding the 16-bit float v (fp32 in) in both halves (``_fragment._pair16``: a Gluon
         function cannot call a triton.jit one)."""
         if IS_BF16:
             h = v.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
@@ -38,7 +38,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _convert(p, zlo, zhi, slo, shi, IS_BF16: gl.constexpr, GROUPED: gl.constexpr):
-        """The eight 16-bit weights of each fragment word p (``_mma._frag_asm``'s PTX)."""
+        """The eight 16-bit weights of each fragment word p (``_fragment._convert_asm``'s PTX)."""
         if IS_BF16:
             if GROUPED:
                 return gl.inline_asm_elementwise(_PTX_BF16_G, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,f,f",
