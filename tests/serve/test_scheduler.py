@@ -1,9 +1,16 @@
-"""The scheduler on scripted arrivals: exact chunks, their order, queueing and preemption.
+"""The scheduler on scripted arrivals: exact chunks, their order, queueing and preemption; the cap
+on one prompt's chunk in a shared step (max_prefill_chunk), on exact schedules and on random
+workloads against the rules it promises.
 
 A fake model step: every chunk that reaches its sequence's end samples token 7.
 """
 
+import random
+
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spear.serve.core.block_manager import BlockManager
 from spear.serve.core.scheduler import QueueFull, Scheduler
@@ -11,8 +18,9 @@ from spear.serve.core.messages import SamplingParams
 from spear.serve.core.sequence import Sequence, Status
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=4, budget=8, max_waiting=16):
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_waiting)
+def make(num_blocks=64, block_size=4, max_num_seqs=4, budget=8, max_waiting=16, cap=None):
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_waiting,
+                     max_prefill_chunk=cap)
 
 
 def add(s: Scheduler, rid: str, n_prompt: int, max_tokens: int = 100) -> Sequence:
@@ -129,3 +137,115 @@ def test_abort_frees_blocks_from_either_queue():
 def test_budget_must_cover_one_decode_per_sequence():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make(max_num_seqs=8, budget=4)
+
+
+# ---------------------------------------------------------------------------- one prompt's cap
+def test_a_short_prompt_is_served_beside_a_long_one_and_decodes_keep_their_pace():
+    """A long prompt alone takes the whole budget; a short one arriving is admitted at the next
+    step (the long one's chunk capped at 4) and samples its first token there; from then on every
+    step holds its decode beside the long prompt's capped chunk.
+    Catches: the long prompt's chunk taking the budget before anyone is admitted (the short one's
+    first token after the long one's last chunk), a decode skipped for a prefill."""
+    s = make(budget=16, cap=4)
+    add(s, "long", 40)
+    assert step(s) == ([("long", 0, 16)], [])                        # alone: the whole budget
+    add(s, "short", 3)
+    assert step(s) == ([("long", 16, 4), ("short", 0, 3)], [])       # admitted beside it: its first token
+    for start in (20, 24, 28, 32, 36):                               # its decodes, the long prompt capped
+        assert step(s) == ([("short", 3 + (start - 20) // 4, 1), ("long", start, 4)], [])
+    assert step(s) == ([("long", 40, 1), ("short", 8, 1)], [])       # both decode (in admission order)
+
+
+def test_a_lone_long_prompt_takes_the_whole_budget():
+    s = make(budget=16, cap=4)
+    add(s, "long", 40)
+    assert [step(s)[0] for _ in range(4)] == [[("long", 0, 16)], [("long", 16, 16)], [("long", 32, 8)],
+                                              [("long", 40, 1)]]
+
+
+def test_a_request_that_cannot_be_admitted_does_not_cap_the_prompt():
+    """The queue's head lacks KV blocks: nobody would use what the cap leaves, so the running
+    prompt keeps the whole budget."""
+    s = make(num_blocks=11, budget=16, cap=4)
+    add(s, "long", 40)                       # 10 of the 11 blocks
+    assert step(s) == ([("long", 0, 16)], [])
+    add(s, "other", 8)                       # needs 2 blocks: waits
+    assert step(s) == ([("long", 16, 16)], []) and [q.request_id for q in s.waiting] == ["other"]
+
+
+def test_prompts_that_share_a_step_each_take_at_most_the_cap():
+    """Two prompts arriving together are both capped, and what they leave stays unused: the cap
+    bounds a shared step's time (on a CPU a step's time is its tokens')."""
+    s = make(budget=16, cap=4)
+    add(s, "a", 10)
+    add(s, "b", 10)
+    assert step(s) == ([("a", 0, 4), ("b", 0, 4)], [])
+    assert step(s) == ([("a", 4, 4), ("b", 4, 4)], [])
+    assert step(s) == ([("a", 8, 2), ("b", 8, 2)], [])
+
+
+def test_the_cap_must_be_a_whole_number():
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_prefill_chunk"):
+            make(cap=bad)
+
+
+def test_the_engine_config_cap_by_device():
+    from spear.errors import SpearError
+    from spear.serve import EngineConfig
+
+    assert EngineConfig().prefill_chunk(torch.device("cpu")) == 32
+    assert EngineConfig(max_num_batched_tokens=2048).prefill_chunk(torch.device("cuda", 1)) == 1024
+    assert EngineConfig(max_prefill_chunk=100).prefill_chunk(torch.device("cpu")) == 100
+    for bad in (0, 1.5, False, "32"):
+        with pytest.raises(SpearError, match="max_prefill_chunk"):
+            EngineConfig(max_prefill_chunk=bad)
+
+
+workloads = st.lists(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12)), max_size=3), min_size=1,
+                     max_size=40)
+
+
+@settings(max_examples=80, deadline=None)
+@given(workloads, st.integers(4, 40), st.sampled_from([2, 4, 8]), st.integers(1, 6), st.integers(0, 40),
+       st.integers(1, 16))
+def test_every_step_serves_everyone_under_the_cap(script, num_blocks, block_size, max_num_seqs, extra, cap):
+    """Random arrivals against the cap's rules, each checked on the step as it ran: every
+    sequence that was decoding decodes (or was preempted), a step holding decodes or several
+    prompts gives no prompt more than the cap, a prompt alone in its step with nobody left
+    waiting gets the whole budget (or its rest), and every request is served in the end."""
+    budget = max_num_seqs + extra
+    s = make(num_blocks, block_size, max_num_seqs, budget, max_waiting=64, cap=cap)
+    rng = random.Random(0)
+    seqs = []
+    for t in range(len(script) + 400):
+        for i, (n_prompt, max_tokens) in enumerate(script[t] if t < len(script) else []):
+            if n_prompt + max_tokens > num_blocks * block_size:
+                continue  # longer than the cache: the input processor refuses it (max_model_len)
+            seq = Sequence(f"r{t}.{i}", [rng.randrange(1, 50) for _ in range(n_prompt)],
+                           SamplingParams(max_tokens=max_tokens))
+            s.add(seq)
+            seqs.append(seq)
+        if not s.has_unfinished():
+            if t >= len(script):
+                break
+            continue
+        decoding = {q.seq_id for q in s.running if q.is_decode}
+        need = {q.seq_id: q.num_uncomputed_tokens for q in list(s.running) + list(s.waiting)}
+        out = s.schedule()
+        preempted = {q.seq_id for q in out.preempted}
+        decodes = [c for c in out.chunks[:out.num_decodes]]
+        prompts = out.chunks[out.num_decodes:]
+        assert {c.seq.seq_id for c in decodes} == decoding - preempted and all(c.num_tokens == 1 for c in decodes)
+        assert out.num_tokens <= budget and out.num_tokens > 0
+        if decodes or len(prompts) > 1:
+            assert all(c.num_tokens <= cap for c in prompts)
+        elif len(prompts) == 1 and not s.waiting:
+            assert prompts[0].num_tokens == min(need[prompts[0].seq.seq_id], budget)
+        s.advance(out)
+        for c in out.chunks:
+            if c.samples:
+                c.seq.append_token(7)
+                if c.seq.num_output_tokens >= c.seq.params.max_tokens:
+                    s.finish(c.seq, "length")
+    assert all(q.is_finished for q in seqs) and s.blocks.usage == 0.0

@@ -154,7 +154,8 @@ class EngineCore:
         # a mixed step replayed as a graph costs its padded size: the chunks fill one
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
-                                   token_sizes=self.runner.mixed and tuple(self.runner.mixed.graphs))
+                                   token_sizes=self.runner.mixed and tuple(self.runner.mixed.graphs),
+                                   max_prefill_chunk=config.prefill_chunk(device))
         if pool is not None:
             pool.wait("that it is ready")
             self.runner.workers = pool

@@ -11,7 +11,15 @@ Each step has a budget of ``max_num_batched_tokens`` tokens, filled in this orde
    (admission control: a full cache queues requests, it does not fail them).
 
 A prompt longer than what is left of the budget is split: its first chunk runs
-now, the rest in later steps. When a decode needs a new block and none is free,
+now, the rest in later steps. One prompt's chunk is capped at ``max_prefill_chunk`` tokens in a
+step it shares: with decodes, or with another prompt (prefilling, or waiting and admissible
+now). So a request that arrives beside a long prompt is admitted at the next step instead of
+after the long prompt's last chunk, and the decodes' gap is one step of at most the decodes
+and the capped chunks, not one of the whole budget (Sarathi-Serve's point: decodes and new
+prefills share every step). A prompt with the step to itself takes the whole budget, so a lone
+long prompt is not slowed; the cap is a hard bound on a shared step (nothing left over goes
+back to a capped prompt), since on a CPU a step of the whole budget takes seconds and every
+stream and every newcomer waits for it whole. When a decode needs a new block and none is free,
 the most recently admitted running sequence is preempted: its blocks are freed
 and it goes back to the front of the queue to be recomputed (prompt plus the
 output so far) once there is room again. The waiting queue is bounded: beyond the
@@ -29,7 +37,12 @@ predicted step time, with the table's margin, keeps the step within the target:
 ``L`` (the table's second axis is the step's tokens). It is at least ``min_chunk_tokens``
 (when decodes alone break the target, prompts still advance), and
 ``max_num_batched_tokens`` stays the ceiling of a step. A step without decodes has no
-inter-token latency at stake and gets the ceiling. Without a target the schedule is
+inter-token latency at stake and gets the ceiling. Under a target the cap on one prompt's
+chunk comes from the table: half the chunk the target allows beside the step's decodes (priced
+as one decode when none run), at least ``min_chunk_tokens``; it binds only against other
+prompts (the target already bounds the decodes' step), and what the capped prompts leave of
+the step's prefill budget goes back to them first come first served, so prompts that fit
+together are not split. Without a target and without ``max_prefill_chunk`` the schedule is
 exactly the static one; a table alone only adds predictions.
 
 Where the runner replays mixed steps as CUDA graphs of padded token counts (``token_sizes``,
@@ -107,10 +120,14 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_waiting: int, latency: LatencyTable | None = None, itl_slo_ms: float | None = None,
                  min_chunk_tokens: int = 16, token_sizes: tuple[int, ...] | None = None,
-                 correct: bool = True):
+                 correct: bool = True, max_prefill_chunk: int | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({max_num_seqs}) so that every running sequence can decode each step")
+        if max_prefill_chunk is not None and (isinstance(max_prefill_chunk, bool) or not isinstance(
+                max_prefill_chunk, int) or max_prefill_chunk < 1):
+            raise ValueError(f"max_prefill_chunk must be a whole number >= 1 or None, got {max_prefill_chunk!r}")
+        self.max_prefill_chunk = max_prefill_chunk  # None: no cap without a target
         self.blocks = block_manager
         self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting = (
             max_num_seqs, max_num_batched_tokens, max_waiting)
@@ -179,32 +196,49 @@ class Scheduler:
         d = out.num_decodes = len(out.chunks)
         if d:
             out.decode_context = sum(c.start + 1 for c in out.chunks) / d
+        cap = self.max_prefill_chunk
         if self.itl_slo_ms is not None:
+            # the chunk the target allows beside the decodes (one decode when none run): the step's
+            # prefill budget with decodes, and twice the cap of one prompt among others
+            fit = max(self.min_chunk_tokens, self._fit(max(d, 1), out.decode_context, budget))
             if d:
-                budget = min(budget, max(self.min_chunk_tokens, self._fit(d, out.decode_context, budget)))
+                budget = min(budget, fit)
             out.chunk_budget = budget
+            cap = max(self.min_chunk_tokens, fit // 2)
+        # Under a target the decodes' step is bounded by it: the cap binds against other prompts only,
+        # and what it leaves goes back (below). Without one, the cap is the decodes' only bound too.
+        shared = cap is not None and d > 0 and self.itl_slo_ms is None
+        prompts = [s for s in self.running if s.seq_id not in scheduled]
 
-        for seq in self.running:
+        for i, seq in enumerate(prompts):
             if budget == 0:
                 break
-            if seq.seq_id in scheduled:
-                continue
             # blocks for the whole prompt were allocated at admission
             n = min(seq.num_uncomputed_tokens, budget)
+            if cap is not None and (shared or out.prefill_tokens or i + 1 < len(prompts) or self._admissible(out)):
+                n = min(n, cap)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             scheduled.add(seq.seq_id)
             budget -= n
 
         # No admissions in a step that had to preempt: the cache is under pressure.
-        while (not out.preempted and budget > 0 and self.waiting
-               and len(self.running) < self.max_num_seqs and self.blocks.can_allocate(self.waiting[0])):
+        while budget > 0 and self._admissible(out):
             seq = self.waiting.popleft()
             self.blocks.allocate(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
+            if cap is not None and (shared or out.prefill_tokens or self._admissible(out)):
+                n = min(n, cap)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
+        if self.itl_slo_ms is not None:
+            for c in out.chunks[d:]:  # what the cap left, first come first served
+                if budget == 0:
+                    break
+                more = min(c.seq.num_uncomputed_tokens - c.num_tokens, budget)
+                c.num_tokens += more
+                budget -= more
         if self.latency is not None and d:
             if out.prefill_tokens:
                 tokens = self.padded(out.num_tokens)
@@ -215,6 +249,12 @@ class Scheduler:
                 out.step_kind = 0
             out.predicted_ms = out.table_ms * self._factor(out.step_kind)
         return out
+
+    def _admissible(self, out: SchedulerOutput) -> bool:
+        """The head of the queue can be admitted in this step (a slot, blocks for its prompt, no
+        preemption in this step)."""
+        return (not out.preempted and bool(self.waiting) and len(self.running) < self.max_num_seqs
+                and self.blocks.can_allocate(self.waiting[0]))
 
     def _factor(self, kind: int) -> float:
         return 1.0 if self.correction is None else self.correction.factor(kind)
