@@ -12,6 +12,8 @@ import typing
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spear.serve import SamplingParams
 from spear.serve.core.messages import SEED_MAX, CoreFacts, CoreOutputs, CoreRequest, FromCore, ToCore
@@ -155,3 +157,82 @@ def test_the_async_frontend_in_process_equals_the_engine(tiny):
     got = asyncio.run(run())
     assert got == [(w.text, w.finish_reason, w.num_output_tokens) for w in want]
     assert not llm._streams and not llm._taking and len(llm.output) == 0 and not eng.has_unfinished()
+
+
+# ---------------------------------------------------------------------- stop strings while streaming
+def _held(text: str, stops) -> int:
+    """Brute force: the longest end of ``text`` that a stop string begins with (shorter than it)."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text("abc", min_size=0, max_size=6), min_size=1, max_size=12),
+       st.lists(st.text("abc", min_size=1, max_size=7), min_size=1, max_size=4))
+def test_the_stop_matcher_against_brute_force(pieces, stops):
+    """Fed piece by piece, the matcher finds the earliest start of any stop string as soon as one
+    is complete, and holds back exactly the longest end of the text that begins one.
+    Catches: a hold of the longest stop string's length, a match missed across pieces, a later
+    match preferred to an earlier one of another stop string."""
+    from spear.serve.frontend.detokenizer import StopMatcher
+
+    m, text = StopMatcher(tuple(stops)), ""
+    for piece in pieces:
+        start = len(text)
+        text += piece
+        hit = m.feed(text, start)
+        found = [i for i in (text.find(s) for s in stops) if i != -1]
+        assert hit == (min(found) if found else None)
+        if found:
+            break
+        assert m.hold == _held(text, stops)
+
+
+def _stream(tokenizer, text: str, stop: tuple[str, ...]):
+    from spear.serve.frontend.detokenizer import IncrementalDetokenizer
+
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    d = IncrementalDetokenizer(tokenizer, [1, 2, 3], stop)
+    deltas, stopped = [], False
+    for t in ids:
+        stopped = d.add(t)
+        deltas.append(d.delta(final=stopped))
+        if stopped:
+            break
+    if not stopped:
+        deltas.append(d.delta(final=True))
+    return ids, d.text, deltas, stopped
+
+
+def _whole(tokenizer, ids, stop) -> str:
+    """Without streaming: the text of the first token prefix that holds a stop string, cut before its
+    earliest one, else the whole text."""
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        found = [i for i in (text.find(s) for s in stop) if i != -1]
+        if found:
+            return text[:min(found)]
+    return text
+
+
+def test_streamed_text_is_held_back_only_where_a_stop_string_could_begin(tokenizer):
+    """Each token's delta is everything up to the longest end of the text that begins a stop
+    string, exactly; a 1,024-character stop string that the text never begins holds nothing back
+    (it held back the whole answer: one event at the end); a stop string spanning tokens stops
+    the text before it; the streamed text equals the text without streaming."""
+    text = "The cat sat on the mat. The end of the story is near, said the cat."
+    cases = [(("Z" * 1024,), False), (("end of the story",), True), (("the mat", "at. The e"), True),
+             ((" cat sat on the hat",), False), (("story is near, said the dog",), False)]
+    for stop, stops in cases:
+        ids, got, deltas, stopped = _stream(tokenizer, text, stop)
+        assert stopped == stops, stop
+        assert got == "".join(deltas) == _whole(tokenizer, ids, stop), stop
+        shown = ""
+        for k, delta in enumerate(deltas[:len(ids)]):
+            shown += delta
+            if stopped and k == len(deltas) - 1:
+                break
+            so_far = tokenizer.decode(ids[:k + 1], skip_special_tokens=True)
+            assert shown == so_far[:len(so_far) - _held(so_far, stop)], (stop, k)
+    _, _, deltas, _ = _stream(tokenizer, text, ("Z" * 1024,))
+    assert all(deltas[:-1]) and deltas[0] == "The"   # every token's text at once, nothing held to the end

@@ -8,8 +8,12 @@ waits for the next token. A few prompt tokens seed the context so the first outp
 token gets its spacing right.
 
 Stop strings: the output ends just before the first occurrence of any of them.
-While streaming, the last ``len(longest stop) - 1`` characters are held back,
-since they may be the start of a stop string that the next token completes.
+While streaming, only the longest end of the text that begins some stop string is held
+back, since the next token may complete it; everything before it is released at once (a
+1,024-character stop string used to hold back 1,023 characters, the whole of a short answer,
+whatever the text). Each stop string is followed by a Knuth-Morris-Pratt matcher over the
+text as it grows: how much of the stop string the text ends with, O(1) amortized per
+character however long the stop string (``StopMatcher``).
 
 Fast tokenizers (a ``tokenizers.Tokenizer`` behind them) step a ``DecodeStream`` of the
 tokenizers library, which runs the same prefix/read-offset scheme in Rust: one call per token
@@ -30,6 +34,56 @@ except ImportError:  # tokenizers without DecodeStream: the Python scheme only
 _PROMPT_CONTEXT = 5
 
 
+class StopMatcher:
+    """Where a growing text first contains one of ``stops``, and how many characters at its end
+    could still begin one: for each stop string, the length of its longest prefix the text ends
+    with (its matcher's state), kept across ``feed`` calls."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        if any(not s for s in stops):
+            raise ValueError("a stop string must not be empty")
+        self.stops = stops
+        self._fail = [_prefix_function(s) for s in stops]
+        self._state = [0] * len(stops)
+
+    def feed(self, text: str, start: int) -> int | None:
+        """Read ``text[start:]``, the characters appended since the last call; the index in ``text``
+        where the earliest stop string now begins, or None."""
+        best = None
+        for i, (stop, fail) in enumerate(zip(self.stops, self._fail)):
+            k, n = self._state[i], len(stop)
+            for j in range(start, len(text)):
+                c = text[j]
+                while k and stop[k] != c:
+                    k = fail[k - 1]
+                if stop[k] == c:
+                    k += 1
+                if k == n:
+                    best = j - n + 1 if best is None else min(best, j - n + 1)
+                    k = fail[k - 1]
+                    break
+            self._state[i] = k
+        return best
+
+    @property
+    def hold(self) -> int:
+        """Characters at the text's end that begin some stop string (all of them shorter than it)."""
+        return max(self._state, default=0)
+
+
+def _prefix_function(s: str) -> list[int]:
+    """pi[i]: the longest proper prefix of ``s[:i + 1]`` that is also its suffix."""
+    pi = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = pi[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        pi[i] = k
+    return pi
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (), stream: bool = True):
         """``stream=False`` forces the Python scheme (the reference for the Rust stream)."""
@@ -37,7 +91,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
+        self._matcher = StopMatcher(stop) if stop else None
         self.text = ""
         self.emitted = 0
         self.stopped = False
@@ -81,14 +135,20 @@ class IncrementalDetokenizer:
         return self._append(full[len(prefix):])
 
     def _append(self, new: str) -> bool:
-        start = max(0, len(self.text) - self.hold)
+        start = len(self.text)
         self.text += new
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i != -1]
-        if hits:  # the earliest match wins
-            self.text = self.text[:min(hits)]
-            self.stopped = True
+        if self._matcher is not None:
+            hit = self._matcher.feed(self.text, start)
+            if hit is not None:  # the earliest match wins
+                self.text = self.text[:hit]
+                self.stopped = True
         return self.stopped
+
+    @property
+    def hold(self) -> int:
+        """Characters at the text's end held back: those that could still begin a stop string."""
+        return 0 if self._matcher is None or self.stopped else self._matcher.hold
 
     def delta(self, final: bool) -> str:
         """Text not yet handed out: all of it when ``final`` (an incomplete character included),
