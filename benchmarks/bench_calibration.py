@@ -23,7 +23,9 @@ cka-sqrt covers the top N·√evenness (see spear/select/allocate.py); ``none`` 
 (only meaningful with ``tune_scales=1``: the scales-only ablation). Variants: ``nogate`` or ``gate`` (end-to-end KL) or ``bw-nogate``/``bw-gate``
 (blockwise, one layer at a time, steps / 2 per layer) or ``bwkl-nogate``/``bwkl-gate`` (blockwise as a
 warm start, then end-to-end KL), optionally followed by ``:key=value;...`` overrides of
-:class:`spear.compensate.calibrate.CalibrationConfig` (and ``layer_steps=N``: blockwise steps per layer).
+:class:`spear.compensate.calib_config.CalibrationConfig` (and ``layer_steps=N``: blockwise steps per layer).
+Every variant trains the ECs alone (``tune_scales=0;tune_norms=0``, passed explicitly) unless it says
+``tune_scales=1;tune_norms=1``, which is the default job's calibration (``spear run``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spear.compensate.calibrate import CalibrationConfig  # noqa: E402
+from spear.compensate.calib_config import CalibrationConfig  # noqa: E402
 from spear.compensate.scales import NormWeights, norm_modules  # noqa: E402
 from spear.compensate.static import attach_static, remove_compensators  # noqa: E402
 from spear.compensate.stats import collect_activation_stats  # noqa: E402
@@ -219,7 +221,8 @@ def main() -> None:
           "text": split.text_name, "fp_ppl": fp, "steps": args.steps, "seeds": seeds})
     head = any(parse_setting(sname).include_lm_head for sname in args.settings.split(","))
     text_stats = collect_activation_stats(model, quantizable_linears(model, head), split.calib, progress=False)
-    base_cfg = CalibrationConfig(steps=args.steps)
+    # the ECs alone: CalibrationConfig's defaults (the default job's) also tune the scales and norms
+    base_cfg = CalibrationConfig(steps=args.steps, tune_scales=False, tune_norms=False)
     data = {}  # (seed, sampling settings) -> CalibrationData, prepared while the model is FP
     prep_seconds = {}  # the same keys -> seconds of self-sampling, teacher and statistics (0 from the cache)
     for s in seeds:

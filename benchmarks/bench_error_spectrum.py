@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_calibration import parse_setting  # noqa: E402
-from spear.compensate.calibrate import CalibrationConfig  # noqa: E402
+from spear.compensate.calib_config import CalibrationConfig  # noqa: E402
 from spear.compensate.stats import collect_activation_stats  # noqa: E402
 from spear.data.selfsample import sample_sequences  # noqa: E402
 from spear.eval.error_spectrum import top_share, weighted_spectrum  # noqa: E402

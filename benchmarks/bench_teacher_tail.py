@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spear.compensate.calibrate import TopKTeacher, kl_loss  # noqa: E402
+from spear.compensate.calibrate import kl_loss  # noqa: E402
+from spear.compensate.teacher import TopKTeacher  # noqa: E402
 from spear.config import QuantConfig  # noqa: E402
 from spear.data import load_text, make_split  # noqa: E402
 from spear.data.selfsample import SampleConfig, sample_sequences  # noqa: E402

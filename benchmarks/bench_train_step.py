@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spear.compensate.calibrate import CalibrationConfig, train_ecs  # noqa: E402
+from spear.compensate.calib_config import CalibrationConfig  # noqa: E402
+from spear.compensate.calibrate import train_ecs  # noqa: E402
 from spear.compensate.scales import NormWeights, norm_modules  # noqa: E402
 from spear.compensate.static import remove_compensators  # noqa: E402
 from spear.compensate.stats import collect_activation_stats  # noqa: E402

@@ -179,6 +179,10 @@ class QuantConfig:
 
 
 STATIC_METHODS = ("identity", "loftq", "lqer", "qera-approx", "qera-exact")
+# The rows of the default job (`spear run` with no options, pipeline.run_job with its defaults): these static
+# baselines and the ungated KL-calibrated EC (with CalibrationConfig's defaults).
+DEFAULT_BASELINES = ("lqer", "qera-approx")
+DEFAULT_SPEAR_VARIANTS = ("nogate",)
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from spear.compensate.calibrate import CalibrationConfig
+from spear.compensate.calib_config import CalibrationConfig
 from spear.compensate.scales import NormWeights, norm_modules
 from spear.compensate.spec import check_plan_ranks
 from spear.compensate.workflow import attach_ecs, calibrate, prepare_calibration, uniform_plan
 from spear.compensate.static import attach_static, needs_stats, remove_compensators
 from spear.compensate.stats import collect_activation_stats
-from spear.config import EvalConfig, QuantConfig, StaticCompensationConfig
+from spear.config import DEFAULT_BASELINES, DEFAULT_SPEAR_VARIANTS, EvalConfig, QuantConfig, StaticCompensationConfig
 from spear.data import TokenSplit, load_text, make_split
 from spear.eval.memory import compensator_bytes, quantized_model_bytes
 from spear.eval.perplexity import perplexity
@@ -76,16 +76,19 @@ class StepClock:
         return table, line
 
 
-def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig, static_methods: list[str],
+def run_job(model_name: str, quant: QuantConfig, eval_cfg: EvalConfig,
+            static_methods: tuple[str, ...] | list[str] = DEFAULT_BASELINES,
             rank: int | None = None, plan: dict[str, int] | None = None, progress: bool = True, log=print,
-            spear_variants: tuple[str, ...] = (), calib_cfg: CalibrationConfig | None = None,
+            spear_variants: tuple[str, ...] = DEFAULT_SPEAR_VARIANTS, calib_cfg: CalibrationConfig | None = None,
             budget: str = "1%", placement: str = "cka", damage_samples: int = 8, tp: int = 1,
             device: str = "cpu") -> JobResult:
     """Evaluate FP, the quantized base, each static method and each SPEAR variant
     (``"nogate"``: the low-rank EC KL-calibrated with γ ≡ 1, SPEAR's default;
     ``"gate"``: the token-gated EC) with the same modules and ranks, so every row has
     the same memory, with the model on ``device``. Modules and ranks: ``plan`` if given, else ``rank`` on
-    every module, else the selection's placement within ``budget``."""
+    every module, else the selection's placement within ``budget``. Left at their defaults (``calib_cfg``
+    None: ``CalibrationConfig()``, which tunes the scales and norms too), the arguments give the job
+    ``spear run`` runs with no options (``quant=QuantConfig()``, ``eval_cfg=EvalConfig()``), up to ``device``."""
     clock = StepClock()
     with clock("load"):
         model, tokenizer = load_model(model_name, device=device)

@@ -24,7 +24,8 @@ import math
 import pytest
 import torch
 
-from spear.compensate.calibrate import CalibrationConfig, ec_modules, val_kl
+from spear.compensate.calib_config import CalibrationConfig
+from spear.compensate.calibrate import ec_modules, val_kl
 from spear.compensate.static import attach_static, remove_compensators
 from spear.compensate.stats import collect_activation_stats
 from spear.compensate.workflow import attach_ecs, calibrate, prepare_calibration, uniform_plan
@@ -130,7 +131,7 @@ def folders(tmp_path_factory, tokenizer):
 
 
 CFG = CalibrationConfig(n_samples=8, val_samples=4, sample_len=20, steps=8, batch_size=4, eval_every=4,
-                        patience=5, lr=5e-3, teacher_top_k=0)
+                        patience=5, lr=5e-3, teacher_top_k=0, tune_scales=False, tune_norms=False)
 QUANT = QuantConfig(bits=3)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from spear.cli import main
-from spear.compensate.calibrate import CalibrationConfig
+from spear.compensate.calib_config import CalibrationConfig
 from spear.config import EvalConfig, QuantConfig
 from spear.pipeline import run_job
 
@@ -25,7 +25,8 @@ def test_default_job_small(tmp_path):
     Catches: ``calibrate`` leaving the ECs at their QERA-approx init (``best_state = snapshot()``
     on a better validation KL replaced by ``pass``): the EC row is then about the gated row's
     44.23, above LQER's 43.54, while ``ec.ppl < w4.ppl`` still holds."""
-    cal = CalibrationConfig(n_samples=4, val_samples=2, sample_len=32, steps=3, eval_every=3, batch_size=2, seed=1)
+    cal = CalibrationConfig(n_samples=4, val_samples=2, sample_len=32, steps=3, eval_every=3, batch_size=2, seed=1,
+                            tune_scales=False, tune_norms=False)  # the ECs alone, as measured
     res = run_job("smollm2-135m", QuantConfig(), EvalConfig(eval_windows=4, calib_windows=2), ["lqer"],
                   progress=False, log=lambda *_: None, spear_variants=("nogate", "gate"), calib_cfg=cal,
                   budget="1%", damage_samples=2)
@@ -139,7 +140,7 @@ def test_kl_calibrated_ecs_beat_static_lqer_at_equal_memory(sharp_tiny_llama_pat
     monkeypatch.setenv("SPEAR_CACHE", str(tmp_path / "cache"))
     model, tok = load_model(sharp_tiny_llama_path)
     cfg = CalibrationConfig(n_samples=16, val_samples=4, sample_len=32, steps=40, batch_size=4, eval_every=10,
-                            patience=5, lr=5e-3, seed=1)
+                            patience=5, lr=5e-3, seed=1, tune_scales=False, tune_norms=False)  # the ECs alone
     data = prepare_calibration(model, tok, cfg, progress=False)
     # held out: other self-samples of the FP model (a random model's own distribution; real text is
     # not what it predicts), drawn with another seed

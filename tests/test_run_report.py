@@ -22,7 +22,8 @@ def test_run_report_on_text_without_article_markers(sharp_tiny_llama_path, artic
     Catches: `"initial_val_kl": report.best_val_kl` in run_job's row details (the start reads as
     the end), `"kept": "trained"` written for every row, or the header's text_split written as
     `split.text_name` (the file name without how it was split)."""
-    from spear.compensate.calibrate import CalibrationConfig, val_kl
+    from spear.compensate.calib_config import CalibrationConfig
+    from spear.compensate.calibrate import val_kl
     from spear.compensate.workflow import attach_ecs, prepare_calibration, uniform_plan
     from spear.config import QuantConfig
     from spear.data.text import split_articles

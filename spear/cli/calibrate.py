@@ -8,7 +8,7 @@ import json
 
 def add_calibration_args(p, with_gate_flag: bool = True) -> None:
     from spear.cli.common import nonneg_int, positive_int
-    from spear.compensate.calibrate import CalibrationConfig
+    from spear.compensate.calib_config import CalibrationConfig
 
     d = CalibrationConfig()
     g = p.add_argument_group("SPEAR calibration (data-free: the FP model samples its own text)")
@@ -20,7 +20,7 @@ def add_calibration_args(p, with_gate_flag: bool = True) -> None:
     g.add_argument("--bound", type=float, default=d.bound, help="γ ∈ (1-bound, 1+bound) (default: %(default)s)")
     g.add_argument("--gate-per-module", action="store_true",
                    help="one γ per token for the whole module instead of one per rank component")
-    from spear.compensate.calibrate import ACCELERATOR_SIZES, CPU_SIZES
+    from spear.compensate.calib_config import ACCELERATOR_SIZES, CPU_SIZES
 
     why = "a GPU affords more self-sampled text and longer training, which recover more of the gap"
     g.add_argument("--steps", type=positive_int, default=d.steps,
@@ -33,7 +33,7 @@ def add_calibration_args(p, with_gate_flag: bool = True) -> None:
     g.add_argument("--lr", type=float, default=d.lr, help="learning rate of A, B (default: %(default)s)")
     g.add_argument("--gate-lr", type=float, default=d.gate_lr, help="learning rate of the gate (default: %(default)s)")
     g.add_argument("--seed", type=nonneg_int, default=d.seed, help="sampling, init and data-order seed (default: %(default)s)")
-    from spear.compensate.calibrate import AUTO_TOP_K, FULL_TEACHER_MAX_BYTES, TOP_K_TEACHER_MAX_BYTES
+    from spear.compensate.calib_config import AUTO_TOP_K, FULL_TEACHER_MAX_BYTES, TOP_K_TEACHER_MAX_BYTES
 
     g.add_argument("--teacher-top-k", type=nonneg_int, default=d.teacher_top_k, metavar="K",
                    help="keep only the teacher's K most likely tokens per position (plus the rest's mass) "
@@ -41,23 +41,23 @@ def add_calibration_args(p, with_gate_flag: bool = True) -> None:
                         f"vocabularies (default: the whole distribution while it takes at most "
                         f"{FULL_TEACHER_MAX_BYTES / 2**30:g} GiB, else K = {AUTO_TOP_K}, halved while the top K would "
                         f"take more than {TOP_K_TEACHER_MAX_BYTES / 2**30:g} GiB)")
-    # On by default in the CLI (the library's CalibrationConfig keeps them off, so the ECs' own effect stays
-    # measurable): on the default job they added 0.7, 1.1 and 0.8 points at seeds 0, 1, 2 (2-core CPU, 2026-12-06;
-    # BENCHMARKS.md, "More self-samples"), at no extra memory.
+    # Unset: CalibrationConfig's default (on: the one default job, spear/compensate/calib_config.py), off with
+    # --blockwise, which trains the ECs only.
     g.add_argument("--tune-scales", action=argparse.BooleanOptionalAction, default=None,
                    help="also KL-train the quantization scales of every quantized linear (a log-factor per "
                         "stored scale, folded into the fp16 scales afterwards: no extra memory); end-to-end "
-                        "KL only (default: on; off with --blockwise)")
+                        f"KL only (default: {'on' if d.tune_scales else 'off'}; off with --blockwise)")
     g.add_argument("--scale-lr", type=float, default=d.scale_lr,
                    help="with --tune-scales: learning rate of the scales' log-factors (default: %(default)s)")
     g.add_argument("--tune-norms", action=argparse.BooleanOptionalAction, default=None,
                    help="also KL-train the RMSNorm/LayerNorm weights in place (norm tweaking; they are stored "
-                        "anyway: no extra memory); end-to-end KL only (default: on; off with --blockwise)")
+                        f"anyway: no extra memory); end-to-end KL only (default: {'on' if d.tune_norms else 'off'}; "
+                        "off with --blockwise)")
     g.add_argument("--norm-lr", type=float, default=d.norm_lr,
                    help="with --tune-norms: learning rate of the norm weights (default: %(default)s)")
     g.add_argument("--init", choices=["identity", "lqer", "qera-approx", "qera-exact"], default=d.init,
                    help="closed-form solution the ECs start from (default: %(default)s)")
-    from spear.compensate.calibrate import TRAIN_DTYPES
+    from spear.compensate.calib_config import TRAIN_DTYPES
 
     g.add_argument("--train-dtype", choices=sorted(TRAIN_DTYPES), default=d.train_dtype,
                    help="what the training steps compute in (bfloat16: torch.autocast; the parameters, the "
@@ -65,15 +65,16 @@ def add_calibration_args(p, with_gate_flag: bool = True) -> None:
 
 
 def calibration_config_from(args):
-    """The CalibrationConfig of the parsed arguments. ``--tune-scales``/``--tune-norms`` left unset are on, except
-    with ``--blockwise`` (which trains the ECs only); asked for with it, they are an error."""
-    from spear.compensate.calibrate import CalibrationConfig
+    """The CalibrationConfig of the parsed arguments. ``--tune-scales``/``--tune-norms`` left unset take the config's
+    default, except with ``--blockwise`` (which trains the ECs only: off); asked for with it, they are an error."""
+    from spear.compensate.calib_config import CalibrationConfig
     from spear.errors import SpearError
 
     blockwise = getattr(args, "blockwise", False)
     if blockwise and (args.tune_scales or args.tune_norms):
         raise SpearError("--tune-scales and --tune-norms need end-to-end KL calibration (not --blockwise)")
-    tune = {name: (not blockwise) if getattr(args, name) is None else getattr(args, name)
+    d = CalibrationConfig()
+    tune = {name: (getattr(d, name) and not blockwise) if getattr(args, name) is None else getattr(args, name)
             for name in ("tune_scales", "tune_norms")}
     return CalibrationConfig(n_samples=args.samples, val_samples=args.val_samples, sample_len=args.sample_len,
                              seed=args.seed, steps=args.steps, batch_size=args.calib_batch, lr=args.lr,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from spear.cli.common import (add_device_arg, add_model_arg, add_plan_args, add_quant_args, add_text_args,
                               eval_config_from, quant_config_from, read_plan)
-from spear.config import STATIC_METHODS
+from spear.config import DEFAULT_BASELINES, DEFAULT_SPEAR_VARIANTS, STATIC_METHODS
 from spear.errors import SpearError
 
 
@@ -18,10 +18,10 @@ def register(sub) -> None:
     add_quant_args(p)
     add_text_args(p)
     g = p.add_argument_group("compensation")
-    g.add_argument("--baselines", default="lqer,qera-approx",
+    g.add_argument("--baselines", default=",".join(DEFAULT_BASELINES),
                    help=f"comma-separated static methods from {', '.join(STATIC_METHODS)}, or 'all' "
                         "or 'none' (default: %(default)s)")
-    g.add_argument("--spear", choices=["nogate", "gate", "both", "none"], default="nogate",
+    g.add_argument("--spear", choices=list(SPEAR_VARIANTS), default=SPEAR_CHOICE[DEFAULT_SPEAR_VARIANTS],
                    help="SPEAR rows: the KL-calibrated low-rank EC (nogate, the default), the token-gated EC, "
                         "both, or none (default: %(default)s)")
     add_plan_args(p)
@@ -31,6 +31,11 @@ def register(sub) -> None:
     add_device_arg(p, "to run the job")
     p.add_argument("--out", default="results/run", help="folder for run.json / run.md (default: %(default)s)")
     p.set_defaults(func=main)
+
+
+# --spear's choices and the variants run_job takes
+SPEAR_VARIANTS = {"gate": ("gate",), "nogate": ("nogate",), "both": ("nogate", "gate"), "none": ()}
+SPEAR_CHOICE = {v: k for k, v in SPEAR_VARIANTS.items()}
 
 
 def parse_methods(text: str) -> list[str]:
@@ -54,7 +59,7 @@ def main(args) -> int:
     from spear.fileio import check_can_write_in
 
     methods = parse_methods(args.baselines)
-    variants = {"gate": ("gate",), "nogate": ("nogate",), "both": ("nogate", "gate"), "none": ()}[args.spear]
+    variants = SPEAR_VARIANTS[args.spear]
     if args.plan is not None and args.rank is not None:
         raise SpearError("give --plan or --rank, not both")
     check_can_write_in(args.out)  # run.json / run.md go there after the whole job; other files there stay

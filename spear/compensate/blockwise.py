@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from spear.compensate.calibrate import CalibrationConfig, CalibrationDiverged
+from spear.compensate.calib_config import CalibrationConfig
+from spear.compensate.calibrate import CalibrationDiverged
 from spear.errors import SpearError
 from spear.quant.calib import LayerBatch, capture_layer_inputs, find_decoder_layers, layer_forward
 from spear.quant.linear import QuantLinear
@@ -83,7 +84,8 @@ def calibrate_blockwise(model: nn.Module, train_ids: torch.Tensor, val_ids: torc
     """Train the ECs already attached to ``model``'s quantized linears, layer by layer."""
     if cfg.tune_scales or cfg.tune_norms:
         raise SpearError("tune_scales and tune_norms need end-to-end KL calibration; blockwise calibration "
-                         "trains the ECs only")
+                         "trains the ECs only: pass tune_scales=False and tune_norms=False (got "
+                         f"tune_scales={cfg.tune_scales}, tune_norms={cfg.tune_norms})")
     start = time.perf_counter()
     cfg = cfg.for_device(next(model.parameters()).device)
     steps = steps_per_layer or max(1, cfg.steps // 2)

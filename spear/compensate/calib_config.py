@@ -1,6 +1,6 @@
 """The settings of one KL calibration run (:class:`CalibrationConfig`) and those that follow the model:
 how much self-sampled text and how many steps the device affords (``for_device``), the teacher's form
-by vocabulary (``for_vocab``). :mod:`spear.compensate.calibrate` trains with them (and re-exports them)."""
+by vocabulary (``for_vocab``). :mod:`spear.compensate.calibrate` trains with them."""
 
 from __future__ import annotations
 
@@ -70,11 +70,15 @@ class CalibrationConfig(Sampling):
     teacher_top_k: int | None = None
     full_teacher_max_bytes: int = FULL_TEACHER_MAX_BYTES  # with teacher_top_k None: the full teacher up to here
     # Also KL-train every quantized linear's scales (a log-factor per scale, folded into the
-    # fp16 scales at the end; spear/compensate/scales.py). Off: only the ECs train.
-    tune_scales: bool = False
+    # fp16 scales at the end; spear/compensate/scales.py), and the norm layers' elementwise weights in
+    # place: no extra memory, and on the default job 0.7, 1.1 and 0.8 points more of the gap at seeds
+    # 0, 1, 2 (2-core CPU, 2026-12-06; BENCHMARKS.md, "More self-samples"), so on by default, for
+    # `spear run`, `spear calibrate` and pipeline.run_job alike. Off (both): only the ECs train, the
+    # ECs' own effect (the "ECs alone" rows of the benchmarks pass that explicitly); blockwise
+    # calibration trains the ECs only and needs both off.
+    tune_scales: bool = True
     scale_lr: float = 1e-3  # learning rate of the scales' log-factors
-    # Also KL-train the norm layers' elementwise weights in place (zero extra memory).
-    tune_norms: bool = False
+    tune_norms: bool = True
     norm_lr: float = 1e-4
     # The dtype the training steps' forward and backward compute in ("bfloat16": torch.autocast, 1.1-1.3x
     # faster on the 2-core CPU, BENCHMARKS.md). The parameters, the optimizer, the teacher and the

@@ -16,8 +16,8 @@ with an error naming the step and the first module whose parameters, gradients o
 went non-finite, so no checkpoint is written from it.
 
 How much text and how many steps follow the device (``for_device``: a GPU affords four times the
-CPU's, which recovers more of the gap). ``tune_scales`` (off in this config, so the ECs' own
-contribution stays measurable; ``spear run`` and ``spear calibrate`` turn it on) also
+CPU's, which recovers more of the gap). ``tune_scales`` (on by default; off, only the ECs
+train, which measures their own contribution) also
 trains the quantization scales of every quantized linear under the same loss: a
 log-factor per stored scale, folded into the fp16 scales at the end
 (:mod:`spear.compensate.scales`; no extra memory). With it, a model without ECs can
@@ -37,11 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from spear.compensate.calib_config import (  # noqa: F401  (the settings, re-exported)
-    ACCELERATOR_SIZES, AUTO_TOP_K, CPU_SIZES, FULL_TEACHER_MAX_BYTES, MIN_AUTO_TOP_K, TOP_K_TEACHER_MAX_BYTES,
-    TRAIN_DTYPES, CalibrationConfig, model_vocab)
+from spear.compensate.calib_config import TRAIN_DTYPES, CalibrationConfig
 from spear.compensate.scales import NormWeights, ScaleFactors, tunable_norms, tunable_scales
-from spear.compensate.teacher import TopKTeacher, teacher_logprobs  # noqa: F401  (re-exported)
+from spear.compensate.teacher import TopKTeacher
 from spear.errors import SpearError
 from spear.quant.linear import QuantLinear
 

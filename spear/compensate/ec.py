@@ -26,10 +26,7 @@ import math
 import torch
 from torch import nn
 
-from spear.compensate.registry import register_compensator
 
-
-@register_compensator
 class GatedCompensator(nn.Module):
     kind = "spear-ec"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from spear.compensate.ec import GatedCompensator
 from spear.compensate.lowrank import LowRankCompensator
 from spear.errors import SpearError
 
@@ -28,13 +29,9 @@ def stored_checked(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tens
     return out
 
 
-COMPENSATOR_KINDS: dict[str, type[nn.Module]] = {LowRankCompensator.kind: LowRankCompensator}
-
-
-def register_compensator(cls: type[nn.Module]) -> type[nn.Module]:
-    """Class decorator: make a compensator kind loadable from checkpoints."""
-    COMPENSATOR_KINDS[cls.kind] = cls
-    return cls
+# Every kind a checkpoint can hold. The compensator modules know nothing of this table (the import runs
+# one way: registry -> kinds), so a new kind is added here.
+COMPENSATOR_KINDS: dict[str, type[nn.Module]] = {cls.kind: cls for cls in (LowRankCompensator, GatedCompensator)}
 
 
 def compensator_spec(comp: nn.Module) -> dict:
@@ -42,8 +39,6 @@ def compensator_spec(comp: nn.Module) -> dict:
 
 
 def build_compensator(spec: dict, in_features: int, out_features: int, device=None, dtype=None) -> nn.Module:
-    import spear.compensate.ec  # noqa: F401  (registers the gated EC kind)
-
     spec = dict(spec)
     kind = spec.pop("kind", None)
     cls = COMPENSATOR_KINDS.get(kind)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from spear.compensate.calibrate import CalibrationConfig, CalibrationReport, ec_modules, model_vocab, train_ecs
+from spear.compensate.calib_config import CalibrationConfig, model_vocab
+from spear.compensate.calibrate import CalibrationReport, ec_modules, train_ecs
 from spear.compensate.ec import GatedCompensator
 from spear.compensate.registry import stored_checked
 from spear.compensate.spec import check_plan_ranks, warn_off_kernel

@@ -161,7 +161,7 @@ def make_plan(spec: str, model: nn.Module, tokenizer, quant: QuantConfig, damage
     key = damage_key(quant, damage_samples)
     damage = None if damage_cache is None else damage_cache.get(key)
     if placement.startswith("cka") and damage is None:
-        from spear.compensate.calibrate import CalibrationConfig
+        from spear.compensate.calib_config import CalibrationConfig
 
         # the first damage_samples of an 80-sequence draw (cached): a plan made alone need not draw the
         # calibration's whole set

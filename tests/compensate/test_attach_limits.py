@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spear.cli import main
-from spear.compensate.calibrate import CalibrationConfig
+from spear.compensate.calib_config import CalibrationConfig
 from spear.compensate.static import attach_static
 from spear.compensate.workflow import attach_ecs
 from spear.config import QuantConfig, StaticCompensationConfig

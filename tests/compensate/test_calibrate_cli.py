@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from spear.cli import main
 from spear.compensate.ec import GatedCompensator
 from spear.models.loading import load_model
@@ -106,3 +108,50 @@ def test_scales_and_norms_train_unless_told_or_blockwise(capsys):
     assert (run.tune_scales, run.tune_norms) == (True, True)
     assert main(["-q", "calibrate", "--model", "m", "--out", "o", "--blockwise", "--tune-norms"]) == 2
     assert "need end-to-end KL calibration" in capsys.readouterr().err
+
+
+def test_the_cli_and_the_library_run_one_default_job(sharp_tiny_llama_path, article_text, tmp_path, monkeypatch):
+    """`spear run` with no options and ``pipeline.run_job`` with its defaults (no calibration config) run the
+    same job: the same static rows, SPEAR variants, placement and calibration settings, which tune the scales
+    and norms. Catches: a default kept in the CLI only (the CLI turning scale and norm tuning on where the
+    library's CalibrationConfig leaves it off, as before), or run_job defaulting to no SPEAR row."""
+    import inspect
+
+    import spear.pipeline as pipeline
+    from spear.cli import build_parser
+    from spear.cli.calibrate import calibration_config_from
+    from spear.cli.common import eval_config_from, quant_config_from
+    from spear.cli.run import SPEAR_VARIANTS, parse_methods
+    from spear.compensate.calib_config import CalibrationConfig
+    from spear.config import EvalConfig, QuantConfig
+
+    args = build_parser().parse_args(["run"])
+    cli_cfg = calibration_config_from(args)
+    assert cli_cfg == CalibrationConfig() and cli_cfg.tune_scales and cli_cfg.tune_norms
+    assert quant_config_from(args) == QuantConfig() and eval_config_from(args) == EvalConfig()
+    lib = inspect.signature(pipeline.run_job).parameters
+    assert tuple(parse_methods(args.baselines)) == tuple(lib["static_methods"].default) == ("lqer", "qera-approx")
+    assert SPEAR_VARIANTS[args.spear] == lib["spear_variants"].default == ("nogate",)
+    assert lib["calib_cfg"].default is None and (args.rank, args.plan) == (None, None)
+    for name in ("budget", "placement", "damage_samples", "tp"):
+        assert getattr(args, name) == lib[name].default, name
+
+    # what run_job hands the calibration when given no config: the CLI's, resolved for the model
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def record(model, tokenizer, cfg, *a, **k):
+        seen.append(cfg)
+        raise Stop
+
+    monkeypatch.setattr(pipeline, "prepare_calibration", record)
+    text = tmp_path / "wiki.test.raw"
+    text.write_text(article_text)
+    with pytest.raises(Stop):
+        pipeline.run_job(str(sharp_tiny_llama_path), QuantConfig(), EvalConfig(text=str(text), seq_len=32,
+                                                                                eval_windows=1, calib_windows=1),
+                         progress=False, log=lambda *_: None)
+    model, _ = load_model(sharp_tiny_llama_path)
+    assert seen == [cli_cfg.for_model(model)]

@@ -6,8 +6,9 @@ import pytest
 
 import torch
 
-from spear.compensate.calibrate import (ACCELERATOR_SIZES, AUTO_TOP_K, CPU_SIZES, FULL_TEACHER_MAX_BYTES, MIN_AUTO_TOP_K,
-                                     TOP_K_TEACHER_MAX_BYTES, CalibrationConfig, TopKTeacher)
+from spear.compensate.calib_config import (ACCELERATOR_SIZES, AUTO_TOP_K, CPU_SIZES, FULL_TEACHER_MAX_BYTES,
+                                           MIN_AUTO_TOP_K, TOP_K_TEACHER_MAX_BYTES, CalibrationConfig)
+from spear.compensate.teacher import TopKTeacher
 from spear.compensate.workflow import prepare_calibration
 from spear.errors import SpearError
 from spear.models.loading import load_model

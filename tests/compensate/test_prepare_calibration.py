@@ -4,7 +4,7 @@ teacher that is the full distribution whenever it fits."""
 
 import torch
 
-from spear.compensate.calibrate import CalibrationConfig
+from spear.compensate.calib_config import CalibrationConfig
 from spear.compensate.stats import collect_activation_stats
 from spear.compensate.teacher import TopKTeacher, teacher_logprobs
 from spear.compensate.workflow import prepare_calibration

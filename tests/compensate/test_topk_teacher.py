@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spear.compensate.calibrate import CalibrationConfig, TopKTeacher, kl_loss, teacher_logprobs
+from spear.compensate.calib_config import CalibrationConfig
+from spear.compensate.calibrate import kl_loss
+from spear.compensate.teacher import TopKTeacher, teacher_logprobs
 from spear.compensate.workflow import attach_ecs, calibrate, prepare_calibration, uniform_plan
 from spear.config import QuantConfig
 from spear.errors import SpearError
@@ -70,7 +72,7 @@ def test_calibration_with_a_top_k_teacher_lowers_the_full_kl(sharp_tiny_llama_pa
     monkeypatch.setenv("SPEAR_CACHE", str(tmp_path / "cache"))
     model, tok = load_model(sharp_tiny_llama_path)
     cfg = CalibrationConfig(n_samples=8, val_samples=4, sample_len=24, steps=20, batch_size=4, eval_every=5,
-                            patience=5, lr=5e-3, teacher_top_k=8)
+                            patience=5, lr=5e-3, teacher_top_k=8, tune_scales=False, tune_norms=False)
     data = prepare_calibration(model, tok, cfg, progress=False)
     assert isinstance(data.train_teacher, TopKTeacher) and data.train_teacher.logp.shape[-1] == 8
     dense_val = teacher_logprobs(model, data.val_ids, progress=False)

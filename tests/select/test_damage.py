@@ -108,7 +108,7 @@ def test_lower_bits_do_more_damage(sharp_tiny_llama_path, ids):
 
 def test_select_writes_a_plan_within_budget(sharp_tiny_llama_path, tmp_path, ids):
     from spear.eval.memory import compensator_bytes, quantized_model_bytes
-    from spear.compensate.calibrate import CalibrationConfig
+    from spear.compensate.calib_config import CalibrationConfig
     from spear.compensate.workflow import attach_ecs
     from spear.models.loading import load_model
     from spear.quant import quantize_model_rtn
