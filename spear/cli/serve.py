@@ -182,6 +182,9 @@ def register(sub) -> None:
                                      "at once (default: %(default)s)")
 def main(args) -> int:
     """The HTTP server in this process, the engine core in a process of its own (spear/serve/core/process.py)."""
+    from spear.serve.core.process import forbid_inspection
+
+    forbid_inspection()  # first: no process of the user reads or writes this one from here (core/wire.py)
     import logging
 
     import torch

@@ -6,7 +6,7 @@
 
 core/       the engine core: token ids in, token ids out
   messages.py       the protocol: every message between a frontend and the core, as msgspec Structs
-  wire.py           those messages on ZeroMQ: msgpack, signed with the server's secret
+  wire.py           those messages between processes: msgpack, numbered and signed, on socket pairs
   engine.py         EngineCore: add / step / abort
   process.py        the engine core in a process of its own (spear serve), its heartbeat
   sequence.py       a request's tokens and state
@@ -26,7 +26,7 @@ frontend/   between a user and the engine core
   output.py         OutputProcessor: a step's outputs into every request's RequestOutput
   detokenizer.py    incremental text and stop strings
   client.py         CoreClient, the one interface to the core, and its in-process transport
-  zmq_client.py     the ZeroMQ transport: the core in a process of its own
+  zmq_client.py     the core in a process of its own, over socket pairs it inherits
   llm_engine.py     LLMEngine: the engine in this process, for Python use
   async_llm.py      AsyncLLM: the HTTP server's frontend; RequestStream; health
   metrics.py        Prometheus metrics

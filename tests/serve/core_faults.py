@@ -82,27 +82,51 @@ def slow_warmup(started: str, release: str, spec) -> None:
 
 
 def sending_garbage(spec) -> None:
-    """Before the core starts, frames that are not the protocol's reach the server's socket: signed
+    """Before the core starts, frames that are not the protocol's reach the server on the link: signed
     ones that do not decode (msgpack 42, [], a truncated frame, a message of the wrong shape) and
     unsigned ones (a forged message, an empty frame). Then the core runs as usual."""
     import msgspec
-    import zmq
 
-    from spear.serve.core.messages import CoreOutputs, CoreOutput
-    from spear.serve.core.wire import Wire
+    from spear.serve.core.messages import CoreOutput, CoreOutputs
+    from spear.serve.core.wire import FROM_CORE, FrameWriter, Wire
 
-    wire = Wire(spec.secret, object)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.connect(spec.outbox)
+    wire = Wire(spec.secret, object, sends=FROM_CORE)
+    out = FrameWriter(spec.link)
     enc = msgspec.msgpack.encode
-    signed = [enc(42), enc([]), b"\xc1", enc(["CoreOutputs", 5])]
-    for payload in signed:
-        frame = wire.pack(msgspec.Raw(payload))
-        sock.send(frame)
+    for payload in (enc(42), enc([]), b"\xc1", enc(["CoreOutputs", 5])):
+        out.write(wire.pack(msgspec.Raw(payload)))
     forged = enc(CoreOutputs(outputs=[CoreOutput("nobody", [1])]))
-    sock.send(b"\x00" * 32 + forged)
-    sock.send(b"")
-    sock.close(linger=5000)
-    ctx.term()
+    out.write(b"\x00" * 32 + forged)
+    out.write(b"")
+    core_main(spec)
+
+
+def replaying(spec) -> None:
+    """Every frame the core writes, on the link and with its heartbeats, goes twice: the second is a
+    replay of the first, as a process that could write on the link would send it."""
+    from spear.serve.core.wire import FrameWriter
+
+    real = FrameWriter.write
+
+    def twice(writer, frame):
+        real(writer, frame)
+        real(writer, frame)
+
+    FrameWriter.write = twice
+    core_main(spec)
+
+
+def reporting_dumpable(path: str, spec) -> None:
+    """Writes whether the core's process is dumpable (1, 0; "None" where the system does not say) to
+    ``path`` once it runs, before the model loads."""
+    from spear.serve.core import process
+
+    real = process._CoreProcess.build
+
+    def build(proc):
+        with open(path, "w") as f:
+            f.write(str(None if (d := process.dumpable()) is None else int(d)))
+        real(proc)
+
+    process._CoreProcess.build = build
     core_main(spec)

@@ -52,7 +52,7 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
         gc.freeze()
         yield
         gc.unfreeze()
-        await llm.shutdown()
+        await llm.shutdown(server.limits.shutdown_timeout_s)  # a frozen core does not hold the exit longer
         server.close()
 
     app = FastAPI(title="spear", description="OpenAI-compatible server for spear models", lifespan=lifespan)

@@ -1,11 +1,11 @@
 """The engine core's protocol: every message between a frontend and the core, as msgspec Structs.
 
 In process (frontend/client.py, ``InProcClient``) the structs are handed over as objects; between
-processes (``spear serve``) they travel as msgpack over ZeroMQ, tagged by class and signed with the
-server's secret (core/wire.py), and a message that does not decode to one of these types is
-dropped. The types are the protocol; there is no other description of it.
+processes (``spear serve``) they travel as msgpack on the link's socket pairs, tagged by class,
+numbered and signed with the server's secret (core/wire.py), and a message that does not decode to
+one of these types is dropped. The types are the protocol; there is no other description of it.
 
-    frontend -> core   CoreRequest, Abort, Stop; Hello (once: the server's first message)
+    frontend -> core   CoreRequest, Abort, Stop
     core -> frontend   Loaded (CoreFacts: what requests are checked against), Ready, Failed, and per
                        engine step one CoreOutputs: every request's new token ids, the requests the
                        core took since the last one and those it refused
@@ -74,10 +74,6 @@ class Abort(msgspec.Struct, tag=True, array_like=True, frozen=True):
 
 class Stop(msgspec.Struct, tag=True, array_like=True, frozen=True):
     """Stop serving: the core stops its tensor-parallel ranks and exits."""
-
-
-class Hello(msgspec.Struct, tag=True, array_like=True, frozen=True):
-    """The server's first message: once the core has it, the two are connected."""
 
 
 # ---------------------------------------------------------------------------------- core -> frontend
@@ -200,7 +196,9 @@ class CoreHealth(msgspec.Struct, tag=True, array_like=True, frozen=True):
     failed_steps: int
     last_failure: str | None
     stats: EngineStats | None
+    # the server's frames the core dropped so far, by reason ("malformed", "replayed"; core/wire.py)
+    frames_dropped: dict[str, int] = {}
 
 
-ToCore = Union[CoreRequest, Abort, Stop, Hello]
-FromCore = Union[CoreOutputs, Loaded, Ready, Failed, Hello]
+ToCore = Union[CoreRequest, Abort, Stop]
+FromCore = Union[CoreOutputs, Loaded, Ready, Failed]

@@ -1,39 +1,43 @@
-"""The engine core in a process of its own (``spear serve``), driven over ZeroMQ by the HTTP server.
+"""The engine core in a process of its own (``spear serve``), driven by the HTTP server over a link
+of its own.
 
     API server process                                          engine-core process
     HTTP; input processor (checks, tokenization);  --CoreRequest, Abort, Stop-->   EngineCore: scheduler,
     output processor (text, stop strings); SSE     <--CoreOutputs (one a step)--   model runner, sampler,
     (frontend/async_llm.py, zmq_client.py)         <--CoreHealth every 0.25 s--   tensor-parallel ranks
 
-The messages are core/messages.py's Structs, signed with the server's secret (core/wire.py). The
-sockets are IPC paths in a folder only the user can enter; each receiver binds its PULL socket and
-each sender connects a PUSH (the core binds its inbox, the server the outputs' and the
-heartbeat's), so another process could only connect to send, and what it sends is not signed. The
-core removes its inbox's name when the server's ``Hello`` arrives (the two are connected), the
-server the other names at the core's first messages: within a second or two of the start no name
-is left to connect to, and a killed server leaves no folder behind it.
+The messages are core/messages.py's Structs, signed and numbered with the server's secret, on two
+socket pairs the core inherits from the server (core/wire.py says what that holds against): one
+for the requests and the outputs, one for the heartbeats. They have no name: no other process can
+connect to them, and no folder or name is left behind a killed server. The core's process makes
+itself non-dumpable before it imports the engine (``sealed_start``).
 
 A thread of the core sends ``CoreHealth`` every ``HEARTBEAT_S`` whatever the engine does, so the
 server tells a step that runs too long, a core that stopped (SIGSTOP, a frozen host) and a quiet
-one apart. The core never waits on the server: its sockets have no send limit, so a slow or
-vanished client costs it nothing but memory in the server. Torch's threads are the core's: it
-runs on ``CoreSpec.torch_threads`` (the server's process, which computes nothing with torch, on one).
+one apart. The core never waits on the server: its outputs are written by a thread of their own
+behind a queue of no limit, so a slow or vanished client costs it nothing but memory. Torch's
+threads are the core's: it runs on ``CoreSpec.torch_threads`` (the server's process, which computes
+nothing with torch, on one).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
+import pickle
 import signal
+import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 from spear.serve.config import EngineConfig
-from spear.serve.core.messages import (Abort, CoreHealth, CoreOutputs, CoreRequest, Failed, Hello, Loaded, Ready,
-                                       Rejection, Stop, ToCore)
-from spear.serve.core.wire import Malformed, Wire
+from spear.serve.core.messages import (Abort, CoreHealth, CoreOutputs, CoreRequest, Failed, Loaded, Ready, Rejection,
+                                       Stop, ToCore)
+from spear.serve.core.wire import FROM_CORE, HEARTBEAT, TO_CORE, FrameReader, FrameSender, FrameWriter, Malformed, Wire
 from spear.serve.faults import OncePer
 
 log = logging.getLogger(__name__)
@@ -53,106 +57,127 @@ class CoreSpec:
     eos_token_ids: tuple[int, ...]      # the tokenizer's, beside the model's own
     torch_threads: int
     parent_pid: int
-    inbox: str                          # ZeroMQ addresses (ipc://...): the core binds the inbox
-    outbox: str
-    heartbeat: str
+    # the core's ends of the link's socket pairs (inherited by its process): requests and outputs, heartbeats
+    link: socket.socket | None = field(repr=False, compare=False)
+    beat: socket.socket | None = field(repr=False, compare=False)
     secret: bytes = field(repr=False)
     log_level: str = "info"
 
 
-def ipc_path(address: str) -> str:
-    return address.removeprefix("ipc://")
+_PR_SET_PDEATHSIG, _PR_GET_DUMPABLE, _PR_SET_DUMPABLE = 1, 3, 4
+
+
+def _prctl(option: int, arg: int = 0) -> int:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    result = libc.prctl(option, arg, 0, 0, 0)
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}, {arg}): {os.strerror(err)}")
+    return result
+
+
+def forbid_inspection() -> int | None:
+    """Make this process non-dumpable (Linux; nothing elsewhere): a process of the same user without
+    CAP_SYS_PTRACE can then no longer ptrace it, open its /proc/<pid>/mem or take its descriptors,
+    and it leaves no core dump (core/wire.py says what that holds). Returns the pid of a process
+    that traces this one already (it keeps its hold, and is worth a warning), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    _prctl(_PR_SET_DUMPABLE, 0)
+    with open("/proc/self/status") as f:
+        tracer = next((int(line.split()[1]) for line in f if line.startswith("TracerPid:")), 0)
+    return tracer or None
+
+
+def dumpable() -> bool | None:
+    """Whether this process is dumpable (None where the system does not say)."""
+    return bool(_prctl(_PR_GET_DUMPABLE)) if sys.platform.startswith("linux") else None
+
+
+# The core's process runs this first. Its multiprocessing target is the builtin ``exec``, which
+# takes nothing of spear's to find, so the process makes itself non-dumpable before it unpickles
+# the core's target and spec, whose imports (the engine, torch) take seconds; until then a process
+# of the user may open its memory (core/wire.py). The link's sockets come apart from the spec.
+_SEALED_START = """
+import ctypes, sys
+if sys.platform.startswith("linux") and ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:
+    raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+import dataclasses, pickle
+target, spec = pickle.loads(blob)
+target(dataclasses.replace(spec, link=link, beat=beat))
+"""
+
+
+def sealed_start(target, spec: CoreSpec) -> tuple:
+    """multiprocessing's (target, args) that run ``target(spec)`` in a process that is non-dumpable
+    before it imports anything of the engine."""
+    blob = pickle.dumps((target, dataclasses.replace(spec, link=None, beat=None)))
+    return exec, (_SEALED_START, {"blob": blob, "link": spec.link, "beat": spec.beat})
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to end this process when the server's process ends (best effort elsewhere: the
-    main loop also watches the parent's pid)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    """Ask Linux to end this process when the server's process ends (elsewhere the main loop's watch
+    of the parent's pid is all there is)."""
+    if sys.platform.startswith("linux"):
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class _Heartbeat(threading.Thread):
-    """Sends the core's health every HEARTBEAT_S on a socket of its own (ZeroMQ sockets are not
-    shared between threads); reads the loop's fields, which only the loop writes."""
+    """Sends the core's health every HEARTBEAT_S on a socket of its own (read by a thread of the
+    server's own, whatever its event loop does); reads the loop's fields, which only the loop writes."""
 
-    def __init__(self, ctx, proc: "_CoreProcess"):
+    def __init__(self, proc: "_CoreProcess"):
         super().__init__(name="spear-core-heartbeat", daemon=True)
-        import zmq
-
-        self.sock = ctx.socket(zmq.PUSH)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(proc.spec.heartbeat)
-        self.wire = Wire(proc.spec.secret, ToCore)  # an encoder of its own: the loop's is the loop's
+        self.out = FrameWriter(proc.spec.beat)
+        self.wire = Wire(proc.spec.secret, CoreHealth, sends=HEARTBEAT)  # numbered apart from the loop's frames
         self.proc, self.stopping = proc, threading.Event()
 
     def run(self) -> None:
-        import zmq
-
+        # a server that does not read blocks this thread only (its socket's buffer holds minutes of beats)
         while True:
             try:
-                self.sock.send(self.wire.pack(self.proc.health()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+                self.out.write(self.wire.pack(self.proc.health()))
+            except OSError:  # the server is gone
+                return
             if self.stopping.wait(HEARTBEAT_S):
-                break
-        self.sock.close()
+                return
 
 
 class _CoreProcess:
     def __init__(self, spec: CoreSpec):
-        import zmq
-
         self.spec = spec
-        self.wire = Wire(spec.secret, ToCore)
-        self.ctx = zmq.Context()
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.setsockopt(zmq.LINGER, 0)
-        self.inbox.bind(spec.inbox)
-        self.outbox = self.ctx.socket(zmq.PUSH)
-        self.outbox.setsockopt(zmq.SNDHWM, 0)   # never block on the server
-        self.outbox.setsockopt(zmq.LINGER, 2000)
-        self.outbox.connect(spec.outbox)
+        self.wire = Wire(spec.secret, ToCore, sends=FROM_CORE, receives=TO_CORE)
+        self.commands = FrameReader(spec.link)
+        self.outbox = FrameSender(spec.link, "spear-core-outbox")  # never blocks on the server
         self.core = None
         self.ready = False
         self.bad = OncePer()
+        self.dropped = {"malformed": 0, "replayed": 0}  # the server's frames dropped, by reason
 
     def send(self, message) -> None:
-        import zmq
-
-        self.outbox.send(self.wire.pack(message), zmq.NOBLOCK, copy=False)
+        self.outbox.send(self.wire.pack(message))
 
     def health(self) -> CoreHealth:
-        core = self.core
+        core, dropped = self.core, {k: n for k, n in self.dropped.items() if n}
         if core is None:
-            return CoreHealth(ready=False, step_started=None, failed_steps=0, last_failure=None, stats=None)
+            return CoreHealth(ready=False, step_started=None, failed_steps=0, last_failure=None, stats=None,
+                              frames_dropped=dropped)
         return CoreHealth(ready=self.ready, step_started=core.step_started, failed_steps=core.num_failed_steps,
-                          last_failure=core.last_failure, stats=core.stats())
+                          last_failure=core.last_failure, stats=core.stats(), frames_dropped=dropped)
 
     def _receive(self, frame: bytes):
-        """The message of ``frame``; None for a malformed or unsigned one (logged once a minute)."""
+        """The message of ``frame``; None for a malformed, unsigned or replayed one (counted; logged
+        once a minute)."""
         try:
             return self.wire.unpack(frame)
         except Malformed as exc:
+            self.dropped[exc.reason] += 1
             held = self.bad.allow()
             if held is not None:
                 log.error("dropped %s%s", exc, OncePer.since(held))
             return None
-
-    def await_server(self) -> None:
-        """Until the server's Hello arrives; then no other process may connect to the inbox."""
-        while not (self.inbox.poll(1000) and isinstance(self._receive(self.inbox.recv()), Hello)):
-            if os.getppid() != self.spec.parent_pid:
-                raise SystemExit(1)
-        try:
-            os.unlink(ipc_path(self.spec.inbox))
-        except OSError:
-            pass
-        self.send(Hello())
 
     def build(self) -> None:
         import torch
@@ -167,8 +192,6 @@ class _CoreProcess:
         self.send(Loaded(self.core.facts()))
 
     def run(self) -> None:
-        import zmq
-
         core = self.core
         warm = core.warmup()
         # what is alive now lives as long as the core: out of the collector's sweeps, whose pauses over
@@ -177,15 +200,17 @@ class _CoreProcess:
         gc.freeze()
         self.ready = True
         self.send(Ready(warm))
-        poller = zmq.Poller()
-        poller.register(self.inbox, zmq.POLLIN)
         while True:
             if os.getppid() != self.spec.parent_pid:  # the server is gone
                 log.warning("the server process went away; the engine core stops")
                 return
             if not core.has_unfinished():
-                poller.poll(1000)
-            accepted, rejected, stop = self._commands()
+                self.commands.wait(1.0)
+            try:
+                accepted, rejected, stop = self._commands()
+            except EOFError:
+                log.warning("the server closed the link; the engine core stops")
+                return
             if accepted or rejected:  # answered at once: the server's handlers wait for it, not for a step
                 self.send(CoreOutputs(accepted=accepted, rejected=rejected, timestamp=time.monotonic()))
             if stop:
@@ -195,17 +220,13 @@ class _CoreProcess:
                 self.send(CoreOutputs(outputs=outputs, timestamp=time.monotonic(), step=core.last_step))
 
     def _commands(self) -> tuple[list[str], list[Rejection], bool]:
-        import zmq
-
+        """Every command that has arrived, in order, up to a Stop; EOFError once the server closed the link."""
         from spear.errors import SpearError
         from spear.serve.core.scheduler import QueueFull
 
         accepted, rejected = [], []
-        while True:
-            try:
-                msg = self._receive(self.inbox.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return accepted, rejected, False
+        for frame in self.commands.frames():
+            msg = self._receive(frame)
             if isinstance(msg, CoreRequest):
                 try:
                     self.core.add(msg)
@@ -218,30 +239,33 @@ class _CoreProcess:
                 self.core.abort(msg.request_ids)
             elif isinstance(msg, Stop):
                 return accepted, rejected, True
+        return accepted, rejected, False
 
     def close(self) -> None:
         if self.core is not None:
             self.core.close()
-        self.inbox.close()
-        self.outbox.close()
-        self.ctx.term()
+        self.outbox.close(linger=2.0)
+        self.spec.link.close()
+        self.spec.beat.close()
 
 
 def core_main(spec: CoreSpec) -> None:
     """The engine-core process: build the engine, report, serve commands until told to stop or
     until the server's process is gone."""
+    tracer = forbid_inspection()  # sealed_start's already; here for the look for a tracer (and other callers)
     # Ctrl-C reaches the whole process group: the server drains its requests, then stops the core
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     logging.basicConfig(level=spec.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if tracer is not None:
+        log.warning("process %d traces the engine core: it can read every request and the link's secret", tracer)
     import torch
 
     torch.set_num_threads(spec.torch_threads)
     proc = _CoreProcess(spec)
     beat = None
     try:
-        proc.await_server()
-        beat = _Heartbeat(proc.ctx, proc)
+        beat = _Heartbeat(proc)
         beat.start()
         try:
             proc.build()

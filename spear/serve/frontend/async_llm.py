@@ -1,5 +1,5 @@
 """``AsyncLLM``: the HTTP server's frontend over a ``CoreClient`` (frontend/client.py; ``spear
-serve`` runs the ZeroMQ one, frontend/zmq_client.py).
+serve`` runs the core in a process of its own, frontend/zmq_client.py).
 
     stream = await llm.submit(prompt_ids, params)   # raises InvalidRequest / QueueFull / EngineDead
     async for out in stream: ...                     # RequestOutput deltas (or, with ``encode``, their bytes)
@@ -10,6 +10,10 @@ A request is checked once by the input processor, sent, and followed from the mo
 the requests taken or refused, then every request's ``RequestOutput`` made in one pass by the
 output processor (text, stop strings), each handed to its stream there and then; a streaming
 request's ``encode`` turns its output into the bytes of its server-sent events in the same pass.
+A refusal ends the one submission of a request that waits to be taken; a refusal of a request
+already running answers a second submission this frontend never sent (it sends a request once):
+it is logged and the stream goes on, since the core refuses such a duplicate without touching the
+request it runs.
 
 ``/health`` reads ``problem()``: the core loading or warming up, stopped or dead, silent (no
 heartbeat for ``HEARTBEAT_STALE_S``: stopped or frozen), running one step past
@@ -182,8 +186,10 @@ class AsyncLLM:
         return 0 if health is None else health.failed_steps
 
     def refresh_metrics(self) -> None:
-        """The gauges of the engine's state as its last report has them (read at each scrape)."""
+        """The gauges of the engine's state as its last report has them, and the link's dropped
+        frames (read at each scrape)."""
         self.metrics.set_stats(self.stats)
+        self.metrics.count_dropped_frames(self.client.frames_dropped())
 
     def problem(self) -> tuple[str | None, str] | None:
         """Why the engine cannot serve now, as (error code, message); None when it can."""
@@ -299,11 +305,20 @@ class AsyncLLM:
             if taken is not None and not taken.done():
                 taken.set_result(None)
         for rejection in msg.rejected:
+            rid = rejection.request_id
+            taken = self._taking.pop(rid, None)
+            if taken is None:
+                # no submission waits for this answer: one given up on (its client left, the core was
+                # silent), or a second one of a running request that this server never sent, which
+                # the core refused without touching the request it runs
+                if rid in self._streams:
+                    log.error("the engine core refused a second submission of running request %r (%s: %s); "
+                              "its stream goes on", rid, rejection.reason, rejection.message)
+                continue
             self.metrics.rejected.labels(rejection.reason).inc()
-            taken = self._taking.pop(rejection.request_id, None)
-            self._streams.pop(rejection.request_id, None)
-            self.output.drop(rejection.request_id)
-            if taken is not None and not taken.done():
+            self._streams.pop(rid, None)
+            self.output.drop(rid)
+            if not taken.done():
                 exc = QueueFull(rejection.message) if rejection.reason == "queue_full" else \
                     InvalidRequest(rejection.message)
                 taken.set_exception(exc)

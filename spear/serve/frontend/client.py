@@ -3,7 +3,8 @@ requests (``CoreRequest``) and aborts go in; one ``CoreOutputs`` per step comes 
 requests the core took and those it refused; the core's health is read on the side. Two transports:
 
     InProcClient   the core in this process, stepped by the caller (LLMEngine, fast tests)
-    ZmqClient      the core in a process of its own over ZeroMQ (frontend/zmq_client.py; spear serve)
+    ZmqClient      the core in a process of its own, over a link of socket pairs it inherits
+                   (frontend/zmq_client.py, core/wire.py; spear serve)
 
 Both frontends (``LLMEngine``: synchronous, in process; ``AsyncLLM``: the HTTP server's) hold a
 client and the same input and output processors, so a request is checked, and its text made, by
@@ -75,6 +76,12 @@ class CoreClient(ABC):
 
     @abstractmethod
     async def shutdown(self, timeout: float = 30.0) -> None: ...
+
+    def frames_dropped(self) -> dict[tuple[str, str], int]:
+        """Frames of the link to the core dropped so far, by (side, reason): side "server" for those
+        this process dropped, "core" for those the core did; reason "malformed" or "replayed"
+        (core/wire.py). None in process: nothing travels."""
+        return {}
 
 
 class InProcClient(CoreClient):

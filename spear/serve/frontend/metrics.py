@@ -60,7 +60,12 @@ class ServingMetrics:
                                 "Running (interval - table) / table of the steps of a kind, which corrects the "
                                 "latency table's predictions (step_tokens: 0 decode-only, N mixed steps of N padded "
                                 "tokens, 1 every mixed step without CUDA graphs)", ["step_tokens"], registry=r)
+        self.frames_dropped = Counter("spear_core_frames_dropped", "Frames of the link between the server and the "
+                                      "engine core that their receiver (side: server, core) dropped, by reason "
+                                      "(malformed: not signed or not the protocol's; replayed)",
+                                      ["side", "reason"], registry=r)
         self._preempted_seen = 0
+        self._dropped_seen: dict[tuple[str, str], int] = {}
 
     def observe(self, out: RequestOutput, now: float, last_token_time: float | None) -> None:
         """One step's output of one request; ``last_token_time`` is when its previous token came. The
@@ -85,6 +90,14 @@ class ServingMetrics:
         self.itl_slo.set(0.0 if stats.itl_slo_ms is None else stats.itl_slo_ms / 1e3)
         for kind, ratio in stats.latency_correction.items():
             self.correction.labels(str(kind)).set(ratio)
+
+    def count_dropped_frames(self, totals: dict[tuple[str, str], int]) -> None:
+        """The link's dropped frames so far, by (side, reason) (CoreClient.frames_dropped)."""
+        for key, total in totals.items():
+            seen = self._dropped_seen.get(key, 0)
+            if total > seen:
+                self.frames_dropped.labels(*key).inc(total - seen)
+                self._dropped_seen[key] = total
 
     def observe_step(self, step: StepRecord, itl_slo_ms: float | None) -> None:
         """Every engine step, as it comes."""

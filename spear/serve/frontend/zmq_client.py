@@ -1,14 +1,16 @@
-"""``ZmqClient``: the engine core in a process of its own (core/process.py), reached over ZeroMQ;
-what ``spear serve`` runs.
+"""``ZmqClient``: the engine core in a process of its own (core/process.py), reached over a link of
+its own (core/wire.py); what ``spear serve`` runs. The class keeps the name of the ZeroMQ transport
+it replaced; the link is two socket pairs the core inherits, which no other process can reach.
 
-The sockets live in a folder of the temporary directory that only the user can enter, named after
-this process (``spear-core-<pid>-...``); every name in it goes once both sides are connected, and
-a start removes the folders of servers that were killed before theirs went. Every message is
-signed with a secret made here (core/wire.py); a message that is not signed with it or is not
-one of the protocol's types is logged (once a minute, with a count) and dropped, and the listener
-goes on. The core's heartbeats are read by a thread of their own, so their age says how long the
-core has been silent however busy the event loop is; a thread also waits for the core's process,
-so that a core that exits fails every open request at once (``on_error``).
+``start`` makes this process non-dumpable, makes the link's secret and its two socket pairs (the
+requests and outputs; the heartbeats), and spawns the core with its ends. Every frame is signed
+and numbered (core/wire.py); one that is not signed for its channel, not one of the protocol's
+messages or a replay is logged (once a minute, with a count), counted (``frames_dropped``, read by
+/metrics) and dropped, and the listener goes on. The core's heartbeats are read by a thread of
+their own, so their age says how long the core has been silent however busy the event loop is; a
+thread also waits for the core's process, so that a core that exits fails every open request at
+once (``on_error``). ``shutdown(timeout)`` gives the core ``timeout`` seconds to stop, then ends it
+(SIGTERM, SIGKILL a second later): a frozen core costs the server no more than that.
 """
 
 from __future__ import annotations
@@ -18,23 +20,23 @@ import logging
 import multiprocessing as mp
 import os
 import secrets
-import shutil
-import tempfile
+import socket
 import threading
 import time
-from pathlib import Path
 
 from spear.serve.config import EngineConfig
-from spear.serve.core.messages import Abort, CoreHealth, CoreOutputs, Failed, FromCore, Hello, Loaded, Ready, Stop
-from spear.serve.core.process import CoreSpec, core_main, ipc_path
-from spear.serve.core.wire import Malformed, Wire
+from spear.serve.core.messages import Abort, CoreHealth, CoreOutputs, Failed, FromCore, Loaded, Ready, Stop
+from spear.serve.core.process import CoreSpec, core_main, forbid_inspection, sealed_start
+from spear.serve.core.wire import FROM_CORE, HEARTBEAT, LENGTH, TO_CORE, FrameReader, Malformed, Wire
 from spear.serve.faults import OncePer
 from spear.serve.frontend.client import CoreClient, EngineDead
 from spear.serve.frontend.processor import InvalidRequest
 
 log = logging.getLogger(__name__)
 
-_PREFIX = "spear-core-"
+# A core that closed its end of the link has this long to exit (the watch then says how) before
+# the server calls it dead while it still runs.
+_CLOSED_LINK_GRACE_S = 5.0
 
 
 def default_torch_threads() -> int:
@@ -45,20 +47,6 @@ def default_torch_threads() -> int:
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
     return max(1, cpus - 1)
-
-
-def socket_folder() -> Path:
-    """A new folder for one server's sockets (mode 0700), after removing those of dead servers."""
-    root = Path(tempfile.gettempdir())
-    for old in root.glob(f"{_PREFIX}*"):
-        try:
-            pid = int(old.name[len(_PREFIX):].split("-")[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:  # its server is gone (killed before the names went)
-            shutil.rmtree(old, ignore_errors=True)
-        except (ValueError, PermissionError, OSError):
-            pass  # not ours to judge
-    return Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
 
 
 class ZmqClient(CoreClient):
@@ -79,52 +67,41 @@ class ZmqClient(CoreClient):
         self._health: CoreHealth | None = None
         self._beat_at = time.monotonic()
         self._bad = OncePer()
+        # frames dropped, by reason: on the link (the event loop's) and the heartbeats (their thread's)
+        self._dropped = {"malformed": 0, "replayed": 0}
+        self._beats_dropped = {"malformed": 0, "replayed": 0}
         self._proc = None
-        self._dir: Path | None = None
+        self._reader = self._writer = None
         self._closing = False
 
     # ------------------------------------------------------------------ life
     async def start(self) -> None:
-        import zmq
-        import zmq.asyncio
-
+        tracer = forbid_inspection()  # spear serve did so already; here for every other server of a core
+        if tracer is not None:
+            log.warning("process %d traces this server: it can read every request and the link's secret", tracer)
         self._loop = asyncio.get_running_loop()
-        self._dir = socket_folder()
-        addr = {name: f"ipc://{self._dir / name}" for name in ("inbox", "outbox", "heartbeat")}
         secret = secrets.token_bytes(32)
-        self._wire = Wire(secret, FromCore)
-        self._ctx = zmq.asyncio.Context()
-        self._out = self._ctx.socket(zmq.PUSH)
-        self._out.setsockopt(zmq.SNDHWM, 0)
-        self._out.setsockopt(zmq.LINGER, 0)
-        self._out.connect(addr["inbox"])      # the core binds it
-        self._in = self._ctx.socket(zmq.PULL)
-        self._in.bind(addr["outbox"])
-        self._paths = {name: ipc_path(a) for name, a in addr.items()}
-        beat_ctx = zmq.Context()
-        beat = beat_ctx.socket(zmq.PULL)
-        beat.setsockopt(zmq.LINGER, 0)
-        beat.bind(addr["heartbeat"])
-        threading.Thread(target=self._heartbeats, args=(beat_ctx, beat, Wire(secret, CoreHealth)),
-                         name="spear-core-heartbeats", daemon=True).start()
-        spec = CoreSpec(**self._args, parent_pid=os.getpid(), inbox=addr["inbox"], outbox=addr["outbox"],
-                        heartbeat=addr["heartbeat"], secret=secret)
+        self._wire = Wire(secret, FromCore, sends=TO_CORE, receives=FROM_CORE)
+        link, core_link = socket.socketpair()
+        beat, core_beat = socket.socketpair()
+        spec = CoreSpec(**self._args, parent_pid=os.getpid(), link=core_link, beat=core_beat, secret=secret)
         self._beat_at = time.monotonic()
-        self._proc = mp.get_context("spawn").Process(target=self._target, args=(spec,), name="spear-engine-core")
-        self._proc.start()
-        self._out.send(self._wire.pack(Hello()))
+        target, args = sealed_start(self._target, spec)
+        self._proc = mp.get_context("spawn").Process(target=target, args=args, name="spear-engine-core")
+        try:
+            self._proc.start()  # the core inherits its ends (multiprocessing passes them to it alone)
+        finally:
+            core_link.close()   # so that the core's exit closes the link
+            core_beat.close()
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=link, limit=1 << 20)
+        threading.Thread(target=self._heartbeats, args=(beat, Wire(secret, CoreHealth, receives=HEARTBEAT)),
+                         name="spear-core-heartbeats", daemon=True).start()
         threading.Thread(target=self._watch, args=(self._proc,), name="spear-core-watch", daemon=True).start()
 
-    def _forget_name(self, name: str) -> None:
-        """The other side is connected: remove the socket's name, and the folder once it is empty."""
-        try:
-            os.unlink(self._paths[name])
-        except OSError:
-            pass
-        try:
-            self._dir.rmdir()
-        except OSError:
-            pass  # not empty yet (or gone)
+    def _send(self, message) -> None:
+        """On the event loop. The transport buffers without a limit: the core reads when it can."""
+        frame = self._wire.pack(message)
+        self._writer.write(LENGTH.pack(len(frame)) + frame)
 
     def _watch(self, proc) -> None:
         proc.join()
@@ -145,31 +122,26 @@ class ZmqClient(CoreClient):
             self.on_fatal()
 
     async def shutdown(self, timeout: float = 30.0) -> None:
-        """Ask the core to stop (it stops the tensor-parallel ranks), wait up to ``timeout`` s, then end it."""
+        """Ask the core to stop (it stops the tensor-parallel ranks) and wait up to ``timeout`` s; then
+        SIGTERM, and SIGKILL a second later (a stopped or frozen core takes no signal but that)."""
         self._closing = True
         proc = self._proc
         if proc is not None and proc.is_alive():
-            try:
-                self._out.send(self._wire.pack(Stop()))
-            except Exception:  # the socket or the context is gone already
-                pass
+            if self._writer is not None and not self._writer.is_closing():
+                self._send(Stop())
             deadline = time.monotonic() + timeout
             while proc.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if proc.is_alive():
-                log.warning("the engine core did not stop in %.0f s; terminating it", timeout)
+                log.warning("the engine core did not stop within %g s; ending it", timeout)
                 proc.terminate()
-                proc.join(5)
+                await asyncio.to_thread(proc.join, 1.0)
                 if proc.is_alive():
                     proc.kill()
+                    await asyncio.to_thread(proc.join, 5.0)
         self.error = self.error or EngineDead("the server is shutting down", "shutting_down")
-        for sock in (getattr(self, "_out", None), getattr(self, "_in", None)):
-            if sock is not None:
-                sock.close(0)
-        if getattr(self, "_ctx", None) is not None:
-            self._ctx.term()
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+        if self._writer is not None:
+            self._writer.close()
 
     # ------------------------------------------------------------------ health
     @property
@@ -183,32 +155,38 @@ class ZmqClient(CoreClient):
     def heartbeat_age(self) -> float:
         return time.monotonic() - self._beat_at
 
-    def _heartbeats(self, ctx, sock, wire: Wire) -> None:
-        first = True
+    def _heartbeats(self, sock: socket.socket, wire: Wire) -> None:
+        beats = FrameReader(sock)
         try:
             while not self._closing:
-                if not sock.poll(500):
+                if not beats.wait(0.5):
                     continue
-                try:
-                    self._health = wire.unpack(sock.recv())
-                except Malformed as exc:
-                    self._dropped(exc)
-                    continue
-                self._beat_at = time.monotonic()
-                if first:
-                    first = False
-                    self._forget_name("heartbeat")
-        except Exception:  # a closed context at shutdown; else the heartbeats age and /health says so
-            if not self._closing:
-                log.exception("the engine core's heartbeat listener stopped")
+                for frame in beats.frames():
+                    try:
+                        self._health = wire.unpack(frame)
+                    except Malformed as exc:
+                        self._drop(exc, self._beats_dropped)
+                        continue
+                    self._beat_at = time.monotonic()
+        except EOFError:  # the core exited: the watch reports it
+            pass
+        except Exception:  # else the heartbeats age and /health says so
+            log.exception("the engine core's heartbeat listener stopped")
         finally:
-            sock.close(0)
-            ctx.term()
+            sock.close()
 
-    def _dropped(self, exc: Malformed) -> None:
+    def _drop(self, exc: Malformed, counts: dict[str, int]) -> None:
+        counts[exc.reason] += 1
         held = self._bad.allow()
         if held is not None:
-            log.error("dropped a message from the engine core's sockets: %s%s", exc, OncePer.since(held))
+            log.error("dropped a message from the engine core's link: %s%s", exc, OncePer.since(held))
+
+    def frames_dropped(self) -> dict[tuple[str, str], int]:
+        health = self._health
+        totals = {("server", reason): n + self._beats_dropped[reason] for reason, n in self._dropped.items()}
+        if health is not None:
+            totals.update({("core", reason): n for reason, n in health.frames_dropped.items()})
+        return totals
 
     # ------------------------------------------------------------------ requests
     def add(self, request) -> None:
@@ -219,28 +197,40 @@ class ZmqClient(CoreClient):
             raise InvalidRequest(f"the request cannot be sent to the engine: {exc}") from None
         if not self.alive:
             raise self.error or EngineDead("the engine core is not running")
-        self._out.send(frame, copy=False)
+        self._writer.write(LENGTH.pack(len(frame)) + frame)
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids and self.alive:
-            self._out.send(self._wire.pack(Abort(list(request_ids))), copy=False)
+            self._send(Abort(list(request_ids)))
 
     async def get_output(self) -> CoreOutputs:
         while True:
-            frame = await self._in.recv(copy=True)
+            try:
+                (n,) = LENGTH.unpack(await self._reader.readexactly(LENGTH.size))
+                frame = await self._reader.readexactly(n)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                await self._link_closed()
             try:
                 msg = self._wire.unpack(frame)
             except Malformed as exc:
-                self._dropped(exc)
+                self._drop(exc, self._dropped)
                 continue
             if isinstance(msg, CoreOutputs):
                 return msg
             self._lifecycle(msg)
 
+    async def _link_closed(self):
+        """The core closed its end: it is exiting, and the watch says how (its exit code fails the
+        open requests); this waits for good then. A core that closed it and runs on is dead to us."""
+        deadline = time.monotonic() + _CLOSED_LINK_GRACE_S
+        while self._proc.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._proc.is_alive():
+            raise EngineDead("the engine core closed its link to the server")
+        await asyncio.get_running_loop().create_future()  # cancelled at shutdown
+
     def _lifecycle(self, msg) -> None:
-        if isinstance(msg, Hello):
-            self._forget_name("outbox")
-        elif isinstance(msg, Loaded):
+        if isinstance(msg, Loaded):
             self.facts = msg.facts
             self.loaded.set()
             if self.on_loaded is not None:
