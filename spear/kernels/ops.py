@@ -134,7 +134,8 @@ def w4a16_ec_impl(x: torch.Tensor, w: PackedW4, bias: Optional[torch.Tensor], e:
     if m == 0:
         return x.new_empty((*lead, n_out))
     p = plan(m, n, k, 0 if e is None else e.kernel_rank, w.format, x.device, policy)
-    overlap = policy.semi_fused_overlap and x.is_cuda and type(x) is torch.Tensor and not torch.compiler.is_compiling()
+    overlap = (p.ec is EC.SEMI and policy.semi_fused_overlap and x.is_cuda and type(x) is torch.Tensor
+               and not torch.compiler.is_compiling())
     return run(p, x2, w, bias, e, act, pdl, overlap).reshape(*lead, n_out)
 
 

@@ -2,8 +2,8 @@
 
     ncu --clock-control none -k regex:_w4a16 -s 2 -c 1 --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio \\
-        python benchmarks/profile_mma.py --m 128 --n 4096 --k 4096 --launch 64,128,64,4,4,3
-    ncu ... -k regex:_w4_gluon ... python benchmarks/profile_mma.py --m 128 --gluon 128,128,64,4,8
+        python benchmarks/profile_fragment.py --m 128 --n 4096 --k 4096 --launch 64,128,64,4,4,3
+    ncu ... -k regex:_w4_gluon ... python benchmarks/profile_fragment.py --m 128 --gluon 128,128,64,4,8
 
 Runs the launch three times (the third is the one ``-s 2 -c 1`` profiles) on an RTN W4 g128 random
 layer after checking it against the fp32 reference, and prints its SQNR and CUDA-graph time beside
