@@ -214,7 +214,8 @@ def run_variant(args, name: str, model, load: Load, budgets: list[int], targets:
                 folder = write_folder(model, name, name.startswith("w4"), scratch / "model")
                 print(f"  {name}: wrote {folder} in {time.perf_counter() - t0:.1f} s", flush=True)
             for _ in range(args.passes):
-                trace, ready_s = run_http(folder, cfg, dtype, reqs, client_procs=args.client_procs, device=device)
+                trace, ready_s = run_http(folder, cfg, dtype, reqs, client_procs=args.client_procs, device=device,
+                                          core_threads=args.core_threads)
             rows.append(dict(common, path="HTTP", warmup_s=ready_s, **summarize(trace, target)))
             print("  " + json.dumps(rows[-1]), flush=True)
         if "in-process" not in args.paths:
@@ -274,6 +275,8 @@ def main(argv=None) -> int:
                         "processes) (default: %(default)s)")
     p.add_argument("--http", action="store_true", help="shorthand for --paths in-process,http")
     p.add_argument("--client-procs", type=int, default=4, help="processes of the HTTP client (default: %(default)s)")
+    p.add_argument("--core-threads", type=int, help="torch threads of the engine core, in process and in spear serve "
+                                                    "(default: spear serve's)")
     p.add_argument("--itl-slo-ms", default="",
                    help="comma-separated inter-token latency targets: per variant and target, one more run "
                         "under the latency-target scheduler (ceiling: the largest --budgets; the latency "
@@ -304,15 +307,16 @@ def main(argv=None) -> int:
         args.shape, args.client_procs = "tiny", min(args.client_procs, 2)
         budgets = [min(b, 64) for b in budgets]
     if args.tiny or args.cpu:
-        from spear.serve.frontend.zmq_client import default_torch_threads
-
         device, dtype = "cpu", torch.float32
-        torch.set_num_threads(default_torch_threads())  # the in-process engine on the threads spear serve's core gets
     else:
         if not torch.cuda.is_available():
             p.error("no CUDA device: the benchmark needs a GPU (use --tiny for a CPU smoke check, --cpu for a small "
                     "shape on the CPU)")
         device, dtype = "cuda", torch.float16
+    from spear.serve.frontend.zmq_client import default_torch_threads
+
+    # the in-process engine on the threads spear serve's core gets
+    torch.set_num_threads(args.core_threads or default_torch_threads(device))
     if args.shape not in SHAPES:
         p.error(f"unknown shape {args.shape}; known: {sorted(SHAPES)}")
     dev_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()})"

@@ -81,7 +81,8 @@ def _client(port: int, name: str, jobs: list[tuple[int, float, list[int], int]],
 
 
 def run_http(folder: Path, cfg: EngineConfig, dtype: torch.dtype, reqs: list[Request], name: str = "bench",
-             start_timeout_s: float = 1800, client_procs: int = 4, device: str = "auto") -> tuple[Trace, float]:
+             start_timeout_s: float = 1800, client_procs: int = 4, device: str = "auto",
+             core_threads: int | None = None) -> tuple[Trace, float]:
     """The workload through ``spear serve`` on ``folder`` in a process of its own (it runs the
     engine core in another), driven by the official ``openai`` client in ``client_procs``
     processes: (trace, seconds until /health said ready)."""
@@ -104,6 +105,8 @@ def run_http(folder: Path, cfg: EngineConfig, dtype: torch.dtype, reqs: list[Req
         cmd += ["--num-blocks", str(cfg.num_blocks)]
     if cfg.itl_slo_ms is not None:
         cmd += ["--itl-slo-ms", str(cfg.itl_slo_ms)]
+    if core_threads is not None:
+        cmd += ["--core-threads", str(core_threads)]
     t0 = time.perf_counter()
     server = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
     clients = []

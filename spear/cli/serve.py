@@ -143,6 +143,9 @@ def register(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     s.add_argument("--port", type=port, default=8000, help="port, 0-65535 (default: %(default)s)")
     s.add_argument("--served-model-name", help="the model id clients send (default: the --model argument)")
+    s.add_argument("--core-threads", type=positive_int, default=None, metavar="N",
+                   help="torch threads of the engine core (default: on a GPU 2, on a CPU all cores but one; the "
+                        "HTTP server's process keeps one)")
     s.add_argument("--step-timeout", type=positive_float, default=300.0, metavar="SECONDS",
                    help="/health answers 503 while one engine step has run longer than this, e.g. on a hung GPU "
                         "(default: %(default)s)")
@@ -162,11 +165,6 @@ def register(sub) -> None:
     s.add_argument("--header-timeout", type=positive_float, default=limits.header_timeout_s, metavar="SECONDS",
                    help="a connection must send a request's headers within this, else it is closed "
                         "(default: %(default)s)")
-    s.add_argument("--max-connections", type=positive_int, default=limits.max_connections, metavar="N",
-                   help="open connections kept; beyond them new ones are closed at once (held below the "
-                        "process's open-file limit) (default: %(default)s)")
-    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
-                   help="server log level (default: %(default)s)")
     s.add_argument("--min-upload-rate", type=positive_int, default=limits.min_upload_rate, metavar="BYTES",
                    help="after its headers (and a grace of --header-timeout) a request's body must arrive at this "
                         "many bytes a second or faster, else the connection is closed (default: %(default)s)")
@@ -174,12 +172,17 @@ def register(sub) -> None:
                    help="a request's headers and body must all arrive within this (default: %(default)s)")
     s.add_argument("--max-header-bytes", type=memory_size, default=limits.max_header_bytes, metavar="SIZE",
                    help="largest request line and headers; larger ones get HTTP 431 (default: %(default)s bytes)")
-    p.set_defaults(func=main)
-
-
+    s.add_argument("--max-connections", type=positive_int, default=limits.max_connections, metavar="N",
+                   help="open connections kept; beyond them new ones are closed at once (held below the "
+                        "process's open-file limit) (default: %(default)s)")
     s.add_argument("--max-connections-per-client", type=positive_int, default=limits.max_connections_per_client,
                    metavar="N", help="open connections of one client address; beyond them its new ones are closed "
                                      "at once (default: %(default)s)")
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                   help="server log level (default: %(default)s)")
+    p.set_defaults(func=main)
+
+
 def main(args) -> int:
     """The HTTP server in this process, the engine core in a process of its own (spear/serve/core/process.py)."""
     from spear.serve.core.process import forbid_inspection
@@ -231,7 +234,8 @@ def main(args) -> int:
               "); /health answers 200 once warm", flush=True)
 
     client = ZmqClient(str(path), config, dtype=dtype, device=device, verify=args.verify,
-                       eos_token_ids=tokenizer_eos(tokenizer), log_level=args.log_level, on_loaded=loaded)
+                       eos_token_ids=tokenizer_eos(tokenizer), log_level=args.log_level, on_loaded=loaded,
+                       torch_threads=args.core_threads)
     llm = AsyncLLM(client, tokenizer, step_timeout_s=args.step_timeout)
     print(f"loading {name} in the engine core; {url}/health answers 503 until it is ready", flush=True)
     run_server(llm, name, listener, args.log_level, limits)

@@ -222,6 +222,8 @@ def test_a_frozen_core_turns_health_503_and_ends_requests_it_has_not_taken(tiny_
         waited = time.monotonic() - frozen_at
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unresponsive", r.text
         assert waited < HEARTBEAT_STALE_S + 3, waited
+        # counted: the 503s a frozen core causes show in /metrics
+        assert 'spear_requests_rejected_total{reason="engine_unresponsive"} 1.0' in httpx.get(url + "/metrics").text
         health = _status_within(url, "/health", 503, 1)
         assert "stopped or frozen" in health.json()["error"]["message"]
         core.resume()
@@ -295,3 +297,19 @@ def test_sigterm_with_a_frozen_core_ends_within_the_shutdown_timeout(tiny_llama_
         if proc.poll() is None:
             proc.kill()
         proc.communicate(timeout=30)
+
+
+def test_the_cores_torch_threads_follow_its_device(monkeypatch):
+    """Catches: the engine core on 15 torch threads of 16 cores where it drives a GPU (their
+    barrier spins beside the HTTP server and its clients): a few on CUDA, all cores but one on a CPU."""
+    import os
+
+    from spear.serve.frontend import zmq_client
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(zmq_client, "_gpu_present", lambda: True)
+    assert [zmq_client.default_torch_threads(d) for d in ("cuda", "cuda:1", "auto", None, "cpu")] == [2, 2, 2, 2, 15]
+    monkeypatch.setattr(zmq_client, "_gpu_present", lambda: False)
+    assert zmq_client.default_torch_threads("auto") == 15
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert zmq_client.default_torch_threads("cuda") == 1 and zmq_client.default_torch_threads("cpu") == 1

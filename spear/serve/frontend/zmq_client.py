@@ -39,14 +39,29 @@ log = logging.getLogger(__name__)
 _CLOSED_LINK_GRACE_S = 5.0
 
 
-def default_torch_threads() -> int:
-    """The core's torch threads: the cores this process may run on, but one for the HTTP server's
-    process (torch's threads spin at their barriers: one without a core stalls every step)."""
+# a core that drives a GPU computes nothing heavy with torch on the CPU: more threads only spin at
+# their barriers beside the HTTP server's event loop and the clients on the same cores
+_CUDA_CORE_THREADS = 2
+
+
+def default_torch_threads(device: str | None = None) -> int:
+    """The core's torch threads. On a CPU the cores this process may run on, but one for the HTTP
+    server's process (torch's threads spin at their barriers: one without a core stalls every
+    step); where the core runs on CUDA (``device`` cuda…, or None / "auto" with a GPU) a few."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
+    name = (device or "auto").lower()
+    if name.startswith("cuda") or (name == "auto" and _gpu_present()):
+        return max(1, min(_CUDA_CORE_THREADS, cpus - 1))
     return max(1, cpus - 1)
+
+
+def _gpu_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class ZmqClient(CoreClient):
@@ -62,7 +77,7 @@ class ZmqClient(CoreClient):
         self._target = target
         self._args = dict(model=model, config=config, dtype=dtype, device=device, verify=verify,
                           eos_token_ids=tuple(eos_token_ids), log_level=log_level,
-                          torch_threads=torch_threads or default_torch_threads())
+                          torch_threads=torch_threads or default_torch_threads(device))
         self.on_loaded = on_loaded
         self._health: CoreHealth | None = None
         self._beat_at = time.monotonic()
