@@ -30,7 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _seal_if_serving(argv: list[str]) -> None:
+    """``spear serve`` holds every client's prompts and the engine core link's secret: it makes its
+    process non-dumpable here, before the seconds of imports that building the parser costs, since
+    a process of the same user that opens /proc/<pid>/mem while it is dumpable keeps reading it
+    (spear/serve/core/wire.py). Inline, because the helpers that do it live behind those imports."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command == "serve" and sys.platform.startswith("linux"):
+        import ctypes
+
+        if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _seal_if_serving(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -329,3 +329,23 @@ def test_both_processes_are_not_dumpable(tiny_llama_path, tmp_path):
                 probe = f"open('/proc/{pid}/mem', 'rb')"
                 out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
                 assert "PermissionError" in out.stderr, (pid, out.stderr)
+
+
+def test_spear_serve_is_sealed_before_its_imports():
+    """Catches: the server non-dumpable only once serve's main ran, after 4-15 s of the CLI's imports
+    in which a process of the user opened its memory and later read prompts there. The command
+    line is read first: serve seals at once, other commands do not."""
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("non-dumpable processes are Linux's")
+    code = ("import sys; import spear.cli as c; c._seal_if_serving(sys.argv[1:]); "
+            "from spear.serve.core.process import dumpable; print(dumpable())")
+    seen = [subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                           check=True).stdout.strip() for args in (["serve"], ["-q", "serve", "--port", "0"], ["run"])]
+    assert seen == ["False", "False", "True"]
+    # and nothing heavy was imported before the seal: spear.cli alone does not import torch
+    out = subprocess.run([sys.executable, "-c", "import sys, spear.cli; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
