@@ -33,10 +33,12 @@ class EngineConfig:
     latency_table: object = None
     min_chunk_tokens: int = 16           # prefill tokens a step takes at least under a target
     # the most prompt tokens one sequence computes in a step it shares with decodes or with other
-    # prompts, so that they are served beside a long prompt (spear/serve/core/scheduler.py); a prompt
-    # alone in its step takes the whole budget. None: by device (prefill_chunk). Under itl_slo_ms the
-    # latency table sets the cap instead
+    # prompts, so that they are served beside a long prompt (spear/serve/core/scheduler.py); and in a
+    # step it has alone (requests arriving during it wait for all of it). None: by device
+    # (prefill_chunks). Under itl_slo_ms the latency table sets the first, and a prompt alone takes
+    # the ceiling
     max_prefill_chunk: int | None = None
+    max_prefill_chunk_alone: int | None = None
     # correct the table's predictions by the measured steps, per kind of step (latency.Correction)
     latency_correction: bool = True
     # tensor parallelism (spear/parallel): ranks, one process and device each (cuda:0..N-1, or the
@@ -62,9 +64,10 @@ class EngineConfig:
         if isinstance(self.min_chunk_tokens, bool) or not isinstance(self.min_chunk_tokens, int) or \
                 self.min_chunk_tokens < 1:
             raise SpearError(f"min_chunk_tokens must be a whole number >= 1, got {self.min_chunk_tokens!r}")
-        chunk = self.max_prefill_chunk
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            raise SpearError(f"max_prefill_chunk must be a whole number >= 1 when given, got {chunk!r}")
+        for name in ("max_prefill_chunk", "max_prefill_chunk_alone"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise SpearError(f"{name} must be a whole number >= 1 when given, got {v!r}")
         if not isinstance(self.latency_correction, bool):
             raise SpearError(f"latency_correction must be True or False, got {self.latency_correction!r}")
         if self.latency_table is not None and not isinstance(self.latency_table, (str, os.PathLike, LatencyTable)):
@@ -83,17 +86,23 @@ class EngineConfig:
             raise SpearError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence decodes one token per step")
 
-    def prefill_chunk(self, device) -> int:
-        """``max_prefill_chunk``, or by device when None. On a CPU 32 tokens: there a step's time is
-        its tokens' (a decode step of the default model is ~60 ms on two cores, each prompt token beside
-        it 3.5 ms at context 0 and 13 ms at context 7,700, single-threaded CPU time), so a chunk of 32
-        keeps a shared step within a few decode steps at short contexts and a newcomer's first token
-        within two such steps. On an accelerator half the budget: a step costs about its weights'
-        reads up to hundreds of tokens, and the other half admits newcomers at once."""
-        if self.max_prefill_chunk is not None:
-            return self.max_prefill_chunk
+    def prefill_chunks(self, device) -> tuple[int, int | None]:
+        """(``max_prefill_chunk``, ``max_prefill_chunk_alone``), each by ``device`` when None.
+
+        On a CPU both are 32 tokens: there a step's time is its tokens' (the default model, single-
+        threaded CPU time: a decode step 61 ms; a prompt token beside it 3.5 ms at context 0 and 13 ms
+        at context 7,700, plus about two decode steps at 7,700 for the chunk's attention over its
+        context whatever its size), so those beside a long prompt, or arriving while it runs, wait
+        steps of a fraction of a second instead of seconds, and 32-token chunks cost an 8,000-token
+        prompt alone about 1.3x its whole-budget steps (BENCHMARKS.md, "A long prompt beside the
+        others"). On an accelerator a step costs about its weights' reads up to hundreds of tokens:
+        half the budget beside others (the other half admits newcomers at once), and the whole
+        budget alone (None)."""
         kind = device.type if hasattr(device, "type") else str(device).split(":")[0]
-        return 32 if kind == "cpu" else max(1, self.max_num_batched_tokens // 2)
+        cpu = kind == "cpu"
+        shared = self.max_prefill_chunk or (32 if cpu else max(1, self.max_num_batched_tokens // 2))
+        alone = self.max_prefill_chunk_alone or (shared if cpu else None)
+        return shared, alone
 
 
 def kernel_policy(pdl: str = "auto", launch_table=None, **changes) -> KernelPolicy:

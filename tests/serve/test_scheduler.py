@@ -18,9 +18,9 @@ from spear.serve.core.messages import SamplingParams
 from spear.serve.core.sequence import Sequence, Status
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=4, budget=8, max_waiting=16, cap=None):
+def make(num_blocks=64, block_size=4, max_num_seqs=4, budget=8, max_waiting=16, cap=None, alone=None):
     return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_waiting,
-                     max_prefill_chunk=cap)
+                     max_prefill_chunk=cap, max_prefill_chunk_alone=alone)
 
 
 def add(s: Scheduler, rid: str, n_prompt: int, max_tokens: int = 100) -> Sequence:
@@ -156,11 +156,19 @@ def test_a_short_prompt_is_served_beside_a_long_one_and_decodes_keep_their_pace(
     assert step(s) == ([("long", 40, 1), ("short", 8, 1)], [])       # both decode (in admission order)
 
 
-def test_a_lone_long_prompt_takes_the_whole_budget():
+def test_a_lone_long_prompt_takes_the_whole_budget_unless_capped_alone_too():
     s = make(budget=16, cap=4)
     add(s, "long", 40)
     assert [step(s)[0] for _ in range(4)] == [[("long", 0, 16)], [("long", 16, 16)], [("long", 32, 8)],
                                               [("long", 40, 1)]]
+    # the CPU's default: alone too (a request arriving during a step waits for all of it)
+    s = make(budget=16, cap=4, alone=10)
+    add(s, "long", 24)
+    assert step(s) == ([("long", 0, 10)], [])
+    add(s, "short", 3)
+    assert step(s) == ([("long", 10, 4), ("short", 0, 3)], [])   # beside another: the shared cap
+    s.finish(s.running[1], "abort")
+    assert step(s) == ([("long", 14, 10)], [])
 
 
 def test_a_request_that_cannot_be_admitted_does_not_cap_the_prompt():
@@ -184,22 +192,28 @@ def test_prompts_that_share_a_step_each_take_at_most_the_cap():
     assert step(s) == ([("a", 8, 2), ("b", 8, 2)], [])
 
 
-def test_the_cap_must_be_a_whole_number():
+def test_the_caps_must_be_whole_numbers():
     for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="max_prefill_chunk"):
+        with pytest.raises(ValueError, match="max_prefill_chunk must"):
             make(cap=bad)
+        with pytest.raises(ValueError, match="max_prefill_chunk_alone must"):
+            make(alone=bad)
 
 
 def test_the_engine_config_cap_by_device():
     from spear.errors import SpearError
     from spear.serve import EngineConfig
 
-    assert EngineConfig().prefill_chunk(torch.device("cpu")) == 32
-    assert EngineConfig(max_num_batched_tokens=2048).prefill_chunk(torch.device("cuda", 1)) == 1024
-    assert EngineConfig(max_prefill_chunk=100).prefill_chunk(torch.device("cpu")) == 100
-    for bad in (0, 1.5, False, "32"):
-        with pytest.raises(SpearError, match="max_prefill_chunk"):
-            EngineConfig(max_prefill_chunk=bad)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 1)
+    assert EngineConfig().prefill_chunks(cpu) == (32, 32)
+    assert EngineConfig(max_num_batched_tokens=2048).prefill_chunks(gpu) == (1024, None)
+    assert EngineConfig(max_prefill_chunk=100).prefill_chunks(cpu) == (100, 100)
+    assert EngineConfig(max_prefill_chunk_alone=512).prefill_chunks(cpu) == (32, 512)
+    assert EngineConfig(max_prefill_chunk=8, max_prefill_chunk_alone=64).prefill_chunks(gpu) == (8, 64)
+    for name in ("max_prefill_chunk", "max_prefill_chunk_alone"):
+        for bad in (0, 1.5, False, "32"):
+            with pytest.raises(SpearError, match=f"{name} must"):
+                EngineConfig(**{name: bad})
 
 
 workloads = st.lists(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12)), max_size=3), min_size=1,
@@ -208,14 +222,15 @@ workloads = st.lists(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12)),
 
 @settings(max_examples=80, deadline=None)
 @given(workloads, st.integers(4, 40), st.sampled_from([2, 4, 8]), st.integers(1, 6), st.integers(0, 40),
-       st.integers(1, 16))
-def test_every_step_serves_everyone_under_the_cap(script, num_blocks, block_size, max_num_seqs, extra, cap):
+       st.integers(1, 16), st.one_of(st.none(), st.integers(1, 24)))
+def test_every_step_serves_everyone_under_the_cap(script, num_blocks, block_size, max_num_seqs, extra, cap, alone):
     """Random arrivals against the cap's rules, each checked on the step as it ran: every
     sequence that was decoding decodes (or was preempted), a step holding decodes or several
     prompts gives no prompt more than the cap, a prompt alone in its step with nobody left
-    waiting gets the whole budget (or its rest), and every request is served in the end."""
+    waiting gets the whole budget (or its rest, or the cap alone), no step is empty while requests
+    are unfinished, and every request is served in the end."""
     budget = max_num_seqs + extra
-    s = make(num_blocks, block_size, max_num_seqs, budget, max_waiting=64, cap=cap)
+    s = make(num_blocks, block_size, max_num_seqs, budget, max_waiting=64, cap=cap, alone=alone)
     rng = random.Random(0)
     seqs = []
     for t in range(len(script) + 400):
@@ -241,7 +256,7 @@ def test_every_step_serves_everyone_under_the_cap(script, num_blocks, block_size
         if decodes or len(prompts) > 1:
             assert all(c.num_tokens <= cap for c in prompts)
         elif len(prompts) == 1 and not s.waiting:
-            assert prompts[0].num_tokens == min(need[prompts[0].seq.seq_id], budget)
+            assert prompts[0].num_tokens == min(need[prompts[0].seq.seq_id], budget, alone or budget)
         s.advance(out)
         for c in out.chunks:
             if c.samples:

@@ -316,6 +316,7 @@ def test_without_decodes_the_cap_is_half_the_tables_chunk_beside_one_decode():
     add(s, "x", 900)
     assert step(s)[0] == [("c", 0, 625), ("x", 0, 375)]   # both capped at 375, the 250 left back to c
     s = make(linear_table(), ceiling=1000)
+    s.max_prefill_chunk_alone = 32  # the CPU's default alone: a target prices steps itself, the ceiling stays
     add(s, "c", 1600)
     assert step(s)[0] == [("c", 0, 1000)]
 

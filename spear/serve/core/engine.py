@@ -152,10 +152,11 @@ class EngineCore:
                 log.info("%s", line)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         # a mixed step replayed as a graph costs its padded size: the chunks fill one
+        chunk, chunk_alone = config.prefill_chunks(device)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
                                    token_sizes=self.runner.mixed and tuple(self.runner.mixed.graphs),
-                                   max_prefill_chunk=config.prefill_chunk(device))
+                                   max_prefill_chunk=chunk, max_prefill_chunk_alone=chunk_alone)
         if pool is not None:
             pool.wait("that it is ready")
             self.runner.workers = pool

@@ -16,13 +16,15 @@ step it shares: with decodes, or with another prompt (prefilling, or waiting and
 now). So a request that arrives beside a long prompt is admitted at the next step instead of
 after the long prompt's last chunk, and the decodes' gap is one step of at most the decodes
 and the capped chunks, not one of the whole budget (Sarathi-Serve's point: decodes and new
-prefills share every step). A prompt with the step to itself takes the whole budget, so a lone
-long prompt is not slowed; the cap is a hard bound on a shared step (nothing left over goes
+prefills share every step). The cap is a hard bound on a shared step (nothing left over goes
 back to a capped prompt), since on a CPU a step of the whole budget takes seconds and every
-stream and every newcomer waits for it whole. When a decode needs a new block and none is free,
-the most recently admitted running sequence is preempted: its blocks are freed
-and it goes back to the front of the queue to be recomputed (prompt plus the
-output so far) once there is room again. The waiting queue is bounded: beyond the
+stream and every newcomer waits for it whole. A prompt with the step to itself takes the whole
+budget, so a lone long prompt is not slowed, unless ``max_prefill_chunk_alone`` caps it too: a
+request arriving during a step waits for all of it, which on a CPU is seconds.
+
+When a decode needs a new block and none is free, the most recently admitted running sequence
+is preempted: its blocks are freed and it goes back to the front of the queue to be recomputed
+(prompt plus the output so far) once there is room again. The waiting queue is bounded: beyond the
 requests the free sequence slots will take at the next step, at most ``max_waiting``
 more wait; :meth:`Scheduler.add` raises :class:`QueueFull` past that. (Counting the
 free slots matters for a burst that arrives between two steps: all of it is queued
@@ -120,14 +122,16 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_waiting: int, latency: LatencyTable | None = None, itl_slo_ms: float | None = None,
                  min_chunk_tokens: int = 16, token_sizes: tuple[int, ...] | None = None,
-                 correct: bool = True, max_prefill_chunk: int | None = None):
+                 correct: bool = True, max_prefill_chunk: int | None = None,
+                 max_prefill_chunk_alone: int | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({max_num_seqs}) so that every running sequence can decode each step")
-        if max_prefill_chunk is not None and (isinstance(max_prefill_chunk, bool) or not isinstance(
-                max_prefill_chunk, int) or max_prefill_chunk < 1):
-            raise ValueError(f"max_prefill_chunk must be a whole number >= 1 or None, got {max_prefill_chunk!r}")
-        self.max_prefill_chunk = max_prefill_chunk  # None: no cap without a target
+        for name, v in (("max_prefill_chunk", max_prefill_chunk), ("max_prefill_chunk_alone", max_prefill_chunk_alone)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a whole number >= 1 or None, got {v!r}")
+        # None: no cap (without a target), the whole budget for a prompt alone
+        self.max_prefill_chunk, self.max_prefill_chunk_alone = max_prefill_chunk, max_prefill_chunk_alone
         self.blocks = block_manager
         self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting = (
             max_num_seqs, max_num_batched_tokens, max_waiting)
@@ -208,6 +212,7 @@ class Scheduler:
         # Under a target the decodes' step is bounded by it: the cap binds against other prompts only,
         # and what it leaves goes back (below). Without one, the cap is the decodes' only bound too.
         shared = cap is not None and d > 0 and self.itl_slo_ms is None
+        alone = self.max_prefill_chunk_alone if self.itl_slo_ms is None else None
         prompts = [s for s in self.running if s.seq_id not in scheduled]
 
         for i, seq in enumerate(prompts):
@@ -217,6 +222,8 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             if cap is not None and (shared or out.prefill_tokens or i + 1 < len(prompts) or self._admissible(out)):
                 n = min(n, cap)
+            elif alone is not None:
+                n = min(n, alone)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             scheduled.add(seq.seq_id)
             budget -= n
@@ -230,6 +237,8 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             if cap is not None and (shared or out.prefill_tokens or self._admissible(out)):
                 n = min(n, cap)
+            elif alone is not None:
+                n = min(n, alone)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         if self.itl_slo_ms is not None:

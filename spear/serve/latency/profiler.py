@@ -152,10 +152,12 @@ def profile(engine, grid: Grid = DEFAULT_GRID, repeats: int = 5, warmup: int = 1
     from tqdm.auto import tqdm
 
     engine.warmup()  # compile every step shape first (CUDA): no timed step may pay a compilation
-    saved = (engine.num_steps, engine.last_step, engine.num_preemptions, engine.scheduler.correction,
-             engine.scheduler.max_prefill_chunk)
-    engine.scheduler.correction = None  # the profile's steps teach no correction
-    engine.scheduler.max_prefill_chunk = None  # each timed step's fresh prompt runs whole beside the decodes
+    sched = engine.scheduler
+    saved = (engine.num_steps, engine.last_step, engine.num_preemptions, sched.correction, sched.max_prefill_chunk,
+             sched.max_prefill_chunk_alone)
+    sched.correction = None  # the profile's steps teach no correction
+    # each timed step's fresh prompt runs whole beside the decodes
+    sched.max_prefill_chunk = sched.max_prefill_chunk_alone = None
     device, vocab = engine.runner.device, engine.model.config.vocab_size
     rng = random.Random(0)
     prompt = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
@@ -210,8 +212,8 @@ def profile(engine, grid: Grid = DEFAULT_GRID, repeats: int = 5, warmup: int = 1
     finally:
         bar.close()
         engine.abort_all()
-        (engine.num_steps, engine.last_step, engine.num_preemptions, engine.scheduler.correction,
-         engine.scheduler.max_prefill_chunk) = saved
+        (engine.num_steps, engine.last_step, engine.num_preemptions, sched.correction, sched.max_prefill_chunk,
+         sched.max_prefill_chunk_alone) = saved
     med = [[[statistics.median(times[i][j][k]) for k in range(shape[2])] for j in range(shape[1])]
            for i in range(shape[0])]
     deviations = [t / med[i][j][k] - 1 for i in range(shape[0]) for j in range(shape[1]) for k in range(shape[2])
