@@ -1,13 +1,14 @@
-"""RTN vs GPTQ vs AWQ on the default model (SPEAR.md §3/§4 protocol), with static QERA-approx on top.
+"""RTN vs GPTQ vs AWQ vs OmniQuant on the default model (SPEAR.md §3/§4 protocol), with static QERA-approx on top.
 
 For each granularity (W4 per-channel sym, W4 g64 sym): perplexity of every base,
 its quantization wall time on this machine, and static QERA-approx rank 4 on all
 quantized linears on top of it (gap recovered relative to that base's own gap).
-GPTQ/AWQ calibrate on sequences self-sampled from the FP model (data-free; the
+GPTQ/AWQ/OmniQuant calibrate on sequences self-sampled from the FP model (data-free; the
 sampling time is reported once, it is cached and shared); QERA statistics come from
 the text's calibration windows, as in ``spear run``.
 
     .venv/bin/python benchmarks/bench_quantizers.py [--out results/quantizers]
+    .venv/bin/python benchmarks/bench_quantizers.py --methods rtn,omniquant   # OmniQuant's default settings
 
 Writes ``bench_quantizers.json`` / ``.md`` under ``--out`` after every row.
 """
@@ -24,7 +25,7 @@ import torch
 
 from spear.compensate.static import attach_static, remove_compensators
 from spear.compensate.stats import collect_activation_stats
-from spear.config import CalibConfig, EvalConfig, GPTQConfig, QuantConfig, StaticCompensationConfig
+from spear.config import CalibConfig, EvalConfig, GPTQConfig, OmniQuantConfig, QuantConfig, StaticCompensationConfig
 from spear.eval.memory import compensator_bytes, quantized_model_bytes
 from spear.eval.perplexity import perplexity
 from spear.eval.report import Row, gap_recovered, machine_label
@@ -83,9 +84,10 @@ def main() -> None:
               "calibration": (f"{calib_cfg.n_samples} self-sampled sequences x {calib_cfg.seq_len} tokens "
                               f"(seed {calib_cfg.seed}, T={calib_cfg.temperature}, top-p {calib_cfg.top_p})"
                               if calib_cfg.source == "self" else f"{split.calib.shape[0]} text windows"),
-              "gptq_act_order": args.act_order,
+              "gptq_act_order": args.act_order, "omniquant": asdict(OmniQuantConfig()),
               "qera_stats": f"{split.calib.shape[0]} text windows",
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": machine_label()}
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": machine_label(),
+              "date": time.strftime("%Y-%m-%d")}
     records = [{"config": "FP", "method": "FP", "ppl": fp.ppl}]
     rtn_pc = None
     for gs in [int(g) for g in args.granularities.split(",")]:

@@ -119,6 +119,43 @@ class AWQConfig:
             raise SpearError(f"AWQ rounding must be rtn or gptq, got {self.rounding!r}")
 
 
+OMNIQUANT_INITS = ("search", "max")
+
+
+@dataclass(frozen=True)
+class OmniQuantConfig:
+    """OmniQuant's learnable weight clipping (spear/quant/omniquant.py): per output row (and group) a
+    factor on the range's maximum and one on its minimum, ``sigmoid`` of a trained logit, learned one
+    decoder layer at a time so the quantized layer's output matches the FP layer's (MSE).
+
+    ``samples``: at most this many calibration sequences train the clipping (the first of the ids the
+    quantizer is given; ``QuantConfig.calib`` draws them), so the time stays bounded whatever a caller
+    passes; ``epochs`` passes over them per layer, in batches of ``QuantConfig.calib.batch_size``;
+    ``lr`` of the logits (AdamW, constant, no weight decay; 5e-2 moved the factors further and ended
+    0.7 ppl higher on the default model); ``init``: where the factors start, ``"search"`` (each row's
+    and group's best ratio on a grid in [0.5, 1] under the layer inputs' Hessian, as AWQ's clipping
+    search) or ``"max"`` (OmniQuant's own: sigmoid(4) = 0.982, nearly the full range, which the few
+    steps a CPU affords barely move)."""
+
+    epochs: int = 2
+    lr: float = 1e-2
+    samples: int = 64
+    init: str = "search"
+
+    def __post_init__(self):
+        for name in ("epochs", "samples"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SpearError(f"OmniQuant {name} must be a whole number >= 1, got {v!r}")
+        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < float("inf")):
+            raise SpearError(f"OmniQuant lr must be a finite number > 0, got {self.lr!r}")
+        if self.init not in OMNIQUANT_INITS:
+            raise SpearError(f"OmniQuant init must be one of {', '.join(OMNIQUANT_INITS)}; got {self.init!r}")
+
+
+QUANT_METHODS = ("rtn", "gptq", "awq", "omniquant")
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """Weight-only quantization of every selected linear.
@@ -143,14 +180,15 @@ class QuantConfig:
     calib: CalibConfig = field(default_factory=CalibConfig)
     gptq: GPTQConfig = field(default_factory=GPTQConfig)
     awq: AWQConfig = field(default_factory=AWQConfig)
+    omniquant: OmniQuantConfig = field(default_factory=OmniQuantConfig)
 
     def __post_init__(self):
         if self.bits not in (2, 3, 4, 8):
             raise SpearError(f"bits must be one of 2, 3, 4, 8; got {self.bits}")
         if self.group_size < 0:
             raise SpearError(f"group_size must be 0 (per-channel) or positive, got {self.group_size}")
-        if self.method not in ("rtn", "gptq", "awq"):
-            raise SpearError(f"quantization method must be rtn, gptq or awq; got {self.method!r}")
+        if self.method not in QUANT_METHODS:
+            raise SpearError(f"quantization method must be one of {', '.join(QUANT_METHODS)}; got {self.method!r}")
         if self.head_bits not in (0, 2, 3, 4, 8):
             raise SpearError(f"head_bits must be 0 (as bits) or one of 2, 3, 4, 8; got {self.head_bits}")
         if self.head_bits and not self.include_lm_head:
@@ -165,7 +203,8 @@ class QuantConfig:
     def label(self) -> str:
         gran = "per-channel" if self.group_size == 0 else f"g{self.group_size}"
         head = f" + head W{self.head_bits}" if self.separate_head else " + head" if self.include_lm_head else ""
-        method = "AWQ+GPTQ" if self.method == "awq" and self.awq.rounding == "gptq" else self.method.upper()
+        method = "AWQ+GPTQ" if self.method == "awq" and self.awq.rounding == "gptq" else \
+            "OmniQuant" if self.method == "omniquant" else self.method.upper()
         return f"{method} W{self.bits} {gran} {'sym' if self.symmetric else 'asym'}{head}"
 
     def to_dict(self) -> dict:
@@ -173,7 +212,7 @@ class QuantConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "QuantConfig":
-        nested = {"calib": CalibConfig, "gptq": GPTQConfig, "awq": AWQConfig}
+        nested = {"calib": CalibConfig, "gptq": GPTQConfig, "awq": AWQConfig, "omniquant": OmniQuantConfig}
         data = {k: _from_dict(nested[k], v) if k in nested and isinstance(v, dict) else v for k, v in data.items()}
         return _from_dict(cls, data)
 
@@ -242,4 +281,4 @@ class EvalConfig:
         return asdict(self)
 
 
-__all__ = ["QuantConfig", "CalibConfig", "GPTQConfig", "AWQConfig", "CALIB_SOURCES", "StaticCompensationConfig", "EvalConfig", "STATIC_METHODS"]
+__all__ = ["QuantConfig", "CalibConfig", "GPTQConfig", "AWQConfig", "OmniQuantConfig", "QUANT_METHODS", "CALIB_SOURCES", "StaticCompensationConfig", "EvalConfig", "STATIC_METHODS"]

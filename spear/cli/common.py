@@ -96,7 +96,9 @@ def eval_config_from(args) -> EvalConfig:
 
 def add_quant_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("quantization")
-    g.add_argument("--method", choices=["rtn", "gptq", "awq"], default="rtn", help="quantizer (default: %(default)s)")
+    from spear.config import OMNIQUANT_INITS, QUANT_METHODS, OmniQuantConfig
+
+    g.add_argument("--method", choices=QUANT_METHODS, default="rtn", help="quantizer (default: %(default)s)")
     g.add_argument("--bits", type=int, choices=[2, 3, 4, 8], default=4, help="weight bits (default: %(default)s)")
     g.add_argument("--group-size", type=nonneg_int, default=0,
                    help="input columns per scale; 0 = per-channel (default: %(default)s)")
@@ -105,7 +107,7 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lm-head-bits", type=int, choices=[2, 3, 4, 8],
                    help="quantize the output head at this many bits, RTN per-channel symmetric (implies "
                         "--include-lm-head; 8 keeps nearly all of its accuracy and halves its bytes)")
-    c = p.add_argument_group("GPTQ / AWQ calibration")
+    c = p.add_argument_group("GPTQ / AWQ / OmniQuant calibration")
     c.add_argument("--calib-source", choices=["self", "text"], default="self",
                    help="'self': sequences sampled from the FP model (data-free, cached); 'text': the "
                         "--calib-windows windows of --text (default: %(default)s)")
@@ -122,10 +124,21 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="AWQ: how the scaled weights are rounded: to the nearest level, or with GPTQ's error "
                         "feedback (uses --gptq-damp; a lower base per channel, but a higher perplexity once "
                         "compensators are calibrated on it, BENCHMARKS.md; default: %(default)s)")
+    o = p.add_argument_group("OmniQuant (learnable weight clipping, trained one decoder layer at a time)")
+    d = OmniQuantConfig()
+    o.add_argument("--omniquant-epochs", type=positive_int, default=d.epochs,
+                   help="passes over the calibration sequences per layer (default: %(default)s)")
+    o.add_argument("--omniquant-lr", type=positive_float, default=d.lr,
+                   help="learning rate of the clipping logits (default: %(default)s)")
+    o.add_argument("--omniquant-samples", type=positive_int, default=d.samples,
+                   help="at most this many calibration sequences train the clipping (default: %(default)s)")
+    o.add_argument("--omniquant-init", choices=OMNIQUANT_INITS, default=d.init,
+                   help="where the clip factors start: each row's/group's best grid ratio, or OmniQuant's 0.982 "
+                        "(default: %(default)s)")
 
 
 def quant_config_from(args) -> QuantConfig:
-    from spear.config import AWQConfig, CalibConfig, GPTQConfig
+    from spear.config import AWQConfig, CalibConfig, GPTQConfig, OmniQuantConfig
 
     return QuantConfig(bits=args.bits, group_size=args.group_size, symmetric=not args.asym,
                        method=args.method, include_lm_head=args.include_lm_head or bool(args.lm_head_bits),
@@ -133,7 +146,9 @@ def quant_config_from(args) -> QuantConfig:
                        calib=CalibConfig(source=args.calib_source, n_samples=args.calib_samples,
                                          seq_len=args.calib_seq_len),
                        gptq=GPTQConfig(damp=args.gptq_damp, act_order=args.act_order),
-                       awq=AWQConfig(clip=not args.awq_no_clip, rounding=args.awq_rounding))
+                       awq=AWQConfig(clip=not args.awq_no_clip, rounding=args.awq_rounding),
+                       omniquant=OmniQuantConfig(epochs=args.omniquant_epochs, lr=args.omniquant_lr,
+                                                 samples=args.omniquant_samples, init=args.omniquant_init))
 
 
 def read_plan(path: str | None) -> dict[str, int] | None:

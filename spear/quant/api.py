@@ -15,7 +15,7 @@ from spear.quant.rtn import quantize_model_rtn
 
 def calibration_ids(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | None = None, tokenizer=None,
                     progress: bool = True) -> torch.Tensor:
-    """The (n, L) token ids GPTQ/AWQ calibrate on.
+    """The (n, L) token ids GPTQ/AWQ/OmniQuant calibrate on.
 
     Ids passed as ``calib`` are used as given (text windows, or self-samples a caller
     already drew, e.g. for the compensator calibration). Otherwise ``cfg.calib.source``
@@ -52,7 +52,8 @@ def quantize_for_compensation(model: nn.Module, cfg: QuantConfig, references: li
     """``quantize_model``, then each of ``references`` (anything with ``fp_weights`` and ``stats``:
     a Reference, a CalibrationData) moved to the weights the method rounded: AWQ scales each
     linear's channels before rounding, so its compensators make up for the error against the
-    scaled weights (spear/quant/awq.py, ``rescale_reference``). Other methods leave them as they are."""
+    scaled weights (spear/quant/awq.py, ``rescale_reference``). Other methods (RTN, GPTQ, OmniQuant's
+    clipping) round the FP weights themselves and leave them as they are."""
     channel_scales: dict = {}
     modules = quantize_model(model, cfg, calib, progress, tokenizer, channel_scales)
     if channel_scales:
@@ -67,7 +68,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | Non
                    progress: bool = True, tokenizer=None, channel_scales: dict | None = None) -> dict[str, QuantLinear]:
     """Quantize ``model`` in place with ``cfg.method``; returns ``{name: QuantLinear}``.
 
-    RTN needs no data. GPTQ and AWQ calibrate layer by layer on the ids chosen by
+    RTN needs no data. GPTQ, AWQ and OmniQuant calibrate layer by layer on the ids chosen by
     :func:`calibration_ids`: ``calib`` (n, L) when given, else sequences sampled
     from the model with ``tokenizer`` (``cfg.calib.source == "self"``).
     AWQ fills ``channel_scales`` with how it rescaled each linear (see
@@ -81,13 +82,17 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | Non
         return {**out, **quantize_model_rtn(model, head, progress=False)}
     if cfg.method == "rtn":
         return quantize_model_rtn(model, cfg, progress=progress)
-    if cfg.method not in ("gptq", "awq"):
+    if cfg.method not in ("gptq", "awq", "omniquant"):
         raise SpearError(f"quantization method {cfg.method!r} is not available in this build")
     ids = calibration_ids(model, cfg, calib, tokenizer, progress)
     if cfg.method == "gptq":
         from spear.quant.gptq import quantize_model_gptq
 
         return quantize_model_gptq(model, cfg, ids, progress=progress)
+    if cfg.method == "omniquant":
+        from spear.quant.omniquant import quantize_model_omniquant
+
+        return quantize_model_omniquant(model, cfg, ids, progress=progress)
     from spear.quant.awq import quantize_model_awq
 
     return quantize_model_awq(model, cfg, ids, progress=progress, channel_scales=channel_scales)

@@ -88,7 +88,8 @@ def test_pipeline_awq_static_rows_use_the_scaled_reference(tiny_llama_path, arti
     text.write_text(article_text)
     eval_cfg = EvalConfig(text=str(text), seq_len=64, eval_windows=2, calib_windows=2)
     quant = QuantConfig(method="awq", group_size=32, calib=CalibConfig(source="text"))
-    result = run_job(str(tiny_llama_path), quant, eval_cfg, ["qera-approx"], rank=8, progress=False, log=lambda *_: None)
+    result = run_job(str(tiny_llama_path), quant, eval_cfg, ["qera-approx"], rank=8, progress=False, log=lambda *_: None,
+                     spear_variants=())
     fp, base, qera = (r.ppl for r in result.rows)
     # The static correction is built against W·diag(s) (the weights AWQ rounded) and moves toward FP.
     assert abs(qera - fp) < abs(base - fp)

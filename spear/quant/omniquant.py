@@ -1,0 +1,280 @@
+"""OmniQuant's learnable weight clipping (LWC; Shao et al., ICLR 2024, §3.2), weight-only.
+
+Each output row (and each group of a grouped layout) clips its range with two factors in (0, 1),
+``γ = sigmoid(u)`` on the maximum and ``β = sigmoid(l)`` on the minimum:
+
+    asymmetric:  h = (γ·max(W) − β·min(W)) / (2^b − 1),   z = round(−β·min(W) / h)
+    symmetric:   h = max(γ·max(W), −β·min(W)) / (2^(b−1) − 1),   z = 2^(b−1)
+
+(the range always holds 0, as :func:`spear.quant.primitives.compute_qparams` keeps it), and the
+weight is fake-quantized as ``(clamp(round(W/h) + z, 0, 2^b − 1) − z)·h`` with the rounding's
+gradient passed straight through (the scales rounded to the fp16 they are stored in, so the trained
+function is the stored one). Only the logits u, l train. They are learned one decoder layer at a
+time (AdamW, MSE): the layer with fake-quantized linears takes the inputs the already quantized
+layers before it produce, and is trained to give the output the FP layer gives on those same
+inputs, the objective GPTQ and AWQ minimise per linear, here over the whole layer. The paper's
+target is the FP layer on the FP model's own inputs, so that a layer also undoes the error of the
+layers before it; with two factors per row and a CPU's budget of text that lowered the training
+error and raised the perplexity (default model, W4 per channel: 35.6-37.5 against 34.5;
+BENCHMARKS.md, "OmniQuant"). A layer keeps its start when training does not lower its output
+error on the calibration batches. Text: the calibration ids the other quantizers use (self-samples
+of the FP model, data free). After training each linear is rounded with its learned clip into the
+usual codes, scales and zero points, so the checkpoint, every kernel, tensor parallelism and the
+vLLM op serve it as they serve RTN; the weights rounded are the FP weights (no rescaling), so
+compensators are fitted against those as they are.
+
+The factors start from ``OmniQuantConfig.init``: ``"search"`` takes each row's and group's best
+ratio on AWQ's grid under the layer inputs' Hessian (:func:`spear.quant.awq.awq_search_clip`),
+which a few epochs then refine, where the paper starts near the full range (``"max"``:
+sigmoid(4) = 0.982) and trains for 20 epochs of 128 × 2048 tokens, too long on a CPU. A start
+is capped at sigmoid(4): at the full range a logit's gradient vanishes and it could not move.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from spear.config import QuantConfig
+from spear.errors import SpearError
+from spear.models.modules import quantizable_linears, set_module
+from spear.quant.calib import (LayerBatch, capture_layer_inputs, collect_input_stats, find_decoder_layers,
+                               layer_forward, linear_groups)
+from spear.quant.linear import QuantLinear
+from spear.quant.primitives import n_groups, quantize
+
+log = logging.getLogger(__name__)
+
+# The largest starting logit: sigmoid(4) = 0.982, OmniQuant's own start.
+MAX_INIT_LOGIT = 4.0
+# The smallest factor: a range clipped below 0.1% of itself holds nothing useful, and as sigmoid(u) -> 0 the
+# scale underflows and the rounding's gradient becomes 0 · inf.
+MIN_FACTOR = 1e-3
+
+
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    """``round(x)`` forward, the identity backward (straight-through estimator)."""
+    return x + (torch.round(x) - x).detach()
+
+
+def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    out_f, in_f = w.shape
+    g = n_groups(in_f, group_size)
+    return w.reshape(out_f, g, in_f // g)
+
+
+def lwc_qparams(w: torch.Tensor, up: torch.Tensor, low: torch.Tensor, bits: int, group_size: int,
+                symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and zero points (out, G), both float, of ``w`` (out, in) with its range's maximum
+    scaled by ``up`` and its minimum by ``low`` (each (out, G) in (0, 1], or a float). Differentiable
+    in ``up`` and ``low`` (the zero point's rounding straight through); with ``up = low = r`` the
+    same as :func:`spear.quant.primitives.compute_qparams` with ``clip = r``."""
+    wg = _grouped(w.float(), group_size)
+    qmax = 2 ** bits - 1
+    wmax = wg.amax(dim=-1).clamp(min=0) * up
+    wmin = wg.amin(dim=-1).clamp(max=0) * low
+    if symmetric:
+        half = 2 ** (bits - 1)
+        scales = torch.maximum(wmax, -wmin) / (half - 1)
+        zeros = torch.full_like(scales, float(half))
+    else:
+        scales = (wmax - wmin) / qmax
+        zeros = round_ste(-wmin / scales.clamp(min=torch.finfo(torch.float32).tiny)).clamp(0, qmax)
+    # An all-zero group would give scale 0; any positive scale represents it exactly.
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return scales, zeros
+
+
+def lwc_fake_quantize(w: torch.Tensor, up: torch.Tensor, low: torch.Tensor, bits: int, group_size: int,
+                      symmetric: bool) -> torch.Tensor:
+    """``w`` rounded to its clipped grid and back (float32), with straight-through gradients: what
+    :func:`lwc_quantize_weight`'s codes, fp16 scales and zero points dequantize to."""
+    scales, zeros = lwc_qparams(w, up, low, bits, group_size, symmetric)
+    scales = scales + (scales.to(torch.float16).float() - scales).detach()  # the fp16 scales stored
+    wg = _grouped(w.float(), group_size)
+    s, z = scales.unsqueeze(-1), zeros.unsqueeze(-1)
+    q = (round_ste(wg / s) + z).clamp(0, 2 ** bits - 1)
+    return ((q - z) * s).reshape(w.shape)
+
+
+@torch.no_grad()
+def lwc_quantize_weight(w: torch.Tensor, up: torch.Tensor, low: torch.Tensor, bits: int, group_size: int,
+                        symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes uint8 (out, in), scales fp16 (out, G), zeros uint8 (out, G))`` with the given clip, in the
+    layout of :mod:`spear.quant.primitives`; the codes are rounded against the fp16 scales stored."""
+    scales, zeros = lwc_qparams(w, up, low, bits, group_size, symmetric)
+    scales = scales.to(torch.float16).float()
+    zeros = zeros.to(torch.uint8)
+    return quantize(w, scales, zeros, bits, group_size), scales.to(torch.float16), zeros
+
+
+def logit(p: torch.Tensor) -> torch.Tensor:
+    return torch.log(p) - torch.log1p(-p)
+
+
+class ClippedLinear(nn.Module):
+    """A linear whose (frozen) weight is fake-quantized with learnable clipping: the training form of
+    one layer's linear. ``up`` and ``low`` are the logits of the factors on the maximum and minimum."""
+
+    def __init__(self, linear: nn.Linear, cfg: QuantConfig, start: torch.Tensor | float):
+        super().__init__()
+        self.linear = linear
+        self.bits, self.group_size, self.symmetric = cfg.bits, cfg.group_size, cfg.symmetric
+        g = n_groups(linear.in_features, cfg.group_size)
+        w = linear.weight
+        ratio = torch.as_tensor(start, dtype=torch.float32, device=w.device).expand(linear.out_features, g)
+        u = logit(ratio.clamp(1e-4, 1 - 1e-4)).clamp(max=MAX_INIT_LOGIT)
+        self.up = nn.Parameter(u.clone())
+        self.low = nn.Parameter(u.clone())
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(γ, β): the clip factors on the maximum and the minimum, (out, G), in [MIN_FACTOR, 1)."""
+        return torch.sigmoid(self.up).clamp(min=MIN_FACTOR), torch.sigmoid(self.low).clamp(min=MIN_FACTOR)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, low = self.factors()
+        w = lwc_fake_quantize(self.linear.weight, up, low, self.bits, self.group_size, self.symmetric)
+        bias = self.linear.bias
+        return nn.functional.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    @torch.no_grad()
+    def to_quant_linear(self) -> QuantLinear:
+        up, low = self.factors()
+        codes, scales, zeros = lwc_quantize_weight(self.linear.weight, up, low, self.bits, self.group_size,
+                                                   self.symmetric)
+        return QuantLinear.from_quantized(self.linear, codes, scales, zeros, self.bits, self.group_size,
+                                          self.symmetric)
+
+
+@dataclass
+class LayerReport:
+    """One layer: its output MSE against the target over the training batches with the clip it started
+    from and with the clip it kept (``kept``: "trained", or "start" when training did not lower it), and
+    the kept clip factors' range."""
+
+    layer: str
+    mse_start: float
+    mse_end: float
+    kept: str
+    clip_min: float
+    clip_max: float
+
+
+def _search_start(layer: nn.Module, batches: list[LayerBatch], names: list[str], cfg: QuantConfig) -> dict:
+    from spear.quant.awq import awq_search_clip
+
+    stats = collect_input_stats(layer, batches, names, stop_after=False)
+    return {n: awq_search_clip(layer.get_submodule(n).weight.data, stats[n].hessian, cfg) for n in names}
+
+
+def block_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The layer's output error: the mean squared error."""
+    return nn.functional.mse_loss(out.float(), target.float())
+
+
+def _output_mse(layer: nn.Module, batches: list[LayerBatch], targets: list[torch.Tensor]
+                ) -> tuple[list[torch.Tensor], float]:
+    with torch.no_grad():
+        outs = [layer_forward(layer, b) for b in batches]
+    mse = sum(block_loss(o, t).item() for o, t in zip(outs, targets)) / len(outs)
+    return outs, mse
+
+
+def _install(layer: nn.Module, clipped: dict[str, ClippedLinear]) -> dict[str, QuantLinear]:
+    done = {n: c.to_quant_linear() for n, c in clipped.items()}
+    for n, q in done.items():
+        set_module(layer, n, q)
+    return done
+
+
+def train_layer(layer_name: str, layer: nn.Module, q_batches: list[LayerBatch], targets: list[torch.Tensor],
+                cfg: QuantConfig, seed: int = 0) -> tuple[dict[str, QuantLinear], list[torch.Tensor], LayerReport]:
+    """Learn the clipping of every linear of ``layer`` so that, fed ``q_batches``, its output matches
+    ``targets`` (one per batch); replace each linear by its :class:`QuantLinear` in place. Returns the
+    QuantLinears, the quantized layer's outputs on ``q_batches`` and the report. The start is kept when
+    the trained clip does not lower the output error on these batches (a few noisy straight-through steps
+    can raise it), so a layer never ends worse than its start."""
+    opts = cfg.omniquant
+    names = [n for g in linear_groups(layer, q_batches[0]) for n in g]
+    with torch.no_grad():
+        start = _search_start(layer, q_batches, names, cfg) if opts.init == "search" else \
+            dict.fromkeys(names, torch.sigmoid(torch.tensor(MAX_INIT_LOGIT)).item())
+    clipped = {}
+    for n in names:
+        clipped[n] = ClippedLinear(layer.get_submodule(n), cfg, start[n])
+        set_module(layer, n, clipped[n])
+    _, mse_start = _output_mse(layer, q_batches, targets)
+    start_logits = {n: (c.up.detach().clone(), c.low.detach().clone()) for n, c in clipped.items()}
+    params = [p for c in clipped.values() for p in (c.up, c.low)]
+    frozen = [p for p in layer.parameters() if p.requires_grad and not any(p is q for q in params)]
+    for p in frozen:
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        with torch.enable_grad():
+            for _ in range(opts.epochs):
+                for i in torch.randperm(len(q_batches), generator=gen).tolist():
+                    loss = block_loss(layer_forward(layer, q_batches[i]), targets[i])
+                    if not torch.isfinite(loss):
+                        raise SpearError(f"OmniQuant: the output error of {layer_name} is {loss.item()}; "
+                                         "lower the learning rate (--omniquant-lr)")
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    done = _install(layer, clipped)
+    outs, mse_end = _output_mse(layer, q_batches, targets)
+    kept = "trained"
+    if not mse_end <= mse_start:
+        with torch.no_grad():
+            for n, c in clipped.items():
+                c.up.copy_(start_logits[n][0])
+                c.low.copy_(start_logits[n][1])
+        done = _install(layer, clipped)
+        outs, mse_end = _output_mse(layer, q_batches, targets)
+        kept = "start"
+    factors = [f for c in clipped.values() for f in c.factors()]
+    return done, outs, LayerReport(layer_name, mse_start, mse_end, kept, min(f.min().item() for f in factors),
+                                   max(f.max().item() for f in factors))
+
+
+@torch.no_grad()
+def quantize_model_omniquant(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor, progress: bool = True,
+                             report: list | None = None) -> dict[str, QuantLinear]:
+    """Quantize every quantizable linear of ``model`` in place with learned clipping, one decoder layer at a
+    time, trained on the first ``cfg.omniquant.samples`` of ``calib`` (n, L) ids; ``report`` collects a
+    :class:`LayerReport` per layer. Linears outside the decoder layers (the head when included) get RTN."""
+    from spear.quant.rtn import rtn_quantize_linear
+
+    report = [] if report is None else report
+    ids = calib[: cfg.omniquant.samples]
+    prefix, layers = find_decoder_layers(model)
+    q_batches = capture_layer_inputs(model, layers[0], ids, cfg.calib.batch_size)
+    done: dict[str, nn.Module] = {}
+    bar = tqdm(layers, desc=f"OmniQuant W{cfg.bits}", unit="layer", disable=not progress, leave=False)
+    for i, layer in enumerate(bar):
+        layer_name = f"{prefix}.{i}" if prefix else str(i)
+        targets = [layer_forward(layer, b) for b in q_batches]  # the FP layer on the quantized layer's inputs
+        mods, outs, rep = train_layer(layer_name, layer, q_batches, targets, cfg, seed=cfg.calib.seed + i)
+        report.append(rep)
+        bar.set_postfix(mse=f"{rep.mse_end:.3g}")
+        log.info("OmniQuant %s: output MSE %.4g (start) -> %.4g (%s), clip factors in [%.3f, %.3f]",
+                 layer_name, rep.mse_start, rep.mse_end, rep.kept, rep.clip_min, rep.clip_max)
+        for rel, mod in mods.items():
+            done[f"{layer_name}.{rel}"] = mod
+        q_batches = [LayerBatch(o, b.kwargs) for o, b in zip(outs, q_batches)]  # the next layer's inputs
+    del q_batches, targets
+    for name in quantizable_linears(model, cfg.include_lm_head):
+        if name not in done:
+            log.info("OmniQuant: %s is outside the decoder layers; quantized with RTN", name)
+            q = rtn_quantize_linear(model.get_submodule(name), cfg)
+            set_module(model, name, q)
+            done[name] = q
+    return done
