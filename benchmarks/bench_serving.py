@@ -369,6 +369,19 @@ def throughput_ratios(rows: list[dict]) -> str:
                              f"{h['client_late_p99_ms']:.1f} ms, until the core took it {h['until_taken_p50_ms']:.1f} / "
                              f"{h['until_taken_p99_ms']:.1f} ms, then to the first token {h['taken_to_first_p50_ms']:.1f} / "
                              f"{h['taken_to_first_p99_ms']:.1f} ms")
+            if "server_admit_p50_ms" in h:
+                lines.append("  of 'until the core took it', p50 / p99: the server parsing the body "
+                             f"{h['server_parse_p50_ms']:.1f} / {h['server_parse_p99_ms']:.1f} ms, preparing it "
+                             f"{h['server_prepare_p50_ms']:.1f} / {h['server_prepare_p99_ms']:.1f} ms, waiting for the "
+                             f"core {h['server_admit_p50_ms']:.1f} / {h['server_admit_p99_ms']:.1f} ms; outside the "
+                             f"server (client and socket) {h['outside_server_p50_ms']:.1f} / "
+                             f"{h['outside_server_p99_ms']:.1f} ms")
+            if "output_delay_p50_ms" in h:
+                lines.append("  in the server, p50 / p99 (bucket bounds): the core's message to its handling "
+                             f"{h['output_delay_p50_ms']:.1f} / {h['output_delay_p99_ms']:.1f} ms "
+                             f"({h['output_delay_over_8ms_pct']:.2f}% over 8 ms); event-loop lag "
+                             f"{h.get('loop_lag_p50_ms', float('nan')):.1f} / {h.get('loop_lag_p99_ms', float('nan')):.1f} ms "
+                             f"({h.get('loop_lag_over_8ms_pct', float('nan')):.2f}% over 8 ms)")
     return ("\n\n" + "\n".join(lines)) if lines else ""
 
 

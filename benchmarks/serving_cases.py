@@ -51,7 +51,8 @@ class Trace:
     tokens: list[list[float]] = field(default_factory=list)
     steps: list[tuple[int, bool, float]] = field(default_factory=list)
     records: list = field(default_factory=list)   # the engine's StepRecords (in process)
-    hops: list = field(default_factory=list)      # HTTP: per request (sent, headers) times, or None
+    hops: list = field(default_factory=list)      # HTTP: per request (sent, headers, Server-Timing s), or None
+    server: dict = field(default_factory=dict)    # HTTP: the server's hop metrics (serving_http.server_hops)
 
 
 def summarize(trace: Trace, target_ms: float | None = None) -> dict:
@@ -66,11 +67,18 @@ def summarize(trace: Trace, target_ms: float | None = None) -> dict:
                itl_max_ms=1e3 * max(itl, default=float("nan")),
                output_tok_s=n_tokens / span if span > 0 else float("nan"))
     hops = [(a, h, t[0]) for a, h, t in zip(trace.arrivals, trace.hops, trace.tokens) if h is not None and t]
-    if hops:  # where the HTTP path's TTFT goes: the client sending late, until the core took it, then
-        # until the first token reached the client
-        for key, vals in (("client_late", [h[0] - a for a, h, _ in hops]), ("until_taken", [h[1] - h[0] for _, h, _ in hops]),
-                          ("taken_to_first", [f - h[1] for _, h, f in hops])):
+    if hops:  # where the HTTP path's TTFT goes: the client sending late, until the core took it (of
+        # which the server's own parse, prepare and admit, from its Server-Timing; the rest is the
+        # client's and the socket's), then until the first token reached the client
+        timed = [h for _, h, _ in hops if len(h) > 2 and h[2]]
+        parts = [("client_late", [h[0] - a for a, h, _ in hops]), ("until_taken", [h[1] - h[0] for _, h, _ in hops]),
+                 ("taken_to_first", [f - h[1] for _, h, f in hops])]
+        if timed:
+            parts += [(f"server_{k}", [h[2].get(k, 0.0) for h in timed]) for k in ("parse", "prepare", "admit")]
+            parts += [("outside_server", [h[1] - h[0] - sum(h[2].values()) for h in timed])]
+        for key, vals in parts:
             out[f"{key}_p50_ms"], out[f"{key}_p99_ms"] = 1e3 * percentile(vals, 0.5), 1e3 * percentile(vals, 0.99)
+    out.update(trace.server)
     if target_ms is not None:  # SLO attainment: % of inter-token gaps within the target
         out["slo_attainment_pct"] = 100 * sum(g <= target_ms / 1e3 for g in itl) / len(itl) if itl else float("nan")
     if any(r.predicted_ms is not None for r in trace.records):

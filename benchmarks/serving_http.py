@@ -6,6 +6,7 @@ numbers. Every process times tokens on the host's monotonic clock from one share
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import time
 from pathlib import Path
@@ -58,9 +59,14 @@ def _client(port: int, name: str, jobs: list[tuple[int, float, list[int], int]],
     async def one(client, i, arrival, prompt, output, t0):
         await asyncio.sleep(max(0.0, arrival - (time.monotonic() - t0)))
         sent = time.monotonic() - t0
-        stream = await client.completions.create(model=name, prompt=prompt, max_tokens=output, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True})
-        hops[i] = (sent, time.monotonic() - t0)  # the server answers with headers once the core took it
+        raw = await client.completions.with_raw_response.create(model=name, prompt=prompt, max_tokens=output,
+                                                                temperature=0, stream=True,
+                                                                extra_body={"ignore_eos": True})
+        # the server answers with headers once the core took it; its Server-Timing says how long it
+        # parsed, prepared and waited for the core (ms)
+        timing = dict(re.findall(r"(\w+);dur=([0-9.]+)", raw.headers.get("server-timing", "")))
+        hops[i] = (sent, time.monotonic() - t0, {k: float(v) / 1e3 for k, v in timing.items()})
+        stream = raw.parse()  # the async client's raw response parses without awaiting
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 times[i].append(time.monotonic() - t0)
@@ -78,6 +84,34 @@ def _client(port: int, name: str, jobs: list[tuple[int, float, list[int], int]],
 
     asyncio.run(run_all())
     results.put((times, hops))
+
+
+def _histogram(text: str, name: str) -> list[tuple[float, float]]:
+    """(upper bound, cumulative count) of the Prometheus histogram ``name`` in ``text``."""
+    return [(float("inf") if b == "+Inf" else float(b), float(c))
+            for b, c in re.findall(rf'{name}_bucket{{le="([^"]+)"}} ([0-9.e+]+)', text)]
+
+
+def _quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """The bucket bound under which a share ``q`` of the observations fall (an upper estimate)."""
+    total = buckets[-1][1] if buckets else 0.0
+    return next((b for b, c in buckets if c >= q * total), float("nan")) if total else float("nan")
+
+
+def server_hops(metrics: str) -> dict:
+    """From the server's /metrics: the delay from the engine core's message to the server handling
+    it, and the server's event-loop lag, each as p50 / p99 bucket bounds (ms) and the share above
+    8 ms."""
+    out = {}
+    for key, name in (("output_delay", "spear_core_output_delay_seconds"), ("loop_lag", "spear_event_loop_lag_seconds")):
+        b = _histogram(metrics, name)
+        if not b:
+            continue
+        total = b[-1][1]
+        under8 = next((c for bound, c in b if bound >= 0.008), total)
+        out[f"{key}_p50_ms"], out[f"{key}_p99_ms"] = 1e3 * _quantile(b, 0.5), 1e3 * _quantile(b, 0.99)
+        out[f"{key}_over_8ms_pct"] = 100 * (total - under8) / total if total else float("nan")
+    return out
 
 
 def run_http(folder: Path, cfg: EngineConfig, dtype: torch.dtype, reqs: list[Request], name: str = "bench",
@@ -144,6 +178,7 @@ def run_http(folder: Path, cfg: EngineConfig, dtype: torch.dtype, reqs: list[Req
                 trace.tokens[i] = t
             for i, h in hops.items():
                 trace.hops[i] = h
+        trace.server = server_hops(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
         return trace, ready_s
     finally:
         for c in clients:

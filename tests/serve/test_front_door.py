@@ -440,3 +440,21 @@ def test_the_long_prompt_queue_is_bounded_and_left_prompts_never_tokenize(queued
         t.join(60)
     assert sorted(map(str, results)) == ["200", "200", "left"]
     assert len(calls) == 2, "the prompt of a client that had left was tokenized"
+
+
+def test_responses_say_where_their_time_went_and_metrics_the_servers_hops(guarded):
+    """The Server-Timing header of a completion (streamed or not) names the server's parse, prepare
+    and admit times; /metrics holds the delay of the core's messages and the event loop's lag."""
+    import re
+
+    url, llm, _ = guarded
+    for stream in (False, True):
+        r = _post(url, "/v1/completions", {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "stream": stream})
+        assert r.status_code == 200, r.text
+        timing = dict(re.findall(r"(\w+);dur=([0-9.]+)", r.headers["server-timing"]))
+        assert set(timing) == {"parse", "prepare", "admit"} and all(float(v) >= 0 for v in timing.values())
+    time.sleep(0.1)
+    metrics = httpx.get(url + "/metrics", timeout=5).text
+    for name in ("spear_core_output_delay_seconds_count", "spear_event_loop_lag_seconds_count"):
+        count = float(re.search(rf"^{name} ([0-9.e+]+)$", metrics, re.M).group(1))
+        assert count > 0, name

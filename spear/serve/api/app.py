@@ -37,6 +37,20 @@ from spear.serve.frontend.client import EngineDead
 log = logging.getLogger(__name__)
 
 
+_LAG_PERIOD_S = 0.02
+
+
+async def watch_loop_lag(histogram) -> None:
+    """How late the event loop wakes a task that slept ``_LAG_PERIOD_S``, observed into ``histogram``:
+    a loop busy with one thing (a step's outputs, a large body) delays every stream's tokens by that
+    much."""
+    loop = asyncio.get_running_loop()
+    while True:
+        before = loop.time()
+        await asyncio.sleep(_LAG_PERIOD_S)
+        histogram.observe(max(0.0, loop.time() - before - _LAG_PERIOD_S))
+
+
 def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app over ``llm``; it starts the frontend (and its engine core) on startup and
     stops them on shutdown."""
@@ -45,6 +59,7 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
     @asynccontextmanager
     async def lifespan(app):
         quiet_accept_faults(asyncio.get_running_loop())
+        lag = asyncio.create_task(watch_loop_lag(llm.metrics.loop_lag))
         await llm.start()
         # what is alive now lives as long as the server: out of the collector's sweeps, whose pauses
         # over it would show in the streams' inter-token latency
@@ -52,6 +67,7 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
         gc.freeze()
         yield
         gc.unfreeze()
+        lag.cancel()
         await llm.shutdown(server.limits.shutdown_timeout_s)  # a frozen core does not hold the exit longer
         server.close()
 
@@ -92,11 +108,11 @@ def build_app(llm: AsyncLLM, model_name: str, limits: ServerLimits | None = None
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await server.respond(request, await server.parse(request, CompletionRequest), chat=False)
+        return await server.handle(request, CompletionRequest, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await server.respond(request, await server.parse(request, ChatCompletionRequest), chat=True)
+        return await server.handle(request, ChatCompletionRequest, chat=True)
 
     return app
 

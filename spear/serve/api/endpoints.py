@@ -232,19 +232,29 @@ class Server:
         except InvalidRequest as exc:  # the processor names SamplingParams' fields, not always the body's
             raise body.as_sent(exc) from None
 
-    async def respond(self, request: Request, body, chat: bool):
+    async def handle(self, request: Request, model, chat: bool):
+        """One completion request, body to response; the response's ``Server-Timing`` header says
+        where its time went before the engine took it (W3C Server-Timing, milliseconds): ``parse``
+        the body read and validated, ``prepare`` its checks and tokenization, ``admit`` until the
+        engine core took it (the next step boundary)."""
+        start = time.monotonic()
+        body = await self.parse(request, model)
+        parsed = time.monotonic()
         ids, params = await (self.chat_inputs(body, request) if chat else self.completion_inputs(body, request))
         if await request.is_disconnected():  # it left while its prompt was tokenized: admit nothing
             raise ClientLeft("admit")
+        prepared = time.monotonic()
         serial = uuid.uuid4().hex
         rid = ("chatcmpl-" if chat else "cmpl-") + serial
-        if body.stream:
-            encoder = SSEEncoder(rid, self.model_name, chat, body.include_usage)
-            stream = await self._submit(body, ids, params, request_id=serial, encode=encoder)
-            return EventStream(stream, encoder.role() if chat else b"")
-        out = await self.collect(await self._submit(body, ids, params, request_id=serial), request)
+        encoder = SSEEncoder(rid, self.model_name, chat, body.include_usage) if body.stream else None
+        stream = await self._submit(body, ids, params, request_id=serial, encode=encoder)
+        timing = {"Server-Timing": f"parse;dur={1e3 * (parsed - start):.2f}, prepare;dur={1e3 * (prepared - parsed):.2f}"
+                                   f", admit;dur={1e3 * (time.monotonic() - prepared):.2f}"}
+        if encoder is not None:
+            return EventStream(stream, encoder.role() if chat else b"", headers=timing)
+        out = await self.collect(stream, request)
         if out is None or not out.finished:  # the client left; nobody reads this
             return error_response(499, "client closed the request", code="client_closed")
         if out.error is not None:
             return error_response(500, out.error, "server_error", code="request_failed")
-        return JSONResponse(self._body(rid, out, chat))
+        return JSONResponse(self._body(rid, out, chat), headers=timing)

@@ -75,10 +75,10 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, stream: RequestStream, first: bytes = b""):
+    def __init__(self, stream: RequestStream, first: bytes = b"", headers: dict[str, str] | None = None):
         # no body, so no Content-Length: the events go out chunked (as StreamingResponse sets itself up)
         self.status_code, self.background = 200, None
-        self.init_headers({"Cache-Control": "no-cache"})
+        self.init_headers({"Cache-Control": "no-cache", **(headers or {})})
         self.stream, self.first = stream, first
 
     async def __call__(self, scope, receive, send) -> None:

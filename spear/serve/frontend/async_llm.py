@@ -300,6 +300,8 @@ class AsyncLLM:
         self.fail_open(self.error)
 
     def _handle(self, msg: CoreOutputs) -> None:
+        if msg.timestamp:  # the core's clock is this host's monotonic clock
+            self.metrics.output_delay.observe(max(0.0, time.monotonic() - msg.timestamp))
         for rid in msg.accepted:
             taken = self._taking.pop(rid, None)
             if taken is not None and not taken.done():

@@ -13,6 +13,7 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 30
 # a step is milliseconds: fine buckets around the usual inter-token targets (16-25 ms)
 _STEP_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.012, 0.014, 0.016, 0.018, 0.02, 0.022, 0.025, 0.03, 0.04,
                  0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+_HOP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 1.0)
 _CHUNK_BUCKETS = (0, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 8192)
 
 
@@ -26,6 +27,11 @@ class ServingMetrics:
         self.connections_closed = Counter(
             "spear_http_connections_closed", "HTTP connections the server closed, or clients left, before a request "
             "was in, by reason (api/transport.py; client_left: the client left mid-upload)", ["reason"], registry=r)
+        # where a token's time goes between the engine core and its client, in the server's process
+        self.output_delay = Histogram("spear_core_output_delay_seconds", "From the engine core sending a step's "
+                                      "message to the server handling it", buckets=_HOP_BUCKETS, registry=r)
+        self.loop_lag = Histogram("spear_event_loop_lag_seconds", "How late the server's event loop woke a task "
+                                  "that slept 20 ms", buckets=_HOP_BUCKETS, registry=r)
         self.prompt_tokens = Counter("spear_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("spear_generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram("spear_time_to_first_token_seconds", "Arrival to first output token",
