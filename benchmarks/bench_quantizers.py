@@ -57,6 +57,10 @@ def main() -> None:
                     help="'text': GPTQ/AWQ calibrate on the text's calibration windows instead")
     ap.add_argument("--act-order", action="store_true", help="GPTQ act-order (static groups)")
     ap.add_argument("--rank", type=int, default=4)
+    d = OmniQuantConfig()
+    ap.add_argument("--omniquant-epochs", type=int, default=d.epochs)
+    ap.add_argument("--omniquant-lr", type=float, default=d.lr)
+    ap.add_argument("--omniquant-init", choices=["search", "max"], default=d.init)
     args = ap.parse_args()
     torch.manual_seed(0)
     out = Path(args.out)
@@ -64,6 +68,7 @@ def main() -> None:
 
     eval_cfg = EvalConfig()
     calib_cfg = CalibConfig(source=args.calib_source, n_samples=args.calib_samples, seq_len=args.calib_seq_len)
+    omni = OmniQuantConfig(epochs=args.omniquant_epochs, lr=args.omniquant_lr, init=args.omniquant_init)
     model, tokenizer = load_model(args.model)
     split = load_split(tokenizer, eval_cfg)
     print(f"text: {split.describe()}", flush=True)
@@ -84,7 +89,7 @@ def main() -> None:
               "calibration": (f"{calib_cfg.n_samples} self-sampled sequences x {calib_cfg.seq_len} tokens "
                               f"(seed {calib_cfg.seed}, T={calib_cfg.temperature}, top-p {calib_cfg.top_p})"
                               if calib_cfg.source == "self" else f"{split.calib.shape[0]} text windows"),
-              "gptq_act_order": args.act_order, "omniquant": asdict(OmniQuantConfig()),
+              "gptq_act_order": args.act_order, "omniquant": asdict(omni),
               "qera_stats": f"{split.calib.shape[0]} text windows",
               "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": machine_label(),
               "date": time.strftime("%Y-%m-%d")}
@@ -94,7 +99,7 @@ def main() -> None:
         base_ppl = {}
         for method in args.methods.split(","):
             cfg = QuantConfig(bits=4, group_size=gs, symmetric=True, method=method, calib=calib_cfg,
-                              gptq=GPTQConfig(act_order=args.act_order))
+                              gptq=GPTQConfig(act_order=args.act_order), omniquant=omni)
             model, _ = load_model(args.model)
             text_calib = split.calib if calib_cfg.source == "text" else None
             if method != "rtn" and text_calib is None and "self_sampling_s" not in header:
@@ -111,6 +116,8 @@ def main() -> None:
             base = ppl(model)
             base_ppl[method] = base.ppl
             label = cfg.label + (" act-order" if method == "gptq" and args.act_order else "")
+            if method == "omniquant" and omni != OmniQuantConfig():
+                label += f" (epochs {omni.epochs}, lr {omni.lr:g}, init {omni.init})"
             label += " (text calib)" if method != "rtn" and text_calib is not None else ""
             if gs == 0 and method == "rtn":
                 rtn_pc = base.ppl

@@ -130,7 +130,8 @@ class OmniQuantConfig:
 
     ``samples``: at most this many calibration sequences train the clipping (the first of the ids the
     quantizer is given; ``QuantConfig.calib`` draws them), so the time stays bounded whatever a caller
-    passes; ``epochs`` passes over them per layer, in batches of ``QuantConfig.calib.batch_size``;
+    passes; ``epochs`` passes over them per layer, in batches of ``QuantConfig.calib.batch_size`` (0: the
+    start rounded as it is, the ablation without training);
     ``lr`` of the logits (AdamW, constant, no weight decay; 5e-2 moved the factors further and ended
     0.7 ppl higher on the default model); ``init``: where the factors start, ``"search"`` (each row's
     and group's best ratio on a grid in [0.5, 1] under the layer inputs' Hessian, as AWQ's clipping
@@ -143,10 +144,10 @@ class OmniQuantConfig:
     init: str = "search"
 
     def __post_init__(self):
-        for name in ("epochs", "samples"):
+        for name, least in (("epochs", 0), ("samples", 1)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise SpearError(f"OmniQuant {name} must be a whole number >= 1, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise SpearError(f"OmniQuant {name} must be a whole number >= {least}, got {v!r}")
         if not (isinstance(self.lr, (int, float)) and 0 < self.lr < float("inf")):
             raise SpearError(f"OmniQuant lr must be a finite number > 0, got {self.lr!r}")
         if self.init not in OMNIQUANT_INITS:

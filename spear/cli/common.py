@@ -126,8 +126,9 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
                         "compensators are calibrated on it, BENCHMARKS.md; default: %(default)s)")
     o = p.add_argument_group("OmniQuant (learnable weight clipping, trained one decoder layer at a time)")
     d = OmniQuantConfig()
-    o.add_argument("--omniquant-epochs", type=positive_int, default=d.epochs,
-                   help="passes over the calibration sequences per layer (default: %(default)s)")
+    o.add_argument("--omniquant-epochs", type=nonneg_int, default=d.epochs,
+                   help="passes over the calibration sequences per layer; 0 rounds the start as it is "
+                        "(default: %(default)s)")
     o.add_argument("--omniquant-lr", type=positive_float, default=d.lr,
                    help="learning rate of the clipping logits (default: %(default)s)")
     o.add_argument("--omniquant-samples", type=positive_int, default=d.samples,

@@ -208,7 +208,8 @@ def test_checkpoint_reloads_bit_exactly(tiny_llama_path, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"epochs": 0}, "OmniQuant epochs must be a whole number >= 1, got 0"),
+    ({"epochs": -1}, "OmniQuant epochs must be a whole number >= 0, got -1"),
+    ({"samples": 0}, "OmniQuant samples must be a whole number >= 1, got 0"),
     ({"samples": True}, "OmniQuant samples must be a whole number >= 1, got True"),
     ({"lr": 0.0}, "OmniQuant lr must be a finite number > 0, got 0.0"),
     ({"lr": math.inf}, "OmniQuant lr must be a finite number > 0, got inf"),
@@ -221,7 +222,8 @@ def test_bad_settings_are_one_line_errors(kwargs, message):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--omniquant-epochs", "0"], "argument --omniquant-epochs: expected a number >= 1, got 0"),
+    (["--omniquant-epochs", "-1"], "argument --omniquant-epochs: expected a number >= 0, got -1"),
+    (["--omniquant-samples", "0"], "argument --omniquant-samples: expected a number >= 1, got 0"),
     (["--omniquant-lr", "-1"], "argument --omniquant-lr: expected a finite number > 0, got -1"),
     (["--omniquant-init", "zero"], "argument --omniquant-init: invalid choice"),
     (["--method", "omni"], "argument --method: invalid choice"),
@@ -279,3 +281,30 @@ def test_cli_quantize_and_run_with_a_static_row(tiny_llama_path, article_text, t
     rows = json.loads((tmp_path / "run" / "run.json").read_text())["rows"]
     fp_ppl, base, qera = (r["ppl"] for r in rows)
     assert rows[1]["method"] == "OmniQuant W4 g32 sym" and abs(qera - fp_ppl) < abs(base - fp_ppl)
+
+
+def test_zero_epochs_round_the_start_as_it_is():
+    """``epochs=0`` (the ablation without training) gives exactly the searched start: each linear's clip is
+    AWQ's clipping search under its inputs' Hessian, which is checked here against that search run on the
+    inputs the quantized layers before it produce."""
+    from spear.quant.awq import awq_search_clip
+    from spear.quant.calib import LayerBatch, collect_input_stats
+
+    ids = _ids()
+    fp = make_tiny_llama()
+    model = deepcopy(fp)
+    report = []
+    quantize_model_omniquant(model, _cfg(3, 32, True, epochs=0), ids, progress=False, report=report)
+    assert [r.kept for r in report] == ["start", "start"] and all(r.mse_start == r.mse_end for r in report)
+    # layer 0 sees the FP embeddings: its clip is the search on them
+    layer = fp.model.layers[0]
+    ins, _ = _layer_io(fp, ids)
+    names = [n for n, m in layer.named_modules() if type(m) is torch.nn.Linear]
+    stats = collect_input_stats(layer, [LayerBatch(ins[0][0], ins[0][1])], names, stop_after=False)
+    cfg = _cfg(3, 32, True)
+    for n in names:
+        ratio = awq_search_clip(layer.get_submodule(n).weight.data, stats[n].hessian, cfg)
+        ratio = ratio.clamp(max=torch.sigmoid(torch.tensor(MAX_INIT_LOGIT)).item())
+        codes, scales, zeros = lwc_quantize_weight(layer.get_submodule(n).weight.data, ratio, ratio, 3, 32, True)
+        got = model.model.layers[0].get_submodule(n)
+        assert torch.equal(got.codes, codes) and torch.equal(got.scales, scales), n
