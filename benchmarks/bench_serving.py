@@ -313,7 +313,7 @@ def main(argv=None) -> int:
             p.error("no CUDA device: the benchmark needs a GPU (use --tiny for a CPU smoke check, --cpu for a small "
                     "shape on the CPU)")
         device, dtype = "cuda", torch.float16
-    from spear.serve.frontend.zmq_client import default_torch_threads
+    from spear.serve.frontend.mp_client import default_torch_threads
 
     # the in-process engine on the threads spear serve's core gets
     torch.set_num_threads(args.core_threads or default_torch_threads(device))

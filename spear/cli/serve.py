@@ -199,7 +199,7 @@ def main(args) -> int:
     from spear.serve.config import ServerLimits
     from spear.serve.frontend.async_llm import AsyncLLM
     from spear.serve.frontend.llm_engine import tokenizer_eos
-    from spear.serve.frontend.zmq_client import ZmqClient
+    from spear.serve.frontend.mp_client import MPClient
 
     logging.getLogger("spear").setLevel(args.log_level.upper())
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
@@ -233,7 +233,7 @@ def main(args) -> int:
               + f"; engine core on {facts.torch_threads} torch thread{'s' if facts.torch_threads > 1 else ''}"
               "); /health answers 200 once warm", flush=True)
 
-    client = ZmqClient(str(path), config, dtype=dtype, device=device, verify=args.verify,
+    client = MPClient(str(path), config, dtype=dtype, device=device, verify=args.verify,
                        eos_token_ids=tokenizer_eos(tokenizer), log_level=args.log_level, on_loaded=loaded,
                        torch_threads=args.core_threads)
     llm = AsyncLLM(client, tokenizer, step_timeout_s=args.step_timeout)

@@ -2,7 +2,7 @@
 
     Python: LLMEngine ───┐                                  ┌─ InProcClient ── EngineCore (this process)
                          ├─ InputProcessor, OutputProcessor ─ CoreClient
-    HTTP:   api/ AsyncLLM┘   (checks once; text once a step)  └─ ZmqClient ═════ EngineCore (its own process)
+    HTTP:   api/ AsyncLLM┘   (checks once; text once a step)  └─ MPClient ═════ EngineCore (its own process)
 
 core/       the engine core: token ids in, token ids out
   messages.py       the protocol: every message between a frontend and the core, as msgspec Structs
@@ -26,7 +26,7 @@ frontend/   between a user and the engine core
   output.py         OutputProcessor: a step's outputs into every request's RequestOutput
   detokenizer.py    incremental text and stop strings
   client.py         CoreClient, the one interface to the core, and its in-process transport
-  zmq_client.py     the core in a process of its own, over socket pairs it inherits
+  mp_client.py     the core in a process of its own, over socket pairs it inherits
   llm_engine.py     LLMEngine: the engine in this process, for Python use
   async_llm.py      AsyncLLM: the HTTP server's frontend; RequestStream; health
   metrics.py        Prometheus metrics

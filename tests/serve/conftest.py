@@ -56,9 +56,9 @@ def wait_healthy(url: str, timeout_s: float, proc=None, what: str = "the server"
 @contextlib.contextmanager
 def running_server(model_path, model_name: str = "test-model", limits=None, target=None, **config):
     """Serve the model at ``model_path`` as ``spear serve`` does: this process is the API server
-    (uvicorn on a thread of its own), the engine core a process of its own over ZeroMQ, running
-    ``target`` (default: core/process.py's core_main; tests/serve/core_faults.py wraps it with a
-    fault). ``config``: EngineConfig fields over small KV limits. Yields (base_url, AsyncLLM)."""
+    (uvicorn on a thread of its own), the engine core a process of its own over its socket pairs,
+    running ``target`` (default: core/process.py's core_main; tests/serve/core_faults.py wraps it
+    with a fault). ``config``: EngineConfig fields over small KV limits. Yields (base_url, AsyncLLM)."""
     import uvicorn
 
     from spear.models.checkpoint import load_folder_tokenizer
@@ -69,11 +69,11 @@ def running_server(model_path, model_name: str = "test-model", limits=None, targ
     from spear.serve.core.process import core_main
     from spear.serve.frontend.async_llm import AsyncLLM
     from spear.serve.frontend.llm_engine import tokenizer_eos
-    from spear.serve.frontend.zmq_client import ZmqClient
+    from spear.serve.frontend.mp_client import MPClient
 
     cfg = EngineConfig(**{"num_blocks": 64, "max_model_len": 256, "max_num_seqs": 8, **config})
     tokenizer = load_folder_tokenizer(model_path)
-    client = ZmqClient(str(model_path), cfg, eos_token_ids=tokenizer_eos(tokenizer), log_level="warning",
+    client = MPClient(str(model_path), cfg, eos_token_ids=tokenizer_eos(tokenizer), log_level="warning",
                        target=target or core_main)
     llm = AsyncLLM(client, tokenizer)
     limits = limits or ServerLimits()

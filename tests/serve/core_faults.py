@@ -1,5 +1,5 @@
 """Faults injected into the engine core's process: each function is a ``target`` for a test
-server's ZmqClient (tests/serve/conftest.py, ``running_server``). It runs in the spawned core
+server's MPClient (tests/serve/conftest.py, ``running_server``). It runs in the spawned core
 process, patches the engine there, then runs the core as ``spear serve`` does. Bind the fault's
 arguments with functools.partial (the target is pickled into the process)."""
 

@@ -187,7 +187,7 @@ def test_the_cores_replayed_frames_are_dropped_and_counted(tiny_llama_path, capl
     """Every frame the core writes, outputs and heartbeats, arrives twice: the copies are dropped
     (not one token twice: the text equals one engine's), counted in /metrics and logged once."""
     want = _greedy_text(tiny_llama_path, "Once upon a time", 12)
-    with caplog.at_level(logging.ERROR, logger="spear.serve.frontend.zmq_client"):
+    with caplog.at_level(logging.ERROR, logger="spear.serve.frontend.mp_client"):
         with running_server(tiny_llama_path, "tiny", target=core_faults.replaying) as (url, llm):
             wait_ready(llm)
             r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Once upon a time",

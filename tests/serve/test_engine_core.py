@@ -1,5 +1,5 @@
 """``spear serve`` as two processes: the HTTP server and the engine core (spear/serve/core/process.py,
-frontend/zmq_client.py). Greedy outputs, stop strings included, equal the in-process engine's; a
+frontend/mp_client.py). Greedy outputs, stop strings included, equal the in-process engine's; a
 client that leaves has its request aborted in the core; a dead core turns /health 503 and answers
 every client with the JSON error at once; past --shutdown-timeout a non-streaming request ends with
 the JSON error too. A frozen core (SIGSTOP) turns /health 503 and ends the requests it has not
@@ -245,7 +245,7 @@ def test_messages_that_are_not_the_protocols_are_dropped_and_logged_once(tiny_ll
     """Catches: one malformed message (a signed msgpack 42 or []) stopping the server's listener
     silently: every later request hung while /health said 200. Frames that are not the protocol's,
     signed with the secret or not, are dropped, logged once (not once each), and the server serves."""
-    with caplog.at_level(logging.ERROR, logger="spear.serve.frontend.zmq_client"):
+    with caplog.at_level(logging.ERROR, logger="spear.serve.frontend.mp_client"):
         with running_server(tiny_llama_path, "tiny", target=core_faults.sending_garbage) as (url, llm):
             wait_ready(llm)
             assert httpx.get(url + "/health", timeout=5).status_code == 200
@@ -304,12 +304,12 @@ def test_the_cores_torch_threads_follow_its_device(monkeypatch):
     barrier spins beside the HTTP server and its clients): a few on CUDA, all cores but one on a CPU."""
     import os
 
-    from spear.serve.frontend import zmq_client
+    from spear.serve.frontend import mp_client
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    monkeypatch.setattr(zmq_client, "_gpu_present", lambda: True)
-    assert [zmq_client.default_torch_threads(d) for d in ("cuda", "cuda:1", "auto", None, "cpu")] == [2, 2, 2, 2, 15]
-    monkeypatch.setattr(zmq_client, "_gpu_present", lambda: False)
-    assert zmq_client.default_torch_threads("auto") == 15
+    monkeypatch.setattr(mp_client, "_gpu_present", lambda: True)
+    assert [mp_client.default_torch_threads(d) for d in ("cuda", "cuda:1", "auto", None, "cpu")] == [2, 2, 2, 2, 15]
+    monkeypatch.setattr(mp_client, "_gpu_present", lambda: False)
+    assert mp_client.default_torch_threads("auto") == 15
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    assert zmq_client.default_torch_threads("cuda") == 1 and zmq_client.default_torch_threads("cpu") == 1
+    assert mp_client.default_torch_threads("cuda") == 1 and mp_client.default_torch_threads("cpu") == 1

@@ -2,7 +2,7 @@
 range, whatever the field), the wire's codec and signature, and the HTTP server's frontend
 (AsyncLLM) over the in-process transport against LLMEngine.
 
-The server over the ZeroMQ transport, as ``spear serve`` runs it, is in test_server.py and the
+The server in a process of its own, as ``spear serve`` runs it, is in test_server.py and the
 tests beside it."""
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def test_the_zeromq_client_sends_nothing_the_wire_cannot_carry():
     """A request that escaped the processor and that msgpack cannot carry is refused (400), not
     sent, and not followed: the client raises before anything leaves."""
     from spear.serve import EngineConfig
-    from spear.serve.frontend.zmq_client import ZmqClient
+    from spear.serve.frontend.mp_client import MPClient
 
     sent = []
 
@@ -118,7 +118,7 @@ def test_the_zeromq_client_sends_nothing_the_wire_cannot_carry():
         def send(self, frame, *a, **k):
             sent.append(frame)
 
-    client = ZmqClient("unused", EngineConfig())
+    client = MPClient("unused", EngineConfig())
     client._wire, client._out = Wire(b"s" * 32, FromCore), Socket()
     with pytest.raises(InvalidRequest, match="cannot be sent"):
         client.add(CoreRequest("r", [1], SamplingParams(seed=2**70), 0.0))

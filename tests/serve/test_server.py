@@ -1,5 +1,5 @@
 """A real server on a loopback port, driven by the official openai client and raw httpx; its engine
-core runs in a process of its own, over ZeroMQ, as under ``spear serve``.
+core runs in a process of its own, over its socket pairs, as under ``spear serve``.
 
 The default model answers the openai-client tests (greedy text must equal HF
 generate); a tiny random Llama carries the overload, disconnect and load tests.
@@ -357,7 +357,7 @@ def test_health_reports_a_step_that_does_not_return(tiny_llama_path, tmp_path):
 def test_step_timeout_must_be_positive(tiny_llama_path):
     from spear.serve import EngineConfig
     from spear.serve.frontend.async_llm import AsyncLLM
-    from spear.serve.frontend.zmq_client import ZmqClient
+    from spear.serve.frontend.mp_client import MPClient
 
     with pytest.raises(ValueError, match="step_timeout_s"):
-        AsyncLLM(ZmqClient(str(tiny_llama_path), EngineConfig()), None, step_timeout_s=0)
+        AsyncLLM(MPClient(str(tiny_llama_path), EngineConfig()), None, step_timeout_s=0)

@@ -4,7 +4,7 @@ of its own.
     API server process                                          engine-core process
     HTTP; input processor (checks, tokenization);  --CoreRequest, Abort, Stop-->   EngineCore: scheduler,
     output processor (text, stop strings); SSE     <--CoreOutputs (one a step)--   model runner, sampler,
-    (frontend/async_llm.py, zmq_client.py)         <--CoreHealth every 0.25 s--   tensor-parallel ranks
+    (frontend/async_llm.py, mp_client.py)         <--CoreHealth every 0.25 s--   tensor-parallel ranks
 
 The messages are core/messages.py's Structs, signed and numbered with the server's secret, on two
 socket pairs the core inherits from the server (core/wire.py says what that holds against): one

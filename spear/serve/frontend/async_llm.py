@@ -1,5 +1,5 @@
 """``AsyncLLM``: the HTTP server's frontend over a ``CoreClient`` (frontend/client.py; ``spear
-serve`` runs the core in a process of its own, frontend/zmq_client.py).
+serve`` runs the core in a process of its own, frontend/mp_client.py).
 
     stream = await llm.submit(prompt_ids, params)   # raises InvalidRequest / QueueFull / EngineDead
     async for out in stream: ...                     # RequestOutput deltas (or, with ``encode``, their bytes)

@@ -3,8 +3,8 @@ requests (``CoreRequest``) and aborts go in; one ``CoreOutputs`` per step comes 
 requests the core took and those it refused; the core's health is read on the side. Two transports:
 
     InProcClient   the core in this process, stepped by the caller (LLMEngine, fast tests)
-    ZmqClient      the core in a process of its own, over a link of socket pairs it inherits
-                   (frontend/zmq_client.py, core/wire.py; spear serve)
+    MPClient      the core in a process of its own, over a link of socket pairs it inherits
+                   (frontend/mp_client.py, core/wire.py; spear serve)
 
 Both frontends (``LLMEngine``: synchronous, in process; ``AsyncLLM``: the HTTP server's) hold a
 client and the same input and output processors, so a request is checked, and its text made, by

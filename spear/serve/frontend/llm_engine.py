@@ -8,7 +8,7 @@ runs one engine step and returns a ``RequestOutput`` (new tokens and text) for e
 got a token or failed (output processor), ``abort`` drops a request. The engine core
 (``engine.core``: scheduler, model runner, sampler) is reached through the in-process transport
 (frontend/client.py, ``InProcClient``); ``spear serve`` reaches the same core in a process of its
-own (frontend/async_llm.py, frontend/zmq_client.py). A failed request finishes with
+own (frontend/async_llm.py, frontend/mp_client.py). A failed request finishes with
 ``finish_reason == "error"`` and the message in ``RequestOutput.error``.
 """
 

@@ -1,6 +1,6 @@
-"""``ZmqClient``: the engine core in a process of its own (core/process.py), reached over a link of
-its own (core/wire.py); what ``spear serve`` runs. The class keeps the name of the ZeroMQ transport
-it replaced; the link is two socket pairs the core inherits, which no other process can reach.
+"""``MPClient``: the engine core in a process of its own (core/process.py), reached over a link of
+its own (core/wire.py); what ``spear serve`` runs. The link is two socket pairs the core inherits,
+which no other process can reach.
 
 ``start`` makes this process non-dumpable, makes the link's secret and its two socket pairs (the
 requests and outputs; the heartbeats), and spawns the core with its ends. Every frame is signed
@@ -64,7 +64,7 @@ def _gpu_present() -> bool:
     return torch.cuda.is_available()
 
 
-class ZmqClient(CoreClient):
+class MPClient(CoreClient):
     """The core (``EngineCore.from_pretrained``'s arguments, ``CoreSpec``) in a process of its own;
     ``on_loaded(facts)`` is called once the model is in place. ``target(spec)`` is what the core's
     process runs: ``core_main``, or a function that prepares the process and calls it (the tests'
