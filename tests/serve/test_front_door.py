@@ -105,6 +105,25 @@ def _answer(sock: socket.socket, within: float = 10.0) -> bytes:
     return data
 
 
+def _trickle(sock: socket.socket, piece: bytes, seconds: float) -> bytes | None:
+    """Send ``piece`` every ~0.1 s for up to ``seconds``: what the server answered (b"" if it closed
+    the connection), or None if it kept reading all along."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        try:
+            sock.sendall(piece)
+        except OSError:
+            return b""
+        sock.settimeout(0.1)
+        try:
+            return sock.recv(4096)
+        except socket.timeout:
+            continue
+        except ConnectionResetError:
+            return b""
+    return None
+
+
 _POST_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
 
 
@@ -226,22 +245,7 @@ def test_a_body_trickled_below_the_minimum_rate_is_cut_with_408(guarded):
     before = _closed_count(llm, "slow_upload")
     sock = _raw(url)
     sock.sendall(_POST_HEAD % 100_000)  # under max_body_bytes: no 413
-    start, answer = time.monotonic(), None
-    while time.monotonic() - start < limits.request_timeout_s:
-        try:
-            sock.sendall(b" ")  # ~10 bytes a second
-        except OSError:
-            answer = b""
-            break
-        sock.settimeout(0.1)
-        try:
-            answer = sock.recv(4096)
-            break
-        except socket.timeout:
-            continue
-        except ConnectionResetError:
-            answer = b""
-            break
+    answer = _trickle(sock, b" ", limits.request_timeout_s)  # ~10 bytes a second
     assert answer is not None, "a body at 10 bytes/s was kept for the whole request timeout"
     assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:100]
     assert _counted(llm, "slow_upload", before)
@@ -255,21 +259,8 @@ def test_a_body_that_never_finishes_meets_the_request_timeout(guarded):
     before = _closed_count(llm, "request_timeout")
     sock = _raw(url)
     sock.sendall(_POST_HEAD % 100_000)  # under max_body_bytes: no 413
-    start, answer = time.monotonic(), b""
-    while time.monotonic() - start < limits.request_timeout_s * 3:
-        try:
-            sock.sendall(b" " * (2 * limits.min_upload_rate // 10))  # twice the rate
-        except OSError:
-            break
-        sock.settimeout(0.1)
-        try:
-            answer = sock.recv(4096)
-            break
-        except socket.timeout:
-            continue
-        except ConnectionResetError:
-            break
-    assert time.monotonic() - start < limits.request_timeout_s * 3, "the request timeout did not bite"
+    answer = _trickle(sock, b" " * (2 * limits.min_upload_rate // 10), limits.request_timeout_s * 3)  # twice the rate
+    assert answer is not None, "the request timeout did not bite"
     assert answer == b"" or answer.startswith(b"HTTP/1.1 408"), answer[:100]
     assert _counted(llm, "request_timeout", before)
     sock.close()
