@@ -79,7 +79,7 @@ def test_wikitext_file_with_seq_len_2048(article_text, tmp_path):
 def test_acceptance_numbers_full_protocol(tmp_path):
     """SPEAR.md §3 reference: FP 24.80, W4 48.24, LQER r4 37.97 (±3%)."""
     res = run_job("smollm2-135m", QuantConfig(), EvalConfig(), ["lqer"], rank=4, progress=False,
-                  log=lambda *_: None)
+                  log=lambda *_: None, spear_variants=())
     fp, w4, lqer = res.rows
     assert abs(fp.ppl / 24.80 - 1) < 0.03
     assert abs(w4.ppl / 48.24 - 1) < 0.03
