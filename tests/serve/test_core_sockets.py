@@ -229,6 +229,9 @@ def test_frames_replayed_to_the_core_are_dropped_and_counted(tiny_llama_path):
         while core_count() < len(written):  # the core reports its count with its heartbeat
             assert time.monotonic() < deadline, (core_count(), len(written))
             time.sleep(0.1)
+        while llm.stats.num_steps == 0 or llm.stats.num_running:  # stats come with the heartbeats
+            assert time.monotonic() < deadline, llm.stats
+            time.sleep(0.1)
         steps = llm.stats.num_steps
         counted = core_count()
         request_frame = written[0]  # the request's CoreRequest, whole: it ran once and finished
