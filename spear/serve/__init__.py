@@ -42,9 +42,21 @@ config.py   EngineConfig (with the kernel policy) and ServerLimits
 faults.py   repeated faults logged once per interval
 """
 
-from spear.serve.config import EngineConfig
-from spear.serve.core.messages import SamplingParams
-from spear.serve.frontend.llm_engine import LLMEngine
-from spear.serve.frontend.output import RequestOutput
+import importlib
+
+# Imported when first asked for, not with the package: ``spear serve`` forks its engine core's zygote
+# (core/zygote.py) from a process that has imported nothing heavy yet, torch least of all.
+_EXPORTS = {"EngineConfig": "spear.serve.config", "LLMEngine": "spear.serve.frontend.llm_engine",
+            "RequestOutput": "spear.serve.frontend.output", "SamplingParams": "spear.serve.core.messages"}
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
