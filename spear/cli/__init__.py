@@ -30,36 +30,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _seal_if_serving(argv: list[str]) -> None:
+def _seal_if_serving(argv: list[str]) -> bool:
     """``spear serve`` holds every client's prompts and the engine core link's secret: it makes its
     process non-dumpable here, before the seconds of imports that building the parser costs, since
     a process of the same user that opens /proc/<pid>/mem while it is dumpable keeps reading it
-    (spear/serve/core/wire.py). Inline, because the helpers that do it live behind those imports."""
+    (spear/serve/core/wire.py). Inline, because the helpers that do it live behind those imports.
+    Whether it did (Linux, serve)."""
     command = next((a for a in argv if not a.startswith("-")), None)
     if command == "serve" and sys.platform.startswith("linux"):
         import ctypes
 
         if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+        return True
+    return False
+
+
+def _engine_core_zygote():
+    """The engine core's process of ``spear serve``, forked now from the sealed process, before any
+    heavy import, so that it is non-dumpable from its first instruction (spear/serve/core/zygote.py);
+    None where this process runs threads already (``main`` called by a program: the core is spawned)."""
+    from spear.serve.core.zygote import Zygote, forkable
+
+    return Zygote() if forkable() else None
 
 
 def main(argv: list[str] | None = None) -> int:
-    _seal_if_serving(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    if args.quiet:  # transformers draws its own bars (loading weights) that spear's progress flag does not reach
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+    zygote = _engine_core_zygote() if _seal_if_serving(sys.argv[1:] if argv is None else argv) else None
     try:
-        return int(args.func(args) or 0)
-    except SpearError as exc:  # one line, whatever the message a library gave us holds
-        print(f"spear {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"spear {args.command}: interrupted", file=sys.stderr)
-        return 130
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        if args.quiet:  # transformers draws its own bars (loading weights) that spear's progress flag does not reach
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        try:
+            return int((args.func(args) if zygote is None else args.func(args, zygote=zygote)) or 0)
+        except SpearError as exc:  # one line, whatever the message a library gave us holds
+            print(f"spear {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"spear {args.command}: interrupted", file=sys.stderr)
+            return 130
+    finally:
+        if zygote is not None:
+            zygote.close()
 
 
 if __name__ == "__main__":

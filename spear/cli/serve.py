@@ -183,8 +183,9 @@ def register(sub) -> None:
     p.set_defaults(func=main)
 
 
-def main(args) -> int:
-    """The HTTP server in this process, the engine core in a process of its own (spear/serve/core/process.py)."""
+def main(args, zygote=None) -> int:
+    """The HTTP server in this process, the engine core in a process of its own (spear/serve/core/process.py):
+    the child of ``zygote`` (spear/serve/core/zygote.py, forked by the command line), else spawned."""
     from spear.serve.core.process import forbid_inspection
 
     forbid_inspection()  # first: no process of the user reads or writes this one from here (core/wire.py)
@@ -235,7 +236,7 @@ def main(args) -> int:
 
     client = MPClient(str(path), config, dtype=dtype, device=device, verify=args.verify,
                        eos_token_ids=tokenizer_eos(tokenizer), log_level=args.log_level, on_loaded=loaded,
-                       torch_threads=args.core_threads)
+                       torch_threads=args.core_threads, zygote=zygote)
     llm = AsyncLLM(client, tokenizer, step_timeout_s=args.step_timeout)
     print(f"loading {name} in the engine core; {url}/health answers 503 until it is ready", flush=True)
     run_server(llm, name, listener, args.log_level, limits)

@@ -9,6 +9,7 @@ core/       the engine core: token ids in, token ids out
   wire.py           those messages between processes: msgpack, numbered and signed, on socket pairs
   engine.py         EngineCore: add / step / abort
   process.py        the engine core in a process of its own (spear serve), its heartbeat
+  zygote.py         spear serve's core forked from its sealed start, non-dumpable from its first instruction
   sequence.py       a request's tokens and state
   block_manager.py  paged KV block allocation
   scheduler.py      continuous batching with chunked prefill, admission control, preemption, latency targets

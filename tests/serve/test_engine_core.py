@@ -30,8 +30,8 @@ PROMPTS = ["Hello there", "The capital of France is", "Once upon a time"]
 
 
 def _core_of(proc) -> psutil.Process:
-    """The engine-core process among the server's children (a spawned multiprocessing child)."""
-    kids = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+    """The engine-core process among the server's children (forked by its command line, named spear-core)."""
+    kids = [c for c in psutil.Process(proc.pid).children() if c.name() == "spear-core"]
     assert len(kids) == 1, [c.cmdline() for c in psutil.Process(proc.pid).children()]
     return kids[0]
 

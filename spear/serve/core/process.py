@@ -7,10 +7,12 @@ of its own.
     (frontend/async_llm.py, mp_client.py)         <--CoreHealth every 0.25 s--   tensor-parallel ranks
 
 The messages are core/messages.py's Structs, signed and numbered with the server's secret, on two
-socket pairs the core inherits from the server (core/wire.py says what that holds against): one
-for the requests and the outputs, one for the heartbeats. They have no name: no other process can
-connect to them, and no folder or name is left behind a killed server. The core's process makes
-itself non-dumpable before it imports the engine (``sealed_start``).
+socket pairs whose ends the core gets from the server (core/wire.py says what that holds against):
+one for the requests and the outputs, one for the heartbeats. They have no name: no other process
+can connect to them, and no folder or name is left behind a killed server. Under ``spear serve``
+the core's process is forked from the server's sealed start (core/zygote.py) and is non-dumpable
+from its first instruction; a spawned one makes itself so before it imports the engine
+(``sealed_start``).
 
 A thread of the core sends ``CoreHealth`` every ``HEARTBEAT_S`` whatever the engine does, so the
 server tells a step that runs too long, a core that stopped (SIGSTOP, a frozen host) and a quiet
@@ -57,7 +59,7 @@ class CoreSpec:
     eos_token_ids: tuple[int, ...]      # the tokenizer's, beside the model's own
     torch_threads: int
     parent_pid: int
-    # the core's ends of the link's socket pairs (inherited by its process): requests and outputs, heartbeats
+    # the core's ends of the link's socket pairs (passed to its process alone): requests and outputs, heartbeats
     link: socket.socket | None = field(repr=False, compare=False)
     beat: socket.socket | None = field(repr=False, compare=False)
     secret: bytes = field(repr=False)

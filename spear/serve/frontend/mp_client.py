@@ -3,7 +3,10 @@ its own (core/wire.py); what ``spear serve`` runs. The link is two socket pairs 
 which no other process can reach.
 
 ``start`` makes this process non-dumpable, makes the link's secret and its two socket pairs (the
-requests and outputs; the heartbeats), and spawns the core with its ends. Every frame is signed
+requests and outputs; the heartbeats), and starts the core with its ends: under ``spear serve`` in
+the child of the zygote its command line forked (core/zygote.py), non-dumpable from its first
+instruction; elsewhere (a server embedded without the CLI) spawned, non-dumpable once its
+interpreter has started (core/process.py ``sealed_start``, core/wire.py). Every frame is signed
 and numbered (core/wire.py); one that is not signed for its channel, not one of the protocol's
 messages or a replay is logged (once a minute, with a count), counted (``frames_dropped``, read by
 /metrics) and dropped, and the listener goes on. The core's heartbeats are read by a thread of
@@ -28,6 +31,7 @@ from spear.serve.config import EngineConfig
 from spear.serve.core.messages import Abort, CoreHealth, CoreOutputs, Failed, FromCore, Loaded, Ready, Stop
 from spear.serve.core.process import CoreSpec, core_main, forbid_inspection, sealed_start
 from spear.serve.core.wire import FROM_CORE, HEARTBEAT, LENGTH, TO_CORE, FrameReader, Malformed, Wire
+from spear.serve.core.zygote import Zygote
 from spear.serve.faults import OncePer
 from spear.serve.frontend.client import CoreClient, EngineDead
 from spear.serve.frontend.processor import InvalidRequest
@@ -68,13 +72,15 @@ class MPClient(CoreClient):
     """The core (``EngineCore.from_pretrained``'s arguments, ``CoreSpec``) in a process of its own;
     ``on_loaded(facts)`` is called once the model is in place. ``target(spec)`` is what the core's
     process runs: ``core_main``, or a function that prepares the process and calls it (the tests'
-    faults are injected so)."""
+    faults are injected so). ``zygote``: the process to run it in (``spear serve``'s); without one
+    it is spawned."""
 
     def __init__(self, model: str, config: EngineConfig, *, dtype: str | None = None, device: str | None = None,
                  verify: bool = False, eos_token_ids: tuple[int, ...] = (), torch_threads: int | None = None,
-                 log_level: str = "info", on_loaded=None, target=core_main):
+                 log_level: str = "info", on_loaded=None, target=core_main, zygote: Zygote | None = None):
         super().__init__()
         self._target = target
+        self._zygote = zygote
         self._args = dict(model=model, config=config, dtype=dtype, device=device, verify=verify,
                           eos_token_ids=tuple(eos_token_ids), log_level=log_level,
                           torch_threads=torch_threads or default_torch_threads(device))
@@ -85,7 +91,7 @@ class MPClient(CoreClient):
         # frames dropped, by reason: on the link (the event loop's) and the heartbeats (their thread's)
         self._dropped = {"malformed": 0, "replayed": 0}
         self._beats_dropped = {"malformed": 0, "replayed": 0}
-        self._proc = None
+        self._proc = None  # the core's: multiprocessing's Process, or the zygote's ForkedProcess
         self._reader = self._writer = None
         self._closing = False
 
@@ -101,10 +107,13 @@ class MPClient(CoreClient):
         beat, core_beat = socket.socketpair()
         spec = CoreSpec(**self._args, parent_pid=os.getpid(), link=core_link, beat=core_beat, secret=secret)
         self._beat_at = time.monotonic()
-        target, args = sealed_start(self._target, spec)
-        self._proc = mp.get_context("spawn").Process(target=target, args=args, name="spear-engine-core")
         try:
-            self._proc.start()  # the core inherits its ends (multiprocessing passes them to it alone)
+            if self._zygote is not None:  # it gets its ends as descriptors over the zygote's own socket pair
+                self._proc = self._zygote.start(self._target, spec)
+            else:  # it inherits its ends (multiprocessing passes them to it alone)
+                target, args = sealed_start(self._target, spec)
+                self._proc = mp.get_context("spawn").Process(target=target, args=args, name="spear-engine-core")
+                self._proc.start()
         finally:
             core_link.close()   # so that the core's exit closes the link
             core_beat.close()
