@@ -3,15 +3,20 @@ as msgpack, signed and numbered, on sockets that have no name.
 
 The link. Before it starts the core the server makes two pairs of connected sockets
 (``socket.socketpair``), one for the requests and the outputs, one for the core's heartbeats; the
-core's process is spawned with its ends as inherited descriptors (multiprocessing passes them to
-the new process and to no other), and the server closes them on its side. A socket pair has no
+core's process gets its ends as descriptors passed to it and to no other process (under ``spear
+serve`` over the zygote's own socket pair, core/zygote.py; where a core is spawned, inherited
+through multiprocessing), and the server closes them on its side. A socket pair has no
 address in the file system or in the abstract namespace: no other process can connect to it, bind
 in its place or read it. The only ways to another process's descriptors or memory are ptrace,
 pidfd_getfd, process_vm_readv and /proc/<pid>/mem, and each needs the right to ptrace it.
 
-Not dumpable. Both processes make themselves non-dumpable (core/process.py ``forbid_inspection``:
-Linux's prctl(PR_SET_DUMPABLE, 0)): the server as the first thing ``spear serve``'s main does (and
-again as it makes the link), the core before it imports anything of the engine (core/process.py
+Not dumpable. Both processes are non-dumpable (core/process.py ``forbid_inspection``: Linux's
+prctl(PR_SET_DUMPABLE, 0)). The server makes itself so as the first thing the ``spear`` command
+does for ``serve``, before its imports (spear/cli ``_seal_if_serving``; again as it makes the
+link). Its core is born so: the command line forks it from the sealed process at once, before
+anything heavy is imported (core/zygote.py), and a forked child inherits the flag from its first
+instruction, in an address space of its own. A core spawned instead (a server embedded without
+the command line) makes itself so before it imports anything of the engine (core/process.py
 ``sealed_start``: the first lines multiprocessing runs in its process). A process of the same user
 without CAP_SYS_PTRACE then cannot ptrace either of them, open their /proc/<pid>/mem (to read or
 to write), take a descriptor of theirs (pidfd_getfd) or read their /proc/<pid>/environ, maps or
@@ -21,8 +26,8 @@ CAP_SYS_PTRACE to attach.
 The frames. Each is its signature (32 bytes: its sequence number, 8 bytes big-endian, then the
 HMAC-SHA256 of the number and the payload cut to 24 bytes), then the payload; on the socket it
 follows its length (4 bytes). The key is the server's secret (32 random bytes, which reach the
-core inside multiprocessing's pipe, never argv or the environment) bound to the frame's channel,
-so a frame of one direction is not one of the other. The sequence number counts up from 1 on each
+core inside the zygote's socket pair or multiprocessing's pipe, never argv or the environment)
+bound to the frame's channel, so a frame of one direction is not one of the other. The sequence number counts up from 1 on each
 channel; the receiver drops a frame whose number is not above the last one it accepted
 (``Replayed``), so a frame sent once is taken once. A frame not signed for its channel, or whose
 payload is not one of the protocol's messages, raises ``Malformed``; the receiver logs it (once a
@@ -37,16 +42,25 @@ can still stop or end either process (signals), which the server reports (/healt
 What does not hold:
 - root, or any process with CAP_SYS_PTRACE over the user's namespace: it reads and writes either
   process's memory, the secret and every prompt with it;
-- the start of each process, until it is non-dumpable: what a process of the user opens then it
-  keeps, since /proc/<pid>/mem and maps are checked when opened only (and a descriptor it took
-  with pidfd_getfd stays its own); a ptrace attachment too, though each process looks for a tracer
-  once non-dumpable and logs a warning naming it. For the server that is the interpreter's start
-  and the CLI's imports (torch's among them), up to ``spear serve``'s main: seconds; for the core,
-  the interpreter's and multiprocessing's start, with the link's descriptors inherited already.
-  benchmarks/attack_core_sockets.py measures both, and what a process that watches for the start
-  takes in them: enough to read the prompts later. A process of the same user can also change
-  what the server runs (its code, its virtual environment, its model); where such a process must
-  be expected, run the server as a user of its own;
+- the server's start, until it is non-dumpable: the interpreter's start and the import of
+  spear.cli, up to ``_seal_if_serving`` (milliseconds). What a process of the user opens then it
+  keeps, since /proc/<pid>/mem and maps are checked when opened only: the server's memory, to read
+  and to write, and with it the secret and every prompt later; a ptrace attachment too, though the
+  server looks for a tracer once non-dumpable and logs a warning naming it (a tracer that follows
+  forks holds the core as well, whose start warns of it in turn). The link does not exist yet
+  then: a descriptor taken in that time is none of its sockets. ``spear serve``'s core has no such
+  moment: it is non-dumpable from its first instruction, and a /proc/<pid>/mem of the server
+  opened before reaches its address space only through what was written into the server before
+  the fork (a process that writes the server's memory has its secret and prompts already);
+- a core spawned rather than forked, that is a server embedded without the command line
+  (``MPClient`` without a zygote, as the tests' in-process servers run it; spear.cli's ``main``
+  called by a program that runs threads already): the interpreter's and
+  multiprocessing's start until ``sealed_start``'s first lines, with the link's descriptors
+  inherited already (0.1-0.4 s on a 2-core CPU, in which a watching process took both sockets and
+  read frames). benchmarks/attack_core_sockets.py measures what a process that watches for the
+  start takes. A process of the same user can also change what the server runs (its code, its
+  virtual environment, its model); where such a process must be expected, run the server as a user
+  of its own;
 - the tensor-parallel ranks 1..N-1 (model/workers.py, GPU only) are processes of their own that
   are not made non-dumpable here;
 - elsewhere than Linux there is no PR_SET_DUMPABLE: the sockets still have no name, but the
