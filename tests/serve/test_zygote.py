@@ -58,11 +58,12 @@ def _script(body: str) -> subprocess.Popen:
 
 
 def _report(path: str, spec) -> None:
-    """A core's target: writes whether its process is dumpable and the server's child, answers on
-    both sockets it was sent, and exits with code 3."""
+    """A core's target: writes whether its process is dumpable, the server's child and would pass
+    the link to a program it runs, answers on both sockets it was sent, and exits with code 3."""
     import ctypes
 
-    Path(path).write_text(f"{ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)} {os.getppid() == spec.parent_pid}")
+    inheritable = spec.link.get_inheritable() or spec.beat.get_inheritable()
+    Path(path).write_text(f"{ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)} {os.getppid() == spec.parent_pid} {inheritable}")
     spec.link.sendall(b"link")
     spec.beat.sendall(b"beat")
     raise SystemExit(3)
@@ -71,7 +72,8 @@ def _report(path: str, spec) -> None:
 def test_the_zygote_is_sealed_from_the_start_and_runs_one_core_with_its_sockets(tmp_path):
     """The zygote is forked without torch, non-dumpable before any request: a process of the user
     cannot open its memory. Sent a core, it runs it as the server's child, non-dumpable, with the
-    link's two sockets, and exits with the core's code; a second core is refused."""
+    link's two sockets (not inherited by what it execs), and exits with the core's code; a second
+    core is refused."""
     body = f"""
 from tests.serve.test_zygote import opens_memory
 print(opens_memory(z.pid), flush=True)
@@ -101,7 +103,7 @@ except RuntimeError as exc:
     assert lines[0].split()[1] == "False", "the zygote was forked after torch was imported"
     assert lines[1].startswith("PermissionError"), lines[1]
     assert lines[2:5] == ["link beat", "True 3 False", "refused: this zygote has started its core already, or was closed"]
-    assert (tmp_path / "report").read_text() == "0 True"
+    assert (tmp_path / "report").read_text() == "0 True False"
 
 
 @pytest.mark.parametrize("how", ["closed", "killed"])

@@ -122,6 +122,8 @@ def _receive(control: socket.socket):
     """(target, spec with its link and beat) sent by ``Zygote.start``; None at the end of the socket
     before a whole request."""
     data, fds, flags, _ = socket.recv_fds(control, 1 << 16, 2)
+    for fd in fds:  # as the sockets the server made: a program the core runs does not get them
+        os.set_inheritable(fd, False)
     socks = [socket.socket(fileno=fd) for fd in fds]
     if flags & socket.MSG_CTRUNC or len(socks) != 2:
         for s in socks:
