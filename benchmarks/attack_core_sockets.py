@@ -12,7 +12,8 @@ CAP_SYS_PTRACE. Until the server answers /health the attacker loops as fast as i
   new since the start and under that TMPDIR or abstract with "spear" or "zmq" in its name (the
   socket folder of builds before 2026-12-07): it connects to it, and binds in its place;
 - memory: it opens /proc/<pid>/mem and maps of the server and of each process under it (the
-  engine core), and keeps what opens;
+  engine core: forked by ``spear serve``'s command line at its start and named spear-core, or
+  spawned by builds before 2026-12-07), and keeps what opens;
 - descriptors: pidfd_getfd of their descriptors 0..127, keeping the sockets.
 Then a client sends a greedy completion whose prompt holds a random marker. The attacker then
 tries again on the running processes (memory, descriptors), and looks for the marker (its text,
@@ -23,9 +24,12 @@ The client's text must equal a clean in-process run's (neither side took a frame
 attacker's), and the server's /metrics count of dropped frames is read after the replay.
 
 Printed: one JSON line per race (what opened, when, what was found), then a summary line.
-``spear serve``'s processes make themselves non-dumpable once their code runs: an attacker that
-opens their memory in the moments before (the interpreter's start and imports) keeps it, which
-the "window" fields measure (core/wire.py names this limit).
+``spear serve``'s server makes itself non-dumpable once its code runs: an attacker that opens its
+memory in the moments before (the interpreter's start) keeps it. Its core is forked from it then
+(spear/serve/core/zygote.py), non-dumpable from its first instruction; a spawned core (builds
+before 2026-12-07) made itself so once its interpreter had started. The "window" fields measure,
+for the server and the core, the time from the attacker's first sight of the process to the first
+refusal of its memory (core/wire.py names these limits).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class _Attacker:
         self.server, self.tmpdir, self.t0 = server, tmpdir, time.monotonic()
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.first_seen: dict[int, float] = {}
+        self.parent: dict[int, int] = {}
         self.mem: dict[int, tuple[int, int | None, float]] = {}  # pid -> (mem fd, maps fd, when opened)
         self.mem_refused: dict[int, tuple[str, float]] = {}  # pid -> (why, when: its first refusal)
         self.fds: dict[tuple[int, int], socket.socket] = {}
@@ -78,6 +83,8 @@ class _Attacker:
             pid = todo.pop()
             out.append(pid)
             todo += [child for child, parent in parents.items() if parent == pid]
+        for pid in out[1:]:
+            self.parent.setdefault(pid, parents[pid])
         return out
 
     def _unix_paths(self) -> list[str]:
@@ -257,6 +264,24 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
+def _name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def _role(pid: int, server: int, parent: int | None, cmdline: str) -> str:
+    """The server; the core (the server's child: forked, or spawned); multiprocessing's resource
+    tracker (a spawn's helper, dumpable, holding nothing of theirs); a process under the core."""
+    if pid == server:
+        return "server"
+    if "resource_tracker" in cmdline:
+        return "resource tracker"
+    return "core" if parent == server else "under the core"
+
+
 def attacker_main(args) -> int:
     a = _Attacker(args.server_pid, Path(args.tmpdir))
     go, sweeps = Path(args.go), 0
@@ -275,7 +300,8 @@ def attacker_main(args) -> int:
     replayed, forged = a.replay()
     report = {
         "sweeps": sweeps,
-        "pids": {pid: {"cmdline": _cmdline(pid), "first_seen_s": a.first_seen.get(pid),
+        "pids": {pid: {"role": _role(pid, a.server, a.parent.get(pid), _cmdline(pid)), "name": _name(pid),
+                       "parent": a.parent.get(pid), "cmdline": _cmdline(pid), "first_seen_s": a.first_seen.get(pid),
                        "memory_opened_s": a.mem[pid][2] if pid in a.mem else None,
                        "memory_refused": a.mem_refused.get(pid), "descriptors_refused": a.fd_refused.get(pid)}
                  for pid in a.first_seen},
@@ -418,12 +444,12 @@ def main(argv=None) -> int:
     a = [r["attacker"] for r in rows]
 
     def ours(x: dict, pid: str) -> bool:
-        return "resource_tracker" not in x["pids"].get(pid, {}).get("cmdline", "resource_tracker")
+        return x["pids"].get(pid, {}).get("role") in ("server", "core")
 
-    def windows(kind: str) -> list[float]:
+    def windows(role: str) -> list[float]:
         """Seconds from a process's first sight to the first refusal of its memory (non-dumpable)."""
         return [round(p["memory_refused"][1] - p["first_seen_s"], 2) for x in a for p in x["pids"].values()
-                if kind in p["cmdline"] and p["memory_refused"] and p["memory_refused"][0] == "PermissionError"]
+                if p["role"] == role and p["memory_refused"] and p["memory_refused"][0] == "PermissionError"]
 
     summary = {
         "races": len(rows),
@@ -438,8 +464,8 @@ def main(argv=None) -> int:
         "memory_opened_late": sum(v["mem"] == "opened" and ours(x, pid) for x in a for pid, v in x["late"].items()),
         "descriptors_taken_late": sum(v.get("pidfd_getfd") == "taken" and ours(x, pid)
                                       for x in a for pid, v in x["late"].items()),
-        "window_server_s": windows("spear -q serve"),
-        "window_core_s": windows("spawn_main"),
+        "window_server_s": windows("server"),
+        "window_core_s": windows("core"),
         "memory_opened_in_a_window": sum(any(p["memory_opened_s"] is not None and ours(x, pid)
                                              for pid, p in x["pids"].items()) for x in a),
         "sockets_taken_in_a_window": sum(x["sockets_taken_during_start"] for x in a),
