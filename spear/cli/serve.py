@@ -34,6 +34,13 @@ def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
                    help="sequences batched together (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
                    help="token budget of one step; longer prompts are prefilled in chunks (default: %(default)s)")
+    g.add_argument("--max-prefill-chunk", type=positive_int, metavar="N",
+                   help="most tokens of one prompt in a step it shares with others, so that requests arriving "
+                        "beside a long prompt are admitted at the next step and running streams keep their pace "
+                        "(default: 32 on a CPU, half of --max-num-batched-tokens on a GPU)")
+    g.add_argument("--max-prefill-chunk-alone", type=positive_int, metavar="N",
+                   help="most tokens of one prompt in a step it has alone: a request arriving during that step "
+                        "waits for it (default: --max-prefill-chunk on a CPU, the whole budget on a GPU)")
     g.add_argument("--max-model-len", type=positive_int,
                    help="prompt + output tokens per request (default: the model's context, at most 8192, "
                         "capped by the KV cache)")
@@ -108,6 +115,7 @@ def engine_config_from_args(args, **changes):
     dtype = DTYPES[args.dtype]
     table = None if args.latency_table is None else load_table(args.latency_table)  # a bad file fails before loading
     fields = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_prefill_chunk=args.max_prefill_chunk, max_prefill_chunk_alone=args.max_prefill_chunk_alone,
                   max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
                   kv_memory=args.kv_memory, max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs,
                   kernels=kernel_policy(pdl=args.pdl, launch_table=args.launch_table), seed=args.seed,

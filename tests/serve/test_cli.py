@@ -39,6 +39,8 @@ def test_generate_chat_and_stop(default_model_path, capsys):
     (["serve", "--port", "99999"], "a port is a number from 0 to 65535"),
     (["serve", "--port", "http"], "expected a port number"),
     (["serve", "--max-messages", "0"], "expected a number >= 1"),
+    (["serve", "--max-prefill-chunk", "0"], "expected a number >= 1"),
+    (["generate", "--prompt", "x", "--max-prefill-chunk-alone", "-4"], "expected a number >= 1"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -46,6 +48,21 @@ def test_bad_arguments(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize("argv,expect", [
+    ([], {"cpu": (32, 32), "cuda": (256, None)}),  # the device's defaults (EngineConfig.prefill_chunks)
+    (["--max-prefill-chunk", "48"], {"cpu": (48, 48), "cuda": (48, None)}),
+    (["--max-prefill-chunk", "48", "--max-prefill-chunk-alone", "200"], {"cpu": (48, 200), "cuda": (48, 200)}),
+])
+def test_serve_prefill_chunk_flags_reach_the_engine_config(argv, expect):
+    from spear.cli import build_parser
+    from spear.cli.serve import engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "512", *argv])
+    config, _, _ = engine_config_from_args(args)
+    for device, chunks in expect.items():
+        assert config.prefill_chunks(device) == chunks, device
 
 
 def test_generate_without_prompt_and_impossible_settings(tiny_llama_path, capsys):
