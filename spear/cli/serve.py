@@ -34,13 +34,6 @@ def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
                    help="sequences batched together (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
                    help="token budget of one step; longer prompts are prefilled in chunks (default: %(default)s)")
-    g.add_argument("--max-prefill-chunk", type=positive_int, metavar="N",
-                   help="most tokens of one prompt in a step it shares with others, so that requests arriving "
-                        "beside a long prompt are admitted at the next step and running streams keep their pace "
-                        "(default: 32 on a CPU, half of --max-num-batched-tokens on a GPU)")
-    g.add_argument("--max-prefill-chunk-alone", type=positive_int, metavar="N",
-                   help="most tokens of one prompt in a step it has alone: a request arriving during that step "
-                        "waits for it (default: --max-prefill-chunk on a CPU, the whole budget on a GPU)")
     g.add_argument("--max-model-len", type=positive_int,
                    help="prompt + output tokens per request (default: the model's context, at most 8192, "
                         "capped by the KV cache)")
@@ -68,9 +61,18 @@ def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
                    help="how row-parallel layers sum their partial outputs across GPUs: 'allreduce' (NCCL), or "
                         "'peer' (each GPU reads the others' symmetric-memory buffers in one fused kernel with the "
                         "compensator's gate; no collective on the decode path) (default: %(default)s)")
-    if not slo:
-        p.set_defaults(itl_slo_ms=None, latency_table=None, min_chunk=16, no_latency_correction=False)
+    if not slo:  # `spear profile` times whole steps: no scheduling settings
+        p.set_defaults(max_prefill_chunk=None, max_prefill_chunk_alone=None, itl_slo_ms=None, latency_table=None,
+                       min_chunk=16, no_latency_correction=False)
         return
+    c = p.add_argument_group("prefill chunks")
+    c.add_argument("--max-prefill-chunk", type=positive_int, metavar="N",
+                   help="most tokens of one prompt in a step it shares with others, so that requests arriving "
+                        "beside a long prompt are admitted at the next step and running streams keep their pace "
+                        "(default: 32 on a CPU, half of --max-num-batched-tokens on a GPU)")
+    c.add_argument("--max-prefill-chunk-alone", type=positive_int, metavar="N",
+                   help="most tokens of one prompt in a step it has alone: a request arriving during that step "
+                        "waits for it (default: --max-prefill-chunk on a CPU, the whole budget on a GPU)")
     t = p.add_argument_group("latency target")
     t.add_argument("--itl-slo-ms", type=positive_float, metavar="MS",
                    help="inter-token latency target: every step runs all decodes and the largest prefill chunk "
