@@ -23,7 +23,7 @@ def memory_size(text: str) -> int:
 
 
 def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
-    from spear.cli.common import add_model_arg, positive_float, positive_int
+    from spear.cli.common import add_model_arg, nonneg_int, positive_float, positive_int
 
     add_model_arg(p, verify=True)
     g = p.add_argument_group("engine")
@@ -62,7 +62,8 @@ def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
                         "'peer' (each GPU reads the others' symmetric-memory buffers in one fused kernel with the "
                         "compensator's gate; no collective on the decode path) (default: %(default)s)")
     if not slo:  # `spear profile` times whole steps: no scheduling settings
-        p.set_defaults(max_prefill_chunk=None, max_prefill_chunk_alone=None, itl_slo_ms=None, latency_table=None,
+        p.set_defaults(max_prefill_chunk=None, max_prefill_chunk_alone=None, prefill_chunk_context=None,
+                       itl_slo_ms=None, latency_table=None,
                        min_chunk=16, no_latency_correction=False)
         return
     c = p.add_argument_group("prefill chunks")
@@ -73,6 +74,11 @@ def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
     c.add_argument("--max-prefill-chunk-alone", type=positive_int, metavar="N",
                    help="most tokens of one prompt in a step it has alone: a request arriving during that step "
                         "waits for it (default: --max-prefill-chunk on a CPU, the whole budget on a GPU)")
+    c.add_argument("--prefill-chunk-context", type=nonneg_int, metavar="C",
+                   help="both caps shrink with the prompt's context L to cap x C / (C + L), so that a chunk's "
+                        "attention over a long context does not make its step several decode steps long; C is "
+                        "the context at which a token's attention costs what its linear layers do; 0: the caps "
+                        "stand (default: that context from the model's shapes on a CPU, 0 on a GPU)")
     t = p.add_argument_group("latency target")
     t.add_argument("--itl-slo-ms", type=positive_float, metavar="MS",
                    help="inter-token latency target: every step runs all decodes and the largest prefill chunk "
@@ -118,6 +124,7 @@ def engine_config_from_args(args, **changes):
     table = None if args.latency_table is None else load_table(args.latency_table)  # a bad file fails before loading
     fields = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_prefill_chunk=args.max_prefill_chunk, max_prefill_chunk_alone=args.max_prefill_chunk_alone,
+                  prefill_chunk_context=args.prefill_chunk_context,
                   max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
                   kv_memory=args.kv_memory, max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs,
                   kernels=kernel_policy(pdl=args.pdl, launch_table=args.launch_table), seed=args.seed,

@@ -18,9 +18,11 @@ from spear.serve.core.messages import SamplingParams
 from spear.serve.core.sequence import Sequence, Status
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=4, budget=8, max_waiting=16, cap=None, alone=None):
+def make(num_blocks=64, block_size=4, max_num_seqs=4, budget=8, max_waiting=16, cap=None, alone=None, context=None,
+         newcomers_first=False):
     return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_waiting,
-                     max_prefill_chunk=cap, max_prefill_chunk_alone=alone)
+                     max_prefill_chunk=cap, max_prefill_chunk_alone=alone, chunk_context=context,
+                     newcomers_first=newcomers_first)
 
 
 def add(s: Scheduler, rid: str, n_prompt: int, max_tokens: int = 100) -> Sequence:
@@ -192,6 +194,55 @@ def test_prompts_that_share_a_step_each_take_at_most_the_cap():
     assert step(s) == ([("a", 8, 2), ("b", 8, 2)], [])
 
 
+def test_the_caps_shrink_with_the_prompts_context():
+    """With chunk_context C a cap at context L is cap · C // (C + L), at least 1: the chunk's
+    attention over L keys is priced beside its linear layers. C = 16, alone 16, shared 8.
+    Catches: the caps standing whatever the context (a step at 8,000 tokens of context costing
+    several decode steps on a CPU), a cap of 0 stalling the prompt, the shared step priced at the
+    newcomer's context instead of each prompt's own."""
+    s = make(budget=32, cap=8, alone=16, context=16)
+    add(s, "long", 40)
+    assert step(s) == ([("long", 0, 16)], [])                     # 16 · 16 // 16
+    add(s, "short", 3)
+    assert step(s) == ([("long", 16, 4), ("short", 0, 3)], [])    # shared: 8 · 16 // 32; the short one at 0
+    assert step(s) == ([("short", 3, 1), ("long", 20, 3)], [])    # 8 · 16 // 36
+    s.finish(s.running[1], "abort")
+    assert [step(s)[0] for _ in range(4)] == [[("long", 23, 6)],  # alone again: 16 · 16 // 39
+                                              [("long", 29, 5)],  # 256 // 45
+                                              [("long", 34, 5)],  # 256 // 50
+                                              [("long", 39, 1)]]  # the rest
+    s = make(budget=32, cap=1, alone=1, context=1)
+    add(s, "long", 6)
+    assert [step(s)[0] for _ in range(3)] == [[("long", 0, 1)], [("long", 1, 1)], [("long", 2, 1)]]  # never 0
+    with pytest.raises(ValueError, match="chunk_context must"):
+        make(context=0)
+
+
+def test_a_newcomers_step_leaves_the_running_prompts_out_at_most_every_other_step():
+    """newcomers_first: the step that admits a request runs the decodes and the newcomer only, so its
+    first token does not wait for a long prompt's chunk; the long prompt goes on at the next step,
+    and arrivals at every step leave it out at most every other step.
+    Catches: the long prompt's chunk beside every newcomer, the long prompt starved by arrivals, a
+    decode skipped."""
+    s = make(budget=16, cap=4, newcomers_first=True, max_num_seqs=8)
+    add(s, "long", 40)
+    assert step(s) == ([("long", 0, 16)], [])                          # nobody waiting: the whole budget
+    add(s, "a", 3)
+    assert step(s) == ([("a", 0, 3)], [])                              # the newcomer alone: its first token
+    assert step(s) == ([("a", 3, 1), ("long", 16, 4)], [])             # the long prompt goes on
+    add(s, "b", 2)
+    assert step(s) == ([("a", 4, 1), ("b", 0, 2)], [])
+    add(s, "c", 2)                                                     # arrives right after: not left out twice
+    assert step(s) == ([("a", 5, 1), ("b", 2, 1), ("long", 20, 4), ("c", 0, 2)], [])
+    s = make(budget=16, cap=4)                                         # off (an accelerator's default)
+    add(s, "long", 40)
+    step(s)
+    add(s, "a", 3)
+    assert step(s) == ([("long", 16, 4), ("a", 0, 3)], [])
+    with pytest.raises(ValueError, match="newcomers_first must"):
+        make(newcomers_first=1)
+
+
 def test_the_caps_must_be_whole_numbers():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_prefill_chunk must"):
@@ -214,6 +265,38 @@ def test_the_engine_config_cap_by_device():
         for bad in (0, 1.5, False, "32"):
             with pytest.raises(SpearError, match=f"{name} must"):
                 EngineConfig(**{name: bad})
+
+
+def test_the_chunk_context_by_device_and_model():
+    """The context at which a token's attention costs what its linear layers do, from the model's
+    shapes, on a CPU; off on an accelerator unless given; 0 turns it off."""
+    from transformers import LlamaConfig
+
+    from spear.errors import SpearError
+    from spear.serve import EngineConfig
+    from spear.serve.config import attention_context
+
+    llama3 = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                         num_hidden_layers=32)
+    # per layer: q, o 4096 x 4096 each, k, v 4096 x 1024 each, gate/up/down 3 x 4096 x 14336 = 218,103,808
+    # weights; twice that over 4 x 4096 FLOPs per key
+    assert attention_context(llama3) == 26624
+    smol = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                       num_hidden_layers=30)
+    assert attention_context(smol) == 3072  # 2 x 3,538,944 // (4 x 576)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert EngineConfig().chunk_context(cpu, smol) == 3072
+    assert EngineConfig().chunk_context(gpu, smol) is None
+    assert EngineConfig(prefill_chunk_context=0).chunk_context(cpu, smol) is None
+    assert EngineConfig(prefill_chunk_context=500).chunk_context(gpu, smol) == 500
+    assert EngineConfig().first_steps_for_newcomers(cpu) and not EngineConfig().first_steps_for_newcomers(gpu)
+    assert EngineConfig(newcomers_first=True).first_steps_for_newcomers(gpu)
+    assert not EngineConfig(newcomers_first=False).first_steps_for_newcomers(cpu)
+    with pytest.raises(SpearError, match="newcomers_first must"):
+        EngineConfig(newcomers_first=1)
+    for bad in (-1, 1.5, True, "32"):
+        with pytest.raises(SpearError, match="prefill_chunk_context must"):
+            EngineConfig(prefill_chunk_context=bad)
 
 
 workloads = st.lists(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12)), max_size=3), min_size=1,

@@ -156,7 +156,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, max_waiting=config.max_waiting,
                                    token_sizes=self.runner.mixed and tuple(self.runner.mixed.graphs),
-                                   max_prefill_chunk=chunk, max_prefill_chunk_alone=chunk_alone)
+                                   max_prefill_chunk=chunk, max_prefill_chunk_alone=chunk_alone,
+                                   chunk_context=config.chunk_context(device, model_config),
+                                   newcomers_first=config.first_steps_for_newcomers(device))
         if pool is not None:
             pool.wait("that it is ready")
             self.runner.workers = pool

@@ -20,7 +20,14 @@ prefills share every step). The cap is a hard bound on a shared step (nothing le
 back to a capped prompt), since on a CPU a step of the whole budget takes seconds and every
 stream and every newcomer waits for it whole. A prompt with the step to itself takes the whole
 budget, so a lone long prompt is not slowed, unless ``max_prefill_chunk_alone`` caps it too: a
-request arriving during a step waits for all of it, which on a CPU is seconds.
+request arriving during a step waits for all of it, which on a CPU is seconds. With
+``chunk_context`` C both caps shrink with the prompt's context L, to ``cap · C / (C + L)``: a
+chunk's attention over its context costs its tokens times L, which at long contexts outweighs
+its linear layers (on a CPU, where a step's time is its work). With ``newcomers_first`` a step that
+admits a request leaves out the chunks of the prompts already running, at most every other step:
+the newcomer's first token then waits for the step in flight and its own, not for a long prompt's
+chunk beside it (on a CPU a step's time is its work; a long prompt loses at most half its steps
+to a stream of arrivals).
 
 When a decode needs a new block and none is free, the most recently admitted running sequence
 is preempted: its blocks are freed and it goes back to the front of the queue to be recomputed
@@ -123,7 +130,8 @@ class Scheduler:
                  max_waiting: int, latency: LatencyTable | None = None, itl_slo_ms: float | None = None,
                  min_chunk_tokens: int = 16, token_sizes: tuple[int, ...] | None = None,
                  correct: bool = True, max_prefill_chunk: int | None = None,
-                 max_prefill_chunk_alone: int | None = None):
+                 max_prefill_chunk_alone: int | None = None, chunk_context: int | None = None,
+                 newcomers_first: bool = False):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({max_num_seqs}) so that every running sequence can decode each step")
@@ -132,6 +140,13 @@ class Scheduler:
                 raise ValueError(f"{name} must be a whole number >= 1 or None, got {v!r}")
         # None: no cap (without a target), the whole budget for a prompt alone
         self.max_prefill_chunk, self.max_prefill_chunk_alone = max_prefill_chunk, max_prefill_chunk_alone
+        if chunk_context is not None and (isinstance(chunk_context, bool) or not isinstance(chunk_context, int)
+                                          or chunk_context < 1):
+            raise ValueError(f"chunk_context must be a whole number >= 1 or None, got {chunk_context!r}")
+        self.chunk_context = chunk_context  # None: the caps do not shrink with a prompt's context
+        if not isinstance(newcomers_first, bool):
+            raise ValueError(f"newcomers_first must be True or False, got {newcomers_first!r}")
+        self.newcomers_first, self._left_out = newcomers_first, False
         self.blocks = block_manager
         self.max_num_seqs, self.max_num_batched_tokens, self.max_waiting = (
             max_num_seqs, max_num_batched_tokens, max_waiting)
@@ -214,6 +229,12 @@ class Scheduler:
         shared = cap is not None and d > 0 and self.itl_slo_ms is None
         alone = self.max_prefill_chunk_alone if self.itl_slo_ms is None else None
         prompts = [s for s in self.running if s.seq_id not in scheduled]
+        # a newcomer's step leaves the running prompts out, at most every other step
+        leave_out = (self.newcomers_first and self.itl_slo_ms is None and bool(prompts) and not self._left_out
+                     and self._admissible(out))
+        self._left_out = leave_out
+        if leave_out:
+            prompts = []
 
         for i, seq in enumerate(prompts):
             if budget == 0:
@@ -221,9 +242,9 @@ class Scheduler:
             # blocks for the whole prompt were allocated at admission
             n = min(seq.num_uncomputed_tokens, budget)
             if cap is not None and (shared or out.prefill_tokens or i + 1 < len(prompts) or self._admissible(out)):
-                n = min(n, cap)
+                n = min(n, self._at_context(cap, seq))
             elif alone is not None:
-                n = min(n, alone)
+                n = min(n, self._at_context(alone, seq))
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             scheduled.add(seq.seq_id)
             budget -= n
@@ -236,9 +257,9 @@ class Scheduler:
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if cap is not None and (shared or out.prefill_tokens or self._admissible(out)):
-                n = min(n, cap)
+                n = min(n, self._at_context(cap, seq))
             elif alone is not None:
-                n = min(n, alone)
+                n = min(n, self._at_context(alone, seq))
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         if self.itl_slo_ms is not None:
@@ -258,6 +279,15 @@ class Scheduler:
                 out.step_kind = 0
             out.predicted_ms = out.table_ms * self._factor(out.step_kind)
         return out
+
+    def _at_context(self, cap: int, seq: Sequence) -> int:
+        """A static cap on ``seq``'s chunk at its context ``L`` (the tokens it has computed): a token's
+        attention over L keys costs L / chunk_context of its linear layers, so the cap is
+        ``cap · C / (C + L)`` (at least one token) and the step's work stays about what ``cap`` tokens
+        cost at no context. Under a target the latency table prices the step and the cap stands."""
+        if self.chunk_context is None or self.itl_slo_ms is not None:
+            return cap
+        return max(1, cap * self.chunk_context // (self.chunk_context + seq.num_computed_tokens))
 
     def _admissible(self, out: SchedulerOutput) -> bool:
         """The head of the queue can be admitted in this step (a slot, blocks for its prompt, no
