@@ -144,9 +144,10 @@ def _tune_gluon(args, shapes) -> int:
     if args.rows:
         _write_json(args.rows, {"device": torch.cuda.get_device_name(), "rows": rows})
     _print_rows(rows, shapes, "without_us", "gluon")
-    for key, which in (("gluon", f"fewer than {launch.GLUON_WIDE_N}"), ("gluon_wide", f"{launch.GLUON_WIDE_N} or more")):
+    for key, which in (("gluon_wide", f"{launch.GLUON_WIDE_N} or more output features"),
+                       ("gluon_deep", f"fewer outputs and {launch.GLUON_DEEP_K} or more input features"),
+                       ("gluon", "other shapes")):
         if key in table:
-            print(f"classes that take the Gluon GEMM, layers of {which} output features: "
-                  f"{', '.join(table[key]) or 'none'}")
+            print(f"classes that take the Gluon GEMM, layers of {which}: {', '.join(table[key]) or 'none'}")
     print(f"wrote {args.out}: serve with `spear serve --model ... --launch-table {args.out}`")
     return 0

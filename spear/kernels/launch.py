@@ -11,7 +11,8 @@ validates a table against that declaration:
                one-token loop on CUDA cores, the others tensor-core tiles
   gluon        the warp-specialized Gluon GEMM (gluon_w4.py) on Hopper, for the classes the table
   gluon_wide   holds (others keep the Triton GEMM or cuBLAS); "gluon_wide" for layers of at least
-               GLUON_WIDE_N output features, whose best tiles differ
+  gluon_deep   GLUON_WIDE_N output features, "gluon_deep" for the others of at least GLUON_DEEP_K
+               input features (``gluon_family``), whose best tiles differ
 
 ``BUILTIN`` is the table chosen on an H200 (Triton) and an H100 (Gluon) with ``spear tune-kernels``,
 read-only; a deployment passes its own (``KernelPolicy.launch_table``, the JSON that
@@ -140,11 +141,21 @@ FAMILIES = MappingProxyType({
     "nmajor": Family(NMAJOR_CLASSES, *_TRITON),
     "gluon": Family(GLUON_CLASSES, *_GLUON, _gluon_entry),
     "gluon_wide": Family(GLUON_CLASSES, *_GLUON, _gluon_entry),
+    "gluon_deep": Family(GLUON_CLASSES, *_GLUON, _gluon_entry),
 })
-# Layers of at least GLUON_WIDE_N output features (Llama's gate/up) take the "gluon_wide" classes,
-# the others "gluon" (BM 256 against 128 at 129-256 tokens). A table without "gluon_wide" sends every
-# layer to its "gluon" classes.
+# Layers of at least GLUON_WIDE_N output features (Llama's gate/up) take the "gluon_wide" classes (BM
+# 256 against 128 at 129-256 tokens), the others of at least GLUON_DEEP_K input features (Llama's down)
+# "gluon_deep" (BM 128 from 65 tokens, and the Gluon GEMM at 129-256 where q/o keep the Triton GEMM),
+# the rest "gluon". A table without one of the first two sends its layers to "gluon".
 GLUON_WIDE_N = 16384
+GLUON_DEEP_K = 8192
+
+
+def gluon_family(n: int, k: int, table=None) -> str:
+    """The Gluon family of an (n, k) layer: "gluon_wide", "gluon_deep" or "gluon" (above); with
+    ``table``, "gluon" where the table lacks the layer's own family."""
+    family = "gluon_wide" if n >= GLUON_WIDE_N else "gluon_deep" if k >= GLUON_DEEP_K else "gluon"
+    return family if table is None or table.get(family) is not None else "gluon"
 
 
 def _entry(where: str, family: Family, e) -> Entry:
@@ -217,12 +228,13 @@ def merged_table(table=None) -> MappingProxyType:
 # tune-kernels` on Llama-3-8B's shapes, H200, 2026-12-04 (BENCHMARKS.md, "Kernels: the W4A16 GEMM
 # from 1 to 4,096 tokens"). "nmajor": bench_kernels.py --tune (N-major packing), H200: one token on
 # CUDA cores; 17-64 tokens with half the programs of 2-16, because at 64 tokens every split writes
-# an M x N fp32 partial. "gluon", "gluon_wide": `spear tune-kernels --kernel gluon` on Llama-3-8B's
-# three shapes, H100, 2026-12-06 (BENCHMARKS.md, "The warp-specialized Gluon GEMM", raw
-# run21-h100-2026-12-06/tune/gluon_rows.json): per width, the classes where one launch beat the
-# path without it by 5% or more (geometric mean over the shapes and token counts). q/o and down:
-# 128 by 19%, 512 by 21%, 1024 by 14%; gate_up: 128 by 22%, 256 by 23%, 512 by 23%, 1024 by 14%. At
-# 16-64 tokens the Triton GEMM stays within 3% either side, above 1024 dequantize + cuBLAS wins by 2-3%.
+# an M x N fp32 partial. "gluon", "gluon_wide", "gluon_deep": `spear tune-kernels --kernel gluon` on
+# Llama-3-8B's three shapes, H100, 2026-12-06 (BENCHMARKS.md, "The warp-specialized Gluon GEMM", raw
+# run21-h100-2026-12-06/tune/gluon_rows.json): per family, the classes where one launch beat the
+# path without it by 5% or more (geometric mean over the token counts). q/o: 128 by 24%, 512 by 17%,
+# 1024 by 14%; gate_up: 128 by 22%, 256 by 23%, 512 by 23%, 1024 by 14%; down: 128 by 22%, 256 by
+# 11%, 512 by 24%, 1024 by 14%. At 16-64 tokens the Triton GEMM stays within 3% either side (8-15%
+# ahead for q/o at 16 and 64), above 1024 dequantize + cuBLAS wins by 2-3%.
 BUILTIN = check_table({
     "fragment": {"16": dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3, programs=264),
                  "32": dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=3, programs=264),
@@ -242,6 +254,10 @@ BUILTIN = check_table({
                    "256": dict(BN=128, BM=256, BK=128, num_stages=2),
                    "512": dict(BN=128, BM=128, BK=128, num_stages=4),
                    "1024": dict(BN=128, BM=256, BK=64, num_stages=5)},
+    "gluon_deep": {"128": dict(BN=128, BM=128, BK=128, num_stages=4),
+                   "256": dict(BN=128, BM=128, BK=128, num_stages=4),
+                   "512": dict(BN=128, BM=128, BK=128, num_stages=4),
+                   "1024": dict(BN=128, BM=256, BK=128, num_stages=2)},
 })
 
 
@@ -335,12 +351,11 @@ def fit_gluon(cfg: GluonConfig, group_size: int, rank: int = 0) -> GluonConfig |
 
 
 def pick_gluon(m: int, n: int, k: int, table=BUILTIN, group_size: int = 128, rank: int = 0) -> GluonConfig | None:
-    """The Gluon launch of an (m, n, k) GEMM over the fragment layout under ``table`` (its
-    "gluon_wide" classes from GLUON_WIDE_N output features), with the compensator of ``rank`` in its
+    """The Gluon launch of an (m, n, k) GEMM over the fragment layout under ``table`` (the classes of
+    its ``gluon_family``), with the compensator of ``rank`` in its
     epilogue (0: none), or None when the table keeps ``m`` tokens of such a layer off the Gluon
     kernel or its tile leaves no room for two stages beside the compensator."""
-    classes = table.get("gluon_wide") if n >= GLUON_WIDE_N and table.get("gluon_wide") is not None else \
-        table.get("gluon")
+    classes = table.get(gluon_family(n, k, table))
     e = (classes or {}).get(token_class(m, GLUON_CLASSES))
     if e is None:
         return None

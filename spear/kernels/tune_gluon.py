@@ -2,7 +2,7 @@
 
 ``tune_gluon`` sweeps each token class's launches (``_gluon_grid``) on a model's layer shapes
 against what the policy runs without the Gluon GEMM (the Triton fragment kernel or dequantize +
-cuBLAS) and cuBLAS FP16; ``gluon_table`` keeps, per layer width ("gluon", "gluon_wide") and class,
+cuBLAS) and cuBLAS FP16; ``gluon_table`` keeps, per family of layer shapes and class,
 the best launch where it wins by GLUON_MIN_GAIN. ``spear tune-kernels --kernel gluon`` writes the
 table. The protocol is tune.py's.
 """
@@ -49,7 +49,7 @@ def gluon_launch_key(e: dict) -> str:
 def tune_gluon(shapes, classes=None, budget_s: float = 900, progress: bool = True) -> tuple[dict, list]:
     """Sweep the Gluon GEMM's launches (``_gluon_grid``) on ``shapes`` [(label, n, k)] at each class's
     token counts (``GLUON_TOKENS``) against what the policy runs without it (the Triton fragment
-    kernel or dequantize + cuBLAS) and cuBLAS FP16: (the "gluon" and "gluon_wide" classes that
+    kernel or dequantize + cuBLAS) and cuBLAS FP16: (the Gluon families' classes that
     ``gluon_table`` keeps, rows). Needs a Hopper GPU and a Triton with Gluon."""
     from tqdm.auto import tqdm
 
@@ -106,14 +106,15 @@ GLUON_MIN_GAIN = 0.05  # a class takes the Gluon GEMM where it is this much fast
 
 
 def gluon_table(rows) -> dict:
-    """Per width ("gluon": layers of fewer than GLUON_WIDE_N output features, "gluon_wide": the
-    others; a width without rows is left out) and class: the launch with the best geometric mean
-    over its rows, where it beats the path without Gluon over the same rows by GLUON_MIN_GAIN."""
-    from spear.kernels.launch import GLUON_WIDE_N
+    """Per family of layer shapes (``launch.gluon_family``: "gluon_wide" by output features,
+    "gluon_deep" by input features, "gluon" the rest; a family without rows is left out) and class:
+    the launch with the best geometric mean over its rows, where it beats the path without Gluon over
+    the same rows by GLUON_MIN_GAIN."""
+    from spear.kernels.launch import gluon_family
 
     out = {}
-    for key, wide in (("gluon", False), ("gluon_wide", True)):
-        some = [r for r in rows if (r["n"] >= GLUON_WIDE_N) == wide]
+    for key in ("gluon", "gluon_wide", "gluon_deep"):
+        some = [r for r in rows if gluon_family(r["n"], r["k"]) == key]
         if not some:
             continue
         out[key] = {}

@@ -145,8 +145,17 @@ def test_a_compensator_takes_ring_stages_and_the_plan_says_so(hopper):
 
 def test_a_table_without_wide_classes_sends_every_layer_to_its_gluon_classes():
     own = launch.check_table({"gluon": {"256": dict(BN=128, BM=128, BK=128, num_stages=4)}})
-    for n in (4096, 28672):
-        assert launch.pick_gluon(256, n, K, own).BM == 128
+    for n, k in ((4096, K), (28672, K), (4096, 14336)):
+        assert launch.pick_gluon(256, n, k, own).BM == 128
+    # by input features: down (4096 x 14336) takes "gluon_deep", q/o (4096 x 4096) "gluon"
+    deep = launch.check_table({**launch.to_json(own), "gluon_deep": {"256": dict(BN=128, BM=64, BK=128,
+                                                                                  num_stages=4)}})
+    assert launch.pick_gluon(256, 4096, 14336, deep).BM == 64 and launch.pick_gluon(256, 4096, 4096, deep).BM == 128
+    assert launch.pick_gluon(256, 4096, launch.GLUON_DEEP_K - 64, deep).BM == 128
+    assert launch.pick_gluon(256, 4096, 14336, launch.check_table({**launch.to_json(own), "gluon_deep": {}})) is None
+    assert [launch.gluon_family(n, k) for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336),
+                                                   (28672, 14336))] == ["gluon", "gluon", "gluon_wide",
+                                                                        "gluon_deep", "gluon_wide"]
     both = launch.check_table({**launch.to_json(own), "gluon_wide": {"256": dict(BN=128, BM=256, BK=128,
                                                                                   num_stages=2)}})
     assert launch.pick_gluon(256, 4096, K, both).BM == 128 and launch.pick_gluon(256, 28672, K, both).BM == 256
@@ -197,9 +206,10 @@ def test_the_ops_integers_read_back_as_the_policy(tmp_path):
                 KernelPolicy(gluon=False), KernelPolicy(fragment_cublas_min_m=513)]
     assert len({v.op_args for v in variants}) == len(variants)
     assert KernelPolicy(launch_table=launch.to_json(BUILTIN)) == KernelPolicy()
-    # one family a kernel, every class an entry of its own fields: fewer than half of the 351 of old
+    # one family a kernel (the Gluon GEMM's three by layer shape), every class an entry of its own
+    # fields: 240 integers against the 351 of old
     assert len(KernelPolicy().op_args) == 1 + 7 + sum(len(f.classes) * (1 + len(f.fields))
-                                                      for f in launch.FAMILIES.values()) < 200
+                                                      for f in launch.FAMILIES.values()) == 240
     with pytest.raises(ValueError, match="unknown version"):
         KernelPolicy.of_op_args([99] + list(KernelPolicy().op_args[1:]))
 
@@ -272,7 +282,7 @@ def test_pdl_level():
 
 
 def test_the_builtin_gluon_classes_are_what_the_tuner_makes_of_its_h100_sweep():
-    """launch.BUILTIN's "gluon" and "gluon_wide" = tune_gluon.gluon_table over the stored sweep (the raw
+    """launch.BUILTIN's Gluon families = tune_gluon.gluon_table over the stored sweep (the raw
     timings of `spear tune-kernels --kernel gluon` on the H100, 2026-12-06)."""
     from pathlib import Path
 
@@ -281,21 +291,22 @@ def test_the_builtin_gluon_classes_are_what_the_tuner_makes_of_its_h100_sweep():
     rows = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "run21-h100-2026-12-06" / "tune"
                        / "gluon_rows.json").read_text())["rows"]
     table = launch.to_json(BUILTIN)
-    assert tune_gluon.gluon_table(rows) == {k: table[k] for k in ("gluon", "gluon_wide")}
+    assert tune_gluon.gluon_table(rows) == {k: table[k] for k in ("gluon", "gluon_wide", "gluon_deep")}
 
 
 def test_gluon_table_keeps_a_class_only_beyond_the_margin_and_per_width():
     from spear.kernels import tune_gluon
 
-    def row(n, cls, without, **sweep):
-        return {"n": n, "class": cls, "without_us": without,
+    def row(n, cls, without, k=4096, **sweep):
+        return {"n": n, "k": k, "class": cls, "without_us": without,
                 "sweep": {k: {"launch": dict(BN=128, BM=int(k[2:]), BK=128, num_stages=4), "us": us}
                           for k, us in sweep.items()}}
 
     rows = [row(4096, "128", 10.0, BM64=9.0, BM128=9.6), row(4096, "256", 10.0, BM128=9.6),
-            row(28672, "256", 10.0, BM128=9.4, BM256=8.0)]
+            row(28672, "256", 10.0, BM128=9.4, BM256=8.0), row(4096, "128", 10.0, k=14336, BM64=9.6, BM128=8.0)]
     assert tune_gluon.gluon_table(rows) == {"gluon": {"128": dict(BN=128, BM=64, BK=128, num_stages=4)},
-                                            "gluon_wide": {"256": dict(BN=128, BM=256, BK=128, num_stages=4)}}
+                                            "gluon_wide": {"256": dict(BN=128, BM=256, BK=128, num_stages=4)},
+                                            "gluon_deep": {"128": dict(BN=128, BM=128, BK=128, num_stages=4)}}
     assert tune_gluon.gluon_table(rows[:2]) == {"gluon": {"128": dict(BN=128, BM=64, BK=128, num_stages=4)}}
 
 
