@@ -22,7 +22,7 @@ def compile_variant(BNC=128, BM=128, BK=64, STAGES=4, GROUP=128, SYM=False, BF16
     gs = -(-BK // GROUP) if GROUP else 1
     bn = G.NCONS * BNC
     fn = G._w4_gluon_kernel
-    sig = dict(x_desc=f"tensordesc<{dt}[{BM}, 64],{xl!r}>",
+    sig = dict(x_desc=f"tensordesc<{dt}[{min(BM, 64)}, 64],{xl!r}>",
                w_desc=f"tensordesc<i32[{bn // 16}, {128 * (BK // 64)}],{plain[32]!r}>",
                s_desc=f"tensordesc<fp16[{gs}, {bn}],{plain[16]!r}>", z_desc=f"tensordesc<u8[{gs}, {bn}],{plain[8]!r}>",
                scales_ptr="*fp16", zeros_ptr="*u8", bias_ptr="*" + dt, out_ptr="*" + dt, part_ptr="*fp32",
