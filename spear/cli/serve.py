@@ -63,6 +63,7 @@ def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
                         "compensator's gate; no collective on the decode path) (default: %(default)s)")
     if not slo:  # `spear profile` times whole steps: no scheduling settings
         p.set_defaults(max_prefill_chunk=None, max_prefill_chunk_alone=None, prefill_chunk_context=None,
+                       newcomers_first=None,
                        itl_slo_ms=None, latency_table=None,
                        min_chunk=16, no_latency_correction=False)
         return
@@ -79,6 +80,10 @@ def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
                         "attention over a long context does not make its step several decode steps long; C is "
                         "the context at which a token's attention costs what its linear layers do; 0: the caps "
                         "stand (default: that context from the model's shapes on a CPU, 0 on a GPU)")
+    c.add_argument("--newcomers-first", choices=["on", "off"],
+                   help="'on': a step that admits a request leaves out the chunks of prompts already running, at "
+                        "most every other step, so a short request's first token does not wait for a long "
+                        "prompt's chunk (default: on on a CPU, where a step's time is its work; off on a GPU)")
     t = p.add_argument_group("latency target")
     t.add_argument("--itl-slo-ms", type=positive_float, metavar="MS",
                    help="inter-token latency target: every step runs all decodes and the largest prefill chunk "
@@ -125,6 +130,7 @@ def engine_config_from_args(args, **changes):
     fields = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_prefill_chunk=args.max_prefill_chunk, max_prefill_chunk_alone=args.max_prefill_chunk_alone,
                   prefill_chunk_context=args.prefill_chunk_context,
+                  newcomers_first=None if args.newcomers_first is None else args.newcomers_first == "on",
                   max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
                   kv_memory=args.kv_memory, max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs,
                   kernels=kernel_policy(pdl=args.pdl, launch_table=args.launch_table), seed=args.seed,

@@ -42,6 +42,7 @@ def test_generate_chat_and_stop(default_model_path, capsys):
     (["serve", "--max-prefill-chunk", "0"], "expected a number >= 1"),
     (["generate", "--prompt", "x", "--max-prefill-chunk-alone", "-4"], "expected a number >= 1"),
     (["serve", "--prefill-chunk-context", "-1"], "expected a number >= 0"),
+    (["serve", "--newcomers-first", "yes"], "argument --newcomers-first: invalid choice"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -66,15 +67,17 @@ def test_serve_prefill_chunk_flags_reach_the_engine_config(argv, expect):
         assert config.prefill_chunks(device) == chunks, device
 
 
-@pytest.mark.parametrize("argv,expect", [([], None), (["--prefill-chunk-context", "0"], 0),
-                                         (["--prefill-chunk-context", "2000"], 2000)])
-def test_serve_prefill_chunk_context_flag_reaches_the_engine_config(argv, expect):
+@pytest.mark.parametrize("argv,context,first", [
+    ([], None, None), (["--prefill-chunk-context", "0"], 0, None), (["--prefill-chunk-context", "2000"], 2000, None),
+    (["--newcomers-first", "on"], None, True), (["--newcomers-first", "off"], None, False)])
+def test_serve_prefill_chunk_context_and_newcomers_flags_reach_the_engine_config(argv, context, first):
     from spear.cli import build_parser
     from spear.cli.serve import engine_config_from_args
 
     args = build_parser().parse_args(["serve", *argv])
     config, _, _ = engine_config_from_args(args)
-    assert config.prefill_chunk_context == expect
+    assert (config.prefill_chunk_context, config.newcomers_first) == (context, first)
+    assert config.first_steps_for_newcomers("cuda") is bool(first)
 
 
 def test_generate_without_prompt_and_impossible_settings(tiny_llama_path, capsys):
