@@ -111,7 +111,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     b, n_blocks = block_tables.shape
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     length = n_blocks * block_size
-    flat = block_tables.reshape(-1)  # index_select: whole blocks at a CPU's copy rate
+    flat = block_tables.reshape(-1)  # whole blocks by index_select: one index a block
     k = k_cache.index_select(0, flat).view(b, length, kv_heads, head_dim).transpose(1, 2)  # (B, Hkv, L, D)
     v = v_cache.index_select(0, flat).view(b, length, kv_heads, head_dim).transpose(1, 2)
     mask = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]

@@ -112,8 +112,7 @@ class EngineConfig:
         (111 against 77 s on one thread). On an accelerator a step costs about its weights' reads up
         to hundreds of tokens: half the budget beside others (the other half admits newcomers at
         once), and the whole budget alone (None)."""
-        kind = device.type if hasattr(device, "type") else str(device).split(":")[0]
-        cpu = kind == "cpu"
+        cpu = _on_cpu(device)
         shared = self.max_prefill_chunk or (32 if cpu else max(1, self.max_num_batched_tokens // 2))
         alone = self.max_prefill_chunk_alone or (shared if cpu else None)
         return shared, alone
@@ -122,10 +121,7 @@ class EngineConfig:
         """The scheduler's ``newcomers_first`` (by ``device`` when None: on a CPU, where a long prompt's
         chunk makes the step a newcomer's first token waits for several decode steps long; not on an
         accelerator, whose step costs about its weights' reads whatever it holds)."""
-        if self.newcomers_first is not None:
-            return self.newcomers_first
-        kind = device.type if hasattr(device, "type") else str(device).split(":")[0]
-        return kind == "cpu"
+        return _on_cpu(device) if self.newcomers_first is None else self.newcomers_first
 
     def chunk_context(self, device, model_config) -> int | None:
         """The scheduler's ``chunk_context`` (``prefill_chunk_context``; by ``device`` when None: the
@@ -133,15 +129,21 @@ class EngineConfig:
         weights' reads up to hundreds of tokens)."""
         if self.prefill_chunk_context is not None:
             return self.prefill_chunk_context or None
-        kind = device.type if hasattr(device, "type") else str(device).split(":")[0]
-        return attention_context(model_config) if kind == "cpu" else None
+        return attention_context(model_config) if _on_cpu(device) else None
+
+
+def _on_cpu(device) -> bool:
+    """``device`` (a torch.device or its name) is the CPU."""
+    return (device.type if hasattr(device, "type") else str(device).split(":")[0]) == "cpu"
 
 
 def attention_context(model_config) -> int:
     """The context at which one token's attention (QKᵀ and PV over L keys, 4 · heads · head_dim · L
     FLOPs a layer) costs what its linear layers do (twice their weights): 3,072 tokens for
-    SmolLM2-135M, 26,624 for Llama-3-8B. On a 2-core CPU a 32-token chunk of SmolLM2-135M at 4,400
-    tokens of context spent 93 ms in attention and 85 ms in its matmuls (2026-12-07)."""
+    SmolLM2-135M, 26,624 for Llama-3-8B. On one thread of the 2-core CPU a step of one decode and a
+    6-token chunk of SmolLM2-135M at 4,100 tokens of context spent 68 ms in attention and 81 ms in its
+    matmuls, against 48 ms of matmuls in a decode step (2026-12-07; BENCHMARKS.md, "A long prompt
+    beside the others")."""
     from spear.serve.model.llama import head_dim
 
     c = model_config

@@ -240,11 +240,8 @@ class Scheduler:
             if budget == 0:
                 break
             # blocks for the whole prompt were allocated at admission
-            n = min(seq.num_uncomputed_tokens, budget)
-            if cap is not None and (shared or out.prefill_tokens or i + 1 < len(prompts) or self._admissible(out)):
-                n = min(n, self._at_context(cap, seq))
-            elif alone is not None:
-                n = min(n, self._at_context(alone, seq))
+            n = self._capped(seq, min(seq.num_uncomputed_tokens, budget), cap, alone,
+                             shared or out.prefill_tokens or i + 1 < len(prompts) or self._admissible(out))
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             scheduled.add(seq.seq_id)
             budget -= n
@@ -255,11 +252,8 @@ class Scheduler:
             self.blocks.allocate(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
-            if cap is not None and (shared or out.prefill_tokens or self._admissible(out)):
-                n = min(n, self._at_context(cap, seq))
-            elif alone is not None:
-                n = min(n, self._at_context(alone, seq))
+            n = self._capped(seq, min(seq.num_uncomputed_tokens, budget), cap, alone,
+                             shared or out.prefill_tokens or self._admissible(out))
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         if self.itl_slo_ms is not None:
@@ -280,14 +274,18 @@ class Scheduler:
             out.predicted_ms = out.table_ms * self._factor(out.step_kind)
         return out
 
-    def _at_context(self, cap: int, seq: Sequence) -> int:
-        """A static cap on ``seq``'s chunk at its context ``L`` (the tokens it has computed): a token's
-        attention over L keys costs L / chunk_context of its linear layers, so the cap is
-        ``cap · C / (C + L)`` (at least one token) and the step's work stays about what ``cap`` tokens
-        cost at no context. Under a target the latency table prices the step and the cap stands."""
-        if self.chunk_context is None or self.itl_slo_ms is not None:
-            return cap
-        return max(1, cap * self.chunk_context // (self.chunk_context + seq.num_computed_tokens))
+    def _capped(self, seq: Sequence, n: int, cap: int | None, alone: int | None, shared: bool) -> int:
+        """``n`` tokens of ``seq``'s prompt under the cap of a step it shares with others (``shared``)
+        or has alone, shrunk at its context ``L`` (the tokens it has computed) to ``cap · C / (C + L)``
+        (at least one token) with ``chunk_context`` C: a token's attention over L keys costs L / C of
+        its linear layers, so the step's work stays about what ``cap`` tokens cost at no context.
+        Under a target the latency table prices the step and the cap stands."""
+        limit = cap if cap is not None and shared else alone
+        if limit is None:
+            return n
+        if self.chunk_context is not None and self.itl_slo_ms is None:
+            limit = max(1, limit * self.chunk_context // (self.chunk_context + seq.num_computed_tokens))
+        return min(n, limit)
 
     def _admissible(self, out: SchedulerOutput) -> bool:
         """The head of the queue can be admitted in this step (a slot, blocks for its prompt, no

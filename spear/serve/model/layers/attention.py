@@ -53,8 +53,10 @@ class AttentionMetadata:
 def _context(cache: torch.Tensor, blocks: torch.Tensor, ctx: int) -> torch.Tensor:
     """A sequence's first ``ctx`` cached keys (or values) as (1, Hkv, ctx, D): a view where its blocks
     follow each other in the cache (a prompt's blocks are allocated at once at its admission, so a
-    long prompt's usually do), else whole blocks copied with index_select (ten times the rate of a
-    gather by token at 8,000 tokens of context on a CPU, 2026-12-07)."""
+    long prompt's usually do), else whole blocks copied with index_select (one index a block). A
+    step beside a long prompt at 4,200 / 7,700 tokens of context, one thread of the 2-core CPU: about
+    168 / 288 ms with the view, 207 / 301 ms copying (2026-12-07; BENCHMARKS.md, "A long prompt
+    beside the others")."""
     first = int(blocks[0])
     if bool((blocks == torch.arange(first, first + blocks.numel(), device=blocks.device)).all()):
         rows = cache[first:first + blocks.numel()]
