@@ -141,3 +141,35 @@ def test_attention_says_which_kernels_cannot_take_its_shapes():
     odd = PagedAttention(12, 4, 96).kernel_fallbacks(16, torch.bfloat16)
     assert [kind for kind, _ in odd] == ["attention (decode steps)", "attention (prefill and mixed steps)"]
     assert all("head_dim 96" in why and "torch.bfloat16" in why for _, why in odd)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+def test_cpu_prefill_attention_equals_per_head_softmax(heads, kv_heads):
+    """The CPU's attention of a mixed step (a whole prompt, a chunk over cached keys in blocks out of
+    order, a decode) against softmax(q kᵀ) v per query head over its kv head's keys (h // group)."""
+    from spear.serve.model.layers.attention import AttentionMetadata, prefill_attention_sdpa
+
+    torch.manual_seed(0)
+    bs, d, blocks = 4, 16, 24
+    kc, vc = torch.randn(blocks, bs, kv_heads, d), torch.randn(blocks, bs, kv_heads, d)
+    # (tokens of the step, keys in all): a prompt alone, a chunk of 5 at 13 keys, a decode at 9 keys
+    seqs = [(6, 6, [0, 1]), (5, 13, [7, 3, 4, 20]), (1, 9, [10, 11, 12])]
+    table = torch.full((3, 4), -1, dtype=torch.int64)
+    for b, (_, _, bl) in enumerate(seqs):
+        table[b, :len(bl)] = torch.tensor(bl)
+    starts = torch.tensor([0, 6, 11, 12], dtype=torch.int32)
+    q = torch.randn(12, heads, d)
+    meta = AttentionMetadata(positions=torch.zeros(12, dtype=torch.int64), slots=torch.zeros(12, dtype=torch.int64),
+                             cos=torch.ones(1, d), sin=torch.zeros(1, d), block_tables=table,
+                             seq_lens=torch.tensor([s[1] for s in seqs]), query_start_loc=starts, max_query_len=6)
+    got = prefill_attention_sdpa(q, kc, vc, meta, d ** -0.5).view(12, heads, d)
+    group = heads // kv_heads
+    for b, (n, ctx, bl) in enumerate(seqs):
+        slots = torch.tensor([bl[t // bs] * bs + t % bs for t in range(ctx)])
+        keys, vals = kc.flatten(0, 1)[slots], vc.flatten(0, 1)[slots]   # (ctx, Hkv, D)
+        for i in range(n):
+            pos = ctx - n + i
+            for h in range(heads):
+                s = keys[: pos + 1, h // group] @ q[starts[b] + i, h] * d ** -0.5
+                want = s.softmax(0) @ vals[: pos + 1, h // group]
+                torch.testing.assert_close(got[starts[b] + i, h], want, atol=1e-5, rtol=1e-5)

@@ -70,7 +70,9 @@ def prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Causal attention of each sequence's chunk over its cached keys, one SDPA per sequence in the
     activation dtype (transformers' numerics): the CPU's path. Returns (T, n_heads * head_dim)."""
     bs, kv_heads, head_dim = k_cache.shape[1:]
-    out = torch.zeros(q.shape[0], q.shape[1], head_dim, dtype=q.dtype, device=q.device)
+    heads = q.shape[1]
+    group = heads // kv_heads
+    out = torch.zeros(q.shape[0], heads, head_dim, dtype=q.dtype, device=q.device)
     starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
     for b, ctx in enumerate(lens):
         lo, hi = starts[b], starts[b + 1]
@@ -79,14 +81,20 @@ def prefill_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             continue
         kc, vc = (_context(c, meta.block_tables[b, :-(-ctx // bs)], ctx) for c in (k_cache, v_cache))
         qc = q[lo:hi].transpose(0, 1)[None]                     # (1, H, n, D)
-        mask, causal = None, False
-        if n == ctx:
-            causal = True
-        elif n > 1:
-            qpos = torch.arange(n, device=q.device)[:, None] + (ctx - n)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
-        o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=causal, scale=scale,
-                                           enable_gqa=kv_heads != q.shape[1])
+        if n == ctx:  # a whole prompt: the causal kernel skips the masked blocks
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=group > 1)
+        else:
+            # a chunk (or a decode) over cached keys: a group's query heads (head h reads kv head h // group,
+            # as transformers' repeat_kv) become one kv head's rows, so each cached key is read once for
+            # all of them, where enable_gqa repeats the keys per head. One thread of the 2-core CPU, SmolLM2
+            # (9 / 3 heads), a layer: 6 queries over 4,100 keys 1.05 against 1.45 ms, 3 over 7,700 1.74
+            # against 3.59 ms (2026-12-07); a whole prompt stays causal (512 tokens folded: 8.96 against 7.54).
+            mask = None
+            if n > 1:
+                qpos = torch.arange(n, device=q.device)[:, None] + (ctx - n)
+                mask = (torch.arange(ctx, device=q.device)[None, :] <= qpos).repeat(group, 1)
+            o = F.scaled_dot_product_attention(qc.reshape(1, kv_heads, group * n, head_dim), kc, vc, attn_mask=mask,
+                                               scale=scale).reshape(1, heads, n, head_dim)
         out[lo:hi] = o[0].transpose(0, 1)
     return out.flatten(1)
 
