@@ -382,6 +382,10 @@ def throughput_ratios(rows: list[dict]) -> str:
                              f"({h['output_delay_over_8ms_pct']:.2f}% over 8 ms); event-loop lag "
                              f"{h.get('loop_lag_p50_ms', float('nan')):.1f} / {h.get('loop_lag_p99_ms', float('nan')):.1f} ms "
                              f"({h.get('loop_lag_over_8ms_pct', float('nan')):.2f}% over 8 ms)")
+            if "client_loop_lag_p50_ms" in h:
+                lines.append(f"  in the clients: event-loop lag p50 / p99 / max {h['client_loop_lag_p50_ms']:.1f} / "
+                             f"{h['client_loop_lag_p99_ms']:.1f} / {h['client_loop_lag_max_ms']:.1f} ms "
+                             f"({h['client_loop_lag_over_8ms_pct']:.2f}% over 8 ms)")
     return ("\n\n" + "\n".join(lines)) if lines else ""
 
 

@@ -55,6 +55,15 @@ def _client(port: int, name: str, jobs: list[tuple[int, float, list[int], int]],
 
     times: dict[int, list[float]] = {i: [] for i, *_ in jobs}
     hops: dict[int, tuple[float, float]] = {}
+    lags: list[float] = []
+
+    async def watch_loop(period: float = 0.005):
+        # how late this process's event loop wakes (s): a token read late by the client itself shows here,
+        # not in the server's metrics
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(period)
+            lags.append(time.monotonic() - t - period)
 
     async def one(client, i, arrival, prompt, output, t0):
         await asyncio.sleep(max(0.0, arrival - (time.monotonic() - t0)))
@@ -77,13 +86,15 @@ def _client(port: int, name: str, jobs: list[tuple[int, float, list[int], int]],
                                         limits=httpx.Limits(max_connections=len(jobs) + 8), timeout=3600))
         ready.put(True)
         t0 = start.get()
+        watcher = asyncio.create_task(watch_loop())
         try:
             await asyncio.gather(*[one(client, *job, t0) for job in jobs])
         finally:
+            watcher.cancel()
             await client.close()
 
     asyncio.run(run_all())
-    results.put((times, hops))
+    results.put((times, hops, lags))
 
 
 def _histogram(text: str, name: str) -> list[tuple[float, float]]:
@@ -172,13 +183,21 @@ def run_http(folder: Path, cfg: EngineConfig, dtype: torch.dtype, reqs: list[Req
         for q in starts:
             q.put(start)
         trace = Trace(arrivals=[r.arrival for r in reqs], tokens=[[] for _ in reqs], hops=[None] * len(reqs))
+        lags: list[float] = []
         for _ in clients:
-            times, hops = results.get(timeout=7200)
+            times, hops, lag = results.get(timeout=7200)
             for i, t in times.items():
                 trace.tokens[i] = t
             for i, h in hops.items():
                 trace.hops[i] = h
+            lags += lag
         trace.server = server_hops(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+        if lags:
+            lags.sort()
+            trace.server.update(client_loop_lag_p50_ms=1e3 * lags[len(lags) // 2],
+                                client_loop_lag_p99_ms=1e3 * lags[min(len(lags) - 1, int(0.99 * len(lags)))],
+                                client_loop_lag_max_ms=1e3 * lags[-1],
+                                client_loop_lag_over_8ms_pct=100 * sum(x > 0.008 for x in lags) / len(lags))
         return trace, ready_s
     finally:
         for c in clients:

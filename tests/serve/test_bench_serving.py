@@ -74,6 +74,8 @@ def test_tiny_run(bench, tmp_path, http):
         if http:  # the TTFT's hops add up to it
             assert 0 <= r["until_taken_p50_ms"] and 0 <= r["taken_to_first_p50_ms"]
             assert r["until_taken_p50_ms"] + r["taken_to_first_p50_ms"] <= 1e3 * r["ttft_p99_s"]
+            # the clients' own event-loop lag, sampled through the run
+            assert 0 <= r["client_loop_lag_p50_ms"] <= r["client_loop_lag_p99_ms"] <= r["client_loop_lag_max_ms"]
 
 
 def test_tiny_run_under_a_latency_target(bench, tmp_path):
