@@ -63,7 +63,7 @@ def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
                         "compensator's gate; no collective on the decode path) (default: %(default)s)")
     if not slo:  # `spear profile` times whole steps: no scheduling settings
         p.set_defaults(max_prefill_chunk=None, max_prefill_chunk_alone=None, prefill_chunk_context=None,
-                       newcomers_first=None,
+                       newcomers_first=None, interleave_decodes=None,
                        itl_slo_ms=None, latency_table=None,
                        min_chunk=16, no_latency_correction=False)
         return
@@ -84,6 +84,11 @@ def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
                    help="'on': a step that admits a request leaves out the chunks of prompts already running, at "
                         "most every other step, so a short request's first token does not wait for a long "
                         "prompt's chunk (default: on on a CPU, where a step's time is its work; off on a GPU)")
+    c.add_argument("--interleave-decodes", choices=["on", "off"],
+                   help="'on': a step after one that ran a running prompt's chunk beside decodes runs the decodes "
+                        "without it, so a stream beside a long prompt gets every other token at a decode step's "
+                        "pace; the long prompt takes a decode step longer per chunk (default: on on a CPU, off on "
+                        "a GPU)")
     t = p.add_argument_group("latency target")
     t.add_argument("--itl-slo-ms", type=positive_float, metavar="MS",
                    help="inter-token latency target: every step runs all decodes and the largest prefill chunk "
@@ -131,6 +136,7 @@ def engine_config_from_args(args, **changes):
                   max_prefill_chunk=args.max_prefill_chunk, max_prefill_chunk_alone=args.max_prefill_chunk_alone,
                   prefill_chunk_context=args.prefill_chunk_context,
                   newcomers_first=None if args.newcomers_first is None else args.newcomers_first == "on",
+                  interleave_decodes=None if args.interleave_decodes is None else args.interleave_decodes == "on",
                   max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
                   kv_memory=args.kv_memory, max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs,
                   kernels=kernel_policy(pdl=args.pdl, launch_table=args.launch_table), seed=args.seed,

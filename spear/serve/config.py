@@ -48,6 +48,10 @@ class EngineConfig:
     # (the scheduler's newcomers_first), so a short request's first token waits for no long prompt's
     # chunk. None: by device (newcomers_first): on a CPU, where a step's time is its work
     newcomers_first: bool | None = None
+    # a step after one that ran a running prompt's chunk beside decodes runs the decodes (and admissions)
+    # without it (the scheduler's interleave_decodes), so a stream beside a long prompt gets every other
+    # token at a decode step's pace. None: by device: on a CPU, where a step's time is its work
+    interleave_decodes: bool | None = None
     # correct the table's predictions by the measured steps, per kind of step (latency.Correction)
     latency_correction: bool = True
     # tensor parallelism (spear/parallel): ranks, one process and device each (cuda:0..N-1, or the
@@ -80,8 +84,10 @@ class EngineConfig:
         v = self.prefill_chunk_context
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise SpearError(f"prefill_chunk_context must be a whole number >= 0 when given, got {v!r}")
-        if self.newcomers_first is not None and not isinstance(self.newcomers_first, bool):
-            raise SpearError(f"newcomers_first must be True, False or None, got {self.newcomers_first!r}")
+        for name in ("newcomers_first", "interleave_decodes"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise SpearError(f"{name} must be True, False or None, got {v!r}")
         if not isinstance(self.latency_correction, bool):
             raise SpearError(f"latency_correction must be True or False, got {self.latency_correction!r}")
         if self.latency_table is not None and not isinstance(self.latency_table, (str, os.PathLike, LatencyTable)):
@@ -122,6 +128,12 @@ class EngineConfig:
         chunk makes the step a newcomer's first token waits for several decode steps long; not on an
         accelerator, whose step costs about its weights' reads whatever it holds)."""
         return _on_cpu(device) if self.newcomers_first is None else self.newcomers_first
+
+    def decodes_interleaved(self, device) -> bool:
+        """The scheduler's ``interleave_decodes`` (by ``device`` when None: on a CPU, where a step that
+        computes a chunk at long context costs several decode steps; not on an accelerator, whose step
+        costs about its weights' reads whatever it holds)."""
+        return _on_cpu(device) if self.interleave_decodes is None else self.interleave_decodes
 
     def chunk_context(self, device, model_config) -> int | None:
         """The scheduler's ``chunk_context`` (``prefill_chunk_context``; by ``device`` when None: the

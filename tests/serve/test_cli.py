@@ -80,6 +80,17 @@ def test_serve_prefill_chunk_context_and_newcomers_flags_reach_the_engine_config
     assert config.first_steps_for_newcomers("cuda") is bool(first)
 
 
+@pytest.mark.parametrize("argv,want", [([], None), (["--interleave-decodes", "on"], True),
+                                       (["--interleave-decodes", "off"], False)])
+def test_serve_interleave_decodes_flag_reaches_the_engine_config(argv, want):
+    from spear.cli import build_parser
+    from spear.cli.serve import engine_config_from_args
+
+    config, _, _ = engine_config_from_args(build_parser().parse_args(["serve", *argv]))
+    assert config.interleave_decodes is want
+    assert config.decodes_interleaved("cpu") is (want is not False)
+
+
 def test_generate_without_prompt_and_impossible_settings(tiny_llama_path, capsys):
     assert main(["generate", "--model", str(tiny_llama_path)]) == 2
     assert "no prompt given" in capsys.readouterr().err

@@ -19,10 +19,10 @@ from spear.serve.core.sequence import Sequence, Status
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=4, budget=8, max_waiting=16, cap=None, alone=None, context=None,
-         newcomers_first=False):
+         newcomers_first=False, interleave=False):
     return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_waiting,
                      max_prefill_chunk=cap, max_prefill_chunk_alone=alone, chunk_context=context,
-                     newcomers_first=newcomers_first)
+                     newcomers_first=newcomers_first, interleave_decodes=interleave)
 
 
 def add(s: Scheduler, rid: str, n_prompt: int, max_tokens: int = 100) -> Sequence:
@@ -243,6 +243,35 @@ def test_a_newcomers_step_leaves_the_running_prompts_out_at_most_every_other_ste
         make(newcomers_first=1)
 
 
+def test_interleaved_decodes_run_every_other_step_without_the_running_prompts():
+    """interleave_decodes: beside decodes a running prompt's chunk goes in every other step, the steps
+    between run the decodes (and admit newcomers); a prompt with nobody decoding runs every step.
+    Catches: a decode skipped, the prompt starved (left out twice in a row), a lone prompt slowed,
+    a newcomer kept waiting by the decodes' step."""
+    s = make(budget=16, cap=4, interleave=True, max_num_seqs=8)
+    add(s, "long", 60)
+    assert step(s) == ([("long", 0, 16)], [])                          # nobody decoding: every step
+    assert step(s) == ([("long", 16, 16)], [])
+    add(s, "a", 3)
+    assert step(s) == ([("long", 32, 4), ("a", 0, 3)], [])             # "a"'s prompt, no decode yet
+    assert step(s) == ([("a", 3, 1)], [])                              # the decodes' step
+    assert step(s) == ([("a", 4, 1), ("long", 36, 4)], [])
+    add(s, "b", 2)
+    assert step(s) == ([("a", 5, 1), ("b", 0, 2)], [])                 # a newcomer still comes at once
+    assert step(s) == ([("a", 6, 1), ("b", 2, 1), ("long", 40, 4)], [])
+    assert step(s) == ([("a", 7, 1), ("b", 3, 1)], [])
+    for seq in list(s.running)[1:]:                                    # the streams end: every step again
+        s.finish(seq, "stop")
+    assert [step(s) for _ in range(2)] == [([("long", 44, 16)], []), ([("long", 60, 1)], [])]
+    s = make(budget=16, cap=4)                                         # off (an accelerator's default)
+    add(s, "a", 2)
+    step(s)
+    add(s, "long", 40)
+    assert [step(s) for _ in range(2)] == [([("a", 2, 1), ("long", 0, 4)], []), ([("a", 3, 1), ("long", 4, 4)], [])]
+    with pytest.raises(ValueError, match="interleave_decodes must"):
+        make(interleave=1)
+
+
 def test_the_caps_must_be_whole_numbers():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_prefill_chunk must"):
@@ -294,6 +323,11 @@ def test_the_chunk_context_by_device_and_model():
     assert not EngineConfig(newcomers_first=False).first_steps_for_newcomers(cpu)
     with pytest.raises(SpearError, match="newcomers_first must"):
         EngineConfig(newcomers_first=1)
+    assert EngineConfig().decodes_interleaved(cpu) and not EngineConfig().decodes_interleaved(gpu)
+    assert EngineConfig(interleave_decodes=True).decodes_interleaved(gpu)
+    assert not EngineConfig(interleave_decodes=False).decodes_interleaved(cpu)
+    with pytest.raises(SpearError, match="interleave_decodes must"):
+        EngineConfig(interleave_decodes="on")
     for bad in (-1, 1.5, True, "32"):
         with pytest.raises(SpearError, match="prefill_chunk_context must"):
             EngineConfig(prefill_chunk_context=bad)

@@ -158,7 +158,8 @@ class EngineCore:
                                    token_sizes=self.runner.mixed and tuple(self.runner.mixed.graphs),
                                    max_prefill_chunk=chunk, max_prefill_chunk_alone=chunk_alone,
                                    chunk_context=config.chunk_context(device, model_config),
-                                   newcomers_first=config.first_steps_for_newcomers(device))
+                                   newcomers_first=config.first_steps_for_newcomers(device),
+                                   interleave_decodes=config.decodes_interleaved(device))
         if pool is not None:
             pool.wait("that it is ready")
             self.runner.workers = pool
