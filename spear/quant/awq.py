@@ -232,8 +232,14 @@ def _scaled_stats(st: InputStats, s: torch.Tensor) -> InputStats:
 
 
 @torch.no_grad()
-def _process_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch], cfg: QuantConfig,
-                   uses: Counter, report: list, scale_only: bool, channel_scales: dict) -> dict[str, nn.Module]:
+def scale_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch], cfg: QuantConfig, uses: Counter,
+                report: list, channel_scales: dict, method: str = "AWQ") -> dict[str, InputStats]:
+    """AWQ's scaling of one decoder layer in place: per group of linears sharing an input, the searched
+    ``s`` folded into the consumers' columns and the producer (see the module's docstring), each fold
+    checked on a probe sequence. ``uses``: how often each parameter (by id) is used in the model;
+    ``report`` collects a :class:`FoldResult` per group and ``channel_scales`` a :class:`ChannelScales`
+    per rescaled linear (keyed ``layer_name.linear``); ``method`` names the caller in the log. Returns
+    every linear's input statistics on ``batches``, after the folds."""
     groups = linear_groups(layer, batches[0])
     names = [n for g in groups for n in g]
     stats = collect_input_stats(layer, batches, names, stop_after=False)
@@ -245,14 +251,14 @@ def _process_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch],
         result = FoldResult(layer_name, producer, group, None, False, why)
         report.append(result)
         if producer is None:
-            log.warning("AWQ: no scaling for %s.%s: %s", layer_name, group, why)
+            log.warning("%s: no scaling for %s.%s: %s", method, layer_name, group, why)
             continue
         prod = layer.get_submodule(producer)
         consumers = [layer.get_submodule(n) for n in group]
         touched = [p for m in (prod, *consumers) for p in m.parameters(recurse=False)]
         if any(uses[id(p)] > 1 for p in touched) or calls[producer] != 1:
             result.reason = f"{producer} or a consumer shares its parameters or runs more than once"
-            log.warning("AWQ: no scaling for %s.%s: %s", layer_name, group, result.reason)
+            log.warning("%s: no scaling for %s.%s: %s", method, layer_name, group, result.reason)
             continue
         st = stats[group[0]]
         s, alpha = awq_search_scale([c.weight.data for c in consumers], st.hessian, st.mean_abs, cfg)
@@ -264,7 +270,7 @@ def _process_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch],
             for p, old in zip(touched, saved):
                 p.data.copy_(old)
             result.reason = "scaling changed the layer's output (the producer is not per-channel linear)"
-            log.warning("AWQ: no scaling for %s.%s: %s", layer_name, group, result.reason)
+            log.warning("%s: no scaling for %s.%s: %s", method, layer_name, group, result.reason)
             continue
         result.alpha, result.applied = alpha, True
         scaled = _scaled_stats(st, s)
@@ -273,10 +279,17 @@ def _process_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch],
             channel_scales.setdefault(f"{layer_name}.{n}", ChannelScales()).input = s
         if type(prod) is nn.Linear:
             channel_scales.setdefault(f"{layer_name}.{producer}", ChannelScales()).output = s
+    return stats
+
+
+@torch.no_grad()
+def _process_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch], cfg: QuantConfig,
+                   uses: Counter, report: list, scale_only: bool, channel_scales: dict) -> dict[str, nn.Module]:
+    stats = scale_layer(layer_name, layer, batches, cfg, uses, report, channel_scales)
     if scale_only:
         return {}
     done = {}
-    for name in names:
+    for name in stats:
         linear = layer.get_submodule(name)
         codes, scales, zeros = awq_quantize_weight(linear.weight.data, stats[name].hessian, cfg)
         q = QuantLinear.from_quantized(linear, codes, scales, zeros, cfg.bits, cfg.group_size, cfg.symmetric)
