@@ -61,6 +61,9 @@ def main() -> None:
     ap.add_argument("--omniquant-epochs", type=int, default=d.epochs)
     ap.add_argument("--omniquant-lr", type=float, default=d.lr)
     ap.add_argument("--omniquant-init", choices=["search", "max"], default=d.init)
+    ap.add_argument("--omniquant-let", choices=["on", "off"],
+                    help="OmniQuant's learnable channel scales (LET; default: on with groups, off per channel)")
+    ap.add_argument("--omniquant-let-lr", type=float, default=d.let_lr)
     args = ap.parse_args()
     torch.manual_seed(0)
     out = Path(args.out)
@@ -68,7 +71,9 @@ def main() -> None:
 
     eval_cfg = EvalConfig()
     calib_cfg = CalibConfig(source=args.calib_source, n_samples=args.calib_samples, seq_len=args.calib_seq_len)
-    omni = OmniQuantConfig(epochs=args.omniquant_epochs, lr=args.omniquant_lr, init=args.omniquant_init)
+    omni = OmniQuantConfig(epochs=args.omniquant_epochs, lr=args.omniquant_lr, init=args.omniquant_init,
+                           let=None if args.omniquant_let is None else args.omniquant_let == "on",
+                           let_lr=args.omniquant_let_lr)
     model, tokenizer = load_model(args.model)
     split = load_split(tokenizer, eval_cfg)
     print(f"text: {split.describe()}", flush=True)
@@ -117,7 +122,8 @@ def main() -> None:
             base_ppl[method] = base.ppl
             label = cfg.label + (" act-order" if method == "gptq" and args.act_order else "")
             if method == "omniquant" and omni != OmniQuantConfig():
-                label += f" (epochs {omni.epochs}, lr {omni.lr:g}, init {omni.init})"
+                label += (f" (epochs {omni.epochs}, lr {omni.lr:g}, init {omni.init}, LET "
+                          f"{f'lr {omni.let_lr:g}' if omni.let_on(gs) else 'off'})")
             label += " (text calib)" if method != "rtn" and text_calib is not None else ""
             if gs == 0 and method == "rtn":
                 rtn_pc = base.ppl

@@ -124,9 +124,10 @@ OMNIQUANT_INITS = ("search", "max")
 
 @dataclass(frozen=True)
 class OmniQuantConfig:
-    """OmniQuant's learnable weight clipping (spear/quant/omniquant.py): per output row (and group) a
-    factor on the range's maximum and one on its minimum, ``sigmoid`` of a trained logit, learned one
-    decoder layer at a time so the quantized layer's output matches the FP layer's (MSE).
+    """OmniQuant (spear/quant/omniquant.py): learnable weight clipping, per output row (and group) a
+    factor on the range's maximum and one on its minimum, ``sigmoid`` of a trained logit, and with
+    ``let`` learnable channel scales, learned one decoder layer at a time so the quantized layer's
+    output matches the FP layer's (MSE).
 
     ``samples``: at most this many calibration sequences train the clipping (the first of the ids the
     quantizer is given; ``QuantConfig.calib`` draws them), so the time stays bounded whatever a caller
@@ -136,22 +137,42 @@ class OmniQuantConfig:
     0.7 ppl higher on the default model); ``init``: where the factors start, ``"search"`` (each row's
     and group's best ratio on a grid in [0.5, 1] under the layer inputs' Hessian, as AWQ's clipping
     search) or ``"max"`` (OmniQuant's own: sigmoid(4) = 0.982, nearly the full range, which the few
-    steps a CPU affords barely move)."""
+    steps a CPU affords barely move); ``let``: also scale the input channels of each group of linears
+    sharing an input (q/k/v, gate/up, down after up_proj, o after v_proj where the shapes allow), the
+    inverse folded into the norm or linear producing that input so the FP function is unchanged
+    (OmniQuant's learnable equivalent transformation, weight-only, spear/quant/let.py): a layer starts
+    from AWQ's searched scales where they give a lower output error than the unscaled weights, and the
+    scales' logarithms train with the clip at ``let_lr`` (AdamW). ``None`` (the default): on with groups,
+    off per channel, as measured on the default model (W4 sym, 2-core CPU, 2026-12-07, raw
+    benchmarks/data/omniquant-let-cpu-2026-12-07/): g64 28.86 with LET against 29.70 without (AWQ 28.74),
+    per channel 35.83 against 34.55 (AWQ 36.57): per channel AWQ's scales lower each layer's output
+    error and still raise the perplexity, with or without training on top."""
 
     epochs: int = 2
     lr: float = 1e-2
     samples: int = 64
     init: str = "search"
+    let: bool | None = None
+    let_lr: float = 5e-3
 
     def __post_init__(self):
         for name, least in (("epochs", 0), ("samples", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise SpearError(f"OmniQuant {name} must be a whole number >= {least}, got {v!r}")
-        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < float("inf")):
-            raise SpearError(f"OmniQuant lr must be a finite number > 0, got {self.lr!r}")
+        for name in ("lr", "let_lr"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 < v < float("inf")):
+                raise SpearError(f"OmniQuant {name} must be a finite number > 0, got {v!r}")
+        if self.let is not None and not isinstance(self.let, bool):
+            raise SpearError(f"OmniQuant let must be True, False or None (on with groups), got {self.let!r}")
         if self.init not in OMNIQUANT_INITS:
             raise SpearError(f"OmniQuant init must be one of {', '.join(OMNIQUANT_INITS)}; got {self.init!r}")
+
+    def let_on(self, group_size: int) -> bool:
+        """Whether LET runs for a layout of ``group_size`` (0: per channel): ``let`` where it is set, else
+        with groups only."""
+        return self.let if self.let is not None else group_size > 0
 
 
 QUANT_METHODS = ("rtn", "gptq", "awq", "omniquant")

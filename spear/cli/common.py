@@ -124,7 +124,8 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="AWQ: how the scaled weights are rounded: to the nearest level, or with GPTQ's error "
                         "feedback (uses --gptq-damp; a lower base per channel, but a higher perplexity once "
                         "compensators are calibrated on it, BENCHMARKS.md; default: %(default)s)")
-    o = p.add_argument_group("OmniQuant (learnable weight clipping, trained one decoder layer at a time)")
+    o = p.add_argument_group("OmniQuant (learnable weight clipping and channel scales, trained one decoder layer "
+                                  "at a time)")
     d = OmniQuantConfig()
     o.add_argument("--omniquant-epochs", type=nonneg_int, default=d.epochs,
                    help="passes over the calibration sequences per layer; 0 rounds the start as it is "
@@ -136,6 +137,13 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--omniquant-init", choices=OMNIQUANT_INITS, default=d.init,
                    help="where the clip factors start: each row's/group's best grid ratio, or OmniQuant's 0.982 "
                         "(default: %(default)s)")
+    o.add_argument("--omniquant-let", choices=["on", "off"],
+                   help="'on': also learn a scale per input channel of each group of linears sharing an input, "
+                        "folded into the op that produces it (OmniQuant's learnable equivalent transformation, "
+                        "from AWQ's scales; default: on with --group-size, off per channel, where it raised the "
+                        "perplexity)")
+    o.add_argument("--omniquant-let-lr", type=positive_float, default=d.let_lr,
+                   help="learning rate of the channel scales' logarithms (default: %(default)s)")
 
 
 def quant_config_from(args) -> QuantConfig:
@@ -149,7 +157,9 @@ def quant_config_from(args) -> QuantConfig:
                        gptq=GPTQConfig(damp=args.gptq_damp, act_order=args.act_order),
                        awq=AWQConfig(clip=not args.awq_no_clip, rounding=args.awq_rounding),
                        omniquant=OmniQuantConfig(epochs=args.omniquant_epochs, lr=args.omniquant_lr,
-                                                 samples=args.omniquant_samples, init=args.omniquant_init))
+                                                 samples=args.omniquant_samples, init=args.omniquant_init,
+                                                 let=None if args.omniquant_let is None else args.omniquant_let == "on",
+                                                 let_lr=args.omniquant_let_lr))
 
 
 def read_plan(path: str | None) -> dict[str, int] | None:

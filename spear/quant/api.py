@@ -50,10 +50,11 @@ class Reference:
 def quantize_for_compensation(model: nn.Module, cfg: QuantConfig, references: list, calib: torch.Tensor | None = None,
                               progress: bool = True, tokenizer=None) -> dict[str, QuantLinear]:
     """``quantize_model``, then each of ``references`` (anything with ``fp_weights`` and ``stats``:
-    a Reference, a CalibrationData) moved to the weights the method rounded: AWQ scales each
-    linear's channels before rounding, so its compensators make up for the error against the
-    scaled weights (spear/quant/awq.py, ``rescale_reference``). Other methods (RTN, GPTQ, OmniQuant's
-    clipping) round the FP weights themselves and leave them as they are."""
+    a Reference, a CalibrationData) moved to the weights the method rounded: AWQ, and OmniQuant with
+    its learnable equivalent transformation (``OmniQuantConfig.let``), scale each linear's input
+    channels before rounding, so their compensators make up for the error against the scaled weights
+    (spear/quant/awq.py, ``rescale_reference``). The other methods (RTN, GPTQ, OmniQuant's clipping
+    alone) round the FP weights themselves and leave them as they are."""
     channel_scales: dict = {}
     modules = quantize_model(model, cfg, calib, progress, tokenizer, channel_scales)
     if channel_scales:
@@ -71,7 +72,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | Non
     RTN needs no data. GPTQ, AWQ and OmniQuant calibrate layer by layer on the ids chosen by
     :func:`calibration_ids`: ``calib`` (n, L) when given, else sequences sampled
     from the model with ``tokenizer`` (``cfg.calib.source == "self"``).
-    AWQ fills ``channel_scales`` with how it rescaled each linear (see
+    AWQ and OmniQuant with LET fill ``channel_scales`` with how they rescaled each linear (see
     :func:`spear.quant.awq.rescale_reference`); other methods leave it empty.
     """
     if cfg.separate_head:
@@ -92,7 +93,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | Non
     if cfg.method == "omniquant":
         from spear.quant.omniquant import quantize_model_omniquant
 
-        return quantize_model_omniquant(model, cfg, ids, progress=progress)
+        return quantize_model_omniquant(model, cfg, ids, progress=progress, channel_scales=channel_scales)
     from spear.quant.awq import quantize_model_awq
 
     return quantize_model_awq(model, cfg, ids, progress=progress, channel_scales=channel_scales)

@@ -136,8 +136,8 @@ def test_training_moves_the_clip_from_its_start():
         set_module(start, name, QuantLinear.from_quantized(lin, quantize(lin.weight.data, s, z, 3, 0), s, z, 3, 0, False))
     trained = deepcopy(fp)
     report = []
-    quantize_model_omniquant(trained, _cfg(3, 0, False, init="max", epochs=8, lr=0.3), ids, progress=False,
-                             report=report)
+    quantize_model_omniquant(trained, _cfg(3, 0, False, init="max", epochs=8, lr=0.3, let=False), ids,
+                             progress=False, report=report)
     e_start, e_trained = block_errors(fp, start, ids), block_errors(fp, trained, ids)
     # measured 0.84 and 0.87 of the start's errors (2-core CPU, 2026-12-07)
     assert all(t < 0.95 * s for t, s in zip(e_trained, e_start)), (e_trained, e_start)
@@ -175,24 +175,25 @@ def _rtn_parts(w, cfg):
     return quantize(w, s, z, cfg.bits, cfg.group_size), s, z
 
 
-def test_references_for_compensation_stay_the_fp_weights():
-    """OmniQuant rounds the FP weights themselves (only their scales and zero points are learned), so the
-    static baselines are fitted against the FP weights as they are."""
+def test_references_for_compensation_stay_the_fp_weights_without_let():
+    """Without LET OmniQuant rounds the FP weights themselves (only their scales and zero points are learned),
+    so the static baselines are fitted against the FP weights as they are (with LET: tests/quant/test_let.py)."""
     model = make_tiny_llama()
     fp_w = {n: m.weight.detach().clone() for n, m in model.named_modules() if type(m) is torch.nn.Linear}
     ref = Reference(dict(fp_w))
-    quantize_for_compensation(model, _cfg(epochs=1), [ref], calib=_ids(), progress=False)
+    quantize_for_compensation(model, _cfg(epochs=1, let=False), [ref], calib=_ids(), progress=False)
     assert ref.stats is None and all(torch.equal(ref.fp_weights[n], w) for n, w in fp_w.items())
 
 
-def test_checkpoint_reloads_bit_exactly(tiny_llama_path, tmp_path):
-    """Codes, scales and zero points come back bit for bit, the logits exactly, and the method's settings
-    are saved with the checkpoint."""
+@pytest.mark.parametrize("let", [False, True])
+def test_checkpoint_reloads_bit_exactly(tiny_llama_path, tmp_path, let):
+    """Codes, scales and zero points come back bit for bit, the logits exactly (with LET: the rescaled
+    norms too), and the method's settings are saved with the checkpoint."""
     from spear.models.checkpoint import load_checkpoint, read_spear_config, save_checkpoint
     from spear.models.loading import load_model
 
     model, tok = load_model(tiny_llama_path)
-    cfg = _cfg(4, 32, False, epochs=2, lr=1e-2, samples=6)
+    cfg = _cfg(4, 32, False, epochs=2, lr=1e-2, samples=6, let=let)
     ids = _ids(8, 16) + 100  # ids of the real tokenizer's vocabulary
     mods = quantize_model(model, cfg, calib=ids, progress=False)
     out = save_checkpoint(model, tok, tmp_path / "omni", cfg, str(tiny_llama_path))
@@ -214,6 +215,10 @@ def test_checkpoint_reloads_bit_exactly(tiny_llama_path, tmp_path):
     ({"lr": 0.0}, "OmniQuant lr must be a finite number > 0, got 0.0"),
     ({"lr": math.inf}, "OmniQuant lr must be a finite number > 0, got inf"),
     ({"init": "zero"}, "OmniQuant init must be one of search, max; got 'zero'"),
+    ({"let": "on"}, "OmniQuant let must be True, False or None (on with groups), got 'on'"),
+    ({"let": 1}, "OmniQuant let must be True, False or None (on with groups), got 1"),
+    ({"let_lr": 0}, "OmniQuant let_lr must be a finite number > 0, got 0"),
+    ({"let_lr": math.nan}, "OmniQuant let_lr must be a finite number > 0, got nan"),
 ])
 def test_bad_settings_are_one_line_errors(kwargs, message):
     with pytest.raises(SpearError) as exc:
@@ -226,6 +231,8 @@ def test_bad_settings_are_one_line_errors(kwargs, message):
     (["--omniquant-samples", "0"], "argument --omniquant-samples: expected a number >= 1, got 0"),
     (["--omniquant-lr", "-1"], "argument --omniquant-lr: expected a finite number > 0, got -1"),
     (["--omniquant-init", "zero"], "argument --omniquant-init: invalid choice"),
+    (["--omniquant-let", "yes"], "argument --omniquant-let: invalid choice"),
+    (["--omniquant-let-lr", "0"], "argument --omniquant-let-lr: expected a finite number > 0, got 0"),
     (["--method", "omni"], "argument --method: invalid choice"),
 ])
 @pytest.mark.parametrize("command", ["quantize", "run"])
@@ -248,8 +255,18 @@ def test_cli_reaches_the_config():
     cfg = quant_config_from(parse(["run", "--method", "omniquant"]))
     assert cfg.method == "omniquant" and cfg.omniquant == OmniQuantConfig() and cfg.label.startswith("OmniQuant W4")
     cfg = quant_config_from(parse(["quantize", "--out", "x", "--method", "omniquant", "--omniquant-epochs", "3",
-                                   "--omniquant-lr", "0.02", "--omniquant-samples", "16", "--omniquant-init", "max"]))
-    assert cfg.omniquant == OmniQuantConfig(epochs=3, lr=0.02, samples=16, init="max")
+                                   "--omniquant-lr", "0.02", "--omniquant-samples", "16", "--omniquant-init", "max",
+                                   "--omniquant-let", "off", "--omniquant-let-lr", "0.002"]))
+    assert cfg.omniquant == OmniQuantConfig(epochs=3, lr=0.02, samples=16, init="max", let=False, let_lr=0.002)
+    cfg = quant_config_from(parse(["run", "--method", "omniquant", "--omniquant-let", "on"]))
+    assert cfg.omniquant.let is True and cfg.omniquant.let_on(0)
+
+
+def test_let_by_default_with_groups_only():
+    """LET's default follows the layout it was measured on (OmniQuantConfig: with groups it lowers the perplexity,
+    per channel it raises it); a setting given wins over it."""
+    assert not OmniQuantConfig().let_on(0) and OmniQuantConfig().let_on(64)
+    assert OmniQuantConfig(let=True).let_on(0) and not OmniQuantConfig(let=False).let_on(64)
 
 
 def test_cli_quantize_and_run_with_a_static_row(tiny_llama_path, article_text, tmp_path, monkeypatch, capsys):
@@ -284,9 +301,9 @@ def test_cli_quantize_and_run_with_a_static_row(tiny_llama_path, article_text, t
 
 
 def test_zero_epochs_round_the_start_as_it_is():
-    """``epochs=0`` (the ablation without training) gives exactly the searched start: each linear's clip is
-    AWQ's clipping search under its inputs' Hessian, which is checked here against that search run on the
-    inputs the quantized layers before it produce."""
+    """``epochs=0`` (the ablation without training) gives exactly the searched start, a full range where the
+    search kept it: each linear's clip is AWQ's clipping search under its inputs' Hessian, which is checked
+    here against that search run on the FP layer's inputs (LWC alone; LET's start: tests/quant/test_let.py)."""
     from spear.quant.awq import awq_search_clip
     from spear.quant.calib import LayerBatch, collect_input_stats
 
@@ -294,7 +311,7 @@ def test_zero_epochs_round_the_start_as_it_is():
     fp = make_tiny_llama()
     model = deepcopy(fp)
     report = []
-    quantize_model_omniquant(model, _cfg(3, 32, True, epochs=0), ids, progress=False, report=report)
+    quantize_model_omniquant(model, _cfg(3, 32, True, epochs=0, let=False), ids, progress=False, report=report)
     assert [r.kept for r in report] == ["start", "start"] and all(r.mse_start == r.mse_end for r in report)
     # layer 0 sees the FP embeddings: its clip is the search on them
     layer = fp.model.layers[0]
@@ -304,7 +321,6 @@ def test_zero_epochs_round_the_start_as_it_is():
     cfg = _cfg(3, 32, True)
     for n in names:
         ratio = awq_search_clip(layer.get_submodule(n).weight.data, stats[n].hessian, cfg)
-        ratio = ratio.clamp(max=torch.sigmoid(torch.tensor(MAX_INIT_LOGIT)).item())
         codes, scales, zeros = lwc_quantize_weight(layer.get_submodule(n).weight.data, ratio, ratio, 3, 32, True)
         got = model.model.layers[0].get_submodule(n)
         assert torch.equal(got.codes, codes) and torch.equal(got.scales, scales), n
