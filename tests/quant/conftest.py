@@ -20,6 +20,17 @@ def make_tiny_llama(seed: int = 0, tie: bool = False, layers: int = 2, kv_heads:
     return model
 
 
+class OnePlusNorm(torch.nn.Module):
+    """A norm computing x · (1 + w): dividing w by s is not a fold, so AWQ and LET must detect and skip it."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(n))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
+
+
 @pytest.fixture
 def rand_llama():
     return make_tiny_llama()

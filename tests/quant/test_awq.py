@@ -9,7 +9,7 @@ from spear.quant.awq import (awq_quantize_weight, awq_search_clip, awq_search_sc
                              quantize_model_awq, rescale_reference)
 from spear.quant.primitives import dequantize
 
-from .conftest import make_tiny_llama
+from .conftest import OnePlusNorm, make_tiny_llama
 
 TEXT = CalibConfig(source="text", batch_size=4)
 
@@ -53,15 +53,6 @@ def test_shared_norm_is_not_scaled(rand_ids):
 
 def test_non_linear_norm_fold_is_detected_and_reverted(rand_ids):
     torch.manual_seed(0)
-
-    class OnePlusNorm(torch.nn.Module):  # x * (1 + w): dividing w by s is not a fold
-        def __init__(self, n):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.rand(n))
-
-        def forward(self, x):
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
-
     model = make_tiny_llama()
     for layer in model.model.layers:
         layer.post_attention_layernorm = OnePlusNorm(64)

@@ -16,7 +16,7 @@ from spear.quant.calib import capture_layer_inputs
 from spear.quant.omniquant import quantize_model_omniquant
 from spear.quant.primitives import quantize
 
-from .conftest import make_tiny_llama
+from .conftest import OnePlusNorm, make_tiny_llama
 from .test_omniquant import TEXT, _cfg, _ids, block_errors, quantize_model_rtn_copy
 
 
@@ -135,15 +135,6 @@ def test_quantizing_for_compensation_moves_the_references():
 def test_with_nothing_to_fold_let_is_lwc_alone():
     """A model where no group can be folded (norms computing x·(1 + w), grouped KV heads, up_proj shared by
     both layers) gets exactly LWC alone: the same codes, no channel scales."""
-
-    class OnePlusNorm(torch.nn.Module):  # x * (1 + w): dividing w by s is not a fold
-        def __init__(self, n):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.rand(n))
-
-        def forward(self, x):
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
-
     torch.manual_seed(0)
     fp = make_tiny_llama(kv_heads=2)
     for layer in fp.model.layers:
