@@ -12,7 +12,11 @@ op that produces x, so the model's function is unchanged before quantization:
 
 - a norm (RMSNorm/LayerNorm) whose output *is* the group's input: weight and bias ÷ s;
 - a linear whose output reaches the group through per-channel-linear ops only
-  (v_proj → attention → o_proj, up_proj → ⊙ act(gate) → down_proj): its rows ÷ s.
+  (v_proj → attention → o_proj, up_proj → ⊙ act(gate) → down_proj): its rows ÷ s. With grouped KV
+  heads v_proj has fewer outputs than o_proj takes inputs (attention head h reads KV head h // G); such a
+  fold is taken only when asked (``scale_layer(spread_kv_heads=True)``, as OmniQuant's LET does): one scale
+  per KV-head channel, repeated over the G attention heads that read it (:func:`repeat_heads`). AWQ itself
+  leaves o_proj unscaled there, as its reference implementation does.
 
 A fold is applied only when every parameter it touches is used once in the model
 (tied or shared weights would change elsewhere) and the producer runs once in the
@@ -52,6 +56,37 @@ log = logging.getLogger(__name__)
 LINEAR_FOLDS = {"o_proj": "v_proj", "down_proj": "up_proj"}
 
 
+@dataclass(frozen=True)
+class Spread:
+    """How a producer's per-channel vector reaches its consumers' input channels: each of ``repeat`` attention
+    heads of ``head_dim`` channels reads one KV head (``repeat`` 1: channel for channel)."""
+
+    repeat: int = 1
+    head_dim: int = 0
+
+    def to_consumers(self, x: torch.Tensor) -> torch.Tensor:
+        """(kv·head_dim,) -> (kv·repeat·head_dim,): KV head k's channels for attention heads k·G … k·G + G − 1,
+        the order of transformers' ``repeat_kv``."""
+        if self.repeat == 1:
+            return x
+        return x.reshape(-1, 1, self.head_dim).expand(-1, self.repeat, self.head_dim).reshape(-1)
+
+    def to_producer(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`to_consumers` on a vector that repeats: each KV-head channel's value."""
+        if self.repeat == 1:
+            return x
+        return x.reshape(-1, self.repeat, self.head_dim)[:, 0].reshape(-1)
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """A consumer-side statistic (mean |x| per input channel) averaged over the heads reading each KV channel."""
+        if self.repeat == 1:
+            return x
+        return x.reshape(-1, self.repeat, self.head_dim).mean(1).reshape(-1)
+
+
+SAME = Spread()
+
+
 def _rtn(w: torch.Tensor, cfg: QuantConfig, clip: torch.Tensor | float = 1.0):
     scales, zeros = compute_qparams(w, cfg.bits, cfg.group_size, cfg.symmetric, clip)
     scales = scales.to(torch.float16).float()  # the scales that are stored
@@ -85,16 +120,17 @@ def _check(weights: list[torch.Tensor], hessian: torch.Tensor, mean_abs: torch.T
 
 @torch.no_grad()
 def awq_search_scale(weights: list[torch.Tensor], hessian: torch.Tensor, mean_abs: torch.Tensor,
-                     cfg: QuantConfig) -> tuple[torch.Tensor, float]:
-    """Best input-channel scales ``s`` (in,) for linears sharing one input, and the α chosen."""
+                     cfg: QuantConfig, spread: Spread = SAME) -> tuple[torch.Tensor, float]:
+    """Best input-channel scales ``s`` (in,) for linears sharing one input, and the α chosen; with a
+    ``spread`` the scales repeat over the attention heads that read one KV head."""
     _check(weights, hessian, mean_abs)
     h = hessian.float()
-    base = mean_abs.float().clamp(min=1e-4)  # a dead channel must not give s = 0
-    best = (float("inf"), torch.ones_like(base), 0.0)
+    base = spread.pool(mean_abs.float()).clamp(min=1e-4)  # a dead channel must not give s = 0
+    best = (float("inf"), torch.ones_like(mean_abs, dtype=torch.float32), 0.0)
     for k in range(cfg.awq.grid + 1):
         alpha = k / cfg.awq.grid
         s = base.pow(alpha)
-        s = s / (s.max() * s.min()).sqrt()
+        s = spread.to_consumers(s / (s.max() * s.min()).sqrt())
         loss = 0.0
         for w in weights:
             w = w.float()
@@ -154,6 +190,7 @@ class FoldResult:
     alpha: float | None
     applied: bool
     reason: str = ""
+    spread: Spread = SAME
 
 
 def _producers(layer: nn.Module, batch: LayerBatch) -> tuple[dict[int, str], Counter]:
@@ -190,32 +227,45 @@ def _producers(layer: nn.Module, batch: LayerBatch) -> tuple[dict[int, str], Cou
     return by_consumer, calls
 
 
-def _find_producer(layer: nn.Module, group: list[str], fed_by: dict[str, str]) -> tuple[str | None, str]:
+def _find_producer(layer: nn.Module, group: list[str], fed_by: dict[str, str], spread_kv_heads: bool
+                   ) -> tuple[str | None, str, Spread]:
+    """The module to fold a group's inverse scale into, or None and why; and how its channels reach the
+    group's inputs."""
     in_f = layer.get_submodule(group[0]).in_features
     name = fed_by.get(group[0])
     if name is not None:
         mod = layer.get_submodule(name)
         w = getattr(mod, "weight", None)
         if type(mod) is not nn.Linear and isinstance(w, torch.Tensor) and tuple(w.shape) == (in_f,):
-            return name, ""
-        return None, f"its input comes from {name} ({type(mod).__name__}), which has no per-channel weight to fold into"
+            return name, "", SAME
+        return None, f"its input comes from {name} ({type(mod).__name__}), which has no per-channel weight to fold into", SAME
     parent, _, kind = group[0].rpartition(".")
     if len(group) == 1 and kind in LINEAR_FOLDS:
         sibling = f"{parent}.{LINEAR_FOLDS[kind]}" if parent else LINEAR_FOLDS[kind]
         try:
             mod = layer.get_submodule(sibling)
         except AttributeError:
-            return None, f"no {sibling} to fold into"
-        if type(mod) is nn.Linear and mod.out_features == in_f:
-            return sibling, ""
-        return None, f"{sibling} has {getattr(mod, 'out_features', '?')} outputs, {group[0]} takes {in_f} inputs"
-    return None, "no producer with a per-channel weight was found"
+            return None, f"no {sibling} to fold into", SAME
+        out_f = getattr(mod, "out_features", None)
+        if type(mod) is nn.Linear and out_f == in_f:
+            return sibling, "", SAME
+        why = f"{sibling} has {out_f} outputs, {group[0]} takes {in_f} inputs"
+        if type(mod) is nn.Linear and kind == "o_proj":
+            attn = layer.get_submodule(parent) if parent else layer
+            head_dim, repeat = getattr(attn, "head_dim", None), getattr(attn, "num_key_value_groups", None)
+            if isinstance(head_dim, int) and isinstance(repeat, int) and out_f * repeat == in_f \
+                    and out_f % head_dim == 0:
+                if spread_kv_heads:
+                    return sibling, "", Spread(repeat, head_dim)
+                why += f" (grouped KV heads, {repeat} attention heads each)"
+        return None, why, SAME
+    return None, "no producer with a per-channel weight was found", SAME
 
 
-def _fold(producer: nn.Module, consumers: list[nn.Linear], s: torch.Tensor) -> None:
+def _fold(producer: nn.Module, consumers: list[nn.Linear], s: torch.Tensor, spread: Spread) -> None:
     for c in consumers:
         c.weight.data.mul_(s.to(c.weight.dtype))
-    inv = (1.0 / s)
+    inv = 1.0 / spread.to_producer(s)
     if type(producer) is nn.Linear:
         producer.weight.data.mul_(inv.to(producer.weight.dtype).unsqueeze(1))
     else:
@@ -233,12 +283,14 @@ def _scaled_stats(st: InputStats, s: torch.Tensor) -> InputStats:
 
 @torch.no_grad()
 def scale_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch], cfg: QuantConfig, uses: Counter,
-                report: list, channel_scales: dict, method: str = "AWQ") -> dict[str, InputStats]:
+                report: list, channel_scales: dict, method: str = "AWQ", spread_kv_heads: bool = False
+                ) -> dict[str, InputStats]:
     """AWQ's scaling of one decoder layer in place: per group of linears sharing an input, the searched
     ``s`` folded into the consumers' columns and the producer (see the module's docstring), each fold
     checked on a probe sequence. ``uses``: how often each parameter (by id) is used in the model;
     ``report`` collects a :class:`FoldResult` per group and ``channel_scales`` a :class:`ChannelScales`
-    per rescaled linear (keyed ``layer_name.linear``); ``method`` names the caller in the log. Returns
+    per rescaled linear (keyed ``layer_name.linear``); ``method`` names the caller in the log;
+    ``spread_kv_heads`` also folds o_proj into v_proj with grouped KV heads (:class:`Spread`). Returns
     every linear's input statistics on ``batches``, after the folds."""
     groups = linear_groups(layer, batches[0])
     names = [n for g in groups for n in g]
@@ -247,8 +299,8 @@ def scale_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch], cf
     probe = LayerBatch(batches[0].hidden[:1], first_sequence(batches[0].kwargs, batches[0].hidden.shape[0]))
     reference = layer_forward(layer, probe)
     for group in groups:
-        producer, why = _find_producer(layer, group, fed_by)
-        result = FoldResult(layer_name, producer, group, None, False, why)
+        producer, why, spread = _find_producer(layer, group, fed_by, spread_kv_heads)
+        result = FoldResult(layer_name, producer, group, None, False, why, spread)
         report.append(result)
         if producer is None:
             log.warning("%s: no scaling for %s.%s: %s", method, layer_name, group, why)
@@ -261,9 +313,9 @@ def scale_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch], cf
             log.warning("%s: no scaling for %s.%s: %s", method, layer_name, group, result.reason)
             continue
         st = stats[group[0]]
-        s, alpha = awq_search_scale([c.weight.data for c in consumers], st.hessian, st.mean_abs, cfg)
+        s, alpha = awq_search_scale([c.weight.data for c in consumers], st.hessian, st.mean_abs, cfg, spread)
         saved = [p.data.clone() for p in touched]
-        _fold(prod, consumers, s)
+        _fold(prod, consumers, s, spread)
         out = layer_forward(layer, probe)
         tol = 1e-4 * reference.abs().max().item() + 1e-6
         if (out - reference).abs().max().item() > tol:
@@ -278,7 +330,7 @@ def scale_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch], cf
             stats[n] = scaled
             channel_scales.setdefault(f"{layer_name}.{n}", ChannelScales()).input = s
         if type(prod) is nn.Linear:
-            channel_scales.setdefault(f"{layer_name}.{producer}", ChannelScales()).output = s
+            channel_scales.setdefault(f"{layer_name}.{producer}", ChannelScales()).output = spread.to_producer(s)
     return stats
 
 

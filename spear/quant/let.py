@@ -2,7 +2,8 @@
 
 For linears sharing an input x, ``W x = (W·diag(s)) (diag(s)⁻¹ x)``; ``diag(s)⁻¹`` is folded into
 the op that produces x (a norm's weight, or a linear producer's rows: v_proj for o_proj, up_proj for
-down_proj), so the FP function is unchanged and only what is rounded moves: ``Q(W·diag(s))``. This is
+down_proj; with grouped KV heads one factor per v_proj row, repeated over the attention heads that read
+it), so the FP function is unchanged and only what is rounded moves: ``Q(W·diag(s))``. This is
 the weight-only form OmniQuant uses for Llama-family models (a per-input-channel scale, no shift:
 their norms and linears have no bias to absorb one). Here the scales start from AWQ's search, folded
 by :func:`spear.quant.awq.scale_layer` (which also decides which groups can be folded at all and
@@ -32,19 +33,20 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from spear.config import QuantConfig
-from spear.quant.awq import ChannelScales, scale_layer
+from spear.quant.awq import SAME, ChannelScales, Spread, scale_layer
 from spear.quant.calib import InputStats, LayerBatch
 
 
 class _ScaleColumns(nn.Module):
-    """A consumer's weight times its input channels' factors: ``W·diag(e^t)``."""
+    """A consumer's weight times its input channels' factors: ``W·diag(e^t)`` (``t`` spread over the
+    attention heads that read one KV head where the group has a :class:`Spread`)."""
 
-    def __init__(self, t: nn.Parameter):
+    def __init__(self, t: nn.Parameter, spread: Spread):
         super().__init__()
-        self.t = t
+        self.t, self.spread = t, spread
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return w * torch.exp(self.t).to(w.dtype)
+        return w * self.spread.to_consumers(torch.exp(self.t)).to(w.dtype)
 
 
 class _DivideOutputs(nn.Module):
@@ -62,16 +64,18 @@ class _DivideOutputs(nn.Module):
 @dataclass
 class LetGroup:
     """One folded group: its producer and consumers (names relative to the layer), the scale AWQ folded
-    (``start``, (in,)) and the trained log-factor on top of it (``t``, (in,), 0 at the start)."""
+    (``start``, the consumers' (in,)), the trained log-factor on top of it (``t``, one per producer
+    channel, 0 at the start) and how the producer's channels reach the consumers' inputs."""
 
     producer: str
     consumers: list[str]
     start: torch.Tensor
     t: nn.Parameter
+    spread: Spread = SAME
 
     def scales(self) -> torch.Tensor:
         """The whole scale of the consumers' input channels: AWQ's start times the learned factor."""
-        return self.start * torch.exp(self.t.detach()).to(self.start.dtype)
+        return self.start * self.spread.to_consumers(torch.exp(self.t.detach())).to(self.start.dtype)
 
 
 @dataclass
@@ -97,18 +101,20 @@ class LetStart:
 def fold_start(layer_name: str, layer: nn.Module, batches: list[LayerBatch], cfg: QuantConfig,
                uses: Counter) -> LetStart:
     """AWQ's scales folded into ``layer`` in place (the function unchanged), as LET's start, each group with
-    ``t = 0``. A group AWQ could not fold (shared parameters, a producer with no per-channel weight, grouped
-    KV heads for o_proj) has no LET either; with none the layer is left as it is."""
+    ``t = 0``. o_proj folds into v_proj with grouped KV heads too (one factor per KV-head channel). A group
+    AWQ could not fold (shared parameters, a producer with no per-channel weight) has no LET either; with
+    none the layer is left as it is."""
     before = [(p, p.detach().clone()) for p in layer.parameters()]
     report: list = []
     scales: dict[str, ChannelScales] = {}
-    stats = scale_layer(layer_name, layer, batches, cfg, uses, report, scales, method="OmniQuant LET")
+    stats = scale_layer(layer_name, layer, batches, cfg, uses, report, scales, method="OmniQuant LET",
+                        spread_kv_heads=True)
     groups = []
     for r in report:
         if r.applied:
             start = scales[f"{layer_name}.{r.consumers[0]}"].input
-            groups.append(LetGroup(r.producer, list(r.consumers), start,
-                                   nn.Parameter(torch.zeros(start.shape, dtype=torch.float32, device=start.device))))
+            t = torch.zeros(r.spread.to_producer(start).shape, dtype=torch.float32, device=start.device)
+            groups.append(LetGroup(r.producer, list(r.consumers), start, nn.Parameter(t), r.spread))
     return LetStart(groups, stats, before)
 
 
@@ -117,7 +123,7 @@ def attach(groups: list[LetGroup], modules: dict[str, nn.Module]) -> None:
     -> the module holding the weight (the plain ``nn.Linear`` for a wrapped linear, the norm)."""
     for g in groups:
         for n in g.consumers:
-            parametrize.register_parametrization(modules[n], "weight", _ScaleColumns(g.t))
+            parametrize.register_parametrization(modules[n], "weight", _ScaleColumns(g.t, g.spread))
         parametrize.register_parametrization(modules[g.producer], "weight", _DivideOutputs(g.t))
 
 
@@ -141,4 +147,4 @@ def bake(groups: list[LetGroup], modules: dict[str, nn.Module], layer_name: str,
         for n in g.consumers:
             channel_scales.setdefault(f"{layer_name}.{n}", ChannelScales()).input = s
         if isinstance(modules[g.producer], nn.Linear):
-            channel_scales.setdefault(f"{layer_name}.{g.producer}", ChannelScales()).output = s
+            channel_scales.setdefault(f"{layer_name}.{g.producer}", ChannelScales()).output = g.spread.to_producer(s)

@@ -42,8 +42,9 @@ def test_the_fold_and_any_learned_factor_leave_the_fp_model_unchanged(kv_heads):
     for i, layer in enumerate(model.model.layers):
         name = f"model.layers.{i}"
         start = let.fold_start(name, layer, capture_layer_inputs(model, layer, ids, 4), cfg, uses)
-        # q/k/v, gate/up and up->down fold; v->o only with one KV head per attention head
-        assert len(start.groups) == (4 if kv_heads == 4 else 3)
+        # q/k/v, gate/up, up->down and v->o (with grouped KV heads a factor per KV-head channel)
+        assert len(start.groups) == 4
+        assert [g.spread.repeat for g in start.groups if g.producer.endswith("v_proj")] == [4 // kv_heads]
         holders = {n: layer.get_submodule(n) for g in start.groups for n in (*g.consumers, g.producer)}
         let.attach(start.groups, holders)
         with torch.no_grad():
@@ -133,13 +134,14 @@ def test_quantizing_for_compensation_moves_the_references():
 
 
 def test_with_nothing_to_fold_let_is_lwc_alone():
-    """A model where no group can be folded (norms computing x·(1 + w), grouped KV heads, up_proj shared by
-    both layers) gets exactly LWC alone: the same codes, no channel scales."""
+    """A model where no group can be folded (norms computing x·(1 + w), v_proj and up_proj shared by both
+    layers) gets exactly LWC alone: the same codes, no channel scales."""
     torch.manual_seed(0)
     fp = make_tiny_llama(kv_heads=2)
     for layer in fp.model.layers:
         layer.input_layernorm, layer.post_attention_layernorm = OnePlusNorm(64), OnePlusNorm(64)
     fp.model.layers[1].mlp.up_proj.weight = fp.model.layers[0].mlp.up_proj.weight
+    fp.model.layers[1].self_attn.v_proj.weight = fp.model.layers[0].self_attn.v_proj.weight
     ids = _ids()
     alone, both = deepcopy(fp), deepcopy(fp)
     got_alone = quantize_model_omniquant(alone, _cfg(4, 16, True, let=False), ids, progress=False)
