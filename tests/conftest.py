@@ -16,6 +16,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist workers share the machine's cores: each would otherwise start one torch thread per core, and
+# 8 workers of 16 threads made a CPU reference of the GPU tests (a paged decode attention at 4,000 tokens,
+# about a second alone) run past 45 s on a 16-core host (H100, 2026-12-07).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 
 @pytest.fixture(scope="session")
 def default_model_path():
