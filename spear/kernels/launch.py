@@ -296,15 +296,22 @@ def pick_triton(m: int, n: int, k: int, fragment: bool, group_size: int, table=B
     return TritonConfig(e.BM, e.BN, bk, split, e.num_warps, e.num_stages, mv=mv, u_split=e.u_split)
 
 
-SPLIT_OVERHEAD_STEPS = 2  # a split unit's partial store and share of the reduction, in K steps
+def split_overhead_steps(rows: int) -> float:
+    """What a split unit adds to its program's path, in K steps of its tile: its partial's store and its share
+    of the reduction, which grow with the tile's rows. 2 steps up to 21 rows (the small-token classes the
+    tuner measured), then 12 steps per 128 rows: the Gluon GEMM's BM 128 units took 12-13 steps more than
+    their K range (q/o and down at 300 tokens split 4: 58.2 / 110.3 us against 30.8 / 100.3 us unsplit at
+    512; down at 256 split 2: 60.8 us; H100, 2026-12-07, benchmarks/data/run30-h100-2026-12-07/kernels)."""
+    return max(2.0, 12.0 * rows / 128)
 
 
-def pick_split(tiles: int, steps: int, programs: int, min_steps: int = 2) -> int:
-    """The K split of ``tiles`` output tiles of ``steps`` K steps each over a persistent grid of
-    ``programs`` programs: the one with the shortest critical path, ceil(tiles x split / programs)
-    units a program of ceil(steps / split) steps each, plus SPLIT_OVERHEAD_STEPS a unit when split
-    (the smallest such split), among the splits whose ranges are all at least ``min_steps`` steps
-    long (or the whole K) and none empty."""
+def pick_split(tiles: int, steps: int, programs: int, rows: int = 16, min_steps: int = 2) -> int:
+    """The K split of ``tiles`` output tiles of ``rows`` tokens and ``steps`` K steps each over a persistent
+    grid of ``programs`` programs: the one with the shortest critical path, ceil(tiles x split / programs)
+    units a program of ceil(steps / split) steps each, plus :func:`split_overhead_steps` a unit when split
+    (the smallest such split), among the splits whose ranges are all at least ``min_steps`` steps long (or
+    the whole K) and none empty."""
+    overhead = split_overhead_steps(rows)
     best, best_cost = 1, -(-tiles // programs) * steps
     for s in range(2, 65):
         per = -(-steps // s)
@@ -312,7 +319,7 @@ def pick_split(tiles: int, steps: int, programs: int, min_steps: int = 2) -> int
             break
         if (s - 1) * per >= steps:  # the last split would be empty
             continue
-        cost = -(-(tiles * s) // programs) * (per + SPLIT_OVERHEAD_STEPS)
+        cost = -(-(tiles * s) // programs) * (per + overhead)
         if cost < best_cost:
             best, best_cost = s, cost
     return best
@@ -360,5 +367,5 @@ def pick_gluon(m: int, n: int, k: int, table=BUILTIN, group_size: int = 128, ran
     if e is None:
         return None
     tiles = _cdiv(m, e.BM) * _cdiv(n, e.BN)
-    split = pick_split(tiles, _cdiv(k, e.BK), e.programs or GLUON_PROGRAMS)
+    split = pick_split(tiles, _cdiv(k, e.BK), e.programs or GLUON_PROGRAMS, e.BM)
     return fit_gluon(GluonConfig(e.BN // 2, e.BM, e.BK, e.num_stages, split), group_size, rank)

@@ -38,23 +38,36 @@ def test_split_ranges_cover_every_step_once(steps, n_split):
     assert covered == list(range(steps))
 
 
+@pytest.mark.parametrize("rows,overhead", [(16, 2), (64, 6), (128, 12), (256, 24)])
 @pytest.mark.parametrize("tiles,steps,programs", [(16, 64, 132), (112, 64, 132), (256, 64, 132), (16, 224, 132),
-                                                  (1, 4, 132), (1, 1, 132), (32, 3, 264), (33, 64, 132)])
-def test_pick_split_takes_the_shortest_critical_path(tiles, steps, programs):
+                                                  (1, 4, 132), (1, 1, 132), (32, 3, 264), (33, 64, 132),
+                                                  (96, 32, 132), (96, 112, 132), (64, 112, 132)])
+def test_pick_split_takes_the_shortest_critical_path(tiles, steps, programs, rows, overhead):
     """Against an enumeration of every split: the chosen one has the fewest K steps (plus the split's
-    overhead) on the busiest program of the persistent grid (ties: the smallest split), no split
-    shorter than two steps unless K itself is, and none empty."""
+    overhead: 2 steps for small tiles, 12 per 128 rows) on the busiest program of the persistent grid
+    (ties: the smallest split), no split shorter than two steps unless K itself is, and none empty."""
     def valid(s):
         per = -(-steps // s)
         return (s == 1 or per >= 2) and (s - 1) * per < steps
 
     def cost(s):
-        return -(-(tiles * s) // programs) * (-(-steps // s) + (2 if s > 1 else 0))
+        return -(-(tiles * s) // programs) * (-(-steps // s) + (overhead if s > 1 else 0))
 
-    s = G.pick_split(tiles, steps, programs)
+    s = G.pick_split(tiles, steps, programs, rows)
     assert valid(s)
     best = min((cost(c), c) for c in range(1, 65) if valid(c))
     assert (cost(s), s) == best
+
+
+def test_a_split_of_128_row_tiles_pays_for_its_reduction():
+    """The measured cases (H100, 2026-12-07): q/o and down at 300 tokens (3 x 32 tiles of 128 rows) run
+    unsplit, down at 256 tokens (2 x 32 tiles, 112 steps) keeps its split of 2 and at 128 tokens its 4,
+    and tiles of 16 rows still split where one wave would leave most SMs idle."""
+    assert G.pick_split(96, 32, 132, 128) == 1
+    assert G.pick_split(96, 112, 132, 128) == 1
+    assert G.pick_split(64, 112, 132, 128) == 2
+    assert G.pick_split(32, 112, 132, 128) == 4
+    assert G.pick_split(32, 32, 132, 16) == 4
 
 
 def test_units_enumerate_each_tile_and_split_once():
