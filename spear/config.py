@@ -138,13 +138,15 @@ class OmniQuantConfig:
     and group's best ratio on a grid in [0.5, 1] under the layer inputs' Hessian, as AWQ's clipping
     search) or ``"max"`` (OmniQuant's own: sigmoid(4) = 0.982, nearly the full range, which the few
     steps a CPU affords barely move); ``let``: also scale the input channels of each group of linears
-    sharing an input (q/k/v, gate/up, down after up_proj, o after v_proj where the shapes allow), the
+    sharing an input (q/k/v, gate/up, down after up_proj, o after v_proj; with grouped KV heads one scale per
+    v_proj row, repeated over the attention heads that read it), the
     inverse folded into the norm or linear producing that input so the FP function is unchanged
     (OmniQuant's learnable equivalent transformation, weight-only, spear/quant/let.py): a layer starts
     from AWQ's searched scales where they give a lower output error than the unscaled weights, and the
     scales' logarithms train with the clip at ``let_lr`` (AdamW). ``None`` (the default): on with groups,
     off per channel, as measured on the default model (W4 sym, 2-core CPU, 2026-12-07, raw
-    benchmarks/data/omniquant-let-cpu-2026-12-07/): g64 28.86 with LET against 29.70 without (AWQ 28.74),
+    benchmarks/data/omniquant-let-cpu-2026-12-07/): g64 28.63 with LET (28.86 before o_proj folded into
+    v_proj with grouped KV heads) against 29.70 without (AWQ 28.74),
     per channel 35.83 against 34.55 (AWQ 36.57): per channel AWQ's scales lower each layer's output
     error and still raise the perplexity, with or without training on top."""
 
