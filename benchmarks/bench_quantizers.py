@@ -25,7 +25,8 @@ import torch
 
 from spear.compensate.static import attach_static, remove_compensators
 from spear.compensate.stats import collect_activation_stats
-from spear.config import CalibConfig, EvalConfig, GPTQConfig, OmniQuantConfig, QuantConfig, StaticCompensationConfig
+from spear.config import (AWQConfig, CalibConfig, EvalConfig, GPTQConfig, OmniQuantConfig, QuantConfig,
+                          StaticCompensationConfig)
 from spear.eval.memory import compensator_bytes, quantized_model_bytes
 from spear.eval.perplexity import perplexity
 from spear.eval.report import Row, gap_recovered, machine_label
@@ -56,6 +57,8 @@ def main() -> None:
     ap.add_argument("--calib-source", choices=["self", "text"], default="self",
                     help="'text': GPTQ/AWQ calibrate on the text's calibration windows instead")
     ap.add_argument("--act-order", action="store_true", help="GPTQ act-order (static groups)")
+    ap.add_argument("--awq-fold-kv-heads", action="store_true",
+                    help="AWQ: also scale o_proj where attention heads share KV heads (AWQConfig.fold_kv_heads)")
     ap.add_argument("--rank", type=int, default=4)
     d = OmniQuantConfig()
     ap.add_argument("--omniquant-epochs", type=int, default=d.epochs)
@@ -94,7 +97,8 @@ def main() -> None:
               "calibration": (f"{calib_cfg.n_samples} self-sampled sequences x {calib_cfg.seq_len} tokens "
                               f"(seed {calib_cfg.seed}, T={calib_cfg.temperature}, top-p {calib_cfg.top_p})"
                               if calib_cfg.source == "self" else f"{split.calib.shape[0]} text windows"),
-              "gptq_act_order": args.act_order, "omniquant": asdict(omni),
+              "gptq_act_order": args.act_order, "awq_fold_kv_heads": args.awq_fold_kv_heads,
+              "omniquant": asdict(omni),
               "qera_stats": f"{split.calib.shape[0]} text windows",
               "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": machine_label(),
               "date": time.strftime("%Y-%m-%d")}
@@ -104,7 +108,8 @@ def main() -> None:
         base_ppl = {}
         for method in args.methods.split(","):
             cfg = QuantConfig(bits=4, group_size=gs, symmetric=True, method=method, calib=calib_cfg,
-                              gptq=GPTQConfig(act_order=args.act_order), omniquant=omni)
+                              gptq=GPTQConfig(act_order=args.act_order), omniquant=omni,
+                              awq=AWQConfig(fold_kv_heads=args.awq_fold_kv_heads))
             model, _ = load_model(args.model)
             text_calib = split.calib if calib_cfg.source == "text" else None
             if method != "rtn" and text_calib is None and "self_sampling_s" not in header:

@@ -76,6 +76,8 @@ def test_awq_rounding_reaches_the_quant_config():
     cfg = quant_config_from(parse(["quantize", "--out", "x", "--method", "awq", "--awq-rounding", "gptq",
                                    "--gptq-damp", "0.05"]))
     assert cfg.awq.rounding == "gptq" and cfg.gptq.damp == 0.05 and cfg.label.startswith("AWQ+GPTQ")
+    assert not cfg.awq.fold_kv_heads
+    assert quant_config_from(parse(["quantize", "--out", "x", "--method", "awq", "--awq-fold-kv-heads"])).awq.fold_kv_heads
 
 
 def test_quantize_then_eval(tiny_llama_path, article_text, tmp_path, capsys):

@@ -124,6 +124,10 @@ def add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="AWQ: how the scaled weights are rounded: to the nearest level, or with GPTQ's error "
                         "feedback (uses --gptq-damp; a lower base per channel, but a higher perplexity once "
                         "compensators are calibrated on it, BENCHMARKS.md; default: %(default)s)")
+    c.add_argument("--awq-fold-kv-heads", action="store_true",
+                   help="AWQ: also scale o_proj where attention heads share KV heads (one scale per v_proj row, "
+                        "repeated over the heads reading it): lower g64 perplexity, higher per channel on the "
+                        "default model (BENCHMARKS.md)")
     o = p.add_argument_group("OmniQuant (learnable weight clipping and channel scales, trained one decoder layer "
                                   "at a time)")
     d = OmniQuantConfig()
@@ -155,7 +159,8 @@ def quant_config_from(args) -> QuantConfig:
                        calib=CalibConfig(source=args.calib_source, n_samples=args.calib_samples,
                                          seq_len=args.calib_seq_len),
                        gptq=GPTQConfig(damp=args.gptq_damp, act_order=args.act_order),
-                       awq=AWQConfig(clip=not args.awq_no_clip, rounding=args.awq_rounding),
+                       awq=AWQConfig(clip=not args.awq_no_clip, rounding=args.awq_rounding,
+                                     fold_kv_heads=args.awq_fold_kv_heads),
                        omniquant=OmniQuantConfig(epochs=args.omniquant_epochs, lr=args.omniquant_lr,
                                                  samples=args.omniquant_samples, init=args.omniquant_init,
                                                  let=None if args.omniquant_let is None else args.omniquant_let == "on",

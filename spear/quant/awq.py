@@ -15,8 +15,8 @@ op that produces x, so the model's function is unchanged before quantization:
   (v_proj → attention → o_proj, up_proj → ⊙ act(gate) → down_proj): its rows ÷ s. With grouped KV
   heads v_proj has fewer outputs than o_proj takes inputs (attention head h reads KV head h // G); such a
   fold is taken only when asked (``scale_layer(spread_kv_heads=True)``, as OmniQuant's LET does): one scale
-  per KV-head channel, repeated over the G attention heads that read it (:func:`repeat_heads`). AWQ itself
-  leaves o_proj unscaled there, as its reference implementation does.
+  per KV-head channel, repeated over the G attention heads that read it (:class:`Spread`). AWQ itself
+  leaves o_proj unscaled there, as its reference implementation does, unless ``AWQConfig.fold_kv_heads``.
 
 A fold is applied only when every parameter it touches is used once in the model
 (tied or shared weights would change elsewhere) and the producer runs once in the
@@ -337,7 +337,8 @@ def scale_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch], cf
 @torch.no_grad()
 def _process_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch], cfg: QuantConfig,
                    uses: Counter, report: list, scale_only: bool, channel_scales: dict) -> dict[str, nn.Module]:
-    stats = scale_layer(layer_name, layer, batches, cfg, uses, report, channel_scales)
+    stats = scale_layer(layer_name, layer, batches, cfg, uses, report, channel_scales,
+                        spread_kv_heads=cfg.awq.fold_kv_heads)
     if scale_only:
         return {}
     done = {}

@@ -19,21 +19,23 @@ def _logits(model, ids):
         return model(ids).logits
 
 
-@pytest.mark.parametrize("tie,kv_heads", [(False, 4), (True, 2)])
-def test_scaling_leaves_the_unquantized_function_unchanged(rand_ids, tie, kv_heads):
+@pytest.mark.parametrize("tie,kv_heads,fold_kv", [(False, 4, False), (True, 2, False), (True, 2, True)])
+def test_scaling_leaves_the_unquantized_function_unchanged(rand_ids, tie, kv_heads, fold_kv):
     model = make_tiny_llama(tie=tie, kv_heads=kv_heads)
     ref = _logits(model, rand_ids)
     report = []
-    quantize_model_awq(model, QuantConfig(method="awq", calib=TEXT), rand_ids, progress=False,
-                       scale_only=True, report=report)
+    cfg = QuantConfig(method="awq", calib=TEXT, awq=AWQConfig(fold_kv_heads=fold_kv))
+    quantize_model_awq(model, cfg, rand_ids, progress=False, scale_only=True, report=report)
     torch.testing.assert_close(_logits(model, rand_ids), ref, rtol=1e-4, atol=1e-5)
     applied = {(r.producer, tuple(r.consumers)) for r in report if r.applied}
     assert ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")) in applied
     assert ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")) in applied
     assert ("mlp.up_proj", ("mlp.down_proj",)) in applied
     o_proj = [r for r in report if r.consumers == ["self_attn.o_proj"]]
-    # v_proj -> o_proj folds only when v has one output per o input (no grouped KV heads).
-    assert all(r.applied == (kv_heads == 4) for r in o_proj)
+    # v_proj -> o_proj folds when v has one output per o input, with grouped KV heads only when asked
+    # (one scale per v_proj row, spread over the 2 attention heads that read it)
+    assert o_proj and all(r.applied == (kv_heads == 4 or fold_kv) for r in o_proj)
+    assert all(r.spread.repeat == (2 if fold_kv else 1) for r in o_proj)
     assert sum(r.alpha is not None and r.alpha > 0 for r in report) > 0  # scaling actually happened
 
 
