@@ -13,8 +13,9 @@ the Markdown table (mean ± std over seeds).
     python benchmarks/bench_calibration.py --plans uniform@0.5,random@0.5,cka@0.5 --static qera-approx
     python benchmarks/bench_calibration.py --merge benchmarks/data/calibration-h200-2026-11-30.jsonl
 
-Settings: ``[rtn-|gptq-|gptqact-|awq-|awqgptq-|omniquant-]w<bits><pc|g<group>>[+head]`` (e.g. w4pc, w3g64,
-gptq-w4g64, omniquant-w4pc; gptqact is GPTQ with act-order, awqgptq AWQ with GPTQ's rounding, omniquant the
+Settings: ``[rtn-|gptq-|gptqact-|awq-|awqgptq-|awqkv-|omniquant-]w<bits><pc|g<group>>[+head]`` (e.g. w4pc, w3g64,
+gptq-w4g64, omniquant-w4pc; gptqact is GPTQ with act-order, awqgptq AWQ with GPTQ's rounding, awqkv AWQ scaling
+o_proj over grouped KV heads too (``AWQConfig.fold_kv_heads``), omniquant the
 learned clipping with its default OmniQuantConfig; ``+head`` quantizes the output head too, which the
 selection may then compensate like any other linear).
 Plans: ``r<k>`` (rank k on every linear) or ``<placement>@<percent>`` with placement
@@ -63,9 +64,9 @@ from spear.select.plan import make_plan  # noqa: E402
 
 
 def parse_setting(spec: str) -> QuantConfig:
-    m = re.fullmatch(r"(?:(rtn|gptq|gptqact|awq|awqgptq|omniquant)-)?w(\d)(pc|g\d+)(\+head)?", spec)
+    m = re.fullmatch(r"(?:(rtn|gptq|gptqact|awq|awqgptq|awqkv|omniquant)-)?w(\d)(pc|g\d+)(\+head)?", spec)
     if not m:
-        raise SystemExit(f"setting must look like w4pc, w3g64, gptq-w4g64, gptqact-w4pc, awqgptq-w4g64, omniquant-w4pc "
+        raise SystemExit(f"setting must look like w4pc, w3g64, gptq-w4g64, gptqact-w4pc, awqgptq-w4g64, awqkv-w4g64, omniquant-w4pc "
                          f"or w4g64+head; got {spec!r}")
     group = 0 if m.group(3) == "pc" else int(m.group(3)[1:])
     method = m.group(1) or "rtn"
@@ -75,6 +76,9 @@ def parse_setting(spec: str) -> QuantConfig:
                            include_lm_head=head)
     if method == "awqgptq":  # AWQ's scaling and clipping, GPTQ's rounding
         return QuantConfig(bits=int(m.group(2)), group_size=group, method="awq", awq=AWQConfig(rounding="gptq"),
+                           include_lm_head=head)
+    if method == "awqkv":
+        return QuantConfig(bits=int(m.group(2)), group_size=group, method="awq", awq=AWQConfig(fold_kv_heads=True),
                            include_lm_head=head)
     return QuantConfig(bits=int(m.group(2)), group_size=group, method=method, include_lm_head=head)
 
