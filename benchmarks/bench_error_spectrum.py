@@ -1,7 +1,7 @@
 """What each quantized base leaves for a low-rank compensator: the activation-weighted spectrum of W − Ŵ.
 
 For every quantizable linear of the model and every base (RTN, GPTQ, AWQ; per-channel, g64):
-E = W − Ŵ (AWQ: against the weights it rounded, spear.quant.awq.rescale_reference), s = the RMS of
+E = W − Ŵ (AWQ: against the weights it rounded, spear.quant.fold.rescale_reference), s = the RMS of
 each input channel on the calibration self-samples, the singular values of E·diag(s)
 (spear/eval/error_spectrum.py). Reported, energy-weighted over the modules: the base's error
 energy relative to RTN per-channel's, the share a rank-r term could hold for r = 1, 2, 4, 8, 16, 64

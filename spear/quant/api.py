@@ -53,12 +53,12 @@ def quantize_for_compensation(model: nn.Module, cfg: QuantConfig, references: li
     a Reference, a CalibrationData) moved to the weights the method rounded: AWQ, and OmniQuant with
     its learnable equivalent transformation (``OmniQuantConfig.let``), scale each linear's input
     channels before rounding, so their compensators make up for the error against the scaled weights
-    (spear/quant/awq.py, ``rescale_reference``). The other methods (RTN, GPTQ, OmniQuant's clipping
+    (spear/quant/fold.py, ``rescale_reference``). The other methods (RTN, GPTQ, OmniQuant's clipping
     alone) round the FP weights themselves and leave them as they are."""
     channel_scales: dict = {}
     modules = quantize_model(model, cfg, calib, progress, tokenizer, channel_scales)
     if channel_scales:
-        from spear.quant.awq import rescale_reference
+        from spear.quant.fold import rescale_reference
 
         for ref in references:
             ref.fp_weights, ref.stats = rescale_reference(ref.fp_weights, ref.stats, channel_scales)
@@ -73,7 +73,7 @@ def quantize_model(model: nn.Module, cfg: QuantConfig, calib: torch.Tensor | Non
     :func:`calibration_ids`: ``calib`` (n, L) when given, else sequences sampled
     from the model with ``tokenizer`` (``cfg.calib.source == "self"``).
     AWQ and OmniQuant with LET fill ``channel_scales`` with how they rescaled each linear (see
-    :func:`spear.quant.awq.rescale_reference`); other methods leave it empty.
+    :func:`spear.quant.fold.rescale_reference`); other methods leave it empty.
     """
     if cfg.separate_head:
         # the body with its own method, then the head alone: RTN per-channel symmetric at head_bits

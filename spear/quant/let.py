@@ -33,7 +33,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from spear.config import QuantConfig
-from spear.quant.awq import SAME, ChannelScales, Spread, scale_layer
+from spear.quant.awq import scale_layer
+from spear.quant.fold import SAME, ChannelScales, Spread
 from spear.quant.calib import InputStats, LayerBatch
 
 
@@ -138,7 +139,7 @@ def reset(groups: list[LetGroup]) -> None:
 def bake(groups: list[LetGroup], modules: dict[str, nn.Module], layer_name: str, channel_scales: dict) -> None:
     """Write the scaled weights in place, remove the parametrizations, and record each linear's whole scale
     (AWQ's start times the learned factor) in ``channel_scales`` (``layer_name.linear`` ->
-    :class:`ChannelScales`, as :func:`spear.quant.awq.rescale_reference` reads it)."""
+    :class:`ChannelScales`, as :func:`spear.quant.fold.rescale_reference` reads it)."""
     touched = {n for g in groups for n in (*g.consumers, g.producer)}
     for n in touched:
         parametrize.remove_parametrizations(modules[n], "weight", leave_parametrized=True)

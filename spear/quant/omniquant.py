@@ -27,7 +27,7 @@ With LET (``OmniQuantConfig.let``; by default with groups only) the input channe
 of linears sharing an input are scaled as well, the inverse folded into the op producing that input
 (OmniQuant's learnable equivalent transformation, §3.3; :mod:`spear.quant.let`), and trained with
 the clip: the weights rounded are then the rescaled ones, recorded per linear as AWQ records them
-(:func:`spear.quant.awq.rescale_reference`), so compensators are fitted against what was rounded.
+(:func:`spear.quant.fold.rescale_reference`), so compensators are fitted against what was rounded.
 Without it the weights rounded are the FP weights.
 
 The factors start from ``OmniQuantConfig.init``: ``"search"`` takes each row's and group's best
@@ -293,7 +293,7 @@ def train_layer(layer_name: str, layer: nn.Module, q_batches: list[LayerBatch], 
     weights, v_proj/up_proj rows) are rescaled in place, the FP function unchanged; ``uses`` counts each
     parameter's uses in the whole model (by id; default: in ``layer``), so a shared one is never rescaled,
     and ``channel_scales`` collects how each linear was rescaled (see
-    :func:`spear.quant.awq.rescale_reference`)."""
+    :func:`spear.quant.fold.rescale_reference`)."""
     from spear.quant import let
 
     opts = cfg.omniquant
@@ -347,7 +347,7 @@ def quantize_model_omniquant(model: nn.Module, cfg: QuantConfig, calib: torch.Te
     ``cfg.omniquant.let_on``, learned input-channel scales), one decoder layer at a time, trained on the first
     ``cfg.omniquant.samples`` of ``calib`` (n, L) ids; ``report`` collects a :class:`LayerReport` per layer;
     ``channel_scales`` is filled with ``{module: ChannelScales}`` for every rescaled linear, as AWQ fills it
-    (see :func:`spear.quant.awq.rescale_reference`). Linears outside the decoder layers (the head when
+    (see :func:`spear.quant.fold.rescale_reference`). Linears outside the decoder layers (the head when
     included) get RTN."""
     from spear.quant.rtn import rtn_quantize_linear
 

@@ -6,7 +6,8 @@ import torch
 from spear.config import AWQConfig, CalibConfig, QuantConfig
 from spear.errors import SpearError
 from spear.quant.awq import (awq_quantize_weight, awq_search_clip, awq_search_scale, group_output_error,
-                             quantize_model_awq, rescale_reference)
+                             quantize_model_awq)
+from spear.quant.fold import rescale_reference
 from spear.quant.primitives import dequantize
 
 from .conftest import OnePlusNorm, make_tiny_llama

@@ -11,7 +11,8 @@ import torch
 from spear.config import QuantConfig
 from spear.quant import let
 from spear.quant.api import Reference, quantize_for_compensation, quantize_model
-from spear.quant.awq import quantize_model_awq, rescale_reference
+from spear.quant.awq import quantize_model_awq
+from spear.quant.fold import rescale_reference
 from spear.quant.calib import capture_layer_inputs
 from spear.quant.omniquant import quantize_model_omniquant
 from spear.quant.primitives import quantize
