@@ -70,17 +70,10 @@ def parse_setting(spec: str) -> QuantConfig:
                          f"or w4g64+head; got {spec!r}")
     group = 0 if m.group(3) == "pc" else int(m.group(3)[1:])
     method = m.group(1) or "rtn"
-    head = m.group(4) is not None
-    if method == "gptqact":
-        return QuantConfig(bits=int(m.group(2)), group_size=group, method="gptq", gptq=GPTQConfig(act_order=True),
-                           include_lm_head=head)
-    if method == "awqgptq":  # AWQ's scaling and clipping, GPTQ's rounding
-        return QuantConfig(bits=int(m.group(2)), group_size=group, method="awq", awq=AWQConfig(rounding="gptq"),
-                           include_lm_head=head)
-    if method == "awqkv":
-        return QuantConfig(bits=int(m.group(2)), group_size=group, method="awq", awq=AWQConfig(fold_kv_heads=True),
-                           include_lm_head=head)
-    return QuantConfig(bits=int(m.group(2)), group_size=group, method=method, include_lm_head=head)
+    options = {"gptqact": dict(method="gptq", gptq=GPTQConfig(act_order=True)),
+               "awqgptq": dict(method="awq", awq=AWQConfig(rounding="gptq")),  # AWQ's scaling, GPTQ's rounding
+               "awqkv": dict(method="awq", awq=AWQConfig(fold_kv_heads=True))}.get(method, dict(method=method))
+    return QuantConfig(bits=int(m.group(2)), group_size=group, include_lm_head=m.group(4) is not None, **options)
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
