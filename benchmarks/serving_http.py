@@ -81,17 +81,17 @@ def _client(port: int, name: str, jobs: list[tuple[int, float, list[int], int]],
 
     async def create(client, prompt, output):
         # The prompt's token ids go in extra_body, which the client sends as it is: given as `prompt` the
-        # openai client's request transform walks the list id by id, 30 us each (a 3,000-token prompt held
-        # this process's event loop 80-110 ms, 2-core CPU, 2026-12-07; 1-6 ms through extra_body), late
-        # reads of every other stream of the process that the server is not the cause of. A text prompt,
-        # as users mostly send, is one string and costs nothing there.
+        # openai client's request transform walks the list id by id, about 10 us each (3,000 ids hold this
+        # process's event loop 31 ms against 1.3 ms through extra_body; bench_http_client.py, quiet 2-core
+        # CPU, 2026-12-07), late reads of every other stream of the process that the server is not the
+        # cause of. A text prompt, as users mostly send, is one string and costs nothing there.
         return await client.completions.with_raw_response.create(model=name, prompt=[], max_tokens=output,
                                                                  temperature=0, stream=True,
                                                                  extra_body={"prompt": prompt, "ignore_eos": True})
 
     async def warm_up(client):
-        # the client's first request builds its resources and response types (18-22 ms against 2-6 ms
-        # after, 2-core CPU, 2026-12-07): one short request before the shared start pays for it, and what
+        # the client's first request builds its resources and response types (6.0 against 0.6 ms after,
+        # bench_http_client.py, the same CPU): one short request before the shared start pays for it, and what
         # is alive then leaves the collector's sweeps, as the server does
         raw = await create(client, jobs[0][2][:8], 2)
         async for _ in raw.parse():
