@@ -298,8 +298,9 @@ def pick_triton(m: int, n: int, k: int, fragment: bool, group_size: int, table=B
 
 def split_overhead_steps(rows: int) -> float:
     """What a split unit adds to its program's path, in K steps of its tile: its partial's store and its share
-    of the reduction, which grow with the tile's rows. 2 steps up to 21 rows (the small-token classes the
-    tuner measured), then 12 steps per 128 rows: the Gluon GEMM's BM 128 units took 12-13 steps more than
+    of the reduction, which grow with the tile's rows: 12 steps per 128 rows, at least 2 (the constant the
+    tuner's small-token classes were measured with; at BM 64, 6 steps, no plan of the built-in table at
+    65-128 tokens changes). The Gluon GEMM's BM 128 units took 12-13 steps more than
     their K range (q/o and down at 300 tokens split 4: 58.2 / 110.3 us against 30.8 / 100.3 us unsplit at
     512; down at 256 split 2: 60.8 us; H100, 2026-12-07, benchmarks/data/run30-h100-2026-12-07/kernels)."""
     return max(2.0, 12.0 * rows / 128)

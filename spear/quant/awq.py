@@ -39,7 +39,7 @@ from spear.config import QuantConfig
 from spear.models.modules import set_module
 from spear.quant.calib import (InputStats, LayerBatch, collect_input_stats, first_sequence, layer_forward, linear_groups,
                                run_layerwise)
-from spear.quant.fold import SAME, ChannelScales, FoldResult, Spread, find_producer, fold, producers, scaled_stats
+from spear.quant.fold import SAME, FoldResult, Spread, find_producer, fold, producers, record, scaled_stats
 from spear.quant.linear import QuantLinear
 from spear.quant.primitives import compute_qparams, dequantize, n_groups, quantize
 
@@ -177,9 +177,7 @@ def scale_layer(layer_name: str, layer: nn.Module, batches: list[LayerBatch], cf
         scaled = scaled_stats(st, s)
         for n in group:
             stats[n] = scaled
-            channel_scales.setdefault(f"{layer_name}.{n}", ChannelScales()).input = s
-        if type(prod) is nn.Linear:
-            channel_scales.setdefault(f"{layer_name}.{producer}", ChannelScales()).output = spread.to_producer(s)
+        record(channel_scales, layer_name, group, producer, type(prod) is nn.Linear, s, spread)
     return stats
 
 

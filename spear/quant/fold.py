@@ -170,6 +170,16 @@ def scaled_stats(st: InputStats, s: torch.Tensor) -> InputStats:
     return InputStats(st.hessian * inv.unsqueeze(0) * inv.unsqueeze(1), st.mean_abs * inv, st.tokens)
 
 
+def record(channel_scales: dict, layer_name: str, consumers: list[str], producer: str, producer_is_linear: bool,
+           s: torch.Tensor, spread: Spread) -> None:
+    """Note in ``channel_scales`` (``layer_name.linear`` -> :class:`ChannelScales`) that ``consumers`` take
+    inputs scaled by ``s`` and, when the producer is a linear, that its rows were divided by its share of it."""
+    for n in consumers:
+        channel_scales.setdefault(f"{layer_name}.{n}", ChannelScales()).input = s
+    if producer_is_linear:
+        channel_scales.setdefault(f"{layer_name}.{producer}", ChannelScales()).output = spread.to_producer(s)
+
+
 def rescale_reference(fp_weights: dict[str, torch.Tensor], stats: dict | None,
                       channel_scales: dict[str, ChannelScales]):
     """The unquantized reference of an AWQ model: the weights AWQ rounded and the statistics of their inputs.

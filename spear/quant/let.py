@@ -34,7 +34,7 @@ from torch.nn.utils import parametrize
 
 from spear.config import QuantConfig
 from spear.quant.awq import scale_layer
-from spear.quant.fold import SAME, ChannelScales, Spread
+from spear.quant.fold import SAME, ChannelScales, Spread, record
 from spear.quant.calib import InputStats, LayerBatch
 
 
@@ -144,8 +144,5 @@ def bake(groups: list[LetGroup], modules: dict[str, nn.Module], layer_name: str,
     for n in touched:
         parametrize.remove_parametrizations(modules[n], "weight", leave_parametrized=True)
     for g in groups:
-        s = g.scales()
-        for n in g.consumers:
-            channel_scales.setdefault(f"{layer_name}.{n}", ChannelScales()).input = s
-        if isinstance(modules[g.producer], nn.Linear):
-            channel_scales.setdefault(f"{layer_name}.{g.producer}", ChannelScales()).output = g.spread.to_producer(s)
+        record(channel_scales, layer_name, g.consumers, g.producer, isinstance(modules[g.producer], nn.Linear),
+               g.scales(), g.spread)
