@@ -45,6 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser, slo: bool = True) -> None:
     g.add_argument("--max-waiting", type=positive_int, default=256,
                    help="queued requests beyond which new ones are refused (HTTP 429) (default: %(default)s)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    g.add_argument("--compile-workers", type=nonneg_int, metavar="N",
+                   help="processes that compile the W4 kernels' launches in parallel before the warm-up runs "
+                        "them (one GPU; a cold kernel cache otherwise compiles them one at a time, minutes for an "
+                        "8B model); 0: compile each where it is first run (default: the cores less one, at most "
+                        "16)")
     g.add_argument("--pdl", choices=["off", "wait", "auto"], default="auto",
                    help="programmatic dependent launch of the decode kernels (CUDA, Hopper or newer): 'wait' "
                         "lets each kernel load its weights while the one before it finishes; faster at batch "
@@ -139,6 +144,7 @@ def engine_config_from_args(args, **changes):
                   interleave_decodes=None if args.interleave_decodes is None else args.interleave_decodes == "on",
                   max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
                   kv_memory=args.kv_memory, max_waiting=args.max_waiting, cuda_graphs=not args.no_cuda_graphs,
+                  compile_workers=args.compile_workers,
                   kernels=kernel_policy(pdl=args.pdl, launch_table=args.launch_table), seed=args.seed,
                   itl_slo_ms=args.itl_slo_ms, latency_table=table, min_chunk_tokens=args.min_chunk,
                   latency_correction=not args.no_latency_correction,

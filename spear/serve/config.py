@@ -61,6 +61,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tp_reduce: str = "allreduce"
     tp_timeout_s: float = 300.0
+    # processes that compile the W4 GEMM's launches into Triton's disk cache before the decode graphs
+    # and the warm-up run them (spear/kernels/precompile.py; one GPU, CUDA only). None: the host's cores
+    # less one, at most 16; 0: each kernel compiles where it is first run
+    compile_workers: int | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
@@ -100,6 +104,9 @@ class EngineConfig:
         if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) or \
                 not (math.isfinite(self.tp_timeout_s) and self.tp_timeout_s > 0):
             raise SpearError(f"tp_timeout_s must be a finite number of seconds > 0, got {self.tp_timeout_s!r}")
+        w = self.compile_workers
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise SpearError(f"compile_workers must be a whole number >= 0 when given, got {w!r}")
         if not isinstance(self.kernels, KernelPolicy):
             raise SpearError(f"kernels must be a KernelPolicy, got {type(self.kernels).__name__}")
         if self.max_num_batched_tokens < self.max_num_seqs:

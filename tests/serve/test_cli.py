@@ -43,6 +43,7 @@ def test_generate_chat_and_stop(default_model_path, capsys):
     (["generate", "--prompt", "x", "--max-prefill-chunk-alone", "-4"], "expected a number >= 1"),
     (["serve", "--prefill-chunk-context", "-1"], "expected a number >= 0"),
     (["serve", "--newcomers-first", "yes"], "argument --newcomers-first: invalid choice"),
+    (["serve", "--compile-workers", "-2"], "expected a number >= 0"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -89,6 +90,15 @@ def test_serve_interleave_decodes_flag_reaches_the_engine_config(argv, want):
     config, _, _ = engine_config_from_args(build_parser().parse_args(["serve", *argv]))
     assert config.interleave_decodes is want
     assert config.decodes_interleaved("cpu") is (want is not False)
+
+
+@pytest.mark.parametrize("argv,want", [([], None), (["--compile-workers", "0"], 0), (["--compile-workers", "6"], 6)])
+def test_serve_compile_workers_flag_reaches_the_engine_config(argv, want):
+    from spear.cli import build_parser
+    from spear.cli.serve import engine_config_from_args
+
+    config, _, _ = engine_config_from_args(build_parser().parse_args(["serve", *argv]))
+    assert config.compile_workers == want
 
 
 def test_generate_without_prompt_and_impossible_settings(tiny_llama_path, capsys):

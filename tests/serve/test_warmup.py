@@ -139,3 +139,74 @@ def test_the_warmup_the_op_and_the_log_plan_alike_on_a_hopper(tiny_llama_path, m
     assert plans("log") == expect
     kernels = {p.kernel for p in expect.values()}
     assert planner.Kernel.GLUON in kernels and planner.Kernel.TRITON in kernels, kernels
+
+
+def test_the_compile_pass_covers_every_w4_launch_the_warmup_makes(tiny_llama_path, monkeypatch):
+    """On a Hopper GPU (capability faked as above), every W4 call the warm-up's steps make (its form:
+    shape, format, compensator, activation, bias, dtype, PDL level, and the op's plan at its token
+    count) is one the parallel compile pass runs, and the pass runs no form twice under one plan.
+
+    Catches: a launch the pass builds differently from the layer's own call (the SiLU·mul epilogue
+    of gate/up, a bias, a gated compensator's width, the step's PDL level), so the warm-up would
+    still compile it serially."""
+    from dataclasses import replace
+
+    from spear.kernels import ops, planner
+
+    monkeypatch.setattr(planner, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(planner, "_have_gluon", lambda: True)
+    runner = _kernel_engine(tiny_llama_path, KernelPolicy()).core.runner
+    launches = runner.kernel_launches()
+    planned = {(replace(x, tokens=0), planner.plan(x.tokens, x.n, x.k, x.rank,
+                                                    planner.WeightFormat(x.layout, x.group_size),
+                                                    runner.device, runner.policy)) for x in launches}
+    assert len(planned) == len(launches), "two launches of one form under one plan"
+    seen = []
+    real = ops.w4a16_ec_impl
+
+    def spy(x, w, bias, ec, act, policy, pdl):
+        from spear.kernels.precompile import W4Launch
+
+        form = W4Launch(w.out_features, w.in_features, w.group_size, w.symmetric, w.layout,
+                        0 if ec is None else ec.a.shape[0], 0 if ec is None or ec.w1 is None else ec.w1.shape[0],
+                        act, bias is not None, x.dtype, 0, pdl)
+        seen.append((form, planner.plan(x.shape[0], w.out_features, w.in_features, form.rank, w.format,
+                                        x.device, policy)))
+        return ops._reference(x, w, bias, None, act, ec, None, pdl)
+
+    monkeypatch.setattr(ops, "w4a16_ec_impl", spy)
+    runner.warmup(runner.warmup_token_counts(256))
+    assert seen and {f.act for f, _ in seen} == {0, 1} and any(f.rank for f, _ in seen)
+    missing = set(seen) - planned
+    assert not missing, f"the warm-up made launches the compile pass does not: {sorted(map(str, missing))[:3]}"
+
+
+def test_compile_launches_runs_each_launch_and_reports_what_fails(monkeypatch):
+    """The pass runs every launch (in process and in spawned workers; on the CPU the op runs its
+    torch reference) and reports a launch that cannot run instead of raising."""
+    from spear.kernels import precompile
+    from spear.kernels.layout import Layout
+    from spear.kernels.precompile import W4Launch, compile_launches
+
+    good = [W4Launch(64, 128, 32, False, Layout.FRAGMENT, 16, 16, 0, True, torch.float16, 5, 0),
+            W4Launch(32, 64, 0, True, Layout.NMAJOR, 0, 0, 1, False, torch.float16, 1, 0)]
+    bad = W4Launch(64, 100, 32, False, Layout.FRAGMENT, 0, 0, 0, False, torch.float16, 3, 0)  # 100 % 32 != 0
+    ran = []
+    monkeypatch.setattr(precompile, "run_launch", lambda x, d, p, real=precompile.run_launch: (ran.append(x),
+                                                                                              real(x, d, p)))
+    report = compile_launches(good + [bad], "cpu", KernelPolicy(), workers=0)
+    assert report.launches == 3 and len(report.failed) == 1 and "W4Launch(n=64, k=100" in report.failed[0]
+    assert sorted(ran, key=str) == sorted(good + [bad], key=str)
+    report = compile_launches(good, "cpu", KernelPolicy(), workers=2)
+    assert report.failed == [] and report.workers == 2
+
+
+def test_compile_workers_is_checked():
+    import pytest
+
+    from spear.errors import SpearError
+
+    for bad in (-1, 1.5, True):
+        with pytest.raises(SpearError, match="compile_workers"):
+            EngineConfig(compile_workers=bad)
+    assert EngineConfig(compile_workers=0).compile_workers == 0

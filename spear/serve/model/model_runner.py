@@ -25,7 +25,8 @@ import torch
 
 from spear.errors import SpearError
 from spear.serve.model.block_tables import BlockTables
-from spear.serve.model.graphs import MixedGraphs, capture
+from spear.kernels.precompile import default_workers
+from spear.serve.model.graphs import MixedGraphs, capture, mixed_graph_sizes
 from spear.serve.model.layers.attention import AttentionMetadata
 from spear.serve.model.layers.linear import Context
 from spear.serve.model.layers.rotary import rotary_tables
@@ -120,6 +121,12 @@ class ModelRunner:
             raise SpearError(f"programmatic dependent launch (pdl='wait') needs a Hopper-or-newer CUDA GPU and a "
                              f"Triton with griddepcontrol; the model is on {self.device}")
         self.eager_ctx = Context(policy, policy.pdl_level(None, self.pdl_ok))
+        self.cuda_graphs = bool(cuda_graphs and self.device.type == "cuda")
+        self.compile_report = None
+        if self.device.type == "cuda" and config.tensor_parallel_size == 1:
+            # before the KV cache takes the GPU's memory: the workers need a little of it each
+            workers = config.compile_workers
+            self.precompile(default_workers() if workers is None else workers)
         shape = (num_blocks + 1, block_size, model.layers[0].attn.n_kv_heads, head_dim(cfg))
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in model.layers]
@@ -131,7 +138,7 @@ class ModelRunner:
         self.mixed: MixedGraphs | None = None  # the mixed steps' graphs (spear/serve/model/graphs.py)
         self.workers = None  # rank 0 under tensor parallelism: the other ranks (spear.serve.model.workers.WorkerPool)
         self.broken: str | None = None  # why the ranks are out of step (a step failed after it was sent)
-        if cuda_graphs and self.device.type == "cuda":
+        if self.cuda_graphs:
             self._capture_graphs()
             try:
                 self.mixed = MixedGraphs(self)
@@ -292,6 +299,46 @@ class ModelRunner:
                 seen.add(sig)
                 counts.append(t)
         return counts if counts and counts[-1] == max_tokens else counts + [max_tokens]
+
+    def step_token_counts(self) -> list[tuple[int, int]]:
+        """(tokens, PDL level) of every step shape construction and warm-up run: the decode graphs'
+        batch sizes (each at its own level), the mixed graphs' sizes and the warm-up's counts."""
+        eager = self.eager_ctx.pdl
+        counts = [(t, eager) for t in self.warmup_token_counts(self.max_num_batched_tokens)]
+        if self.cuda_graphs:
+            counts += [(b, self.policy.pdl_level(b, self.pdl_ok)) for b in graph_batch_sizes(self.max_num_seqs)]
+            counts += [(t, eager) for t in mixed_graph_sizes(self.max_num_batched_tokens)]
+        return sorted(set(counts))
+
+    def kernel_launches(self) -> list:
+        """The W4 launches those steps make, one per form and plan (spear/kernels/precompile.py)."""
+        from spear.kernels.precompile import unique
+        from spear.serve.model.layers.quant_method import W4Method
+
+        pairs = []
+        for lin in self.linears():
+            if isinstance(lin.method, W4Method):
+                act = 1 if lin.interleaved else 0
+                for t, pdl in self.step_token_counts():
+                    launch = lin.method.launch(t, lin.bias is not None, act, self.dtype, pdl)
+                    pairs.append((launch, lin.method.plan(t, self.device, self.policy)))
+        return unique(pairs)
+
+    def precompile(self, workers: int):
+        """Compile the W4 launches the construction's graphs and the warm-up will run, in ``workers``
+        processes (0: none; spear/kernels/precompile.py). The report, also kept as ``compile_report``."""
+        from spear.kernels.precompile import compile_launches
+
+        if workers < 1:
+            return None
+        launches = self.kernel_launches()
+        report = compile_launches(launches, self.device, self.policy, workers)
+        for line in report.failed[:5]:
+            log.warning("parallel compile: %s (compiled on first use instead)", line)
+        log.info("parallel compile: %d W4 launches in %d processes, %.1f s%s", report.launches, report.workers,
+                 report.seconds, f", {len(report.failed)} failed" if report.failed else "")
+        self.compile_report = report
+        return report
 
     @torch.inference_mode()
     def warmup(self, token_counts: list[int]) -> None:

@@ -14,6 +14,7 @@ The serving engine's ``Linear`` (linear.py) holds one, and so does the vLLM plug
     method = W4Method.create(...)          # at load: pack (create_weights + process_weights_after_loading)
     y = method.apply(x, bias, ctx, act)    # every forward
     method.kernels(tokens, device, policy) # what a step of ``tokens`` tokens compiles (the warm-up)
+    method.launch(tokens, bias, act, ...)  # W4: that call's form, for the parallel compile pass
     method.describe(device, policy)        # the engine's log line (None where no W4 kernel runs)
     method.row_post(n, bias)               # row-parallel: what follows the ranks' sum (spear/parallel/comm.py)
 
@@ -105,6 +106,15 @@ class W4Method:
 
     def kernels(self, tokens: int, device: torch.device, policy) -> tuple:
         return ((self.key, self.plan(tokens, device, policy)),)
+
+    def launch(self, tokens: int, bias: bool, act: int, dtype: torch.dtype, pdl: int):
+        """This layer's call at ``tokens`` tokens as a compile pass sees it (spear/kernels/precompile.py)."""
+        from spear.kernels.precompile import W4Launch
+
+        w, ec = self.packed, self.ec
+        return W4Launch(w.out_features, w.in_features, w.group_size, w.symmetric, w.layout,
+                        0 if ec is None else ec.kernel_rank, 0 if ec is None or not ec.gated else ec.w1.shape[0],
+                        act, bias, dtype, tokens, pdl)
 
     def describe(self, device: torch.device, policy, tokens=None) -> str:
         from spear.kernels import planner
