@@ -197,8 +197,14 @@ def test_compile_launches_runs_each_launch_and_reports_what_fails(monkeypatch):
     report = compile_launches(good + [bad], "cpu", KernelPolicy(), workers=0)
     assert report.launches == 3 and len(report.failed) == 1 and "W4Launch(n=64, k=100" in report.failed[0]
     assert sorted(ran, key=str) == sorted(good + [bad], key=str)
+    # the first launch returns at once on the CPU (no compile): the cache counts as warm, no pool
+    ran.clear()
     report = compile_launches(good, "cpu", KernelPolicy(), workers=2)
-    assert report.failed == [] and report.workers == 2
+    assert report.cached and report.failed == [] and len(ran) == 1
+    # a slow first launch (a compile): the rest run in spawned workers
+    monkeypatch.setattr(precompile, "CACHED_S", 0.0)
+    report = compile_launches(good + [bad], "cpu", KernelPolicy(), workers=2)
+    assert not report.cached and report.workers == 2 and len(report.failed) == 1, report
 
 
 def test_compile_workers_is_checked():
