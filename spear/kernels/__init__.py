@@ -26,6 +26,7 @@ tp_reduce.py       the row-parallel sum of tensor-parallel ranks with the compen
 timing.py          the timing protocol of sweeps and benchmarks (CUDA graphs, weight copies)
 tune.py            ``spear tune-kernels``: the fragment GEMM's launches measured on the GPU at hand
 tune_gluon.py      the same for the Gluon GEMM
+precompile.py      a W4 layer's launches compiled into Triton's cache by parallel processes (an engine's start)
 
 Nothing here imports the serving engine. Importing a kernel module decorates its Triton kernels,
 so this package imports none of them itself: ``from spear.kernels.ops import w4a16_linear``.
