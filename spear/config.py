@@ -236,7 +236,12 @@ class QuantConfig:
         return f"{method} W{self.bits} {gran} {'sym' if self.symmetric else 'asym'}{head}"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The settings as they ran: OmniQuant's ``let`` resolved for this group size (a saved None
+        would read as whatever a later default says)."""
+        d = asdict(self)
+        if self.method == "omniquant":
+            d["omniquant"]["let"] = self.omniquant.let_on(self.group_size)
+        return d
 
     @classmethod
     def from_dict(cls, data: dict) -> "QuantConfig":

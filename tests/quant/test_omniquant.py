@@ -269,6 +269,17 @@ def test_let_by_default_with_groups_only():
     assert OmniQuantConfig(let=True).let_on(0) and not OmniQuantConfig(let=False).let_on(64)
 
 
+@pytest.mark.parametrize("group_size,let,saved", [(64, None, True), (0, None, False), (64, False, False),
+                                                  (0, True, True)])
+def test_saved_settings_say_whether_let_ran(group_size, let, saved):
+    """A checkpoint's settings say whether LET ran, not None: a None read back under a later default
+    (or by a reader that predates it) would claim what the quantizer did not do."""
+    cfg = QuantConfig(bits=4, group_size=group_size, method="omniquant", omniquant=OmniQuantConfig(let=let))
+    d = cfg.to_dict()
+    assert d["omniquant"]["let"] is saved
+    assert QuantConfig.from_dict(d).omniquant.let_on(group_size) is saved
+
+
 def test_cli_quantize_and_run_with_a_static_row(tiny_llama_path, article_text, tmp_path, monkeypatch, capsys):
     """`spear quantize --method omniquant` writes a checkpoint whose weights are close to FP but not FP, and
     the job's static row, fitted against the weights OmniQuant rounded, moves toward FP."""
