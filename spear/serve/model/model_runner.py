@@ -315,11 +315,11 @@ class ModelRunner:
         from spear.kernels.precompile import unique
         from spear.serve.model.layers.quant_method import W4Method
 
-        pairs = []
+        pairs, counts = [], self.step_token_counts()
         for lin in self.linears():
             if isinstance(lin.method, W4Method):
                 act = 1 if lin.interleaved else 0
-                for t, pdl in self.step_token_counts():
+                for t, pdl in counts:
                     launch = lin.method.launch(t, lin.bias is not None, act, self.dtype, pdl)
                     pairs.append((launch, lin.method.plan(t, self.device, self.policy)))
         return unique(pairs)
