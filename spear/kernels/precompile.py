@@ -18,11 +18,14 @@ where it is first used, as without this pass.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
-import multiprocessing as mp
 import os
+import pickle
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -59,7 +62,7 @@ class CompileReport:
     failed: list[str] = field(default_factory=list)
     seconds: float = 0.0
     workers: int = 0
-    cached: bool = False  # the probe launch found its kernels compiled: no pool was started
+    cached: bool = False  # the probe launch found its kernels compiled: no worker was started
 
 
 def default_workers() -> int:
@@ -97,12 +100,6 @@ def run_launch(launch: W4Launch, device: torch.device | str, policy: KernelPolic
         torch.cuda.synchronize(dev)
 
 
-def _worker_init(device: str) -> None:
-    torch.set_num_threads(1)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-
-
 def _run(launch: W4Launch, device: str, policy: KernelPolicy) -> str | None:
     try:
         run_launch(launch, device, policy)
@@ -111,17 +108,32 @@ def _run(launch: W4Launch, device: str, policy: KernelPolicy) -> str | None:
         return f"{launch}: {type(exc).__name__}: {exc}"
 
 
+def _worker() -> None:
+    """A worker process (``python -m spear.kernels.precompile``): (launches, device, policy, result
+    path) pickled on stdin; the failures pickled to the result path. Workers are plain interpreters
+    rather than multiprocessing's spawned children, which re-import the parent's main script: an
+    embedding script without a ``__main__`` guard would load its model again in every worker."""
+    launches, device, policy, result = pickle.load(sys.stdin.buffer)
+    torch.set_num_threads(1)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    Path(result).write_bytes(pickle.dumps([e for e in (_run(x, device, policy) for x in launches) if e is not None]))
+
+
 # A launch that returns within this many seconds found its kernels in the cache (a compile takes
 # seconds; a cached launch of the largest layer milliseconds).
 CACHED_S = 0.5
+# The whole pass stops its workers after this long (a hung GPU or compiler must not hold the start);
+# what they did not compile compiles on first use.
+TIMEOUT_S = 900.0
 
 
 def compile_launches(launches: list[W4Launch], device: torch.device | str, policy: KernelPolicy,
                      workers: int) -> CompileReport:
-    """Run every launch once, in ``workers`` spawned processes (0 or 1: in this process), largest
-    first; never raises for a launch or a broken pool, it reports them. With workers, the largest
-    launch runs here first: if it was cached (``CACHED_S``) the cache is taken as warm and no pool
-    starts (starting one costs seconds of imports; a launch it missed compiles on first use)."""
+    """Run every launch once, in ``workers`` worker processes (0 or 1: in this process), largest
+    first; never raises for a launch or a worker that fails, it reports them. With workers, the
+    largest launch runs here first: if it was cached (``CACHED_S``) the cache is taken as warm and no
+    worker starts (each costs seconds of imports; a launch the cache missed compiles on first use)."""
     report = CompileReport(launches=len(launches), workers=workers)
     if not launches:
         return report
@@ -136,15 +148,53 @@ def compile_launches(launches: list[W4Launch], device: torch.device | str, polic
         report.failed = [] if probe is None else [probe]
         order = order[1:]
     if workers > 1 and order and not report.cached:
-        try:
-            with cf.ProcessPoolExecutor(max_workers=min(workers, len(order)), mp_context=mp.get_context("spawn"),
-                                        initializer=_worker_init, initargs=(dev,)) as pool:
-                report.failed += [e for e in pool.map(_run, order, [dev] * len(order), [policy] * len(order))
-                                  if e is not None]
-        except Exception as exc:  # a worker died (out of memory, say): the rest compiles on first use
-            report.failed.append(f"the compile pool broke: {type(exc).__name__}: {exc}")
+        report.failed += _in_workers(order, dev, policy, min(workers, len(order)),
+                                     TIMEOUT_S - (time.perf_counter() - t0))
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _in_workers(order: list[W4Launch], device: str, policy: KernelPolicy, workers: int, timeout: float) -> list[str]:
+    """Run ``order`` in ``workers`` worker processes (each every workers-th launch, so the largest
+    spread over them); the failures, a worker that died or ran out of time included."""
+    import spear
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(spear.__file__).resolve().parents[1])] +
+                                                      [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                       if p]))
+    procs, failed = [], []
+    with tempfile.TemporaryDirectory(prefix="spear-compile-") as tmp:
+        try:
+            for i in range(workers):
+                result = Path(tmp) / f"worker{i}.pickle"
+                log_file = open(Path(tmp) / f"worker{i}.log", "w+b")
+                proc = subprocess.Popen([sys.executable, "-m", "spear.kernels.precompile"], stdin=subprocess.PIPE,
+                                        stdout=log_file, stderr=subprocess.STDOUT, env=env)
+                procs.append((proc, log_file, result))
+                proc.stdin.write(pickle.dumps((order[i::workers], device, policy, str(result))))
+                proc.stdin.close()
+            end = time.monotonic() + timeout
+            for proc, log_file, result in procs:
+                try:
+                    code = proc.wait(timeout=max(0.0, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    failed.append(f"a compile worker ran past the pass's {TIMEOUT_S:.0f} s and was stopped")
+                    continue
+                if code == 0 and result.is_file():
+                    failed += pickle.loads(result.read_bytes())
+                else:
+                    log_file.seek(0)
+                    tail = log_file.read().decode(errors="replace").strip().splitlines()[-1:]
+                    failed.append(f"a compile worker exited with code {code}: {' '.join(tail)}")
+        except OSError as exc:  # no process could be started: the kernels compile on first use
+            failed.append(f"compile workers could not start: {exc}")
+        finally:
+            for proc, log_file, _ in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                log_file.close()
+    return failed
 
 
 def unique(launches: list[tuple[W4Launch, object]]) -> list[W4Launch]:
@@ -156,3 +206,7 @@ def unique(launches: list[tuple[W4Launch, object]]) -> list[W4Launch]:
         if key not in seen or launch.tokens < seen[key].tokens:
             seen[key] = launch
     return list(seen.values())
+
+
+if __name__ == "__main__":
+    _worker()

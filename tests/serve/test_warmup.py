@@ -182,8 +182,8 @@ def test_the_compile_pass_covers_every_w4_launch_the_warmup_makes(tiny_llama_pat
 
 
 def test_compile_launches_runs_each_launch_and_reports_what_fails(monkeypatch):
-    """The pass runs every launch (in process and in spawned workers; on the CPU the op runs its
-    torch reference) and reports a launch that cannot run instead of raising."""
+    """The pass runs every launch (in process and in worker processes; on the CPU the op runs its
+    torch reference) and reports a launch, or a worker, that cannot run instead of raising."""
     from spear.kernels import precompile
     from spear.kernels.layout import Layout
     from spear.kernels.precompile import W4Launch, compile_launches
@@ -201,10 +201,40 @@ def test_compile_launches_runs_each_launch_and_reports_what_fails(monkeypatch):
     ran.clear()
     report = compile_launches(good, "cpu", KernelPolicy(), workers=2)
     assert report.cached and report.failed == [] and len(ran) == 1
-    # a slow first launch (a compile): the rest run in spawned workers
+    # a slow first launch (a compile): the rest run in worker processes
     monkeypatch.setattr(precompile, "CACHED_S", 0.0)
     report = compile_launches(good + [bad], "cpu", KernelPolicy(), workers=2)
     assert not report.cached and report.workers == 2 and len(report.failed) == 1, report
+    if not torch.cuda.is_available():  # workers that cannot reach the device exit: reported, not raised
+        report = compile_launches(good + [bad], "cuda:0", KernelPolicy(), workers=2)
+        assert len(report.failed) == 3 and sum("compile worker exited with code 1" in f for f in report.failed) == 2
+
+
+def test_compile_workers_do_not_rerun_an_unguarded_main_script(tmp_path):
+    """A script that builds an engine at its top level, without ``if __name__ == "__main__"``: the
+    workers are plain interpreters, so its top level runs once (multiprocessing's spawned children
+    would run it again in each, loading the model again)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    marker, script = tmp_path / "runs.txt", tmp_path / "embed.py"
+    script.write_text(
+        "import torch\n"
+        "from spear.kernels import precompile\n"
+        "from spear.kernels.layout import Layout\n"
+        "from spear.kernels.policy import KernelPolicy\n"
+        f"open({str(marker)!r}, 'a').write('run\\n')\n"
+        "precompile.CACHED_S = 0.0\n"
+        "L = [precompile.W4Launch(64, 128, 32, False, Layout.FRAGMENT, 0, 0, 0, False, torch.float16, t, 0)"
+        " for t in (1, 2, 3)]\n"
+        "r = precompile.compile_launches(L, 'cpu', KernelPolicy(), workers=2)\n"
+        "assert r.failed == [] and not r.cached, r\n")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert marker.read_text() == "run\n"
 
 
 def test_compile_workers_is_checked():
