@@ -18,23 +18,19 @@ where it is first used, as without this pass.
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from spear.kernels.layout import Layout
 from spear.kernels.policy import KernelPolicy
-
-log = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class W4Launch:
