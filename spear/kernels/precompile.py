@@ -32,6 +32,7 @@ import torch
 from spear.kernels.layout import Layout
 from spear.kernels.policy import KernelPolicy
 
+
 @dataclass(frozen=True)
 class W4Launch:
     """One call of ``w4a16_linear`` as far as what it compiles goes."""
@@ -124,12 +125,13 @@ CACHED_S = 0.5
 TIMEOUT_S = 900.0
 
 
-def compile_launches(launches: list[W4Launch], device: torch.device | str, policy: KernelPolicy,
-                     workers: int) -> CompileReport:
+def compile_launches(launches: list[W4Launch], device: torch.device | str, policy: KernelPolicy, workers: int,
+                     cached_s: float = CACHED_S, timeout_s: float = TIMEOUT_S) -> CompileReport:
     """Run every launch once, in ``workers`` worker processes (0 or 1: in this process), largest
     first; never raises for a launch or a worker that fails, it reports them. With workers, the
-    largest launch runs here first: if it was cached (``CACHED_S``) the cache is taken as warm and no
-    worker starts (each costs seconds of imports; a launch the cache missed compiles on first use)."""
+    largest launch runs here first: if it returned within ``cached_s`` the cache is taken as warm and
+    no worker starts (each costs seconds of imports; a launch the cache missed compiles on first use).
+    Workers still running after ``timeout_s`` are stopped."""
     report = CompileReport(launches=len(launches), workers=workers)
     if not launches:
         return report
@@ -138,14 +140,13 @@ def compile_launches(launches: list[W4Launch], device: torch.device | str, polic
     dev = str(torch.device(device))
     if workers <= 1:
         report.failed = [e for e in (_run(x, dev, policy) for x in order) if e is not None]
-    elif (probe := _run(order[0], dev, policy)) is None and time.perf_counter() - t0 < CACHED_S:
+    elif (probe := _run(order[0], dev, policy)) is None and time.perf_counter() - t0 < cached_s:
         report.cached, report.workers = True, 0
     else:
         report.failed = [] if probe is None else [probe]
-        order = order[1:]
-    if workers > 1 and order and not report.cached:
-        report.failed += _in_workers(order, dev, policy, min(workers, len(order)),
-                                     TIMEOUT_S - (time.perf_counter() - t0))
+        if rest := order[1:]:
+            report.workers = min(workers, len(rest))
+            report.failed += _in_workers(rest, dev, policy, report.workers, timeout_s - (time.perf_counter() - t0))
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -174,7 +175,7 @@ def _in_workers(order: list[W4Launch], device: str, policy: KernelPolicy, worker
                 try:
                     code = proc.wait(timeout=max(0.0, end - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    failed.append(f"a compile worker ran past the pass's {TIMEOUT_S:.0f} s and was stopped")
+                    failed.append("a compile worker ran past the pass's time limit and was stopped")
                     continue
                 if code == 0 and result.is_file():
                     failed += pickle.loads(result.read_bytes())

@@ -202,8 +202,7 @@ def test_compile_launches_runs_each_launch_and_reports_what_fails(monkeypatch):
     report = compile_launches(good, "cpu", KernelPolicy(), workers=2)
     assert report.cached and report.failed == [] and len(ran) == 1
     # a slow first launch (a compile): the rest run in worker processes
-    monkeypatch.setattr(precompile, "CACHED_S", 0.0)
-    report = compile_launches(good + [bad], "cpu", KernelPolicy(), workers=2)
+    report = compile_launches(good + [bad], "cpu", KernelPolicy(), workers=2, cached_s=0.0)
     assert not report.cached and report.workers == 2 and len(report.failed) == 1, report
     if not torch.cuda.is_available():  # workers that cannot reach the device exit: reported, not raised
         report = compile_launches(good + [bad], "cuda:0", KernelPolicy(), workers=2)
@@ -225,10 +224,9 @@ def test_compile_workers_do_not_rerun_an_unguarded_main_script(tmp_path):
         "from spear.kernels.layout import Layout\n"
         "from spear.kernels.policy import KernelPolicy\n"
         f"open({str(marker)!r}, 'a').write('run\\n')\n"
-        "precompile.CACHED_S = 0.0\n"
         "L = [precompile.W4Launch(64, 128, 32, False, Layout.FRAGMENT, 0, 0, 0, False, torch.float16, t, 0)"
         " for t in (1, 2, 3)]\n"
-        "r = precompile.compile_launches(L, 'cpu', KernelPolicy(), workers=2)\n"
+        "r = precompile.compile_launches(L, 'cpu', KernelPolicy(), workers=2, cached_s=0.0)\n"
         "assert r.failed == [] and not r.cached, r\n")
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,

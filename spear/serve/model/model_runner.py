@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from spear.errors import SpearError
-from spear.serve.model.block_tables import BlockTables
 from spear.kernels.precompile import default_workers
+from spear.serve.model.block_tables import BlockTables
 from spear.serve.model.graphs import MixedGraphs, capture, mixed_graph_sizes
 from spear.serve.model.layers.attention import AttentionMetadata
 from spear.serve.model.layers.linear import Context
